@@ -10,7 +10,7 @@ the rejected one. exact_match_before / exact_match_after are greedy exact-match 
 held-out prompts, as in the RL configs.
 """
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 
 
 def get_config(arg=None):

@@ -6,7 +6,7 @@ an exact-match reward and 4 responses per prompt (8 prompts, 32 sequences per st
 reversing. No critic: each response is judged against the other three answers to its prompt.
 """
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 
 
 def get_config(arg=None):

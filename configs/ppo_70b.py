@@ -6,7 +6,7 @@ Global batch 512 prompts, context 2048 (max prompt 1024 + 1024 new tokens), 8 PP
 Variants: `configs/ppo_70b.py:h800` plans for 16 × 8 H800.
 """
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 
 _CLUSTERS = {None: "meshes/a100_16x8.py", "h800": "meshes/h800_16x8.py"}
 

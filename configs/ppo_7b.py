@@ -4,7 +4,7 @@
 to check a cluster end to end before booking it for long.
 """
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 from configs.ppo_70b import big_model
 
 

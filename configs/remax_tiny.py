@@ -6,7 +6,7 @@ actor answers every prompt twice, once sampled and once greedily; the sampled an
 exact-match reward minus the greedy answer's reward is its REINFORCE advantage. No critic.
 """
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 
 
 def get_config(arg=None):

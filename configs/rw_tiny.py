@@ -9,7 +9,7 @@ pairs (never trained on) that the model scores chosen strictly above rejected. T
 starts at 0 (every pair tied).
 """
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 
 
 def get_config(arg=None):

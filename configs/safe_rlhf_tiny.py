@@ -11,7 +11,7 @@ accuracy_before / accuracy_after are greedy exact-match accuracy on held-out pro
 two thirds for a policy that keeps the constraint.
 """
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 
 
 def get_config(arg=None):

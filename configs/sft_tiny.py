@@ -8,7 +8,7 @@ accuracy_before / accuracy_after are greedy exact-match accuracy on the held-out
 eval_loss_before / eval_loss_after are the token NLL of their reference answers (EOS included).
 """
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 
 
 def get_config(arg=None):

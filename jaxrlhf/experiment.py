@@ -339,7 +339,7 @@ def _field(name: str):
 
 def _names_a_field(text: str) -> bool:
     """Whether a message starts with a config key ("ppo.epochs=0 ...", "placement.kind ...")."""
-    from configs.base import base_config
+    from jaxrlhf.schema import base_config
 
     head = re.match(r"([a-z_]+(?:\.[a-z_]+)*)(=|:| )", text)
     if not head or (head.group(2) == " " and "." not in head.group(1)):
@@ -353,13 +353,13 @@ def _names_a_field(text: str) -> bool:
 
 
 def _check_keys(config: ConfigDict, base: ConfigDict, prefix: str = "") -> None:
-    """Every key exists in configs/base.py, with a value of the same type."""
+    """Every key exists in jaxrlhf/schema.py, with a value of the same type."""
     for key, value in config.items():
         field = f"{prefix}{key}"
         if key not in base:
             close = difflib.get_close_matches(key, list(base.keys()), n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-            raise ConfigError(f"{field}: unknown config key{hint}; every key is in configs/base.py")
+            raise ConfigError(f"{field}: unknown config key{hint}; every key is in jaxrlhf/schema.py")
         want = base[key]
         if isinstance(want, ConfigDict):
             if not isinstance(value, ConfigDict):
@@ -454,7 +454,7 @@ def check_config(config: ConfigDict, workdir: str, devices=None) -> LayoutPlan:
     Raises:
       ConfigError: one line naming the field and the problem.
     """
-    from configs.base import base_config
+    from jaxrlhf.schema import base_config
     from jaxrlhf.data.tokenizer import check_vocab, load_tokenizer
 
     _check_keys(config, base_config())

@@ -45,10 +45,10 @@ def _config_error(message) -> None:
 
 
 def _unknown_override(argv: list[str]) -> str | None:
-    """The first `--config.KEY=...` whose KEY is not in configs/base.py, as an error line."""
+    """The first `--config.KEY=...` whose KEY is not in jaxrlhf/schema.py, as an error line."""
     from ml_collections import ConfigDict
 
-    from configs.base import base_config
+    from jaxrlhf.schema import base_config
 
     for arg in argv:
         if not arg.startswith("--config."):
@@ -60,7 +60,7 @@ def _unknown_override(argv: list[str]) -> str | None:
                 close = difflib.get_close_matches(part, list(node.keys()), n=1) if isinstance(
                     node, ConfigDict) else []
                 hint = f" (did you mean {'.'.join(done + close)}?)" if close else ""
-                return f"--config.{path}: unknown config key{hint}; every key is in configs/base.py"
+                return f"--config.{path}: unknown config key{hint}; every key is in jaxrlhf/schema.py"
             node = node[part]
             done.append(part)
     return None

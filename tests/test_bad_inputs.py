@@ -14,7 +14,7 @@ import jax
 import pytest
 from ml_collections import ConfigDict
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 from jaxrlhf import distributed, experiment
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -220,7 +220,7 @@ def _train(*args, tmp_path) -> subprocess.CompletedProcess:
      "strategy '0-7:d2x4'; known: d, f, t, p"),
     (["--config.rollout.batchsize=4"],
      "error: --config.rollout.batchsize: unknown config key (did you mean rollout.batch_size?); "
-     "every key is in configs/base.py"),
+     "every key is in jaxrlhf/schema.py"),
     (["--num_processes=2", "--process_id=1"],
      "error: --num_processes=2 --process_id=1 need --coordinator_address=HOST:PORT (or "
      "$JAXRLHF_COORDINATOR_ADDRESS)"),

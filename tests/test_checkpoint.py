@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 from jaxrlhf import checkpoint
 from jaxrlhf.checkpoint import Checkpointer, CheckpointConfig, HostState
 from jaxrlhf.engine.optimizer import OptimizerConfig, make_optimizer
@@ -23,7 +23,7 @@ from jaxrlhf.models.config import HeadKind
 from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.parallel.layout import make_layout
 
-ACTOR = get_size("tiny", dtype=jnp.float32)  # fp32 compute, as configs/base.py has it
+ACTOR = get_size("tiny", dtype=jnp.float32)  # fp32 compute, as jaxrlhf/schema.py has it
 CRITIC = get_size("tiny", dtype=jnp.float32, head=HeadKind.SCALAR)
 OPT = OptimizerConfig(lr=1e-2, total_steps=10)
 

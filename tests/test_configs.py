@@ -23,7 +23,7 @@ from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.strategy import MESH_AXIS_NAMES, parse_strategy
-from meshes import rules
+from jaxrlhf.parallel import rules
 
 CONFIGS = sorted(p.stem for p in (pathlib.Path(__file__).parents[1] / "configs").glob("*.py")
                  if p.stem not in ("__init__", "base"))

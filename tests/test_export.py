@@ -12,7 +12,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 from hf_fixtures import hf_logits, hf_token_scores, padded_batch, positions_from_mask
 from jaxrlhf import export
 from jaxrlhf.checkpoint import Checkpointer, CheckpointConfig, CHECKPOINT_DIR

@@ -23,7 +23,7 @@ from jaxrlhf.models.hf_config import (
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import make_layout
-from meshes import rules as rule_presets
+from jaxrlhf.parallel import rules as rule_presets
 
 ATOL = 1e-4
 # Rows of different lengths, left- and right-padded, one full and one of a single token.

@@ -10,7 +10,7 @@ from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel import check_batch_divisible, init_params, make_layout
 from jaxrlhf.parallel.reshard import reshard
-from meshes import rules
+from jaxrlhf.parallel import rules
 
 TINY = get_size("tiny", dtype=jnp.float32)
 

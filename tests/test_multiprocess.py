@@ -35,7 +35,7 @@ COMPARED = ("reward", "actor/loss", "actor/kl", "actor/grad_norm", "actor/clip_f
 
 
 def _config(allocation: str):
-    from configs.base import base_config
+    from jaxrlhf.schema import base_config
 
     config = base_config()
     config.rollout.update(batch_size=BATCH, max_prompt_len=8, max_new_tokens=6)

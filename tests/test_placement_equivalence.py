@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 from jaxrlhf import trainer
 from jaxrlhf.data import datasets, tasks
 from jaxrlhf.data.encode import prompt_batch

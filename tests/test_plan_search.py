@@ -153,7 +153,7 @@ def test_search_report_tables():
 
 
 def test_experiment_from_the_config_schema():
-    from configs.base import base_config
+    from jaxrlhf.schema import base_config
 
     config = base_config()
     experiment = experiment_from_config(config)
@@ -168,7 +168,7 @@ def test_experiment_from_the_config_schema():
 
 
 PPO_70B = textwrap.dedent("""
-    from configs.base import base_config
+    from jaxrlhf.schema import base_config
 
     def get_config(arg=None):
         config = base_config()

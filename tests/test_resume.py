@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from configs.base import base_config
+from jaxrlhf.schema import base_config
 from jaxrlhf import checkpoint, trainer
 
 REWARD = f"{pathlib.Path(__file__).parent / 'fixtures/reward_fns.py'}:digit_count"

@@ -29,7 +29,7 @@ from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.parallel import submesh
 from jaxrlhf.parallel.reshard import transfer
 from jaxrlhf.parallel.strategy import MESH_AXIS_NAMES, Strategy, parse_strategy
-from meshes import rules as rule_presets
+from jaxrlhf.parallel import rules as rule_presets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +146,7 @@ def make_layout(
       spec: strategy string or parsed Strategy; without a device range it spans all devices.
       model: when given, t must divide the head counts and non-dividing dims replicate.
       devices: the cluster's devices (default `jax.devices()`), indexed host by host.
-      rules: logical->mesh rule preset from `meshes/rules.py`.
+      rules: logical->mesh rule preset from `jaxrlhf/parallel/rules.py`.
     """
     strategy = parse_strategy(spec) if isinstance(spec, str) else spec
     all_devices = submesh.cluster_devices(devices)

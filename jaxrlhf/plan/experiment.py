@@ -1,7 +1,7 @@
 """What the planner plans: the dataflow graph, each role's model, and the per-step workload.
 
 `experiment_from_config` reads an experiment config (the `configs/*.py` schema of
-`configs/base.py`): algorithm, models.<role>.{size, dtype, param_dtype, remat}, rollout
+`jaxrlhf/schema.py`): algorithm, models.<role>.{size, dtype, param_dtype, remat}, rollout
 (batch_size, group_size, max_prompt_len, max_new_tokens), ppo.{mini_batches, epochs},
 optimizer.<role>.fp32_master, reward.kind and placement.offload_frozen. Benchmarks measure like
 the papers (generation forced to max length), so the workload is the maximum shapes.

@@ -1,7 +1,7 @@
 """A model in numbers: parameter counts, per-device shard sizes, FLOPs and KV bytes per token.
 
 Shard sizes come from the real parameter tree (`models.sizes.abstract_params`, evaluated
-abstractly) and the real logical -> mesh rules (`meshes.rules.DEFAULT`), with the same
+abstractly) and the real logical -> mesh rules (`jaxrlhf.parallel.rules.DEFAULT`), with the same
 divisibility fallback as `parallel.layout.Layout.spec`: a dimension that the mesh axes do not
 divide stays replicated. So the planner's parameter bytes per device are exactly what the
 runtime allocates.
@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
-from meshes import rules as rule_presets
+from jaxrlhf.parallel import rules as rule_presets
 
 
 @dataclasses.dataclass(frozen=True)
