@@ -7,6 +7,8 @@ import enum
 
 import jax.numpy as jnp
 
+from jaxrlhf.models.attention import AttentionImpl
+
 
 class HeadKind(enum.Enum):
     """What the decoder's last hidden state is projected to."""
@@ -39,6 +41,7 @@ class ModelConfig:
 
     `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters.
     `scan_layers=False` unrolls the layer loop but keeps the same stacked parameter tree.
+    `attention` picks the attention implementation (XLA, cuDNN, Pallas); AUTO by backend.
     """
 
     vocab_size: int
@@ -59,6 +62,7 @@ class ModelConfig:
     param_dtype: type = jnp.float32
     scan_layers: bool = True
     remat: RematPolicy = RematPolicy.NONE
+    attention: AttentionImpl = AttentionImpl.AUTO  # see models/attention.py
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.models import attention
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy, RopeScaling
 
 # Logical axis names used by parameters and activations. Rules in meshes/ map them to mesh axes.
@@ -28,9 +29,6 @@ LOGICAL_AXES = (
     "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",  # parameters
     "batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab",
 )
-
-_NEG_INF = -1e30  # finite, so fully masked rows (padding queries) give no NaN
-
 
 class KVCache(NamedTuple):
     """Per-layer keys and values, stacked over layers.
@@ -77,13 +75,6 @@ def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) 
     x1, x2 = jnp.split(x_bthd, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x_bthd * cos + rotated * sin
-
-
-def attention_mask(q_slot_bt, q_seg_bt, k_slot_bs, k_seg_bs) -> jax.Array:
-    """Boolean [batch, 1, 1, q_len, k_len]: causal over slots, same non-zero segment."""
-    causal = k_slot_bs[:, None, :] <= q_slot_bt[:, :, None]
-    same_seg = (q_seg_bt[:, :, None] == k_seg_bs[:, None, :]) & (k_seg_bs[:, None, :] != 0)
-    return (causal & same_seg)[:, None, None, :, :]
 
 
 class RMSNorm(nn.Module):
@@ -163,32 +154,19 @@ class Attention(nn.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         q, k = apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq)
 
-        batch, q_len = segment_ids_bt.shape
-        q_slot_bt = jnp.broadcast_to(jnp.arange(q_len), (batch, q_len))
         if layer_cache is None:
             k_all, v_all, new_cache = k, v, None
-            k_slot_bs, k_seg_bs = q_slot_bt, segment_ids_bt
+            kv_segment_ids_bs, cache_index = segment_ids_bt, 0
         else:
             k_cache, v_cache = layer_cache
             start = (0, cache_index, 0, 0)
             k_all = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
             v_all = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
             new_cache = (k_all, v_all)
-            q_slot_bt = q_slot_bt + cache_index
-            k_slot_bs = jnp.broadcast_to(jnp.arange(k_all.shape[1]), kv_segment_ids_bs.shape)
-            k_seg_bs = kv_segment_ids_bs
-        mask = attention_mask(q_slot_bt, segment_ids_bt, k_slot_bs, k_seg_bs)
-
-        groups = cfg.num_heads // cfg.num_kv_heads
-        q_btkgd = q.reshape(batch, q_len, cfg.num_kv_heads, groups, cfg.head_dim)
-        scores_bkgts = jnp.einsum(
-            "btkgd,bskd->bkgts", q_btkgd, k_all.astype(q.dtype),
-            preferred_element_type=jnp.float32,
-        ) / math.sqrt(cfg.head_dim)
-        scores_bkgts = jnp.where(mask, scores_bkgts, _NEG_INF)
-        probs = jax.nn.softmax(scores_bkgts, axis=-1).astype(cfg.dtype)
-        out_btkgd = jnp.einsum("bkgts,bskd->btkgd", probs, v_all.astype(cfg.dtype))
-        out_bthd = out_btkgd.reshape(batch, q_len, cfg.num_heads, cfg.head_dim)
+        out_bthd = attention.dot_product_attention(
+            q, k_all, v_all, segment_ids_bt, kv_segment_ids_bs, q_offset=cache_index,
+            impl=cfg.attention,
+        )
         out_bthd = nn.with_logical_constraint(out_bthd, ("batch", "length", "act_heads", "head_dim"))
         out = OutProjection(cfg, name="o_proj")(out_bthd)
         return out, new_cache
