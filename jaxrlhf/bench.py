@@ -1,18 +1,24 @@
-"""`python -m jaxrlhf.bench --config=configs/ppo_tiny.py [--steps=3] [--cluster=meshes/cpu_8.py]`
+"""`python -m jaxrlhf.bench --config=configs/grpo_bench_cpu.py [--steps=3] [--profile=DIR]`
 
 Measures an RL algorithm's step the way the papers do (ReaL, HybridFlow): synthetic prompts at
 the maximum prompt length, generation forced to the maximum length, randomly initialised models
-of the configured sizes, and a reward that scores nothing. It prints the per-MFC time table,
-then one JSON line: step seconds, throughput = (prompt + response tokens of the global batch) /
-step time, and model FLOPs utilisation against the cluster file's peak. The first step (which
-compiles) is not counted.
+of the configured sizes, and a reward that scores nothing. The first step (which compiles) is
+not counted; figures are medians over the measured steps.
+
+Everything is set against the machine's FLOP floor measured in the same process
+(`jaxrlhf.perf`): a jitted matmul probe at the workload's dtype gives the peak FLOP/s, and each
+MFC and the step get model FLOPs, floor seconds (FLOPs / peak), the fraction of the floor
+reached, MFU over only that MFC's devices (never above 1), and XLA's peak memory per device.
+It prints that table, then one JSON line with every figure and the host's RSS.
+`--profile=DIR` writes a JAX profiler trace of one more step (not counted).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import statistics
 
+import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -20,34 +26,11 @@ from jaxrlhf.backend import use_cpu_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config", lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 3, "measured steps (after one compile step)")
-_CLUSTER = flags.DEFINE_string("cluster", "meshes/cpu_8.py", "cluster file for peak FLOP/s")
-
-_FORWARD_PASSES = {"generate": 1.0, "inference": 1.0, "train_step": 3.0}  # backward = 2 forwards
-
-
-def step_flops(setup, config) -> float:
-    """Model FLOPs of one step: 2·N per token forward, ×3 for training, attention included."""
-    from jaxrlhf.plan.profile import profile_of
-
-    r = config.rollout
-    rows = r.batch_size * r.group_size
-    context = r.max_prompt_len + r.max_new_tokens
-    total = 0.0
-    for mfc in setup.graph.mfcs:
-        if mfc.host:
-            continue
-        per_token = profile_of(setup.models[mfc.role]).forward_flops_per_token(context)
-        passes = _FORWARD_PASSES[mfc.call.value]
-        if mfc.call.value == "train_step":
-            passes *= config.ppo.epochs
-        total += per_token * passes * rows * context
-    return total
+_PROFILE = flags.DEFINE_string("profile", "", "write a JAX profiler trace of one step here")
 
 
 def synthetic_prompts(config, tokenizer, seed: int) -> dict:
     """Random ordinary-token prompts, every one at the maximum prompt length."""
-    import numpy as np
-
     r = config.rollout
     rows = r.batch_size * r.group_size
     specials = {tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id, *tokenizer.stop_ids}
@@ -58,45 +41,92 @@ def synthetic_prompts(config, tokenizer, seed: int) -> dict:
             "prompt_text": [""] * rows, "answer": [""] * rows}
 
 
+@contextlib.contextmanager
+def built_run(config, tokenizer):
+    """(setup, runner) of the RL job, actor randomly initialised: the only building code here."""
+    import jax
+
+    from jaxrlhf import trainer
+    from jaxrlhf.mfc import Role
+    from jaxrlhf.parallel.layout import init_params
+
+    setup = trainer.setup_rl(config, tokenizer)
+    actor = setup.models[Role.ACTOR]
+    params = init_params(actor, setup.plan.home(setup.graph, Role.ACTOR), jax.random.key(0))
+    with trainer.host_pools(config) as pools:
+        runner = trainer.make_runner(setup, config, params, tokenizer, pools)
+        try:
+            yield setup, runner
+        finally:
+            runner.close()
+
+
+def mfc_figures(setup, runner, config, timings, machine_peak: float):
+    """Figures per device MFC, then the step's, with peak memory per MFC (bytes)."""
+    from jaxrlhf.perf import floor, report
+    from jaxrlhf.perf.flops import Figures, call_flops
+
+    r = config.rollout
+    rows, context = r.batch_size * r.group_size, r.max_prompt_len + r.max_new_tokens
+    figures, memory = [], {}
+    for mfc in setup.graph.mfcs:
+        if mfc.host:
+            continue
+        devices = setup.plan.layouts[mfc.name].devices
+        flops = call_flops(setup.models[mfc.role], mfc.call.value, rows, context,
+                           updates=config.ppo.epochs)
+        seconds = report.median_seconds(timings, mfc.name)
+        figures.append(Figures(mfc.name, seconds, flops, len(devices),
+                               floor.devices_peak(devices, machine_peak, config.models.actor.dtype), machine_peak))
+        memory[mfc.name] = report.compiled_peak_bytes(
+            runner.engines[mfc.name].compile_cache.executables())
+    total = sum(f.flops for f in figures)
+    n_dev = len({d for m in setup.graph.mfcs if not m.host
+                 for d in setup.plan.layouts[m.name].devices})
+    figures.append(Figures("step", report.median_seconds(timings), total, n_dev, machine_peak,
+                           machine_peak))
+    return figures, memory
+
+
 def main(argv):
     del argv
     config = _CONFIG.value
     use_cpu_devices(config.cpu_devices)
     import jax
 
-    from jaxrlhf import trainer
     from jaxrlhf.data.tokenizer import load_tokenizer
     from jaxrlhf.dataflow.timeline import time_table
-    from jaxrlhf.mfc import Role
-    from jaxrlhf.parallel.layout import init_params
-    from jaxrlhf.plan.cluster import load_cluster
+    from jaxrlhf.perf import floor, report
 
     config.unlock()
     config.rollout.force_max_length = True
     config.reward.function = "zero"
     tokenizer = load_tokenizer(config.tokenizer)
-    setup = trainer.setup_rl(config, tokenizer)
-    actor = setup.models[Role.ACTOR]
-    params = init_params(actor, setup.plan.home(setup.graph, Role.ACTOR), jax.random.key(0))
+    machine_peak = floor.machine_peak(config.models.actor.dtype)
     timings = []
-    with trainer.host_pools(config) as pools:
-        runner = trainer.make_runner(setup, config, params, tokenizer, pools)
+    with built_run(config, tokenizer) as (setup, runner):
         for step in range(_STEPS.value + 1):
             timings.append(runner.step(synthetic_prompts(config, tokenizer, step)).timing)
-        runner.close()
-    measured = timings[1:]
-    seconds = statistics.median(t.seconds for t in measured)
+        if _PROFILE.value:
+            with jax.profiler.trace(_PROFILE.value):
+                runner.step(synthetic_prompts(config, tokenizer, _STEPS.value + 1))
+        measured = timings[1:]
+        figures, memory = mfc_figures(setup, runner, config, measured, machine_peak)
+        print(time_table(measured, setup.plan.specs))
+    print(report.table(figures, memory))
+    step = figures[-1]
     r = config.rollout
     tokens = r.batch_size * r.group_size * (r.max_prompt_len + r.max_new_tokens)
-    cluster = load_cluster(_CLUSTER.value)
-    peak = cluster.peak_bf16_flops * len(jax.devices())
-    print(time_table(measured, setup.plan.specs))
+    rss, rss_peak = report.host_rss_bytes()
     print(json.dumps({
-        "algorithm": setup.algorithm.name, "step_seconds": seconds,
-        "tokens_per_second": tokens / seconds, "mfu": step_flops(setup, config) / seconds / peak,
-        "devices": len(jax.devices()), "cluster": cluster.name,
-        "mfc_seconds": {n: statistics.median(t.mfcs[n].seconds for t in measured)
-                        for n in measured[0].mfcs},
+        "algorithm": setup.algorithm.name, "step_seconds": step.seconds,
+        "tokens_per_second": tokens / step.seconds, "mfu": step.mfu,
+        "fraction_of_floor": step.fraction_of_floor, "floor_seconds": step.floor_seconds,
+        "peak_gflops_per_s": machine_peak / 1e9, "dtype": config.models.actor.dtype,
+        "devices": len(jax.devices()), "placement": dict(setup.plan.specs),
+        "mfcs": {f.name: {**f.as_dict(), "peak_bytes": memory.get(f.name, 0)} for f in figures},
+        "host_rss_bytes": rss, "host_rss_peak_bytes": rss_peak,
+        "step_seconds_all": [t.seconds for t in measured],
     }))
 
 

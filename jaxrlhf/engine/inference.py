@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.engine import buckets, sampling
+from jaxrlhf.engine.call import BucketedCall
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
@@ -188,7 +189,7 @@ def infer(model: Transformer, cfg: InferenceConfig, params, batch: InferenceBatc
             )
 
 
-class InferenceFn:
+class InferenceFn(BucketedCall):
     """One inference call kind of one model on one layout (use `make_inference_fn`).
 
     Calling it right-pads the batch (segment 0) to the next length bucket, runs the executable
@@ -199,10 +200,9 @@ class InferenceFn:
                  length_buckets: Sequence[int]):
         if model_config.head is not cfg.head:
             raise ValueError(f"{cfg.kind} needs a {cfg.head} head, got {model_config.head}")
+        super().__init__(f"inference/{cfg.kind.value}", layout)
         self.cfg = cfg
-        self.layout = layout
         self.length_buckets = tuple(sorted(length_buckets))
-        self.compile_cache = buckets.CompileCache(f"inference/{cfg.kind.value}")
         rows = layout.batch_sharding(2)
         self._rows = rows
         with_entropy = cfg.kind is InferenceKind.LOGPROBS and cfg.with_entropy
@@ -219,9 +219,8 @@ class InferenceFn:
             out_shardings=out_shardings,
         )
 
-    @property
-    def compiles(self) -> int:
-        return self.compile_cache.compiles
+    def _jit_for(self, *args) -> jax.stages.Wrapped:
+        return self._jitted
 
     def __call__(self, params, batch: InferenceBatch) -> InferenceOutput:
         """Runs the call kind.
@@ -240,17 +239,13 @@ class InferenceFn:
             *(buckets.pad_axis(x, bucket, axis=1).astype(jnp.int32) for x in batch)
         )
         padded = jax.device_put(padded, self._rows)
-        compiled = self.compile_cache.get((bucket, batch_size), lambda: self._lower(params, padded))
+        compiled = self._executable((bucket, batch_size), params, padded)
         out = compiled(params, padded)
         per_token = {
             name: x[:, :length] for name, x in out._asdict().items()
             if x is not None and name.endswith("_bt")
         }
         return out if bucket == length else out._replace(**per_token)
-
-    def _lower(self, *args) -> jax.stages.Lowered:
-        with self.layout.activation_context():
-            return self._jitted.lower(*args)
 
 
 def make_inference_fn(

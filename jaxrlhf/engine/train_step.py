@@ -32,6 +32,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrlhf.engine import microbatch
+from jaxrlhf.engine.call import BucketedCall
 from jaxrlhf.engine.buckets import CompileCache, shape_key
 from jaxrlhf.engine.optimizer import OptimizerConfig, make_optimizer, make_schedule
 from jaxrlhf.models.config import ModelConfig
@@ -189,11 +190,11 @@ def _micro_sharding(layout: Layout, ndim: int) -> NamedSharding:
     return NamedSharding(layout.mesh, PartitionSpec(None, *spec))
 
 
-class TrainStep:
+class TrainStep(BucketedCall):
     """A compiled train_step on one layout: `(state, batch) -> (new state, metrics)`.
 
     The state is donated: the caller must use the returned state. Each distinct batch shape
-    (bucket) is compiled once, ahead of time, and counted in `self.cache`.
+    (bucket) is compiled once, ahead of time, and counted in `self.compile_cache`.
 
     Metrics (f32 scalars, replicated): loss (Σloss_sum/Σweight), weight, num_tokens (non-padding
     tokens), grad_norm (before clipping), lr (the rate this update used), and every loss stat
@@ -202,17 +203,17 @@ class TrainStep:
 
     def __init__(self, model_config: ModelConfig, layout: Layout, loss_fn: LossFn,
                  opt_cfg: OptimizerConfig, microbatch_cfg: microbatch.MicrobatchConfig):
+        super().__init__("train_step", layout)
         self.model_config = model_config
-        self.layout = layout
         self.loss_fn = loss_fn
         self.opt_cfg = opt_cfg
         self.microbatch_cfg = microbatch_cfg
         self.shardings = state_shardings(model_config, layout, opt_cfg)
-        self.cache = CompileCache("train_step")
 
     @property
-    def compiles(self) -> int:
-        return self.cache.compiles
+    def cache(self) -> CompileCache:
+        """The compile cache (older name of `compile_cache`)."""
+        return self.compile_cache
 
     def batch_shardings(self, batch: Batch):
         return jax.tree.map(lambda x: self.layout.batch_sharding(jnp.ndim(x)), batch)
@@ -231,23 +232,21 @@ class TrainStep:
         """
         state = transfer(state, self.shardings)
         batch = transfer(batch, self.batch_shardings(batch))
-        executable = self.cache.get(shape_key(batch), lambda: self._lower(state, batch))
+        executable = self._executable(shape_key(batch), state, batch)
         return executable(state, batch)
 
-    def _lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
+    def _jit_for(self, state: TrainState, batch: Batch) -> jax.stages.Wrapped:
         spec = _StepSpec(self.model_config, self.opt_cfg, self.num_microbatches(batch))
         step_fn = functools.partial(
             _train_step, spec=spec, loss_fn=self.loss_fn, layout=self.layout,
             param_shardings=self.shardings.params,
         )
-        jitted = jax.jit(
+        return jax.jit(
             step_fn,
             in_shardings=(self.shardings, self.batch_shardings(batch)),
             out_shardings=(self.shardings, self.layout.replicated()),
             donate_argnums=0,
         )
-        with self.layout.activation_context():
-            return jitted.lower(state, batch)
 
 
 def make_train_step(model_config: ModelConfig, layout: Layout, loss_fn: LossFn,

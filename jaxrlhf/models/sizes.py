@@ -29,6 +29,11 @@ SIZES: dict[str, ModelConfig] = {
         vocab_size=272, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=8,
         num_kv_heads=4, max_position_embeddings=1024, rope_theta=10000.0,
     ),
+    # W-cpu of the speed benchmark (configs/grpo_bench_cpu.py): ~4M parameters, head dim 64.
+    "bench": ModelConfig(
+        vocab_size=272, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
+        num_kv_heads=2, max_position_embeddings=1024, rope_theta=10000.0,
+    ),
     "llama3-7b": ModelConfig(
         hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
         **_LLAMA3,

@@ -1,0 +1,1 @@
+"""Performance accounting: the machine's measured matmul peak and model FLOPs per MFC."""

@@ -1,0 +1,117 @@
+"""Model FLOPs of each MFC and the figures measured against the floor (seconds, MFU).
+
+Model FLOPs follow the papers' convention (ReaL, Megatron): 2 FLOPs per matmul parameter per
+token for a forward pass, plus QK^T and PV over the `context` slots each token attends to
+(dense, as the runtime computes it); a backward pass costs two forwards, so a train step is
+three. Recomputation (remat), padding and sampling work are not counted: they are overheads the
+floor exists to expose.
+
+MFU of an MFC = its model FLOPs / (its seconds x the peak of *its own* devices). The peak is
+the probe measured in the same process (`jaxrlhf.perf.floor`); if an MFC ever runs faster than
+that probe, the probe was wrong and the peak used is raised to the MFC's rate (and flagged), so
+MFU is at most 1 by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jaxrlhf.models.config import HeadKind, ModelConfig
+
+
+class Passes(enum.Enum):
+    """Forward passes per token of each call kind."""
+
+    generate = 1.0
+    inference = 1.0
+    train_step = 3.0  # backward = 2 forwards
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token (not the embedding gather or norms)."""
+    c = config
+    per_layer = (
+        c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim  # q, k, v
+        + c.num_heads * c.head_dim * c.hidden_size  # o
+        + 3 * c.hidden_size * c.intermediate_size  # gate, up, down
+    )
+    head = c.hidden_size * (c.vocab_size if c.head is HeadKind.LM else 1)
+    return c.num_layers * per_layer + head
+
+
+def forward_flops_per_token(config: ModelConfig, context: int) -> float:
+    """Matmul FLOPs of one token's forward pass attending over `context` slots."""
+    attention = 2 * 2 * config.num_layers * config.num_heads * config.head_dim * context
+    return 2.0 * matmul_params(config) + attention
+
+
+def call_flops(config: ModelConfig, call: str, rows: int, context: int,
+               updates: int = 1) -> float:
+    """Model FLOPs of one MFC over `rows` sequences of `context` tokens.
+
+    Args:
+      config: the model.
+      call: "generate", "inference" or "train_step".
+      rows: sequences in the global batch.
+      context: prompt + response length of each sequence.
+      updates: train_step only: passes over the batch (PPO epochs).
+    """
+    passes = Passes[call].value * (updates if call == "train_step" else 1)
+    return passes * rows * context * forward_flops_per_token(config, context)
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """One MFC's (or one step's) measured seconds against its floor.
+
+    Attributes:
+      name: the MFC name, or "step".
+      seconds: median measured wall seconds.
+      flops: model FLOPs.
+      devices: devices the MFC runs on.
+      peak: measured matmul FLOP/s of those devices (the probe).
+      machine_peak: measured matmul FLOP/s of the whole machine (the floor's denominator).
+    """
+
+    name: str
+    seconds: float
+    flops: float
+    devices: int
+    peak: float
+    machine_peak: float
+
+    @property
+    def floor_seconds(self) -> float:
+        """The work at the machine's measured peak."""
+        return self.flops / self.machine_peak
+
+    @property
+    def fraction_of_floor(self) -> float:
+        """floor seconds / measured seconds (1 = at the floor)."""
+        return self.floor_seconds / self.seconds
+
+    @property
+    def rate(self) -> float:
+        return self.flops / self.seconds
+
+    @property
+    def peak_used(self) -> float:
+        """The probe's peak, raised to the achieved rate if the probe underestimated it."""
+        return max(self.peak, self.rate)
+
+    @property
+    def peak_raised(self) -> bool:
+        return self.rate > self.peak
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation of this MFC's own devices; <= 1 by construction."""
+        return self.rate / self.peak_used
+
+    def as_dict(self) -> dict[str, float | int | bool]:
+        return {
+            "seconds": self.seconds, "gflops": self.flops / 1e9,
+            "floor_seconds": self.floor_seconds, "fraction_of_floor": self.fraction_of_floor,
+            "mfu": self.mfu, "devices": self.devices, "peak_raised": self.peak_raised,
+        }
