@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.engine import buckets
+from jaxrlhf.engine.call import BucketedCall
 from jaxrlhf.engine.sampling import SamplingParams, sample, token_logprobs
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
@@ -207,11 +208,11 @@ def generate(
         return s._replace(logits_bv=logits_b1v[:, 0], cache=_constrain_cache(cache))
 
     def decode_one(s: _DecodeState) -> _DecodeState:
-        s = _choose(s, rng, cfg)
-        # Feed the new token only if another will be sampled after it. (Sampling sits in one
-        # place in the loop rather than also after the prefill: one copy to compile.)
-        return jax.lax.cond(_unfinished(s, n_new), feed_last, lambda s: s, s)
+        return _choose(feed_last(s), rng, cfg)
 
+    # Token 0 comes from the prefill's logits; each iteration feeds the last token and samples
+    # the next, so the loop body has no `lax.cond` (whose branches would copy the KV cache).
+    state = _choose(state, rng, cfg)
     state = jax.lax.while_loop(functools.partial(_unfinished, n_new=n_new), decode_one, state)
     prompt_bp = jnp.where(prompt_mask_bp, prompt_tokens_bp, cfg.pad_token_id).astype(jnp.int32)
     return GenerateOutput(
@@ -224,7 +225,7 @@ def generate(
     )
 
 
-class Generator:
+class Generator(BucketedCall):
     """The generate call kind of one model on one layout (use `make_generate_fn`).
 
     Calling it left-pads the prompts to the next prompt bucket, then runs the executable
@@ -235,10 +236,9 @@ class Generator:
                  prompt_buckets: Sequence[int]):
         if model_config.head is not HeadKind.LM:
             raise ValueError(f"generate needs an LM head, got {model_config.head}")
+        super().__init__("generate", layout)
         self.gen_config = gen_config
-        self.layout = layout
         self.prompt_buckets = tuple(sorted(prompt_buckets))
-        self.compile_cache = buckets.CompileCache("generate")
         row, rows = layout.batch_sharding(1), layout.batch_sharding(2)
         self._rows, self._rng_sharding = rows, layout.replicated()
         self._jitted = jax.jit(
@@ -250,9 +250,8 @@ class Generator:
             out_shardings=GenerateOutput(rows, rows, rows, rows, rows, row),
         )
 
-    @property
-    def compiles(self) -> int:
-        return self.compile_cache.compiles
+    def _jit_for(self, *args) -> jax.stages.Wrapped:
+        return self._jitted
 
     def __call__(self, params, prompt_tokens_bp, prompt_mask_bp, rng) -> GenerateOutput:
         """Generates for a batch of left-padded prompts.
@@ -279,14 +278,8 @@ class Generator:
         rng = transfer(rng, self._rng_sharding)  # device_put refuses keys multi-process
         # Raw uint32 and typed keys need different executables.
         key = (bucket, batch, rng.shape, str(rng.dtype))
-        compiled = self.compile_cache.get(
-            key, lambda: self._lower(params, tokens_bp, mask_bp, rng)
-        )
+        compiled = self._executable(key, params, tokens_bp, mask_bp, rng)
         return compiled(params, tokens_bp, mask_bp, rng)
-
-    def _lower(self, *args) -> jax.stages.Lowered:
-        with self.layout.activation_context():
-            return self._jitted.lower(*args)
 
 
 def make_generate_fn(

@@ -158,11 +158,7 @@ class Attention(nn.Module):
             k_all, v_all, new_cache = k, v, None
             kv_segment_ids_bs, cache_index = segment_ids_bt, 0
         else:
-            k_cache, v_cache = layer_cache
-            start = (0, cache_index, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
-            new_cache = (k_all, v_all)
+            new_cache, k_all, v_all = _write_cache(layer_cache, k, v, cache_index)
         out_bthd = attention.dot_product_attention(
             q, k_all, v_all, segment_ids_bt, kv_segment_ids_bs, q_offset=cache_index,
             impl=cfg.attention,
@@ -170,6 +166,31 @@ class Attention(nn.Module):
         out_bthd = nn.with_logical_constraint(out_bthd, ("batch", "length", "act_heads", "head_dim"))
         out = OutProjection(cfg, name="o_proj")(out_bthd)
         return out, new_cache
+
+
+def _write_cache(layer_cache, k_btkd, v_btkd, cache_index):
+    """Writes this layer's new keys/values into the whole stacked cache, in place.
+
+    Args:
+      layer_cache: (KVCache of every layer [l, b, S, k, d], this layer's index): the stacked
+        cache rides in the layer scan's carry, so XLA updates the written slots in place;
+        scanning over per-layer slices instead (xs -> ys) rebuilds the whole cache every
+        decode step.
+      k_btkd, v_btkd: [b, t, k, d] keys and values of the t new tokens.
+      cache_index: slot of the first new token.
+
+    Returns:
+      (updated stacked cache, this layer's keys [b, S, k, d], its values [b, S, k, d]).
+    """
+    cache, layer = layer_cache
+    start = (layer, 0, cache_index, 0, 0)
+    k_lbskd = jax.lax.dynamic_update_slice(cache.k_lbskd, k_btkd[None].astype(cache.k_lbskd.dtype),
+                                           start)
+    v_lbskd = jax.lax.dynamic_update_slice(cache.v_lbskd, v_btkd[None].astype(cache.v_lbskd.dtype),
+                                           start)
+    k_all = jax.lax.dynamic_index_in_dim(k_lbskd, layer, 0, keepdims=False)
+    v_all = jax.lax.dynamic_index_in_dim(v_lbskd, layer, 0, keepdims=False)
+    return KVCache(k_lbskd, v_lbskd), k_all, v_all
 
 
 class MLP(nn.Module):
@@ -192,23 +213,27 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU block. Scanned: (carry=x, xs=layer cache) -> (x, new cache)."""
+    """Pre-norm attention + SwiGLU block.
+
+    Scanned: (carry=(x, whole KVCache or None), xs=layer index) -> ((x, updated cache), None).
+    """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_btd, layer_cache, positions_bt, segment_ids_bt, cache_index,
+    def __call__(self, carry, layer, positions_bt, segment_ids_bt, cache_index,
                  kv_segment_ids_bs):
         cfg = self.config
+        x_btd, cache = carry
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, name=name)
         attn_out, new_cache = Attention(cfg, name="self_attn")(
-            norm("input_layernorm")(x_btd), positions_bt, segment_ids_bt, layer_cache,
-            cache_index, kv_segment_ids_bs,
+            norm("input_layernorm")(x_btd), positions_bt, segment_ids_bt,
+            None if cache is None else (cache, layer), cache_index, kv_segment_ids_bs,
         )
         x_btd = x_btd + attn_out
         x_btd = x_btd + MLP(cfg, name="mlp")(norm("post_attention_layernorm")(x_btd))
         x_btd = nn.with_logical_constraint(x_btd, ("batch", "length", "act_embed"))
-        return x_btd, new_cache
+        return (x_btd, new_cache), None
 
 
 _REMAT_POLICIES = {
@@ -270,12 +295,12 @@ class Transformer(nn.Module):
             name="embed_tokens",
         )
         x_btd = nn.with_logical_constraint(embed(tokens_bt), ("batch", "length", "act_embed"))
-        layer_cache = None if cache is None else (cache.k_lbskd, cache.v_lbskd)
-        x_btd, new_layer_cache = _layer_stack(cfg)(cfg, name="layers")(
-            x_btd, layer_cache, positions_bt, segment_ids_bt, cache_index, kv_segment_ids_bs,
+        layers_l = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x_btd, new_cache), _ = _layer_stack(cfg)(cfg, name="layers")(
+            (x_btd, cache), layers_l, positions_bt, segment_ids_bt, cache_index,
+            kv_segment_ids_bs,
         )
         x_btd = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, name="norm")(x_btd)
-        new_cache = None if cache is None else KVCache(*new_layer_cache)
         if last_only:
             x_btd = x_btd[:, -1:]
         return self._head(embed, x_btd), new_cache
