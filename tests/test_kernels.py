@@ -1,0 +1,97 @@
+"""Pallas attention kernels vs their pure-jnp reference, in interpret mode on CPU (fp32)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.decode_attention import DecodeConfig, decode_attention
+from kernels.flash_attention import FlashConfig, flash_attention
+from kernels.reference import reference_attention
+
+_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _qkv(rng, batch, q_len, k_len, heads, kv_heads, head_dim=8):
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    return (normal(batch, q_len, heads, head_dim), normal(batch, k_len, kv_heads, head_dim),
+            normal(batch, k_len, kv_heads, head_dim))
+
+
+# Row 0: left padding then two packed segments; row 1: one segment then right padding;
+# row 2: all padding (its queries see nothing and must come out as zeros, not NaN).
+_SEG_20 = np.array([[0] * 3 + [1] * 10 + [2] * 7, [1] * 15 + [0] * 5, [0] * 20], np.int32)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2)])
+def test_flash_values_and_grads_match_reference(heads, kv_heads):
+    """Causal + packing + padding, 20 tokens in blocks of 8 (not a divisor), GQA 1 and 2."""
+    rng = np.random.default_rng(heads)
+    q, k, v = _qkv(rng, 3, 20, 20, heads, kv_heads)
+    seg = jnp.asarray(_SEG_20)
+    cfg = FlashConfig(block_q=8, block_k=8, interpret=True)
+    out = flash_attention(q, k, v, seg, seg, cfg)
+    ref = reference_attention(q, k, v, seg, seg)
+    np.testing.assert_allclose(out, ref, **_TOL)
+    assert not np.any(out[2]), "an all-padding row must output zeros"
+
+    w = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+    got = jax.grad(loss(lambda q, k, v: flash_attention(q, k, v, seg, seg, cfg)), (0, 1, 2))(
+        q, k, v)
+    want = jax.grad(loss(lambda q, k, v: reference_attention(q, k, v, seg, seg)), (0, 1, 2))(
+        q, k, v)
+    for name, g, r in zip("qkv", got, want):
+        np.testing.assert_allclose(g, r, **_TOL, err_msg=f"d{name}")
+
+
+def test_flash_prefill_against_longer_cache():
+    """Prefill: 12 prompt queries against a 20-slot cache whose tail is not yet written."""
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, 2, 12, 20, 4, 1)
+    q_seg = jnp.asarray([[0] * 4 + [1] * 8, [1] * 12], jnp.int32)
+    kv_seg = jnp.concatenate([q_seg, jnp.ones((2, 8), jnp.int32)], axis=1)
+    out = flash_attention(q, k, v, q_seg, kv_seg,
+                          FlashConfig(block_q=8, block_k=16, interpret=True))
+    np.testing.assert_allclose(out, reference_attention(q, k, v, q_seg, kv_seg), **_TOL)
+
+
+def test_flash_rejects_bad_head_ratio():
+    q, k, v = _qkv(np.random.default_rng(0), 1, 8, 8, 3, 2)
+    seg = jnp.ones((1, 8), jnp.int32)
+    with pytest.raises(ValueError, match="heads=3 is not a multiple of kv_heads=2"):
+        flash_attention(q, k, v, seg, seg, FlashConfig(interpret=True))
+
+
+@pytest.mark.parametrize("q_len,heads,kv_heads", [(1, 4, 1), (2, 2, 2)])
+def test_decode_ragged_matches_reference(q_len, heads, kv_heads):
+    """Ragged prefixes over a 19-slot cache in blocks of 4 (the last one overhangs)."""
+    rng = np.random.default_rng(q_len)
+    batch, cache_len = 4, 19
+    q, k, v = _qkv(rng, batch, q_len, cache_len, heads, kv_heads)
+    kv_len_b = jnp.asarray([5, 19, 11, 7], jnp.int32)
+    q_start_b = kv_len_b - q_len
+    kv_seg = np.ones((batch, cache_len), np.int32)
+    kv_seg[0, :2] = 0  # left padding
+    kv_seg[3, :] = 0  # an all-padding row
+    q_seg = np.ones((batch, q_len), np.int32)
+    q_seg[3] = 0
+    kv_seg, q_seg = jnp.asarray(kv_seg), jnp.asarray(q_seg)
+    out = decode_attention(q, k, v, q_seg, kv_seg, q_start_b, kv_len_b,
+                           DecodeConfig(block_k=4, interpret=True))
+    ref = reference_attention(q, k, v, q_seg, kv_seg, q_start_b, kv_len_b)
+    np.testing.assert_allclose(out, ref, **_TOL)
+    assert not np.any(out[3]), "an all-padding row must output zeros"
+
+
+def test_decode_never_reads_past_the_prefix():
+    """NaN in every cache block past a row's prefix must not reach the output."""
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng, 2, 1, 16, 2, 1)
+    kv_len_b = jnp.asarray([5, 3], jnp.int32)  # blocks of 4: slots >= 8 are never loaded
+    seg = jnp.ones((2, 16), jnp.int32)
+    poison = lambda x: x.at[:, 8:].set(jnp.nan)
+    out = decode_attention(q, poison(k), poison(v), seg[:, :1], seg, kv_len_b - 1, kv_len_b,
+                           DecodeConfig(block_k=4, interpret=True))
+    ref = reference_attention(q, k, v, seg[:, :1], seg, kv_len_b - 1, kv_len_b)
+    np.testing.assert_allclose(out, ref, **_TOL)
