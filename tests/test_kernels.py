@@ -23,25 +23,20 @@ def _qkv(rng, batch, q_len, k_len, heads, kv_heads, head_dim=8):
 _SEG_20 = np.array([[0] * 3 + [1] * 10 + [2] * 7, [1] * 15 + [0] * 5, [0] * 20], np.int32)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("heads,kv_heads", [(1, 1), (3, 1)])
 def test_flash_values_and_grads_match_reference(heads, kv_heads):
     """Causal + packing + padding, 20 tokens in blocks of 8 (not a divisor), GQA 1 and 2."""
     rng = np.random.default_rng(heads)
     q, k, v = _qkv(rng, 3, 20, 20, heads, kv_heads)
     seg = jnp.asarray(_SEG_20)
     cfg = FlashConfig(block_q=8, block_k=8, interpret=True)
-    out = flash_attention(q, k, v, seg, seg, cfg)
-    ref = reference_attention(q, k, v, seg, seg)
+    out, kernel_vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, seg, seg, cfg), q, k, v)
+    ref, ref_vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, seg, seg), q, k, v)
     np.testing.assert_allclose(out, ref, **_TOL)
     assert not np.any(out[2]), "an all-padding row must output zeros"
 
-    w = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
-    loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v) * w)
-    got = jax.grad(loss(lambda q, k, v: flash_attention(q, k, v, seg, seg, cfg)), (0, 1, 2))(
-        q, k, v)
-    want = jax.grad(loss(lambda q, k, v: reference_attention(q, k, v, seg, seg)), (0, 1, 2))(
-        q, k, v)
-    for name, g, r in zip("qkv", got, want):
+    d_out = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    for name, g, r in zip("qkv", kernel_vjp(d_out), ref_vjp(d_out)):
         np.testing.assert_allclose(g, r, **_TOL, err_msg=f"d{name}")
 
 
