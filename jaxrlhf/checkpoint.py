@@ -270,7 +270,7 @@ class Checkpointer:
 
 
 def save_run(checkpoints: Checkpointer, runner, prompts, accuracy_before: float,
-             config: ConfigDict) -> bool:
+             config_json: str) -> bool:
     """Checkpoints `runner` (a Runner) fed by `prompts` (an EpochIterator) after its last step.
 
     Trained models are saved as TrainStates, frozen ones as parameters; a frozen model waiting
@@ -281,7 +281,7 @@ def save_run(checkpoints: Checkpointer, runner, prompts, accuracy_before: float,
     states = {role: rt.state if rt.trainable else rt.params for role, rt in runtimes.items()}
     host = HostState(
         step=runner.step_index, iterator=prompts.state().to_dict(), runner=runner.state(),
-        accuracy_before=float(accuracy_before), config=config.to_json(),
+        accuracy_before=float(accuracy_before), config=config_json,
         trained=tuple(r.value for r, rt in runtimes.items() if rt.trainable),
         frozen=tuple(r.value for r, rt in runtimes.items() if not rt.trainable))
     saved = checkpoints.save(states, host)

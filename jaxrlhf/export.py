@@ -61,7 +61,8 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path, role: Role = Ro
     # Imported here so that `--help` answers without starting JAX.
     import jax
 
-    from jaxrlhf import checkpoint, experiment
+    from jaxrlhf import checkpoint
+    from jaxrlhf.spec import model_config_of
     from jaxrlhf.data.tokenizer import load_tokenizer
     from jaxrlhf.models import hf_io
     from jaxrlhf.parallel.layout import make_layout
@@ -81,7 +82,7 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path, role: Role = Ro
         raise ValueError(f"checkpoint {host.step} has no {role.value} model; it has "
                          f"{', '.join(roles)}")
     config = host.experiment_config()
-    model = experiment.model_config_of(config.models[role.value], role, f"models.{role.value}")
+    model = model_config_of(config.models[role.value], role, f"models.{role.value}")
     # Sharded over every local device (one is enough); save_hf gathers one tensor at a time.
     layout = make_layout(f"f{jax.device_count()}", model=model)
     target = {role: checkpoint.abstract_state(model, layout)}

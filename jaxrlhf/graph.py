@@ -64,12 +64,10 @@ def draw(graph, path: str) -> None:
 
 def main(argv):
     del argv
-    from jaxrlhf import experiment
-    from jaxrlhf.dataflow.graph import build_graph
-    from jaxrlhf.mfc import Role
+    from jaxrlhf.spec import run_spec
 
-    algorithm = experiment.make_algorithm(_CONFIG.value)
-    graph = build_graph(algorithm.mfcs, roles=set(Role))
+    spec = run_spec(_CONFIG.value)
+    algorithm, graph = spec.algorithm, spec.graph
     draw(graph, _OUT.value)
     print(f"{algorithm.name}: {len(graph.mfcs)} MFCs, dataset keys {list(graph.dataset_keys)} "
           f"-> {_OUT.value}")

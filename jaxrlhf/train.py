@@ -106,17 +106,19 @@ def main(argv):
         _quiet_unless_main()  # before tqdm is imported: it reads TQDM_DISABLE then
     # Imported only now: JAX must not start a backend before the device flags and
     # jax.distributed are set.
-    from jaxrlhf import experiment, trainer
+    from jaxrlhf.run import offline, rl
+    from jaxrlhf.run.check import prepare
+    from jaxrlhf.spec import ConfigError, run_spec
 
     workdir = _WORKDIR.value or config.workdir or tempfile.mkdtemp(prefix="jaxrlhf-")
     try:
-        experiment.check_config(config, workdir)
-    except experiment.ConfigError as e:
+        job = prepare(run_spec(config), workdir)
+    except ConfigError as e:
         if dist.multi_process:  # no exit barrier: a process whose check passed must not wait
             distributed.abort(f"error: {e}", EXIT_CONFIG_ERROR)
         _config_error(e)
     try:
-        summary = trainer.run(config, workdir)
+        summary = (offline.run if job.spec.offline else rl.run)(job)
     except Exception as e:  # noqa: BLE001 - see below
         if not dist.multi_process:
             raise

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf import experiment, offline
+from jaxrlhf import spec as spec_lib
+from jaxrlhf.run import build, offline
+from jaxrlhf.run.layouts import place
 from jaxrlhf.algorithms import dpo, grpo, pairs, remax, rw, safe_rlhf
 from jaxrlhf.algorithms import losses
 from jaxrlhf.data import costs
@@ -44,26 +46,25 @@ def tiny_config(name):
 @pytest.mark.parametrize("name", sorted(GRAPHS))
 def test_graph_builds_and_places(name):
     config = tiny_config(name)
-    algorithm = experiment.make_algorithm(config)
-    graph = build_graph(algorithm.mfcs, roles=set(Role))
+    spec = spec_lib.run_spec(config)
+    algorithm, graph = spec.algorithm, spec.graph
     names, dataset_keys, trained, host = GRAPHS[name]
     assert set(graph.order) == set(names)
     assert set(graph.dataset_keys) == dataset_keys
     assert set(algorithm.train) == trained
     assert {m.role for m in graph.mfcs if m.call is Call.TRAIN_STEP} == trained
     assert {m.role for m in graph.mfcs if m.host} == host
-    models = experiment.role_models(config, graph)
-    assert set(models) == set(graph.roles()) - host
-    plan = experiment.plan_layouts(graph, config, models)
+    assert set(spec.models) == set(graph.roles()) - host
+    plan = place(spec)
     assert set(plan.layouts) == {m.name for m in graph.mfcs if not m.host}
-    assert experiment.algorithm_name(config).offline == (dataset_keys == PAIR_DATA)
+    assert spec.offline == (dataset_keys == PAIR_DATA)
 
 
 def test_grpo_needs_groups():
     config = tiny_config("grpo")
     config.rollout.group_size = 1
     with pytest.raises(ValueError, match="group_size >= 2"):
-        experiment.make_algorithm(config)
+        spec_lib.make_algorithm(config)
 
 
 def test_greedy_is_a_generate_option():
@@ -74,13 +75,14 @@ def test_greedy_is_a_generate_option():
 def test_remax_greedy_mfc_gets_a_greedy_generator():
     config = tiny_config("remax")
     config.rollout.temperature, config.rollout.top_k = 0.7, 5
-    algorithm = experiment.make_algorithm(config)
+    spec = spec_lib.run_spec(config)
+    algorithm = spec.algorithm
     model = get_size("tiny", dtype=jnp.float32)
     layout = make_layout("0-1:d2", model=model)
     tokenizer = load_tokenizer("byte")
     by_name = {m.name: m for m in algorithm.mfcs}
-    engine = lambda n: experiment.engine_call(by_name[n], model, layout, config, tokenizer,
-                                              algorithm, None)
+    engine = lambda n: build.engine_call(by_name[n], model, layout, 1, spec.rollout, tokenizer,
+                                         algorithm, None)
     sampled, greedy = engine("actor_gen").gen_config, engine("actor_gen_greedy").gen_config
     assert (sampled.temperature, sampled.top_k) == (0.7, 5)
     assert (greedy.temperature, greedy.top_k, greedy.top_p) == (0.0, 0, 1.0)
@@ -205,7 +207,7 @@ def test_safe_rlhf_targets_vs_numpy(whiten):
     buf = rl_buffer(rng, [5, 3, 1, 4, 2, 5])
     config = tiny_config("safe_rlhf")
     config.ppo.whiten_advantages = whiten
-    cfg = experiment.safe_rlhf_config(config)
+    cfg = spec_lib.safe_rlhf_config(config)
     gamma, lam = cfg.ppo.gamma, cfg.ppo.lam
     controller = {"kl_coef": jnp.float32(0.1), "log_lambda": jnp.float32(np.log(2.0))}
     batch, stats = jax.jit(lambda bf, c: safe_rlhf._actor_batch(bf, c, cfg))(buf, controller)
@@ -311,7 +313,7 @@ def test_preference_batch_is_chosen_then_rejected():
 def test_built_in_preferences_hold_out_unseen_pairs(tmp_path):
     config = tiny_config("dpo")
     config.data.preference_holdout = 50
-    train, held_out = offline.load_preferences(config, tmp_path)
+    train, held_out = build.load_preferences(spec_lib.run_spec(config), tmp_path)
     assert len(held_out) == 50 and len(train) == config.data.task.num_train - 50
     assert not {r.prompt for r in held_out} & {r.prompt for r in train}
     assert all(r.chosen == r.prompt[:-1][::-1] for r in held_out)

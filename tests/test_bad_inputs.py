@@ -1,6 +1,6 @@
 """Bad inputs: each gives one line naming the field, before anything compiles.
 
-Most cases call the library's check (`experiment.check_config`, `distributed.from_flags`)
+Most cases call the library's check (`run.check.check_config`, `distributed.from_flags`)
 directly; a few go through the real `python -m jaxrlhf.train` to see the one-line report and
 the exit code 2 (no traceback).
 """
@@ -15,7 +15,9 @@ import pytest
 from ml_collections import ConfigDict
 
 from jaxrlhf.schema import base_config
-from jaxrlhf import distributed, experiment
+from jaxrlhf import distributed
+from jaxrlhf.run.check import check_config
+from jaxrlhf.spec import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests/fixtures"
@@ -159,8 +161,8 @@ def test_bad_config_is_one_line_naming_the_field(overrides, expected, tmp_path, 
     overrides = overrides(tmp_path) if callable(overrides) else dict(overrides)
     config, workdir = _config(overrides)
     before = compiles[0]
-    with pytest.raises(experiment.ConfigError) as info:
-        experiment.check_config(config, workdir or str(tmp_path / "work"))
+    with pytest.raises(ConfigError) as info:
+        check_config(config, workdir or str(tmp_path / "work"))
     message = str(info.value)
     assert expected.format(tmp=tmp_path) in message
     assert "\n" not in message
@@ -170,8 +172,8 @@ def test_bad_config_is_one_line_naming_the_field(overrides, expected, tmp_path, 
 def test_the_tiny_configs_pass(tmp_path):
     for name in ("ppo_tiny", "grpo_tiny"):
         module = __import__(f"configs.{name}", fromlist=["get_config"])
-        plan = experiment.check_config(module.get_config(), str(tmp_path))
-        assert "actor_gen" in plan.specs
+        job = check_config(module.get_config(), str(tmp_path))
+        assert "actor_gen" in job.plan.specs
 
 
 DISTRIBUTED = [

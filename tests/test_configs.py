@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh
 
-from jaxrlhf import experiment
-from jaxrlhf.dataflow.graph import build_graph
+from jaxrlhf.run.layouts import place, searched_plan
+from jaxrlhf.spec import run_spec
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
@@ -47,12 +47,9 @@ def test_config_parses_and_rejects_unknown_keys(name):
 
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_config_plans_on_the_test_devices(name):
-    config = load(name)
-    algorithm = experiment.make_algorithm(config)
-    graph = build_graph(algorithm.mfcs, roles=set(Role))
-    models = experiment.role_models(config, graph)
-    plan = experiment.plan_layouts(graph, config, models)
-    assert set(plan.layouts) == {m.name for m in graph.mfcs if not m.host}
+    spec = run_spec(load(name))
+    plan = place(spec)
+    assert set(plan.layouts) == {m.name for m in spec.graph.mfcs if not m.host}
 
 
 def test_variants():
@@ -77,10 +74,9 @@ def _bytes_per_device(boxed, layout: Layout) -> int:
 @pytest.mark.parametrize("name", BIG)
 def test_big_config_plan_fits_and_forward_type_checks(name):
     config = load(name)
-    allocation = experiment._parse_allocation(experiment.searched_allocation(config))
-    algorithm = experiment.make_algorithm(config)
-    graph = build_graph(algorithm.mfcs, roles=set(Role))
-    models = experiment.role_models(config, graph)
+    spec = run_spec(config)
+    allocation = {name: choice.spec() for name, choice in searched_plan(spec).items()}
+    graph, models = spec.graph, spec.model_configs()
     from jaxrlhf.plan.cluster import load_cluster
     hbm = load_cluster(config.placement.cluster).hbm_bytes
     r = config.rollout

@@ -1,9 +1,10 @@
-"""The same PPO steps give the same metrics under colocate, split and a manual allocation.
+"""The same PPO steps give the same metrics under colocate, split and manual allocations.
 
 The manual allocation puts actor generation and training on different layouts (so parameters
 are reallocated every step), ref and critic on disjoint halves, and mixes data, fsdp and
 tensor parallelism. Everything runs in fp32 with the same seeds; only float summation order
-may differ between layouts.
+may differ between layouts. A second manual allocation runs inference and training in 2
+micro-batches (`@2`), which must not change a number either.
 """
 
 import pathlib
@@ -13,10 +14,10 @@ import numpy as np
 import pytest
 
 from jaxrlhf.schema import base_config
-from jaxrlhf import trainer
+from jaxrlhf.run import build
+from jaxrlhf.run.check import check_config
 from jaxrlhf.data import datasets, tasks
 from jaxrlhf.data.encode import prompt_batch
-from jaxrlhf.data.tokenizer import ByteTokenizer
 from jaxrlhf.mfc import Role
 from jaxrlhf.parallel.layout import init_params
 
@@ -26,6 +27,9 @@ PLACEMENTS = {
     "colocate": dict(kind="colocate"),
     "split": dict(kind="split"),
     "manual": dict(kind="manual", allocation=MANUAL),
+    "micro_batched": dict(kind="manual", allocation=(
+        "actor_gen=0-7:d8,ref_inf=0-7:d8@2,critic_inf=0-7:d4t2@2,actor_train=0-7:d8@2,"
+        "critic_train=0-7:d8")),
 }
 COMPARED = ("reward", "actor/loss", "actor/kl", "actor/grad_norm", "actor/clip_frac",
             "actor/score", "critic/loss", "critic/grad_norm", "critic/values", "critic/returns")
@@ -42,15 +46,14 @@ def _config(placement):
     return config
 
 
-def _run_steps(placement, rows, num_steps=2):
-    config = _config(placement)
-    tokenizer = ByteTokenizer()
-    setup = trainer.setup_rl(config, tokenizer)
-    params = init_params(setup.models[Role.ACTOR], setup.plan.home(setup.graph, Role.ACTOR),
-                         jax.random.key(0))
+def _run_steps(placement, rows, workdir, num_steps=2):
+    job = check_config(_config(placement), str(workdir))
+    tokenizer = job.tokenizer
+    params = init_params(job.spec.models[Role.ACTOR].config,
+                         job.plan.home(job.spec.graph, Role.ACTOR), jax.random.key(0))
     metrics = []
-    with trainer.host_pools(config) as pools:
-        runner = trainer.make_runner(setup, config, params, tokenizer, pools)
+    with build.host_pools(job.spec) as pools:
+        runner = build.fresh_runner(job, pools, params)
         for step in range(num_steps):
             batch = prompt_batch(rows[16 * step:16 * (step + 1)], tokenizer, 8)
             # Principle 4: within a step nothing bounces through the host by accident.
@@ -65,8 +68,8 @@ def rows():
     return tasks.make_reverse_task(tasks.ReverseTask(num_train=64, num_eval=8, num_sft=8)).train
 
 
-def test_same_metrics_under_colocate_split_and_manual(rows):
-    results = {name: _run_steps(p, rows) for name, p in PLACEMENTS.items()}
+def test_same_metrics_under_colocate_split_and_manual(rows, tmp_path):
+    results = {name: _run_steps(p, rows, tmp_path) for name, p in PLACEMENTS.items()}
     reference, _ = results["colocate"]
     for name, (metrics, runner) in results.items():
         for step, (got, want) in enumerate(zip(metrics, reference)):

@@ -18,10 +18,12 @@ from configs.ppo_tiny import get_config
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.parallel.strategy import DeviceRange
-from jaxrlhf.plan import calibrate, cost, measure, validate
+from jaxrlhf.calibration import calibrate, measure, validate
+from jaxrlhf.plan import cost
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import Calibration, load_cluster, save_calibration
-from jaxrlhf.plan.experiment import Workload, experiment_from_config
+from jaxrlhf.plan.experiment import Workload
+from jaxrlhf.spec import run_spec
 from jaxrlhf.plan.profile import profile_of
 
 CPU_8 = "meshes/cpu_8.py"
@@ -128,7 +130,7 @@ def tiny_ppo_run():
 
 
 def test_memory_model_within_20_percent_of_compiled_calls(tiny_ppo_run):
-    checks = validate.memory_checks(tiny_ppo_run, experiment_from_config(tiny_ppo_run.config))
+    checks = validate.memory_checks(tiny_ppo_run, tiny_ppo_run.spec.experiment())
     calls = {tiny_ppo_run.setup.graph.mfc(name).call for name in checks}
     assert calls == set(Call) and len(checks) == 5  # gen, ref/critic inference, two trainers
     for name, (estimate, check) in checks.items():
@@ -174,7 +176,7 @@ def test_memory_model_within_20_percent_on_sharded_layouts(strategy):
     config = calibrate.probe_config(get_config(), calibrate.Probe(strategy, 32))
     with measure.live_run(config) as run:
         run.steps(1)
-        checks = validate.memory_checks(run, experiment_from_config(config))
+        checks = validate.memory_checks(run, run_spec(config).experiment())
     for name, (estimate, check) in checks.items():
         assert 0.8 <= check.arguments_ratio <= 1.2, (name, check)
         assert 0.8 <= check.temporaries_ratio <= 1.2, (name, check, estimate)

@@ -18,7 +18,8 @@ from jaxrlhf.plan import report
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster, load_cluster
 from jaxrlhf.plan.evaluate import Evaluator, SimOptions
-from jaxrlhf.plan.experiment import Experiment, Workload, experiment_from_config
+from jaxrlhf.plan.experiment import Experiment, Workload
+from jaxrlhf.spec import run_spec
 from jaxrlhf.plan.search import SearchOptions, anneal, baseline, exhaustive, search
 from jaxrlhf.plan.simulator import dispatch_order
 from jaxrlhf.plan.space import Menu, SpaceOptions
@@ -156,13 +157,13 @@ def test_experiment_from_the_config_schema():
     from jaxrlhf.schema import base_config
 
     config = base_config()
-    experiment = experiment_from_config(config)
+    experiment = run_spec(config).experiment()
     assert experiment.graph.mfc("reward").host  # reward.kind == "function"
     assert Role.REWARD not in dict(experiment.models)
     assert experiment.workload.batch_size == config.rollout.batch_size
     config.reward.kind = "model"
     config.ppo.mini_batches = 4
-    experiment = experiment_from_config(config)
+    experiment = run_spec(config).experiment()
     assert not experiment.graph.mfc("reward").host and experiment.workload.updates == 4
     assert experiment.model(Role.CRITIC).head is SMALL.head.SCALAR
 

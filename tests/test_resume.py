@@ -1,7 +1,7 @@
-"""Exact resume of the RL job from checkpoints, and the NaN policy, through the real trainer.
+"""Exact resume of the RL job from checkpoints, and the NaN policy, through the real RL job.
 
 A run that resumes from a checkpoint must repeat the uninterrupted run's steps: equal metrics
-and bitwise-equal final model states. The fast tests run `trainer.run` in-process on a small
+and bitwise-equal final model states. The fast tests run `rl.run` in-process on a small
 PPO config; the slow one kills the real `python -m jaxrlhf.train` (SIGKILL, then Ctrl-C) and
 reruns the same command.
 
@@ -26,7 +26,9 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from jaxrlhf.schema import base_config
-from jaxrlhf import checkpoint, trainer
+from jaxrlhf import checkpoint
+from jaxrlhf.run import rl
+from jaxrlhf.run.check import check_config
 
 REWARD = f"{pathlib.Path(__file__).parent / 'fixtures/reward_fns.py'}:digit_count"
 # Metrics that measure the machine or count since process start, not the training.
@@ -91,7 +93,7 @@ def _assert_items_equal(a: pathlib.Path, step_a: int, b: pathlib.Path, step_b: i
 def full_run(tmp_path_factory, compile_cache):
     """An uninterrupted 4-step run with checkpoints 2 and 4."""
     workdir = tmp_path_factory.mktemp("full")
-    summary = trainer.run(_config(), str(workdir))
+    summary = rl.run(check_config(_config(), str(workdir)))
     assert summary["resumed_from"] is None and not summary["interrupted"]
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2, 4]
     return workdir, summary
@@ -106,7 +108,7 @@ def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path):
     with (crashed / "metrics.jsonl").open("a") as f:
         f.write('{"step": 3, "reward": 0.')  # a record cut off mid-write
 
-    resumed = trainer.run(_config(), str(crashed))
+    resumed = rl.run(check_config(_config(), str(crashed)))
     assert resumed["resumed_from"] == 2
     assert resumed["accuracy_before"] == summary["accuracy_before"]  # from the checkpoint
     _assert_same_steps(_rl_records(crashed), _rl_records(full))
@@ -127,12 +129,12 @@ def test_nan_policy_stop_keeps_the_last_good_checkpoint_and_skip_discards_steps(
     config.reward.function = f"{tmp_path / 'wild.py'}:reward"
     with pytest.raises(checkpoint.NonFiniteError,
                        match=r"RL step 4: .*critic/loss=inf.*latest checkpoint \(step 4\)"):
-        trainer.run(config, str(work))
+        rl.run(check_config(config, str(work)))
     assert sorted(int(p.name) for p in (work / "checkpoints").iterdir()) == [2, 4]
     _assert_items_equal(work, 4, full, 4)  # intact
 
     config.nan_policy = "skip"
-    summary = trainer.run(config, str(work))
+    summary = rl.run(check_config(config, str(work)))
     assert summary["resumed_from"] == 4 and summary["skipped_steps"] == 2
     records = _rl_records(work)
     assert [r["step"] for r in records] == list(range(6))

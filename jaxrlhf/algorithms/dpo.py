@@ -18,7 +18,9 @@ import jax.numpy as jnp
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.logprob import sequence_logprobs
 from jaxrlhf.algorithms.pairs import split_pairs
-from jaxrlhf.algorithms.spec import Algorithm, TrainSpec, model_inputs, response_logprobs
+from jaxrlhf.algorithms.spec import (
+    Algorithm, BatchKind, Evaluation, TrainSpec, model_inputs, response_logprobs,
+)
 from jaxrlhf.mfc import MFC, Call, Role
 
 # Chosen rows then rejected rows, in the generation layout of `data.encode.sequence_batch`.
@@ -66,4 +68,6 @@ def actor_loss(cfg: DPOConfig):
 
 def make(cfg: DPOConfig) -> Algorithm:
     return Algorithm(name="dpo", mfcs=mfcs(),
-                     train={Role.ACTOR: TrainSpec(_train_batch, actor_loss(cfg))})
+                     train={Role.ACTOR: TrainSpec(_train_batch, actor_loss(cfg))},
+                     batches=BatchKind.PAIRS, evaluation=Evaluation.PREFERENCE_LOGP,
+                     shown=("actor/loss", "actor/reward_accuracy"))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.pairs import last_token_scores, split_pairs
-from jaxrlhf.algorithms.spec import Algorithm, TrainSpec, model_inputs
+from jaxrlhf.algorithms.spec import Algorithm, BatchKind, Evaluation, TrainSpec, model_inputs
 from jaxrlhf.mfc import MFC, Call, Role
 
 PAIR_KEYS = ("seq_tokens_bs", "seq_mask_bs", "response_mask_bn")
@@ -35,4 +35,6 @@ def reward_loss(values_bt, batch):
 
 def make() -> Algorithm:
     return Algorithm(name="rw", mfcs=mfcs(),
-                     train={Role.REWARD: TrainSpec(_train_batch, reward_loss)})
+                     train={Role.REWARD: TrainSpec(_train_batch, reward_loss)},
+                     batches=BatchKind.PAIRS, evaluation=Evaluation.PREFERENCE_SCORE,
+                     trained_role=Role.REWARD, shown=("reward/loss", "reward/accuracy"))

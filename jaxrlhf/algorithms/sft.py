@@ -8,7 +8,9 @@ it samples.
 from __future__ import annotations
 
 from jaxrlhf.algorithms import losses
-from jaxrlhf.algorithms.spec import Algorithm, TrainSpec, model_inputs, response_logprobs
+from jaxrlhf.algorithms.spec import (
+    Algorithm, BatchKind, Evaluation, TrainSpec, model_inputs, response_logprobs,
+)
 from jaxrlhf.mfc import MFC, Call, Role
 
 SFT_KEYS = ("seq_tokens_bs", "seq_mask_bs", "response_mask_bn")
@@ -32,4 +34,5 @@ def make() -> Algorithm:
         name="sft",
         mfcs=(MFC("actor_train", Role.ACTOR, Call.TRAIN_STEP, SFT_KEYS, ("actor_stats",)),),
         train={Role.ACTOR: TrainSpec(_prepare, _loss)},
+        batches=BatchKind.SFT_ROWS, evaluation=Evaluation.SFT, shown=("actor/loss",),
     )

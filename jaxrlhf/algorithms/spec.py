@@ -9,6 +9,7 @@ batch (`prepare`, jitted on the train layout) and then runs `epochs × mini_batc
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,6 +43,23 @@ class TrainSpec:
     epochs: int = 1
 
 
+class BatchKind(enum.Enum):
+    """What one step of an algorithm is fed."""
+
+    PROMPTS = "prompts"  # RL: prompts; the step generates its own samples
+    SFT_ROWS = "sft_rows"  # prompt + reference response rows
+    PAIRS = "pairs"  # preference pairs, batched as chosen rows then rejected rows
+
+
+class Evaluation(enum.Enum):
+    """What the job's held-out "accuracy" (before and after training) means."""
+
+    EXACT_MATCH = "exact_match"  # greedy exact match of the actor on held-out prompts
+    SFT = "sft"  # exact match, plus the token NLL of the reference answers (eval_loss)
+    PREFERENCE_LOGP = "preference_logp"  # log π(chosen) > log π(rejected); plus exact match
+    PREFERENCE_SCORE = "preference_score"  # r(chosen) > r(rejected) of the reward model
+
+
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
     """An algorithm: the MFC list, train specs per trained role, and controller updates.
@@ -53,6 +71,10 @@ class Algorithm:
       controller_init: initial controller state (e.g. {"kl_coef": 0.1}); part of checkpoints.
       controller_update: (state, step stats) -> new state, run once per step on the host.
       temperature: sampling temperature of generation; log-probs everywhere use it.
+      batches: what a step is fed.
+      evaluation: what the held-out accuracy measures.
+      trained_role: the model the job evaluates and reports.
+      shown: metric keys of the progress bar.
     """
 
     name: str
@@ -61,6 +83,15 @@ class Algorithm:
     controller_init: Mapping[str, float] = dataclasses.field(default_factory=dict)
     controller_update: Callable[[Mapping[str, Any], Mapping[str, float]], dict] | None = None
     temperature: float = 1.0
+    batches: BatchKind = BatchKind.PROMPTS
+    evaluation: Evaluation = Evaluation.EXACT_MATCH
+    trained_role: Role = Role.ACTOR
+    shown: tuple[str, ...] = ("reward", "actor/kl")
+
+    @property
+    def offline(self) -> bool:
+        """Trains on a fixed dataset (no generation in the step)."""
+        return self.batches is not BatchKind.PROMPTS
 
 
 def model_inputs(tokens_bt: jax.Array, mask_bt: jax.Array) -> Batch:

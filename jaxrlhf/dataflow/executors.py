@@ -23,6 +23,7 @@ from jaxrlhf.data.tokenizer import Tokenizer, decode_response
 from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine.generate import Generator
 from jaxrlhf.engine.inference import InferenceBatch, InferenceFn
+from jaxrlhf.engine import microbatch
 from jaxrlhf.engine.microbatch import minibatches
 from jaxrlhf.engine.train_step import TrainStep
 from jaxrlhf.mfc import MFC
@@ -51,29 +52,59 @@ def _response_part(out, n: int) -> jax.Array:
     return out.scores_bk[:, 0]
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _split(arrays, k: int) -> list:
+    """k strided micro-batches (rows j::k) of every array [b, ...]: each stays spread over the
+    data-parallel devices (see engine.microbatch)."""
+    split_kb = microbatch.split(arrays, k)
+    return [jax.tree.map(lambda x, j=j: x[j], split_kb) for j in range(k)]
+
+
+@jax.jit
+def _merge(outputs: list):
+    """The inverse of `_split`: micro-batch j's row r back at row r·k + j."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs, 1).reshape(-1, *xs[0].shape[1:]), *outputs)
+
+
+def in_micro_batches(call: Callable, arrays, k: int):
+    """`call(arrays)` run as k sequential calls on strided micro-batches, outputs merged:
+    the same rows, a k-th of the activations live at a time."""
+    if k == 1:
+        return call(arrays, 0)
+    return _merge([call(part, j) for j, part in enumerate(_split(arrays, k))])
+
+
 def _inputs(mfc: MFC, buf: Buffer, layout: Layout, keys=None) -> dict[str, jax.Array]:
     return move_to(layout, {k: buf[k] for k in (keys or mfc.inputs)})
 
 
 def generate_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator: Generator,
-                      rng_of_step: Callable[[], jax.Array]):
+                      rng_of_step: Callable[[], jax.Array], micro_batches: int = 1):
     """Reads the MFC's first two inputs (prompt tokens [b, p], prompt mask [b, p]) and writes
     its outputs in order: sequence tokens [b, s], sequence mask [b, s], response mask [b, n],
     behaviour log-probs [b, n]. Keys come from the MFC, so a graph can hold several generate
-    calls (ReMax's sampled and greedy responses)."""
+    calls (ReMax's sampled and greedy responses). With `micro_batches` k > 1, micro-batch j
+    samples with fold_in(step rng, j)."""
     prompt_keys = mfc.inputs[:2]
 
     def run(buf: Buffer):
         inputs = _inputs(mfc, buf, layout, prompt_keys)
-        out = generator(model.params_on(layout), *(inputs[k] for k in prompt_keys),
-                        rng_of_step())
-        arrays = (out.sequences_bs, out.sequence_mask_bs, out.response_mask_bn, out.logprobs_bn)
+        params, rng = model.params_on(layout), rng_of_step()
+
+        def call(part, j: int):
+            key = rng if micro_batches == 1 else jax.random.fold_in(rng, j)
+            out = generator(params, *(part[k] for k in prompt_keys), key)
+            return (out.sequences_bs, out.sequence_mask_bs, out.response_mask_bn,
+                    out.logprobs_bn)
+
+        arrays = in_micro_batches(call, inputs, micro_batches)
         return dict(zip(mfc.outputs, arrays, strict=True))
 
     return run
 
 
-def inference_executor(mfc: MFC, model: ModelRuntime, layout: Layout, infer: InferenceFn):
+def inference_executor(mfc: MFC, model: ModelRuntime, layout: Layout, infer: InferenceFn,
+                       micro_batches: int = 1):
     """ref/actor log-probs, critic values or reward-model scores of sequences.
 
     The MFC's first three inputs name the sequences: tokens [b, s], mask [b, s], response mask
@@ -84,12 +115,15 @@ def inference_executor(mfc: MFC, model: ModelRuntime, layout: Layout, infer: Inf
 
     def run(buf: Buffer):
         inputs = _inputs(mfc, buf, layout, keys)
-        tokens_bs, mask_bs, response_mask_bn = (inputs[k] for k in keys)
-        n = response_mask_bn.shape[1]
-        batch = _padded_batch(tokens_bs, mask_bs)
-        out = infer(model.params_on(layout), batch)
+        n = inputs[keys[2]].shape[1]
+        params = model.params_on(layout)
+
+        def call(part, _):
+            return _response_part(infer(params, _padded_batch(part[keys[0]], part[keys[1]])), n)
+
+        out = in_micro_batches(call, inputs, micro_batches)
         model.after_call()
-        return {out_key: _response_part(out, n)}
+        return {out_key: out}
 
     return run
 

@@ -4,15 +4,15 @@ Modules, bottom up: `cluster` (what a cluster is), `profile` (a model in numbers
 (graph + models + workload), `choice` (a plan), `cost` and `memory` (the analytic models: MFC
 time, parameter movements, bytes per device), `simulator` (ReaL's Algorithm 1), `evaluate`
 (scoring with caches), `space` (legal choices), `search` (baselines, annealing, exhaustive),
-`report`; `python -m jaxrlhf.plan` is the CLI.
+`allocation` (a plan as text, round-tripping), `report`; `python -m jaxrlhf.plan` is the CLI.
 """
 
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster, load_cluster
-from jaxrlhf.plan.experiment import Experiment, Workload, experiment_from_config
+from jaxrlhf.plan.experiment import Experiment, Workload
 from jaxrlhf.plan.search import SearchOptions, SearchReport, search
 
 __all__ = [
     "CallChoice", "Cluster", "ExecutionPlan", "Experiment", "SearchOptions", "SearchReport",
-    "Workload", "experiment_from_config", "load_cluster", "search",
+    "Workload", "load_cluster", "search",
 ]

@@ -3,7 +3,8 @@
 Searches an execution plan for an experiment on a cluster and prints it beside the baselines
 (colocate, standalone, split, interleave), as tables like ReaL's Tables 2-6, with the step time
 of each and the searched plan's speedup; `--json` prints one JSON object instead. The searched
-plan's `placement.allocation` line can be pasted into a run (`placement.kind=manual`).
+plan's `placement.allocation` line (micro-batches included, `@N`) can be pasted into a run
+(`placement.kind=manual`); `placement.kind=auto` runs the same plan object.
 
 Two modes run the config's MFCs on this machine's devices, which must be the cluster's:
   * `--calibrate` times the MFCs under a few strategies and batch sizes (`--probes`, default
@@ -26,7 +27,6 @@ from ml_collections import config_flags
 from jaxrlhf.plan import report as report_lib
 from jaxrlhf.plan.cluster import Cluster, load_cluster, save_calibration
 from jaxrlhf.plan.evaluate import SimOptions
-from jaxrlhf.plan.experiment import experiment_from_config
 from jaxrlhf.plan.search import SearchOptions, search
 from jaxrlhf.plan.simulator import dispatch_order
 
@@ -64,7 +64,7 @@ def _use_devices(cluster: Cluster) -> None:
 
 
 def _calibrate(config, cluster: Cluster) -> None:
-    from jaxrlhf.plan import calibrate
+    from jaxrlhf.calibration import calibrate
 
     probes = (calibrate.parse_probes(_PROBES.value) if _PROBES.value
               else calibrate.default_probes(config, cluster))
@@ -86,7 +86,7 @@ def _calibrate(config, cluster: Cluster) -> None:
 
 
 def _validate(config, cluster: Cluster) -> None:
-    from jaxrlhf.plan import validate
+    from jaxrlhf.calibration import validate
 
     source = cluster.calibration().source or "uncalibrated: the cluster file's efficiencies"
     print(f"validating the configured plan on {cluster.name} ({source})", flush=True)
@@ -96,7 +96,9 @@ def _validate(config, cluster: Cluster) -> None:
 
 
 def _search(config, cluster: Cluster) -> None:
-    experiment = experiment_from_config(config)
+    from jaxrlhf.spec import run_spec
+
+    experiment = run_spec(config).experiment()
     options = SearchOptions(iterations=_ITERATIONS.value, time_limit_s=_TIME_LIMIT.value,
                             seed=_SEED.value)
     report = search(experiment, cluster, options, SimOptions(overlap_steps=_OVERLAP.value))

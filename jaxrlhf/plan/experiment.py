@@ -1,37 +1,21 @@
 """What the planner plans: the dataflow graph, each role's model, and the per-step workload.
 
-`experiment_from_config` reads an experiment config (the `configs/*.py` schema of
-`jaxrlhf/schema.py`): algorithm, models.<role>.{size, dtype, param_dtype, remat}, rollout
-(batch_size, group_size, max_prompt_len, max_new_tokens), ppo.{mini_batches, epochs},
-optimizer.<role>.fp32_master, reward.kind and placement.offload_frozen. Benchmarks measure like
-the papers (generation forced to max length), so the workload is the maximum shapes.
+A run's `Experiment` comes from its spec (`jaxrlhf.spec.RunSpec.experiment`): the planner never
+reads a config. Benchmarks measure like the papers (generation forced to max length), so the
+workload is the maximum shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 from collections.abc import Mapping
 
-import jax.numpy as jnp
-from ml_collections import ConfigDict
 
-from jaxrlhf.algorithms import ppo
-from jaxrlhf.dataflow.graph import DataflowGraph, build_graph
+from jaxrlhf.dataflow.graph import DataflowGraph
 from jaxrlhf.mfc import MFC, Call, Role
-from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
-from jaxrlhf.models.sizes import get_size
+from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.plan.profile import ModelProfile, profile_of
-
-
-class Algorithm(enum.Enum):
-    PPO = "ppo"
-
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_HEADS = {Role.ACTOR: HeadKind.LM, Role.REF: HeadKind.LM, Role.CRITIC: HeadKind.SCALAR,
-          Role.REWARD: HeadKind.SCALAR, Role.COST: HeadKind.SCALAR}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,52 +135,3 @@ class Experiment:
 
     def host_mfc_seconds(self, name: str) -> float:
         return dict(self.host_seconds).get(name, 0.0)
-
-
-def _dtype(name: str, field: str):
-    if name not in _DTYPES:
-        raise ValueError(f"{field}={name!r} is not one of: {', '.join(_DTYPES)}")
-    return _DTYPES[name]
-
-
-def model_config_from(cfg: ConfigDict, role: Role, field: str) -> ModelConfig:
-    """A role's ModelConfig from its `models.<role>` entry (registry sizes only)."""
-    try:
-        remat = RematPolicy(cfg.remat)
-    except ValueError:
-        raise ValueError(f"{field}.remat={cfg.remat!r} is not one of: "
-                         f"{', '.join(p.value for p in RematPolicy)}") from None
-    return get_size(cfg.size, dtype=_dtype(cfg.dtype, f"{field}.dtype"),
-                    param_dtype=_dtype(cfg.param_dtype, f"{field}.param_dtype"),
-                    head=_HEADS[role], scan_layers=cfg.scan_layers, remat=remat)
-
-
-def _mfcs(config: ConfigDict) -> tuple[MFC, ...]:
-    try:
-        algorithm = Algorithm(config.algorithm)
-    except ValueError:
-        raise ValueError(f"algorithm={config.algorithm!r}: the planner knows "
-                         f"{', '.join(a.value for a in Algorithm)}") from None
-    match algorithm:
-        case Algorithm.PPO:
-            return ppo.mfcs(reward_model=config.reward.kind == "model")
-
-
-def experiment_from_config(config: ConfigDict) -> Experiment:
-    """The planner's view of an experiment config."""
-    graph = build_graph(_mfcs(config))
-    models, master = {}, {}
-    for role in graph.roles():
-        if all(m.host for m in graph.calls_of(role)):
-            continue
-        models[role] = model_config_from(config.models[role.value], role, f"models.{role.value}")
-        if any(m.call is Call.TRAIN_STEP for m in graph.calls_of(role)):
-            master[role] = bool(config.optimizer[role.value].fp32_master)
-    r = config.rollout
-    workload = Workload(
-        batch_size=r.batch_size * r.group_size, prompt_len=r.max_prompt_len,
-        new_tokens=r.max_new_tokens, mini_batches=config.ppo.mini_batches,
-        epochs=config.ppo.epochs,
-    )
-    return Experiment.of(graph, models, workload, fp32_master=master,
-                         offload_frozen=bool(config.placement.offload_frozen))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from jaxrlhf.plan.allocation import format_allocation
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.search import PlanResult, SearchReport
@@ -78,10 +79,11 @@ def summary(report: SearchReport) -> str:
 
 
 def allocation(result: PlanResult) -> str:
-    """The plan as the runtime's `placement.allocation` string (with placement.kind=manual)."""
+    """The plan as the runtime's `placement.allocation` string (with placement.kind=manual),
+    micro-batches included: it round-trips (`plan.allocation.parse_allocation`)."""
     if result.plan is None:
         return ""
-    return ",".join(f"{name}={spec}" for name, spec in result.plan.layout_specs().items())
+    return format_allocation(result.plan)
 
 
 def _plan_json(result: PlanResult, cluster: Cluster) -> dict:

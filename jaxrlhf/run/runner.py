@@ -13,9 +13,6 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
-from ml_collections import ConfigDict
-
-from jaxrlhf import experiment
 from jaxrlhf.algorithms.spec import Algorithm
 from jaxrlhf.data.rewards import RewardPool
 from jaxrlhf.dataflow import executors as ex
@@ -23,8 +20,8 @@ from jaxrlhf.dataflow.graph import DataflowGraph
 from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.dataflow.scheduler import Scheduler, StepTiming
 from jaxrlhf.mfc import Call, Role
-from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.parallel.reshard import fetch
+from jaxrlhf.run.layouts import RunPlan
 
 
 @dataclasses.dataclass
@@ -40,21 +37,18 @@ class Runner:
     Args:
       algorithm: the algorithm (MFCs, train specs, controller).
       graph: its validated graph.
-      plan: its layouts.
-      models: role -> ModelConfig.
+      plan: its layouts and per-MFC micro-batches.
       runtimes: role -> ModelRuntime holding the parameters.
-      config: the experiment config (rollout shapes, micro-batching).
-      tokenizer: for host rewards and generation ids.
+      engines: MFC name -> its engine call (Generator, InferenceFn, TrainStep), every model MFC.
+      tokenizer: for host rewards.
       host_pools: role -> process pool of each role the graph runs as a host function
         (reward, cost); empty if it has none.
-      optimizers: role -> OptimizerConfig for trained roles.
       seed: generation randomness; step s uses fold_in(key(seed), s).
     """
 
-    def __init__(self, algorithm: Algorithm, graph: DataflowGraph, plan: experiment.LayoutPlan,
-                 models: dict[Role, ModelConfig], runtimes: dict[Role, ModelRuntime],
-                 config: ConfigDict, tokenizer, host_pools: Mapping[Role, RewardPool],
-                 optimizers: dict, seed: int):
+    def __init__(self, algorithm: Algorithm, graph: DataflowGraph, plan: RunPlan,
+                 runtimes: dict[Role, ModelRuntime], engines: dict, tokenizer,
+                 host_pools: Mapping[Role, RewardPool], seed: int):
         self.algorithm, self.graph, self.plan = algorithm, graph, plan
         self.runtimes = runtimes
         self.controller = dict(algorithm.controller_init)
@@ -62,7 +56,7 @@ class Runner:
         self._rng = jax.random.key(seed)
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-wait")
         self._reward_errors = 0
-        self.engines = {}
+        self.engines = engines
         executors, devices = {}, {}
         for name in graph.order:
             mfc = graph.mfc(name)
@@ -73,18 +67,17 @@ class Runner:
                 continue
             layout = plan.layouts[name]
             devices[name] = frozenset(d.id for d in layout.devices)
-            engine = experiment.engine_call(mfc, models[mfc.role], layout, config, tokenizer,
-                                            algorithm, optimizers.get(mfc.role))
-            self.engines[name] = engine
-            executors[name] = self._executor(mfc, runtimes[mfc.role], layout, engine)
+            executors[name] = self._executor(mfc, runtimes[mfc.role], layout, engines[name],
+                                             plan.micro_batches(name))
         self.scheduler = Scheduler(graph, executors, devices)
 
-    def _executor(self, mfc, runtime, layout, engine):
+    def _executor(self, mfc, runtime, layout, engine, micro_batches: int):
         match mfc.call:
             case Call.GENERATE:
-                return ex.generate_executor(mfc, runtime, layout, engine, self._step_rng)
+                return ex.generate_executor(mfc, runtime, layout, engine, self._step_rng,
+                                            micro_batches)
             case Call.INFERENCE:
-                return ex.inference_executor(mfc, runtime, layout, engine)
+                return ex.inference_executor(mfc, runtime, layout, engine, micro_batches)
             case Call.TRAIN_STEP:
                 spec = self.algorithm.train[mfc.role]
                 return ex.train_executor(mfc, runtime, layout, spec, engine,

@@ -27,10 +27,12 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxrlhf.plan import memory as memory_lib
-from jaxrlhf.plan import measure, simulator
+from jaxrlhf.calibration import measure
+from jaxrlhf.plan import simulator
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.evaluate import Evaluation, Evaluator
-from jaxrlhf.plan.experiment import Experiment, experiment_from_config
+from jaxrlhf.plan.experiment import Experiment
+from jaxrlhf.spec import run_spec
 
 
 def _per_device_bytes(info, sharding) -> int:
@@ -121,7 +123,7 @@ def validate_run(run: measure.LiveRun, cluster: Cluster, steps: int) -> Validati
     and compares them, and its compiled MFCs, with the planner's models."""
     if steps < 1:
         raise ValueError(f"validation needs at least one timed step, got {steps}")
-    experiment = experiment_from_config(run.config)
+    experiment = run.spec.experiment()
     timings = run.steps(1 + steps)[1:]
     plan = run.plan
     memory = memory_checks(run, experiment)

@@ -35,9 +35,10 @@ from jaxrlhf.mfc import MFC, Role
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.parallel.strategy import Strategy
 from jaxrlhf.plan import cost as cost_lib
-from jaxrlhf.plan import measure
+from jaxrlhf.calibration import measure
 from jaxrlhf.plan.cluster import OVERHEADS, Calibration, Cluster, calibration_candidates
-from jaxrlhf.plan.experiment import Experiment, experiment_from_config
+from jaxrlhf.plan.experiment import Experiment
+from jaxrlhf.spec import run_spec
 
 Log = Callable[[str], None]
 
@@ -86,7 +87,7 @@ def default_probes(config: ConfigDict, cluster: Cluster) -> tuple[Probe, ...]:
     candidates = [Strategy(data=n)]
     if n % 2 == 0:
         candidates += [Strategy(data=n // 2, tensor=2), Strategy(fsdp=n)]
-    models = [model for _, model in experiment_from_config(config).models]
+    models = [model for _, model in run_spec(config).experiment().models]
     mini_batches = config.ppo.mini_batches
     probes = []
     for strategy in candidates:
@@ -140,7 +141,7 @@ def records_of(run: measure.LiveRun, times: dict[str, measure.Timing],
     """Records of the MFCs timed in `run` (their reallocations apart: a call off its model's
     home layout copies a new parameter version every round, as every round trains), and of the
     frozen models' trips to host memory and back."""
-    experiment = experiment_from_config(run.config)
+    experiment = run.spec.experiment()
     plan = run.plan
     records = []
     for name, t in times.items():

@@ -1,7 +1,7 @@
 """Measuring an RL config on the present devices: the runtime side of `--calibrate`/`--validate`.
 
-`LiveRun` builds what the training job builds (`trainer.setup_rl`, `trainer.make_runner`) from
-freshly initialised parameters (`parallel.layout.init_params`; no warm start: neither time nor
+`LiveRun` builds what the training job builds (`run.check_config`, `run.build.fresh_runner`)
+from freshly initialised parameters (`parallel.layout.init_params`; no warm start: neither time nor
 memory depends on the weights), with the config's data and host reward pools. Then:
   * `steps(n)` runs n scheduler steps and returns their `StepTiming`s (the first one compiles);
   * `time_rounds(n)` times, n times over, each model MFC on its own (its executor on the last
@@ -11,8 +11,8 @@ memory depends on the weights), with the config's data and host reward pools. Th
   * `compiled(name)` returns the MFC's compiled executables, whose `memory_analysis()` is XLA's
     own account of its memory.
 
-`LiveRun.plan` is the runtime's placement in the planner's terms (`choice_of`), so predictions
-and measurements refer to the same plan.
+`LiveRun.plan` is the runtime's plan object, the planner's `ExecutionPlan`, so predictions and
+measurements refer to the same plan.
 """
 
 from __future__ import annotations
@@ -30,48 +30,21 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxrlhf import trainer
 from jaxrlhf.data import datasets
 from jaxrlhf.data.encode import prompt_batch
-from jaxrlhf.data.tokenizer import load_tokenizer
 from jaxrlhf.dataflow.scheduler import StepTiming
-from jaxrlhf.engine import microbatch
 from jaxrlhf.engine.buckets import CompileCache
-from jaxrlhf.engine.generate import Generator
-from jaxrlhf.engine.inference import InferenceFn
-from jaxrlhf.engine.train_step import TrainStep
-from jaxrlhf.mfc import MFC, Call, Role
-from jaxrlhf.parallel.layout import Layout, init_params
+from jaxrlhf.mfc import Role
+from jaxrlhf.parallel.layout import init_params
 from jaxrlhf.parallel.reshard import offload_to_host, onload
-from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
-from jaxrlhf.plan.experiment import Workload, experiment_from_config
-
-
-def train_micro_batches(config: ConfigDict, workload: Workload, dp_size: int) -> int:
-    """The micro-batches the runtime's train_step cuts one update's rows into."""
-    cfg = (microbatch.MicrobatchConfig.by_token_budget(config.micro_batch_tokens)
-           if config.micro_batch_tokens else
-           microbatch.MicrobatchConfig.by_count(config.micro_batches))
-    return microbatch.num_microbatches(cfg, workload.rows(Call.TRAIN_STEP), workload.seq_len,
-                                       dp_size)
-
-
-def choice_of(mfc: MFC, layout: Layout, config: ConfigDict, workload: Workload) -> CallChoice:
-    """The planner's view of where and how the runtime runs `mfc` (only train_step micro-batches;
-    generation and inference run the whole batch in one jit call)."""
-    micro = (train_micro_batches(config, workload, layout.dp_size)
-             if mfc.call is Call.TRAIN_STEP else 1)
-    return CallChoice.of(layout.strategy, micro_batches=micro)
+from jaxrlhf.plan.choice import ExecutionPlan
+from jaxrlhf.run import build
+from jaxrlhf.run.check import Job, check_config
 
 
 def compile_cache_of(engine) -> CompileCache:
-    """The CompileCache of an engine call object."""
-    match engine:
-        case Generator() | InferenceFn():
-            return engine.compile_cache
-        case TrainStep():
-            return engine.cache
-    raise TypeError(f"not an engine call: {type(engine).__name__}")
+    """The CompileCache of an engine call object (Generator, InferenceFn, TrainStep)."""
+    return engine.compile_cache
 
 
 def _spread(samples: Sequence[float]) -> float:
@@ -133,28 +106,24 @@ def _block(outputs) -> None:
 class LiveRun:
     """A config's RL runner on the present devices (use `live_run`, which closes the pools)."""
 
-    def __init__(self, config: ConfigDict, pools, workdir: pathlib.Path, seed: int = 0):
-        self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer)
-        self.setup = trainer.setup_rl(config, self.tokenizer)
-        data = trainer.load_data(config, workdir)
-        home = self.setup.plan.home(self.setup.graph, Role.ACTOR)
-        params = init_params(self.setup.models[Role.ACTOR], home, jax.random.key(seed))
-        self.runner = trainer.make_runner(self.setup, config, params, self.tokenizer, pools)
-        r = config.rollout
-        self._prompts = datasets.EpochIterator(data.train, r.batch_size, seed=seed)
+    def __init__(self, job: Job, pools, seed: int = 0):
+        self.job, self.spec = job, job.spec
+        self.tokenizer = job.tokenizer
+        data = build.load_data(self.spec, job.workdir)
+        home = job.plan.home(self.spec.graph, Role.ACTOR)
+        params = init_params(self.spec.models[Role.ACTOR].config, home, jax.random.key(seed))
+        self.runner = build.fresh_runner(job, pools, params)
+        self._prompts = datasets.EpochIterator(data.train, self.spec.rollout.batch_size,
+                                               seed=seed)
         self._buffer = None
 
     @property
     def plan(self) -> ExecutionPlan:
-        """The runtime's plan, as the planner writes it."""
-        workload = experiment_from_config(self.config).workload
-        return ExecutionPlan.of({
-            name: choice_of(self.setup.graph.mfc(name), layout, self.config, workload)
-            for name, layout in self.setup.plan.layouts.items()})
+        """The plan the runtime runs (layouts and micro-batches of every model MFC)."""
+        return self.job.plan.plan
 
     def _batch(self) -> dict:
-        r = self.config.rollout
+        r = self.spec.rollout
         return prompt_batch(next(self._prompts), self.tokenizer, r.max_prompt_len, r.group_size)
 
     def steps(self, n: int) -> list[StepTiming]:
@@ -168,7 +137,7 @@ class LiveRun:
 
     def model_mfcs(self) -> list[str]:
         """Model MFC names in dispatch order."""
-        graph = self.setup.graph
+        graph = self.spec.graph
         order = self.runner.scheduler.dispatch_order(set(graph.dataset_keys))
         return [n for n in order if not graph.mfc(n).host]
 
@@ -179,7 +148,7 @@ class LiveRun:
         executors = self.runner.scheduler.executors
         times = {}
         for name in self.model_mfcs():
-            counters = self.runner.runtimes[self.setup.graph.mfc(name).role].counters
+            counters = self.runner.runtimes[self.spec.graph.mfc(name).role].counters
             moved = counters.realloc_seconds + counters.offload_seconds
             start = time.perf_counter()
             _block(executors[name](self._buffer))
@@ -228,10 +197,11 @@ class LiveRun:
 @contextlib.contextmanager
 def live_run(config: ConfigDict, seed: int = 0) -> Iterator[LiveRun]:
     """A `LiveRun` with its reward pools and a scratch directory for the built-in task's data."""
-    with tempfile.TemporaryDirectory(prefix="jaxrlhf-measure-") as workdir, \
-            trainer.host_pools(config) as pools:
-        run = LiveRun(config, pools, pathlib.Path(workdir), seed)
-        try:
-            yield run
-        finally:
-            run.close()
+    with tempfile.TemporaryDirectory(prefix="jaxrlhf-measure-") as workdir:
+        job = check_config(config, workdir)
+        with build.host_pools(job.spec) as pools:
+            run = LiveRun(job, pools, seed)
+            try:
+                yield run
+            finally:
+                run.close()

@@ -1,0 +1,220 @@
+"""Building a run from its job: data, engine calls, model states and runtimes, reward pools,
+the runner. The only place these are written out (train, bench, calibration and tests use it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.algorithms.spec import Algorithm
+from jaxrlhf.data import datasets, tasks
+from jaxrlhf.data.rewards import RewardPool
+from jaxrlhf.dataflow.runtime import ModelRuntime
+from jaxrlhf.engine.generate import make_generate_fn
+from jaxrlhf.engine.inference import InferenceConfig, InferenceKind, make_inference_fn
+from jaxrlhf.engine.microbatch import MicrobatchConfig
+from jaxrlhf.engine.optimizer import OptimizerConfig
+from jaxrlhf.engine.train_step import TrainState, create_train_state, make_train_step
+from jaxrlhf.mfc import MFC, Call, Role
+from jaxrlhf.models import hf_io
+from jaxrlhf.models.config import HeadKind, ModelConfig
+from jaxrlhf.models.sizes import abstract_params
+from jaxrlhf.parallel.layout import Layout, init_params
+from jaxrlhf.parallel.reshard import reshard
+from jaxrlhf.run.check import Job
+from jaxrlhf.run.layouts import RunPlan
+from jaxrlhf.run.runner import Runner
+from jaxrlhf.spec import RolloutSpec, RunSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    train: list
+    eval: list
+    sft: list
+
+
+def task_dir(workdir: pathlib.Path) -> pathlib.Path:
+    """Where the built-in task's files go: one directory per process, so that processes sharing
+    a workdir never read a file another one is still writing."""
+    if jax.process_count() == 1:
+        return workdir / "data"
+    return workdir / "data" / f"process_{jax.process_index()}"
+
+
+def load_data(spec: RunSpec, workdir: pathlib.Path) -> Data:
+    """User files when given, else the built-in task written to workdir/data (same reader)."""
+    d = spec.data
+    if not d.train_path:
+        files = tasks.write_task(d.task, task_dir(workdir))
+        paths = (files.train, files.eval, files.sft)
+    else:
+        paths = (d.train_path, d.eval_path or d.train_path, d.sft_path)
+    kinds = (datasets.RowKind.PROMPT, datasets.RowKind.PROMPT, datasets.RowKind.SFT)
+    return Data(*[datasets.read_rows(p, k) if p else [] for p, k in zip(paths, kinds)])
+
+
+def load_preferences(spec: RunSpec, workdir: pathlib.Path):
+    """(train pairs, held-out pairs): user files, or the built-in task's pairs."""
+    d = spec.data
+    if d.preference_path:
+        path = d.preference_path
+    elif d.train_path:
+        raise ValueError(f"algorithm={spec.name.value} with user data needs "
+                         "data.preference_path")
+    else:  # writing the deterministic task again yields the same files, and their paths
+        path = tasks.write_task(d.task, task_dir(workdir)).preference
+    rows = datasets.read_rows(path, datasets.RowKind.PREFERENCE)
+    if d.preference_eval_path:
+        return rows, datasets.read_rows(d.preference_eval_path, datasets.RowKind.PREFERENCE)
+    holdout = d.preference_holdout
+    if not 0 < holdout < len(rows) - spec.rollout.batch_size:
+        raise ValueError(f"data.preference_holdout={holdout} must leave at least one batch of "
+                         f"the {len(rows)} pairs in {path} for training")
+    return rows[:-holdout], rows[-holdout:]
+
+
+# --- engine calls --------------------------------------------------------------------------
+
+
+def engine_call(mfc: MFC, model: ModelConfig, layout: Layout, micro_batches: int,
+                rollout: RolloutSpec, tokenizer, algorithm: Algorithm,
+                opt: OptimizerConfig | None):
+    """The compiled-on-first-use engine object of one MFC."""
+    match mfc.call:
+        case Call.GENERATE:
+            return make_generate_fn(model, rollout.generate(tokenizer, greedy=mfc.greedy),
+                                    layout, prompt_buckets=(rollout.max_prompt_len,))
+        case Call.INFERENCE:
+            kind = (InferenceKind.LOGPROBS if model.head is HeadKind.LM
+                    else InferenceKind.VALUES if mfc.role in (Role.CRITIC, Role.COST_CRITIC)
+                    else InferenceKind.SCORES)
+            cfg = InferenceConfig(kind, temperature=algorithm.temperature or 1.0)
+            return make_inference_fn(model, cfg, layout, length_buckets=(rollout.seq_len,))
+        case Call.TRAIN_STEP:
+            return make_train_step(model, layout, algorithm.train[mfc.role].loss_fn, opt,
+                                   MicrobatchConfig.by_count(micro_batches))
+
+
+def engines(spec: RunSpec, algorithm: Algorithm, plan: RunPlan, tokenizer,
+            optimizers: dict[Role, OptimizerConfig]) -> dict:
+    """MFC name -> engine call, every model MFC of `algorithm` on `plan`."""
+    out = {}
+    for mfc in algorithm.mfcs:
+        if not mfc.host:
+            out[mfc.name] = engine_call(mfc, spec.models[mfc.role].config, plan.layouts[mfc.name],
+                                        plan.micro_batches(mfc.name), spec.rollout, tokenizer,
+                                        algorithm, optimizers.get(mfc.role))
+    return out
+
+
+# --- model states --------------------------------------------------------------------------
+
+
+def initial_actor_params(spec: RunSpec, layout: Layout):
+    """The actor's parameters on `layout`: from its HF directory, else freshly initialised."""
+    model = spec.base
+    if model.path:
+        shardings = layout.param_shardings(abstract_params(model.config))
+        return hf_io.load_hf(model.path, shardings=shardings, dtype=model.config.dtype,
+                             param_dtype=model.config.param_dtype)[1]
+    return init_params(model.config, layout, jax.random.key(spec.seed))
+
+
+def independent_copy(params, shardings):
+    """`params` on `shardings` in buffers of their own.
+
+    reshard returns a leaf as is when its sharding does not change; a model that must outlive
+    the source's donation (ref and critic start from the actor) needs its own buffers.
+    """
+    moved, _ = reshard(params, shardings)
+    return jax.tree.map(lambda new, old: jnp.copy(new) if new is old else new, moved, params)
+
+
+def frozen_copy(params, model: ModelConfig, layout: Layout):
+    """A copy of `params` on `layout`, independent of the source."""
+    return independent_copy(params, layout.param_shardings(abstract_params(model)))
+
+
+def critic_from_actor(actor_params, critic_model: ModelConfig, layout: Layout):
+    """The critic (or reward model) starts from the actor's trunk with a zero value head."""
+    trunk = {k: v for k, v in actor_params.items() if k != "lm_head"}
+    shardings = layout.param_shardings(abstract_params(critic_model))
+    score_sharding = shardings.pop("score")
+    params = independent_copy(trunk, shardings)
+    params["score"] = jax.device_put(
+        jnp.zeros((critic_model.hidden_size, 1), critic_model.param_dtype), score_sharding)
+    return params
+
+
+def initial_states(spec: RunSpec, plan: RunPlan, params) -> dict:
+    """Every model's state at the start of training, from the (warm-started) actor parameters:
+    TrainStates of trained models, parameters of frozen ones."""
+    states = {}
+    for role, model in spec.model_configs().items():
+        home = plan.home(spec.graph, role)
+        opt = spec.optimizers.get(role)
+        match role:
+            case Role.ACTOR:
+                states[role] = create_train_state(params, model, home, opt)
+            case Role.REF:
+                states[role] = frozen_copy(params, model, home)
+            case Role.CRITIC | Role.COST_CRITIC:
+                states[role] = create_train_state(critic_from_actor(params, model, home), model,
+                                                  home, opt)
+            case Role.REWARD if opt is not None:  # reward modelling: trained from the trunk
+                states[role] = create_train_state(critic_from_actor(params, model, home), model,
+                                                  home, opt)
+            case _:
+                raise ValueError(f"models.{role.value}: reward/cost models need models."
+                                 f"{role.value}.path (a trained HF model directory)")
+    return states
+
+
+def runtimes(spec: RunSpec, plan: RunPlan, states: dict) -> dict[Role, ModelRuntime]:
+    """ModelRuntimes around initial or checkpointed states (TrainState = trained)."""
+    graph = spec.graph
+    devices_of = {role: {d.id for m in graph.calls_of(role) if not m.host
+                         for d in plan.layouts[m.name].devices} for role in spec.models}
+    # A frozen model waits in host memory only where its devices hold other models too.
+    shares = lambda role: any(devices_of[role] & ds for r, ds in devices_of.items() if r != role)
+    out = {}
+    for role, model in spec.model_configs().items():
+        home = plan.home(graph, role)
+        if isinstance(states[role], TrainState):
+            out[role] = ModelRuntime(role, model, home, state=states[role])
+        else:
+            offload = spec.placement.offload_frozen and shares(role)
+            out[role] = ModelRuntime(role, model, home, offload=offload, params=states[role])
+    return out
+
+
+@contextlib.contextmanager
+def host_pools(spec: RunSpec):
+    """One RewardPool per role the algorithm runs as a host function (reward, cost)."""
+    with contextlib.ExitStack() as stack:
+        yield {role: stack.enter_context(RewardPool(r.function, num_workers=r.workers,
+                                                    timeout_s=r.timeout))
+               for role, r in spec.rewards.items()}
+
+
+def runner(job: Job, states: dict, pools) -> Runner:
+    """The job's runner around `states` (see `initial_states`, or a checkpoint's)."""
+    spec = job.spec
+    calls = engines(spec, spec.algorithm, job.plan, job.tokenizer, dict(spec.optimizers))
+    return Runner(spec.algorithm, spec.graph, job.plan, runtimes(spec, job.plan, states), calls,
+                  job.tokenizer, pools, spec.seed)
+
+
+def fresh_runner(job: Job, pools, actor_params=None) -> Runner:
+    """The runner with every model started from `actor_params` (default: freshly initialised
+    on the actor's home layout)."""
+    if actor_params is None:
+        home = job.plan.home(job.spec.graph, job.spec.algorithm.trained_role)
+        actor_params = initial_actor_params(job.spec, home)
+    return runner(job, initial_states(job.spec, job.plan, actor_params), pools)

@@ -1,0 +1,105 @@
+"""A run spec checked against files and devices, once, before anything compiles: a `Job`.
+
+`prepare(spec, workdir)` loads the tokenizer, checks the reward functions, model directories
+and vocabularies, resolves the placement (`placement.kind=auto` searches here, once), and reads
+the user's data files (a bad row is named by file:line). The job then runs what was checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import tempfile
+
+from ml_collections import ConfigDict
+
+from jaxrlhf.data import datasets
+from jaxrlhf.data.rewards import resolve_reward
+from jaxrlhf.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from jaxrlhf.mfc import Role
+from jaxrlhf.models import hf_io
+from jaxrlhf.run.layouts import RunPlan, place
+from jaxrlhf.spec import ConfigError, RunSpec, field, run_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A checked run: its spec, tokenizer and plan, and the directory it writes to."""
+
+    spec: RunSpec
+    tokenizer: Tokenizer
+    plan: RunPlan
+    workdir: pathlib.Path
+
+
+def _check_workdir(workdir: str) -> None:
+    path = pathlib.Path(workdir)
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+        pass
+
+
+def _check_model_files(spec: RunSpec, role: Role) -> None:
+    path = spec.models[role].path
+    if role in (Role.REWARD, Role.COST) and not path:
+        raise ConfigError(f"models.{role.value}.path: {role.value}.kind=model needs a trained "
+                          "Hugging Face model directory")
+    if path and not any((pathlib.Path(path) / f).is_file()
+                        for f in (hf_io.SINGLE_FILE, hf_io.INDEX_FILE)):
+        raise ConfigError(f"models.{role.value}.path={path!r}: no {hf_io.SINGLE_FILE} or "
+                          f"{hf_io.INDEX_FILE} (a Hugging Face model directory has its weights)")
+
+
+def _check_data(spec: RunSpec) -> None:
+    """User files parse; the prompt file holds at least one batch."""
+    d = spec.data
+    if not d.train_path:
+        return  # the built-in task, already checked by run_spec
+    kinds = {"data.train_path": (d.train_path, datasets.RowKind.PROMPT),
+             "data.eval_path": (d.eval_path, datasets.RowKind.PROMPT),
+             "data.sft_path": (d.sft_path, datasets.RowKind.SFT),
+             "data.preference_path": (d.preference_path, datasets.RowKind.PREFERENCE),
+             "data.preference_eval_path": (d.preference_eval_path, datasets.RowKind.PREFERENCE)}
+    rows = {}
+    for name, (path, kind) in kinds.items():
+        if path:
+            with field(name):
+                rows[name] = datasets.read_rows(path, kind)
+    batch = spec.rollout.batch_size
+    if len(rows["data.train_path"]) < batch:
+        raise ConfigError(f"rollout.batch_size={batch}: more than the "
+                          f"{len(rows['data.train_path'])} rows of {d.train_path}")
+
+
+def prepare(spec: RunSpec, workdir: str, devices=None) -> Job:
+    """Every check that needs no compile, roughly in the order a user would fix them.
+
+    Raises:
+      ConfigError: one line naming the field and the problem.
+    """
+    with field("workdir"):
+        _check_workdir(workdir)
+    with field("tokenizer"):
+        tokenizer = load_tokenizer(spec.tokenizer)
+    for role, reward in spec.rewards.items():
+        with field(f"{'reward' if role is Role.REWARD else 'cost'}.function"):
+            resolve_reward(reward.function)
+    for role, model in spec.models.items():
+        _check_model_files(spec, role)
+        with field(f"models.{role.value}"):
+            check_vocab(tokenizer, model.config.vocab_size)
+    with field("placement"):
+        plan = place(spec, devices)
+    w = spec.warm_start
+    if Role.ACTOR in spec.models and w.steps:
+        home = plan.home(spec.graph, Role.ACTOR)
+        if w.batch_size % home.dp_size:
+            raise ConfigError(f"warm_start.batch_size={w.batch_size}: does not split "
+                              f"{home.dp_size} ways over the actor's layout {home}")
+    _check_data(spec)
+    return Job(spec, tokenizer, plan, pathlib.Path(workdir))
+
+
+def check_config(config: ConfigDict, workdir: str, devices=None) -> Job:
+    """`prepare(run_spec(config), ...)`: the config checked end to end, as the entry point does."""
+    return prepare(run_spec(config), workdir, devices)

@@ -1,0 +1,466 @@
+"""The run spec: an experiment config turned, once, into frozen typed specs.
+
+`run_spec(config)` is the last place a `ConfigDict` exists. It checks every key against
+`jaxrlhf/schema.py` (names and types), every range, and every enum, builds the algorithm, its
+graph and each role's `ModelConfig`, and returns a `RunSpec`; everything below takes the parts
+it needs. A problem is a `ConfigError`: one line naming the field (`field: problem`).
+The checks that need files, devices or the planner run on the spec (`jaxrlhf.run.check`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import enum
+import functools
+import pathlib
+import re
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+from ml_collections import ConfigDict
+
+from jaxrlhf.algorithms import dpo, grpo, ppo, remax, rw, safe_rlhf, sft
+from jaxrlhf.algorithms import kl as kl_lib
+from jaxrlhf.algorithms import losses
+from jaxrlhf.algorithms.spec import Algorithm, BatchKind
+from jaxrlhf.checkpoint import CheckpointConfig, NanPolicy
+from jaxrlhf.data import tasks
+from jaxrlhf.dataflow.graph import DataflowGraph, build_graph
+from jaxrlhf.dataflow.placement import Placement
+from jaxrlhf.engine.generate import GenerateConfig
+from jaxrlhf.engine.microbatch import MicrobatchConfig
+from jaxrlhf.engine.optimizer import OptimizerConfig
+from jaxrlhf.mfc import Call, Role
+from jaxrlhf.models import hf_io
+from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
+from jaxrlhf.models.sizes import get_size
+from jaxrlhf.plan.experiment import Experiment, Workload
+from jaxrlhf.schema import base_config
+
+
+class ConfigError(ValueError):
+    """A config that cannot work, reported as one line naming the field (no traceback)."""
+
+
+class AlgorithmName(enum.Enum):
+    PPO = "ppo"
+    GRPO = "grpo"
+    REMAX = "remax"
+    SAFE_RLHF = "safe_rlhf"
+    DPO = "dpo"
+    SFT = "sft"
+    RW = "rw"
+
+
+class RewardKind(enum.Enum):
+    FUNCTION = "function"
+    MODEL = "model"
+
+
+class TaskKind(enum.Enum):
+    REVERSE = "reverse"
+    ARITHMETIC = "arithmetic"
+
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+HEAD_OF_ROLE = {Role.ACTOR: HeadKind.LM, Role.REF: HeadKind.LM, Role.CRITIC: HeadKind.SCALAR,
+                Role.REWARD: HeadKind.SCALAR, Role.COST: HeadKind.SCALAR,
+                Role.COST_CRITIC: HeadKind.SCALAR}
+
+
+def enum_value(kind: type[enum.Enum], value: str, field: str):
+    try:
+        return kind(value)
+    except ValueError:
+        options = ", ".join(m.value for m in kind)
+        raise ValueError(f"{field}={value!r} is not one of: {options}") from None
+
+
+# --- the specs ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One role's model: its architecture and, if it starts from one, its HF directory."""
+
+    config: ModelConfig
+    path: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """Shapes and sampling of one step: `batch_size` prompts × `group_size` responses each."""
+
+    batch_size: int
+    group_size: int
+    max_prompt_len: int
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    force_max_length: bool
+
+    @property
+    def rows(self) -> int:
+        """Sequences per step."""
+        return self.batch_size * self.group_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.max_prompt_len + self.max_new_tokens
+
+    def generate(self, tokenizer, *, greedy: bool = False) -> GenerateConfig:
+        return GenerateConfig(
+            max_new_tokens=self.max_new_tokens, eos_token_id=tuple(tokenizer.stop_ids),
+            pad_token_id=tokenizer.pad_id, temperature=0.0 if greedy else self.temperature,
+            top_k=0 if greedy else self.top_k, top_p=1.0 if greedy else self.top_p,
+            force_max_length=self.force_max_length)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+    """A host reward (or cost) function run in a process pool."""
+
+    function: str
+    workers: int
+    timeout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """Where rows come from: user files, else the built-in `task` (see jaxrlhf.data)."""
+
+    train_path: str
+    eval_path: str
+    sft_path: str
+    preference_path: str
+    preference_eval_path: str
+    preference_holdout: int
+    task: tasks.ArithmeticTask | tasks.ReverseTask
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartSpec:
+    """Supervised steps of the actor before RL (0 = none), with their own optimizer."""
+
+    steps: int
+    batch_size: int
+    optimizer: OptimizerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementSpec:
+    kind: Placement
+    cluster: str  # auto: the cluster file the planner searches for
+    strategy: str  # colocate's degrees
+    allocation: str  # manual: NAME=RANGE:STRATEGY[@MICRO_BATCHES],...
+    offload_frozen: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Everything a run needs, typed and validated (see the module docstring).
+
+    Attributes:
+      models: role -> ModelSpec for every role with a model-backed MFC.
+      base: the actor's model, which every model without weights of its own starts from (the
+        reward model of reward modelling starts from its trunk).
+      optimizers: role -> OptimizerConfig for every trained role.
+      rewards: role -> RewardSpec for every role the graph runs as a host function.
+      micro: train_step micro-batching (an MFC's `@N` in the allocation overrides it).
+      config_json: the config as JSON, for checkpoints (export rebuilds specs from it).
+    """
+
+    name: AlgorithmName
+    algorithm: Algorithm
+    graph: DataflowGraph
+    models: Mapping[Role, ModelSpec]
+    base: ModelSpec
+    rollout: RolloutSpec
+    micro: MicrobatchConfig
+    mini_batches: int
+    epochs: int
+    optimizers: Mapping[Role, OptimizerConfig]
+    rewards: Mapping[Role, RewardSpec]
+    placement: PlacementSpec
+    checkpoint: CheckpointConfig
+    nan_policy: NanPolicy
+    data: DataSpec
+    warm_start: WarmStartSpec
+    tokenizer: str
+    seed: int
+    steps: int
+    config_json: str
+
+    @property
+    def offline(self) -> bool:
+        """Trains on a fixed dataset (no generation in the step)."""
+        return self.algorithm.offline
+
+    @property
+    def step_rows(self) -> int:
+        """Sequences one step feeds an MFC: a pair is two rows (chosen, then rejected)."""
+        return self.rollout.rows * (2 if self.algorithm.batches is BatchKind.PAIRS else 1)
+
+    def model_configs(self) -> dict[Role, ModelConfig]:
+        return {role: m.config for role, m in self.models.items()}
+
+    def experiment(self) -> Experiment:
+        """The planner's view of the run: graph, models, shapes of one step."""
+        r = self.rollout
+        workload = Workload(batch_size=r.rows, prompt_len=r.max_prompt_len,
+                            new_tokens=r.max_new_tokens, mini_batches=self.mini_batches,
+                            epochs=self.epochs)
+        master = {role: opt.fp32_master for role, opt in self.optimizers.items()}
+        return Experiment.of(self.graph, self.model_configs(), workload, fp32_master=master,
+                             offload_frozen=self.placement.offload_frozen)
+
+
+# --- config -> spec ------------------------------------------------------------------------
+
+# What library validation raises for bad input; anything else is a bug and keeps its traceback.
+_EXPECTED = (ValueError, TypeError, KeyError, LookupError, OSError, ImportError)
+
+
+@contextlib.contextmanager
+def field(name: str):
+    """Re-raises an expected error while checking `name` as one ConfigError line naming it."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except _EXPECTED as e:
+        text = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
+        raise ConfigError(text if _names_a_field(text) else f"{name}: {text}") from None
+
+
+def _names_a_field(text: str) -> bool:
+    """Whether a message starts with a config key ("ppo.epochs=0 ...", "placement.kind ...")."""
+    head = re.match(r"([a-z_]+(?:\.[a-z_]+)*)(=|:| )", text)
+    if not head or (head.group(2) == " " and "." not in head.group(1)):
+        return False  # "tokenizer has 272 ids" is prose, "placement.allocation has" is not
+    node = base_config()
+    for part in head.group(1).split("."):
+        if not isinstance(node, ConfigDict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _check_keys(config: ConfigDict, base: ConfigDict, prefix: str = "") -> None:
+    """Every key exists in jaxrlhf/schema.py, with a value of the same type."""
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if key not in base:
+            close = difflib.get_close_matches(key, list(base.keys()), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ConfigError(f"{name}: unknown config key{hint}; every key is in jaxrlhf/schema.py")
+        want = base[key]
+        if isinstance(want, ConfigDict):
+            if not isinstance(value, ConfigDict):
+                raise ConfigError(f"{name}: must be a section, got {value!r}")
+            _check_keys(value, want, f"{name}.")
+        elif not isinstance(value, type(want)) or isinstance(value, bool) != isinstance(want, bool):
+            if not (isinstance(want, float) and isinstance(value, int) and not isinstance(value, bool)):
+                raise ConfigError(f"{name}={value!r}: must be a {type(want).__name__}")
+
+
+# (field, lowest allowed, whether the lowest itself is allowed)
+_RANGES = (
+    ("steps", 1, True), ("cpu_devices", 1, True), ("rollout.batch_size", 1, True),
+    ("rollout.group_size", 1, True), ("rollout.max_prompt_len", 1, True),
+    ("rollout.max_new_tokens", 1, True), ("rollout.temperature", 0.0, True),
+    ("rollout.top_k", 0, True), ("rollout.top_p", 0.0, False), ("reward.workers", 1, True),
+    ("reward.timeout", 0.0, False), ("ppo.mini_batches", 1, True), ("ppo.epochs", 1, True),
+    ("micro_batches", 1, True), ("micro_batch_tokens", 0, True), ("warm_start.sft_steps", 0, True),
+    ("warm_start.batch_size", 1, True), ("warm_start.lr", 0.0, False),
+    ("optimizer.actor.lr", 0.0, False), ("optimizer.critic.lr", 0.0, False),
+)
+
+
+def _check_ranges(config: ConfigDict) -> None:
+    for name, low, inclusive in _RANGES:
+        value = functools.reduce(getattr, name.split("."), config)
+        if value < low or (value == low and not inclusive):
+            bound = f">= {low}" if inclusive else f"> {low}"
+            raise ConfigError(f"{name}={value}: must be {bound}")
+    if config.rollout.top_p > 1:
+        raise ConfigError(f"rollout.top_p={config.rollout.top_p}: must be <= 1")
+    batch = config.rollout.batch_size * config.rollout.group_size
+    if batch % config.ppo.mini_batches:
+        raise ConfigError(f"ppo.mini_batches={config.ppo.mini_batches} does not divide the "
+                          f"rollout batch of {batch}")
+
+
+def _dtype(name: str, where: str):
+    if name not in _DTYPES:
+        raise ValueError(f"{where}={name!r} is not one of: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
+    """The ModelConfig of one role: from its HF directory, or from the size registry."""
+    dtype = _dtype(cfg.dtype, f"{where}.dtype")
+    param_dtype = _dtype(cfg.param_dtype, f"{where}.param_dtype")
+    remat = enum_value(RematPolicy, cfg.remat, f"{where}.remat")
+    head = HEAD_OF_ROLE[role]
+    if cfg.path:
+        if not (pathlib.Path(cfg.path) / "config.json").is_file():
+            raise FileNotFoundError(f"{where}.path={cfg.path!r} has no config.json")
+        base = hf_io.load_hf_config(cfg.path, dtype=dtype, param_dtype=param_dtype, head=head)
+    else:
+        try:
+            base = get_size(cfg.size, dtype=dtype, param_dtype=param_dtype, head=head)
+        except ValueError as e:
+            raise ValueError(f"{where}.size: {e}") from None
+    return base.replace(scan_layers=cfg.scan_layers, remat=remat)
+
+
+def optimizer_of(cfg: ConfigDict, total_steps: int) -> OptimizerConfig:
+    return OptimizerConfig(
+        lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=max(total_steps, cfg.warmup_steps + 1),
+        min_lr_ratio=cfg.min_lr_ratio, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+        fp32_master=cfg.fp32_master)
+
+
+def ppo_config(config: ConfigDict) -> ppo.PPOConfig:
+    c = config.ppo
+    kind = kl_lib.KLControllerKind.ADAPTIVE if c.kl_adaptive else kl_lib.KLControllerKind.FIXED
+    return ppo.PPOConfig(
+        gamma=c.gamma, lam=c.lam,
+        kl=kl_lib.KLControllerConfig(kind=kind, init_kl_coef=c.kl_coef, target=c.kl_target,
+                                     horizon=c.kl_horizon),
+        kl_in_reward=c.kl_in_reward, whiten_advantages=c.whiten_advantages,
+        policy=losses.PPOLossConfig(clip_eps=c.clip_eps, entropy_coef=c.entropy_coef),
+        value=losses.ValueLossConfig(clip_eps_value=c.value_clip or None),
+        mini_batches=c.mini_batches, epochs=c.epochs, temperature=config.rollout.temperature)
+
+
+def grpo_config(config: ConfigDict) -> grpo.GRPOConfig:
+    """GRPO: its own β, estimator and normalisation; clipping and updates from `ppo`."""
+    g, p = config.grpo, config.ppo
+    aggregation = enum_value(losses.LossAggregation, g.aggregation, "grpo.aggregation")
+    loss = losses.GRPOLossConfig(
+        policy=losses.PPOLossConfig(clip_eps=p.clip_eps, entropy_coef=p.entropy_coef,
+                                    aggregation=aggregation),
+        kl_coef=g.kl_coef,
+        kl_estimator=enum_value(kl_lib.KLEstimator, g.kl_estimator, "grpo.kl_estimator"))
+    return grpo.GRPOConfig(
+        group_size=config.rollout.group_size, loss=loss, scale_by_std=g.scale_by_std,
+        mini_batches=p.mini_batches, epochs=p.epochs, temperature=config.rollout.temperature)
+
+
+def safe_rlhf_config(config: ConfigDict) -> safe_rlhf.SafeRLHFConfig:
+    s = config.safe_rlhf
+    lagrange = losses.LagrangeConfig(cost_limit=s.cost_limit, lambda_init=s.lambda_init,
+                                     lambda_lr=s.lambda_lr, lambda_max=s.lambda_max or None)
+    return safe_rlhf.SafeRLHFConfig(ppo=ppo_config(config), lagrange=lagrange)
+
+
+def make_algorithm(config: ConfigDict) -> Algorithm:
+    name = enum_value(AlgorithmName, config.algorithm, "algorithm")
+    reward_model = enum_value(RewardKind, config.reward.kind, "reward.kind") is RewardKind.MODEL
+    batch = config.rollout.batch_size * config.rollout.group_size
+    match name:
+        case AlgorithmName.PPO:
+            return ppo.make(ppo_config(config), reward_model=reward_model, batch_size=batch)
+        case AlgorithmName.GRPO:
+            return grpo.make(grpo_config(config), reward_model=reward_model)
+        case AlgorithmName.REMAX:
+            p = ppo_config(config)
+            return remax.make(remax.ReMaxConfig(kl=p.kl, policy=p.policy,
+                                                mini_batches=p.mini_batches, epochs=p.epochs,
+                                                temperature=p.temperature),
+                              reward_model=reward_model, batch_size=batch)
+        case AlgorithmName.SAFE_RLHF:
+            cost_model = enum_value(RewardKind, config.cost.kind, "cost.kind") is RewardKind.MODEL
+            return safe_rlhf.make(safe_rlhf_config(config), reward_model=reward_model,
+                                  cost_model=cost_model, batch_size=batch)
+        case AlgorithmName.DPO:
+            return dpo.make(dpo.DPOConfig(losses.DPOLossConfig(
+                beta=config.dpo.beta, label_smoothing=config.dpo.label_smoothing)))
+        case AlgorithmName.SFT:
+            return sft.make()
+        case AlgorithmName.RW:
+            return rw.make()
+
+
+def builtin_task(t: ConfigDict) -> tasks.ArithmeticTask | tasks.ReverseTask:
+    common = dict(num_digits=t.num_digits, num_train=t.num_train, num_eval=t.num_eval,
+                  num_sft=t.num_sft, sft_noise=t.sft_noise, seed=t.seed)
+    match enum_value(TaskKind, t.kind, "data.task.kind"):
+        case TaskKind.REVERSE:
+            return tasks.ReverseTask(**common)
+        case TaskKind.ARITHMETIC:
+            return tasks.ArithmeticTask(num_operands=t.num_operands,
+                                        ops=tuple(tasks.Op(c) for c in t.ops), **common)
+
+
+def _data(d: ConfigDict) -> DataSpec:
+    with field("data.task"):
+        task = builtin_task(d.task)
+    return DataSpec(d.train_path, d.eval_path, d.sft_path, d.preference_path,
+                    d.preference_eval_path, d.preference_holdout, task)
+
+
+def _rollout(r: ConfigDict) -> RolloutSpec:
+    return RolloutSpec(r.batch_size, r.group_size, r.max_prompt_len, r.max_new_tokens,
+                       r.temperature, r.top_k, r.top_p, r.force_max_length)
+
+
+def _models(config: ConfigDict, graph: DataflowGraph) -> dict[Role, ModelSpec]:
+    models = {}
+    for role in graph.roles():
+        if all(m.host for m in graph.calls_of(role)):
+            continue
+        cfg = config.models[role.value]
+        with field("models"):
+            models[role] = ModelSpec(model_config_of(cfg, role, f"models.{role.value}"), cfg.path)
+    return models
+
+
+def run_spec(config: ConfigDict) -> RunSpec:
+    """The typed, checked spec of `config`; raises ConfigError naming the field."""
+    _check_keys(config, base_config())
+    with field("algorithm"):
+        name = enum_value(AlgorithmName, config.algorithm, "algorithm")
+    _check_ranges(config)
+    with field("algorithm"):
+        algorithm = make_algorithm(config)
+        graph = build_graph(algorithm.mfcs, roles=set(Role))
+    sections = {Role.REWARD: config.reward, Role.COST: config.cost}
+    rewards = {role: RewardSpec(sections[role].function, sections[role].workers,
+                                sections[role].timeout)
+               for role in dict.fromkeys(m.role for m in graph.mfcs if m.host)}
+    models = _models(config, graph)
+    with field("models"):
+        base = models.get(Role.ACTOR) or ModelSpec(
+            model_config_of(config.models.actor, Role.ACTOR, "models.actor"),
+            config.models.actor.path)
+    updates = config.steps * config.ppo.epochs * config.ppo.mini_batches
+    optimizers = {role: optimizer_of(config.optimizer[role.value], updates)
+                  for role in models if any(m.call is Call.TRAIN_STEP for m in graph.calls_of(role))}
+    micro = (MicrobatchConfig.by_token_budget(config.micro_batch_tokens)
+             if config.micro_batch_tokens else MicrobatchConfig.by_count(config.micro_batches))
+    p = config.placement
+    with field("placement"):
+        kind = enum_value(Placement, p.kind, "placement.kind")
+    w = config.warm_start
+    warm = WarmStartSpec(w.sft_steps, w.batch_size, OptimizerConfig(
+        lr=w.lr, total_steps=w.sft_steps + 1, min_lr_ratio=0.1,
+        max_grad_norm=config.optimizer.actor.max_grad_norm))
+    with field("checkpoint"):
+        checkpoint = CheckpointConfig.of(config)
+    with field("nan_policy"):
+        nan_policy = enum_value(NanPolicy, config.nan_policy, "nan_policy")
+    return RunSpec(
+        name=name, algorithm=algorithm, graph=graph, models=models, base=base,
+        rollout=_rollout(config.rollout), micro=micro, mini_batches=config.ppo.mini_batches,
+        epochs=config.ppo.epochs, optimizers=optimizers, rewards=rewards,
+        placement=PlacementSpec(kind, p.cluster, p.strategy, p.allocation, p.offload_frozen),
+        checkpoint=checkpoint, nan_policy=nan_policy, data=_data(config.data),
+        warm_start=warm, tokenizer=config.tokenizer, seed=config.seed, steps=config.steps,
+        config_json=config.to_json())

@@ -1,0 +1,128 @@
+"""DESIGN.md's layer table, enforced on the import graph (module- and function-level imports).
+
+Every `import` statement of the library is read with `ast` (also those inside functions, which
+run later but are dependencies all the same). Checked: no import cycles between files; the
+library never imports `configs/` or `meshes/`; each layer imports only its own layer and the
+layers below it (models < parallel < engine < algorithms < data < dataflow < planner < ... <
+run stack < entry points); `meshes/` holds data (cluster files import only the planner).
+"""
+
+import ast
+import collections
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Layer of each top-level part of the library, bottom up: a module imports only modules of
+# its own part or of a lower layer.
+LAYERS = {
+    "kernels": 0, "jaxrlhf.models": 0, "jaxrlhf.mfc": 0, "jaxrlhf.schema": 0,
+    "jaxrlhf.backend": 0, "jaxrlhf": 1,  # the package exports MFC and Call
+    "jaxrlhf.parallel": 1,
+    "jaxrlhf.engine": 2,
+    "jaxrlhf.algorithms": 3,
+    "jaxrlhf.data": 4,
+    "jaxrlhf.dataflow": 5,
+    "jaxrlhf.plan": 6, "jaxrlhf.perf": 6,
+    "jaxrlhf.checkpoint": 7, "jaxrlhf.metrics": 7, "jaxrlhf.distributed": 7,
+    "jaxrlhf.spec": 8,
+    "jaxrlhf.run": 9,
+    "jaxrlhf.calibration": 10,
+    # entry points: flags -> spec -> run
+    "jaxrlhf.train": 11, "jaxrlhf.bench": 11, "jaxrlhf.generate": 11, "jaxrlhf.export": 11,
+    "jaxrlhf.graph": 11, "jaxrlhf.plan.__main__": 11,
+}
+OURS = ("jaxrlhf", "kernels", "configs", "meshes")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for folder in ("jaxrlhf", "kernels", "meshes"):
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Modules of this repository `path` imports anywhere in it (a name imported from a
+    package that is one of its submodules counts as that submodule)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in MODULES else node.module)
+    return {m for m in found if m.split(".")[0] in OURS}
+
+
+GRAPH = {name: _imports(path) for name, path in MODULES.items()}
+
+
+def _layer(module: str) -> tuple[str, int]:
+    """(the LAYERS key `module` falls under, its layer): the longest matching key."""
+    keys = [k for k in LAYERS if module == k or module.startswith(k + ".")]
+    if not keys:
+        raise AssertionError(f"{module} is in no layer of tests/test_layers.py")
+    key = max(keys, key=len)
+    return key, LAYERS[key]
+
+
+def test_no_import_cycles_between_files():
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(GRAPH.get(node, ())):
+            if nxt not in GRAPH:
+                continue
+            if state.get(nxt) == "open":
+                cycle = stack[stack.index(nxt):] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(GRAPH):
+        if node not in state:
+            visit(node)
+
+
+def test_library_never_imports_configs_or_meshes():
+    bad = {m: sorted(i for i in imps if i.split(".")[0] in ("configs", "meshes"))
+           for m, imps in GRAPH.items() if not m.startswith("meshes")}
+    assert not {m: i for m, i in bad.items() if i}
+
+
+def test_meshes_hold_data():
+    for module, imports in GRAPH.items():
+        if module.startswith("meshes"):
+            assert all(i.startswith("jaxrlhf.plan") for i in imports), (module, imports)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if not m.startswith("meshes")))
+def test_imports_point_down(module):
+    key, layer = _layer(module)
+    up = sorted(i for i in GRAPH[module] if i in MODULES and _layer(i)[1] > layer
+                and not i.startswith(key + "."))
+    assert not up, f"{module} (layer {layer}) imports from above: {up}"
+
+
+def test_the_planner_never_imports_the_run_stack():
+    for module, imports in GRAPH.items():
+        if module.startswith("jaxrlhf.plan") and module != "jaxrlhf.plan.__main__":
+            bad = [i for i in imports if i.split(".")[:2] in (
+                ["jaxrlhf", "run"], ["jaxrlhf", "calibration"], ["jaxrlhf", "spec"],
+                ["jaxrlhf", "train"])]
+            assert not bad, (module, bad)
