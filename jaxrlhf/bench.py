@@ -44,17 +44,18 @@ def synthetic_prompts(config, tokenizer, seed: int) -> dict:
 @contextlib.contextmanager
 def built_run(config, tokenizer):
     """(setup, runner) of the RL job, actor randomly initialised: the only building code here."""
-    import jax
+    import tempfile
+    import types
 
-    from jaxrlhf import trainer
-    from jaxrlhf.mfc import Role
-    from jaxrlhf.parallel.layout import init_params
+    from jaxrlhf.run import build
+    from jaxrlhf.run.check import check_config
 
-    setup = trainer.setup_rl(config, tokenizer)
-    actor = setup.models[Role.ACTOR]
-    params = init_params(actor, setup.plan.home(setup.graph, Role.ACTOR), jax.random.key(0))
-    with trainer.host_pools(config) as pools:
-        runner = trainer.make_runner(setup, config, params, tokenizer, pools)
+    job = check_config(config, tempfile.mkdtemp(prefix="jaxrlhf-bench-"))
+    # What the figures below read of the run: its graph, plan, model configs and algorithm.
+    setup = types.SimpleNamespace(graph=job.spec.graph, plan=job.plan,
+                                  models=job.spec.model_configs(), algorithm=job.spec.algorithm)
+    with build.host_pools(job.spec) as pools:
+        runner = build.fresh_runner(job, pools)
         try:
             yield setup, runner
         finally:
