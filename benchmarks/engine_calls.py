@@ -89,17 +89,20 @@ def main():
     for fn, _ in calls.values():
         jax.block_until_ready(fn())  # compile
     times = {name: [] for name in calls}
+    cpu = {name: [] for name in calls}
     for _ in range(args.repeats):
         for name, (fn, _) in calls.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
     print(f"peak {peak / 1e9:.1f} GFLOP/s, devices {args.devices}, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     for name, (_, flops) in calls.items():
         med = statistics.median(times[name])
         print(f"{name:<22} {med:8.3f} s  floor {flops / peak:7.3f} s  "
-              f"{flops / peak / med:6.1%} of floor  (min {min(times[name]):.3f})")
+              f"{flops / peak / med:6.1%} of floor  (min {min(times[name]):.3f}, "
+              f"cpu {statistics.median(cpu[name]):.3f} s)")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
+import time
 
 import numpy as np
 from absl import app, flags
@@ -104,10 +106,12 @@ def main(argv):
     config.reward.function = "zero"
     tokenizer = load_tokenizer(config.tokenizer)
     machine_peak = floor.machine_peak(config.models.actor.dtype)
-    timings = []
+    timings, cpu_seconds = [], []
     with built_run(config, tokenizer) as (setup, runner):
         for step in range(_STEPS.value + 1):
+            start = time.process_time()
             timings.append(runner.step(synthetic_prompts(config, tokenizer, step)).timing)
+            cpu_seconds.append(time.process_time() - start)
         if _PROFILE.value:
             with jax.profiler.trace(_PROFILE.value):
                 runner.step(synthetic_prompts(config, tokenizer, _STEPS.value + 1))
@@ -128,6 +132,9 @@ def main(argv):
         "mfcs": {f.name: {**f.as_dict(), "peak_bytes": memory.get(f.name, 0)} for f in figures},
         "host_rss_bytes": rss, "host_rss_peak_bytes": rss_peak,
         "step_seconds_all": [t.seconds for t in measured],
+        # CPU seconds of this process per step (all threads): less sensitive than wall time to
+        # other processes on shared cores, so A/B comparisons use it too.
+        "step_cpu_seconds": statistics.median(cpu_seconds[1:]),
     }))
 
 
