@@ -1,4 +1,4 @@
-"""PPO on a tiny model and the built-in arithmetic task: the CPU default that visibly learns.
+"""PPO on a tiny model and the built-in digit-reversal task: the CPU default that visibly learns.
 
 The built-in task is digit reversal ("4821>" -> "1284"). The actor is first fine-tuned on
 demonstrations of which 60% copy instead of reverse, so it answers mostly wrong when greedy;

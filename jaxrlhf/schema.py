@@ -32,7 +32,6 @@ def base_config() -> ConfigDict:
         "steps": 40,  # RL (or offline) training steps
         "cpu_devices": 8,  # virtual devices when running on the CPU backend
         "workdir": "",  # empty: a fresh temporary directory
-        "log_every": 1,
         "checkpoint": {  # orbax checkpoints in workdir/checkpoints; a rerun resumes the latest
             "every": 20,  # RL steps between saves (0 = only at the end and on Ctrl-C)
             "keep": 3,  # newest checkpoints kept

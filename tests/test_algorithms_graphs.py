@@ -15,7 +15,6 @@ from jaxrlhf.algorithms import losses
 from jaxrlhf.data import costs
 from jaxrlhf.data.datasets import PreferenceRow
 from jaxrlhf.data.tokenizer import load_tokenizer
-from jaxrlhf.dataflow.graph import build_graph
 from jaxrlhf.engine.microbatch import split
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.sizes import get_size

@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh
 
 from jaxrlhf.run.layouts import place, searched_plan
 from jaxrlhf.spec import run_spec
-from jaxrlhf.mfc import Call, Role
+from jaxrlhf.mfc import Call
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import Layout

@@ -8,7 +8,6 @@ run stack < entry points); `meshes/` holds data (cluster files import only the p
 """
 
 import ast
-import collections
 import pathlib
 
 import pytest

@@ -16,7 +16,7 @@ import pytest
 from jaxrlhf.schema import base_config
 from jaxrlhf.run import build
 from jaxrlhf.run.check import check_config
-from jaxrlhf.data import datasets, tasks
+from jaxrlhf.data import tasks
 from jaxrlhf.data.encode import prompt_batch
 from jaxrlhf.mfc import Role
 from jaxrlhf.parallel.layout import init_params

@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import pathlib
 import statistics
 import tempfile
 import time

@@ -32,7 +32,6 @@ from jaxrlhf.plan import simulator
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.evaluate import Evaluation, Evaluator
 from jaxrlhf.plan.experiment import Experiment
-from jaxrlhf.spec import run_spec
 
 
 def _per_device_bytes(info, sharding) -> int:

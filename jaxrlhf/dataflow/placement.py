@@ -9,8 +9,8 @@ A layout spec is the strategy grammar's string, a device range plus parallel deg
   interleave  actor and critics on all devices; ref on the first half and reward/cost on the
               second, so the frozen models' inference runs side by side (FlexRLHF).
   manual      one spec per MFC, given in the config.
-  auto        the planner (jaxrlhf.plan) searches the specs for a cluster; the experiment
-              builder runs it and hands the result here as a manual allocation.
+  auto        the planner (jaxrlhf.plan) searches the plan for a cluster; the run stack
+              (jaxrlhf.run.layouts) runs that ExecutionPlan as is, without coming here.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def resolve_placement(
 
     Returns:
       MFC name -> layout spec such as "0-7:d8". Specs are validated later against the model
-      (see `validate_layouts`), before anything compiles.
+      and the batch (`jaxrlhf.run.layouts.place`), before anything compiles.
     """
     model_mfcs = [graph.mfc(n) for n in graph.order if not graph.mfc(n).host]
     if kind is Placement.AUTO:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 
 from jaxrlhf.engine.train_step import TrainState
 from jaxrlhf.mfc import Role
