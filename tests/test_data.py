@@ -1,4 +1,4 @@
-"""Tokenizers, dataset files, the epoch iterator, the arithmetic task and batch assembly."""
+"""Tokenizers, dataset files, the epoch iterator and the arithmetic task."""
 
 import dataclasses
 import json
@@ -10,7 +10,6 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jaxrlhf.data import batching
 from jaxrlhf.data.datasets import (
     DataError,
     EpochIterator,
@@ -253,115 +252,3 @@ def test_task_limits_and_corruption():
             bad = corrupt_answer(answer, rng)
             assert bad != answer and len(bad) == len(answer)
             assert not (len(bad.lstrip("-")) > 1 and bad.lstrip("-")[0] == "0")
-
-
-# --- batching ---
-
-
-def test_left_pad_and_concat_generated():
-    prompts = batching.left_pad_prompts([[5, 6, 7], [8]], pad_id=0, buckets=(2, 4, 8))
-    np.testing.assert_array_equal(prompts.tokens_bp, [[0, 5, 6, 7], [0, 0, 0, 8]])
-    np.testing.assert_array_equal(prompts.mask_bp, [[0, 1, 1, 1], [0, 0, 0, 1]])
-    response_br = np.array([[9, 2, 0], [3, 4, 2]])
-    seq = batching.concat_generated(prompts, response_br, np.array([[1, 1, 0], [1, 1, 1]]))
-    np.testing.assert_array_equal(seq.tokens_bs, [[0, 5, 6, 7, 9, 2, 0], [0, 0, 0, 8, 3, 4, 2]])
-    np.testing.assert_array_equal(
-        seq.segment_ids_bs, [[0, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 1]]
-    )
-    np.testing.assert_array_equal(seq.positions_bs, [[0, 0, 1, 2, 3, 4, 0], [0, 0, 0, 0, 1, 2, 3]])
-    np.testing.assert_array_equal(
-        seq.response_mask_bs, [[0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]]
-    )
-    assert seq.tokens_bs.dtype == seq.positions_bs.dtype == np.int32
-
-
-def test_pad_sequences_appends_eos():
-    seq = batching.pad_sequences(
-        [[1, 2], [3]], [[4], [5, 6, 7]], pad_id=0, buckets=(4, 8), eos_id=9
-    )
-    np.testing.assert_array_equal(
-        seq.tokens_bs, [[1, 2, 4, 9, 0, 0, 0, 0], [3, 5, 6, 7, 9, 0, 0, 0]]
-    )
-    np.testing.assert_array_equal(seq.segment_ids_bs, [[1, 1, 1, 1, 0, 0, 0, 0], [1] * 5 + [0] * 3])
-    np.testing.assert_array_equal(
-        seq.positions_bs, [[0, 1, 2, 3, 0, 0, 0, 0], [0, 1, 2, 3, 4, 0, 0, 0]]
-    )
-    np.testing.assert_array_equal(
-        seq.response_mask_bs, [[0, 0, 1, 1, 0, 0, 0, 0], [0, 1, 1, 1, 1, 0, 0, 0]]
-    )
-    no_eos = batching.pad_sequences([[1, 2]], [[4]], pad_id=0, buckets=(4, 8))
-    np.testing.assert_array_equal(no_eos.tokens_bs, [[1, 2, 4, 0]])
-
-
-def test_first_fit_plan():
-    plan = batching.plan_packing([5, 4, 3, 2, 8], row_len=8, num_rows=4)
-    np.testing.assert_array_equal(plan.row_n, [0, 1, 0, 1, 2])
-    np.testing.assert_array_equal(plan.start_n, [0, 0, 5, 4, 0])
-    np.testing.assert_array_equal(plan.segment_n, [1, 1, 2, 2, 1])
-    assert plan.num_rows == 4
-    with pytest.raises(ValueError, match="need 3 rows > 2"):
-        batching.plan_packing([5, 4, 3, 2, 8], row_len=8, num_rows=2)
-    with pytest.raises(ValueError, match=r"lengths must be in \[1, 8\]"):
-        batching.plan_packing([9], row_len=8)
-
-
-def test_packing_round_trip():
-    rng = np.random.default_rng(0)
-    seqs = [rng.integers(1, 100, size=rng.integers(1, 13)).tolist() for _ in range(40)]
-    packed = batching.pack_sequences(seqs, row_len=16, pad_id=0)
-    plan = packed.plan
-    assert [s.tolist() for s in batching.unpack(plan, packed.tokens_rl)] == seqs
-    assert packed.tokens_rl.shape == (plan.num_rows, 16)
-    assert plan.num_rows < len(seqs)  # packing actually shares rows
-    for row in range(plan.num_rows):
-        mine = np.flatnonzero(plan.row_n == row)
-        expected_seg = np.concatenate([np.full(plan.length_n[n], plan.segment_n[n]) for n in mine])
-        expected_pos = np.concatenate([np.arange(plan.length_n[n]) for n in mine])
-        used = len(expected_seg)
-        np.testing.assert_array_equal(packed.segment_ids_rl[row, :used], expected_seg)
-        np.testing.assert_array_equal(packed.positions_rl[row, :used], expected_pos)
-        assert (packed.segment_ids_rl[row, used:] == 0).all()
-        assert (packed.tokens_rl[row, used:] == 0).all()
-        np.testing.assert_array_equal(plan.segment_n[mine], np.arange(1, len(mine) + 1))
-
-    # Per-token values with a trailing dim survive a round trip too, padded with `fill`.
-    values = [rng.normal(size=(len(s), 2)).astype(np.float32) for s in seqs]
-    padded_ntc = batching.unpack_padded(plan, batching.pack(plan, values), length=12, fill=-1.0)
-    for n, v in enumerate(values):
-        np.testing.assert_array_equal(padded_ntc[n, : len(v)], v)
-        assert (padded_ntc[n, len(v) :] == -1.0).all()
-
-
-def test_packed_rows_give_the_same_logits_as_separate_sequences():
-    """Packed segment ids keep sequences apart exactly as the model expects.
-
-    (RoPE is relative, so this cannot see positions; test_packing_round_trip checks those.)
-    """
-    import jax
-    import jax.numpy as jnp
-    from flax.core import meta
-
-    from jaxrlhf.models.sizes import abstract_params, get_size
-    from jaxrlhf.models.transformer import Transformer
-
-    config = get_size("tiny", dtype=jnp.float32, num_layers=1)
-    model = Transformer(config)
-    seqs = [[257, 49, 43, 50, 61], [257, 51], [257, 52, 53, 54]]
-    # Three rows, so that packed and separate inputs share one shape and one compilation.
-    packed = batching.pack_sequences(seqs, row_len=8, pad_id=256, num_rows=3)
-    assert (packed.segment_ids_rl[2] == 0).all()  # first-fit needed two rows
-    args = (packed.tokens_rl, packed.positions_rl, packed.segment_ids_rl)
-    # Random weights from the abstract tree: compiling `init` would triple this test's time.
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(
-        lambda s: rng.normal(0.0, 0.2, s.shape).astype(s.dtype),
-        meta.unbox(abstract_params(config)),
-    )
-    apply = jax.jit(lambda p, *a: model.apply({"params": p}, *a)[0])
-    logits_rlv = apply(params, *args)
-    alone = batching.pad_sequences(seqs, [[]] * 3, pad_id=256, buckets=(8,))
-    logits_blv = apply(params, alone.tokens_bs, alone.positions_bs, alone.segment_ids_bs)
-    from_packed = batching.unpack(packed.plan, np.asarray(logits_rlv))
-    for n, seq in enumerate(seqs):
-        np.testing.assert_allclose(from_packed[n], np.asarray(logits_blv)[n, : len(seq)],
-                                   rtol=1e-5, atol=1e-5)
