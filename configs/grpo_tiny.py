@@ -10,10 +10,15 @@ from jaxrlhf.schema import base_config
 
 
 def get_config(arg=None):
+    if arg not in (None, "smoke"):
+        raise ValueError(f"unknown variant {arg!r}; known: smoke")
     config = base_config()
     config.algorithm = "grpo"
     config.steps = 40
     config.warm_start.sft_steps = 300
     config.rollout.batch_size = 8
     config.rollout.group_size = 4
+    if arg == "smoke":  # the same job in seconds (`--config=configs/grpo_tiny.py:smoke`)
+        config.steps = 2
+        config.warm_start.sft_steps = min(config.warm_start.sft_steps, 2)
     return config

@@ -13,9 +13,14 @@ from jaxrlhf.schema import base_config
 
 
 def get_config(arg=None):
+    if arg not in (None, "smoke"):
+        raise ValueError(f"unknown variant {arg!r}; known: smoke")
     config = base_config()
     config.algorithm = "rw"
     config.steps = 60
     config.warm_start.sft_steps = 150
     config.rollout.batch_size = 32  # preference pairs per step (64 sequences)
+    if arg == "smoke":  # the same job in seconds (`--config=configs/rw_tiny.py:smoke`)
+        config.steps = 2
+        config.warm_start.sft_steps = min(config.warm_start.sft_steps, 2)
     return config

@@ -15,6 +15,8 @@ from jaxrlhf.schema import base_config
 
 
 def get_config(arg=None):
+    if arg not in (None, "smoke"):
+        raise ValueError(f"unknown variant {arg!r}; known: smoke")
     config = base_config()
     config.algorithm = "safe_rlhf"
     config.steps = 40
@@ -23,4 +25,7 @@ def get_config(arg=None):
     config.safe_rlhf.cost_limit = 0.1
     config.safe_rlhf.lambda_init = 1.0
     config.safe_rlhf.lambda_lr = 0.5
+    if arg == "smoke":  # the same job in seconds (`--config=configs/safe_rlhf_tiny.py:smoke`)
+        config.steps = 2
+        config.warm_start.sft_steps = min(config.warm_start.sft_steps, 2)
     return config

@@ -12,6 +12,8 @@ from jaxrlhf.schema import base_config
 
 
 def get_config(arg=None):
+    if arg not in (None, "smoke"):
+        raise ValueError(f"unknown variant {arg!r}; known: smoke")
     config = base_config()
     config.algorithm = "sft"
     config.steps = 300
@@ -19,4 +21,7 @@ def get_config(arg=None):
     config.rollout.batch_size = 32  # demonstrations per step
     config.optimizer.actor.lr = 3e-3
     config.optimizer.actor.min_lr_ratio = 0.1
+    if arg == "smoke":  # the same job in seconds (`--config=configs/sft_tiny.py:smoke`)
+        config.steps = 2
+        config.warm_start.sft_steps = min(config.warm_start.sft_steps, 2)
     return config

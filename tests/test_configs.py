@@ -52,6 +52,17 @@ def test_tiny_config_plans_on_the_test_devices(name):
     assert set(plan.layouts) == {m.name for m in spec.graph.mfcs if not m.host}
 
 
+@pytest.mark.parametrize("name", [c for c in CONFIGS if c.endswith("_tiny")] + ["ppo_7b"])
+def test_smoke_variant(name):
+    assert load(name, "smoke").steps == 2
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_unknown_variants_are_rejected(name):
+    with pytest.raises(ValueError, match="unknown variant"):
+        load(name, "no_such_variant")
+
+
 def test_variants():
     assert load("ppo_7b", "smoke").steps == 2
     assert load("ppo_70b", "h800").placement.cluster.endswith("h800_16x8.py")
