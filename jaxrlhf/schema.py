@@ -15,6 +15,9 @@ def model(size: str = "tiny") -> ConfigDict:
         "param_dtype": "float32",
         "scan_layers": True,
         "remat": "none",  # none | dots | full
+        # auto | xla | cudnn | pallas (jaxrlhf/models/attention.py); auto: XLA on CPU, cuDNN
+        # on GPU (XLA where cuDNN cannot take the shapes/dtype), Pallas kernels on TPU
+        "attention": "auto",
     })
 
 

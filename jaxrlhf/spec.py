@@ -33,7 +33,7 @@ from jaxrlhf.engine.generate import GenerateConfig
 from jaxrlhf.engine.microbatch import MicrobatchConfig
 from jaxrlhf.engine.optimizer import OptimizerConfig
 from jaxrlhf.mfc import Call, Role
-from jaxrlhf.models import hf_io
+from jaxrlhf.models import attention, hf_io
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.plan.experiment import Experiment, Workload
@@ -305,6 +305,9 @@ def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
     dtype = _dtype(cfg.dtype, f"{where}.dtype")
     param_dtype = _dtype(cfg.param_dtype, f"{where}.param_dtype")
     remat = enum_value(RematPolicy, cfg.remat, f"{where}.remat")
+    attn = enum_value(attention.AttentionImpl, cfg.attention, f"{where}.attention")
+    if (reason := attention.unavailable_reason(attn)) is not None:
+        raise ValueError(f"{where}.attention={cfg.attention!r}: {reason}")
     head = HEAD_OF_ROLE[role]
     if cfg.path:
         if not (pathlib.Path(cfg.path) / "config.json").is_file():
@@ -315,7 +318,7 @@ def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
             base = get_size(cfg.size, dtype=dtype, param_dtype=param_dtype, head=head)
         except ValueError as e:
             raise ValueError(f"{where}.size: {e}") from None
-    return base.replace(scan_layers=cfg.scan_layers, remat=remat)
+    return base.replace(scan_layers=cfg.scan_layers, remat=remat, attention=attn)
 
 
 def optimizer_of(cfg: ConfigDict, total_steps: int) -> OptimizerConfig:

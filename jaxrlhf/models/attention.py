@@ -17,10 +17,13 @@ The backend is chosen by `AttentionImpl`: plain XLA einsums here; cuDNN through
 from __future__ import annotations
 
 import enum
+import logging
 import math
 
 import jax
 import jax.numpy as jnp
+
+from kernels import decode_attention, flash_attention
 
 _NEG_INF = -1e30  # finite, so fully masked rows (padding queries) give no NaN
 
@@ -70,15 +73,33 @@ def dot_product_attention(
         case AttentionImpl.XLA:
             return _xla_attention(q_bthd, k_bskd, v_bskd, q_segment_ids_bt, kv_segment_ids_bs,
                                   q_offset)
-        case other:
-            raise NotImplementedError(f"attention implementation {other.value!r} not built yet")
+        case AttentionImpl.CUDNN:
+            return _cudnn_attention(q_bthd, k_bskd, v_bskd, q_segment_ids_bt, kv_segment_ids_bs,
+                                    q_offset)
+        case AttentionImpl.PALLAS:
+            return _pallas_attention(q_bthd, k_bskd, v_bskd, q_segment_ids_bt,
+                                     kv_segment_ids_bs, q_offset)
 
 
 def resolve_impl(impl: AttentionImpl, backend: str | None = None) -> AttentionImpl:
     """The concrete implementation AUTO stands for on `backend` (default: JAX's default)."""
     if impl is not AttentionImpl.AUTO:
         return impl
-    return AttentionImpl.XLA
+    match backend or jax.default_backend():
+        case "gpu" | "cuda" | "rocm":
+            return AttentionImpl.CUDNN  # falls back to XLA per call where cuDNN cannot
+        case "tpu":
+            return AttentionImpl.PALLAS
+        case _:
+            return AttentionImpl.XLA
+
+
+def unavailable_reason(impl: AttentionImpl, backend: str | None = None) -> str | None:
+    """Why `impl` cannot run on `backend` at all (None if it can); for config validation."""
+    backend = backend or jax.default_backend()
+    if impl is AttentionImpl.CUDNN and backend not in ("gpu", "cuda"):
+        return f"cudnn needs an NVIDIA GPU, the backend is {backend}; use auto, xla or pallas"
+    return None
 
 
 def _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax.Array:
@@ -99,3 +120,68 @@ def _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax
     probs = jax.nn.softmax(scores_bkgts, axis=-1).astype(dtype)
     out_btkgd = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd.astype(dtype))
     return out_btkgd.reshape(batch, q_len, heads, head_dim)
+
+
+# --- cuDNN (jax.nn.dot_product_attention) -------------------------------------------------
+
+
+def cudnn_fallback_reason(q_bthd: jax.Array, k_bskd: jax.Array) -> str | None:
+    """Why cuDNN flash attention cannot take these operands (None if it can)."""
+    head_dim = q_bthd.shape[-1]
+    if q_bthd.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN flash attention needs bf16/fp16, got {q_bthd.dtype}"
+    if head_dim % 8 or head_dim > 128:  # 256 on Hopper; 128 is safe on every GPU
+        return f"cuDNN flash attention needs head_dim % 8 == 0 and <= 128, got {head_dim}"
+    return None
+
+
+def _cudnn_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax.Array:
+    """cuDNN fused attention; the segment/causal mask goes in as a boolean mask.
+
+    Without a cache (q_offset == 0, equal lengths) the causal part is cuDNN's own (it skips the
+    masked tiles); with a cache the causal edge is shifted, so it is folded into the mask.
+    Falls back to XLA, with a logged reason, where cuDNN cannot take the operands.
+    """
+    reason = cudnn_fallback_reason(q_bthd, k_bskd)
+    if reason is not None:
+        logging.warning("attention=cudnn falls back to xla: %s", reason)
+        return _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset)
+    batch, q_len = q_seg_bt.shape
+    k_len = kv_seg_bs.shape[1]
+    own_causal = isinstance(q_offset, int) and q_offset == 0 and q_len == k_len
+    same_seg = (q_seg_bt[:, :, None] == kv_seg_bs[:, None, :]) & (kv_seg_bs[:, None, :] != 0)
+    if not own_causal:
+        q_slot_bt = jnp.broadcast_to(jnp.arange(q_len) + q_offset, (batch, q_len))
+        same_seg &= jnp.arange(k_len)[None, None, :] <= q_slot_bt[:, :, None]
+    return jax.nn.dot_product_attention(
+        q_bthd, k_bskd.astype(q_bthd.dtype), v_bskd.astype(q_bthd.dtype),
+        mask=same_seg[:, None], is_causal=own_causal, implementation="cudnn",
+    )
+
+
+# --- Pallas (kernels/) --------------------------------------------------------------------
+
+
+def _block(length: int, largest: int = 128) -> int:
+    """A power-of-two block no longer than needed (short test sequences stay one block)."""
+    return min(largest, max(8, 1 << (length - 1).bit_length()))
+
+
+def _pallas_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax.Array:
+    """Flash kernel for a static q_offset (training, prefill); ragged decode kernel otherwise.
+
+    Queries that see no key (padding) come out as zeros here, where XLA returns an average of
+    the values; neither is ever read by a real token. Interpret mode off accelerators.
+    """
+    interpret = jax.default_backend() == "cpu"
+    batch, q_len = q_seg_bt.shape
+    k_len = kv_seg_bs.shape[1]
+    if isinstance(q_offset, int):
+        cfg = flash_attention.FlashConfig(block_q=_block(q_len), block_k=_block(k_len),
+                                          q_offset=q_offset, interpret=interpret)
+        return flash_attention.flash_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, cfg)
+    # Decode: every row's valid prefix ends after the newest query; nothing past it is read.
+    q_start_b = jnp.full((batch,), q_offset, jnp.int32)
+    cfg = decode_attention.DecodeConfig(block_k=_block(k_len, 256), interpret=interpret)
+    return decode_attention.decode_attention(
+        q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_start_b, q_start_b + q_len, cfg)
