@@ -1,0 +1,26 @@
+"""One H200-SXM-141GB (a single-device development box).
+
+Published NVIDIA figures: 989 TFLOP/s dense bf16 (the 1,979 on the datasheet assumes 2:4
+sparsity), 4.8 TB/s HBM3e, 141 GB (about 139 GiB usable to XLA). Same Hopper die as the H100:
+only memory size and bandwidth differ, so decode (bandwidth-bound) gains, matmuls do not.
+"""
+
+from jaxrlhf.plan.cluster import Cluster
+
+
+def get_cluster() -> Cluster:
+    return Cluster(
+        name="h200_1",
+        hosts=1,
+        devices_per_host=1,
+        hbm_bytes=141 * 10**9,
+        peak_bf16_flops=989e12,
+        hbm_bandwidth=4.8e12,
+        intra_host_bandwidth=450e9,  # unused with one device
+        inter_host_bandwidth=50e9,  # unused with one host
+        host_link_bandwidth=50e9,
+        layer_overhead=30e-6,
+        matmul_efficiency=0.45,
+        hbm_efficiency=0.7,
+        comm_efficiency=0.7,
+    )
