@@ -62,6 +62,8 @@ class DistributedConfig:
       heartbeat_timeout_s: a process silent this long is declared dead and the job stops.
       init_timeout_s: how long to wait for every process to connect at start.
       shutdown_timeout_s: how long a finished process waits for the others at exit.
+      wait_timeout_s: a cross-process wait (transfer, barrier, a step's device work) that lasts
+        longer stops the job with a message naming it (`jaxrlhf.parallel.watchdog`).
     """
 
     kind: LaunchKind = LaunchKind.SINGLE
@@ -71,6 +73,7 @@ class DistributedConfig:
     heartbeat_timeout_s: int = 15
     init_timeout_s: int = 300
     shutdown_timeout_s: int = 120
+    wait_timeout_s: float = 600.0
 
     @property
     def multi_process(self) -> bool:
@@ -90,14 +93,17 @@ def _int_setting(flag_value: int | None, env: str, name: str) -> int | None:
 
 
 def from_flags(coordinator_address: str | None, num_processes: int | None,
-               process_id: int | None, heartbeat_timeout_s: int = 15) -> DistributedConfig:
+               process_id: int | None, heartbeat_timeout_s: int = 15,
+               wait_timeout_s: float = 600.0) -> DistributedConfig:
     """The settings from flags (None = not given) and the environment; validates them."""
     address = coordinator_address or os.environ.get(ENV_COORDINATOR, "")
     count = _int_setting(num_processes, ENV_NUM_PROCESSES, "--num_processes")
     index = _int_setting(process_id, ENV_PROCESS_ID, "--process_id")
     if heartbeat_timeout_s < 1:
         raise DistributedError(f"--heartbeat_timeout={heartbeat_timeout_s} must be at least 1 s")
-    common = dict(heartbeat_timeout_s=heartbeat_timeout_s)
+    if wait_timeout_s <= 0:
+        raise DistributedError(f"--wait_timeout={wait_timeout_s} must be positive")
+    common = dict(heartbeat_timeout_s=heartbeat_timeout_s, wait_timeout_s=wait_timeout_s)
     if address == AUTO:
         if count is not None or index is not None:
             raise DistributedError("--coordinator_address=auto detects --num_processes and "
@@ -146,20 +152,40 @@ def _local_address_towards(host: str) -> str:
         return probe.getsockname()[0]
 
 
-def _free_port(host: str) -> int:
-    # Port 0 handed to the transfer server itself hangs the first transfer (observed on the CPU
-    # client), so pick a free port here; the window for another program to take it is tiny.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+# Sockets that hold this process's reserved ports for as long as it lives (see `reserve_port`).
+_RESERVED: list[socket.socket] = []
+
+
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A bound socket holding a free port until it is closed, shareable only by SO_REUSEPORT.
+
+    JAX's servers (the coordination service's gRPC server and the cross-host transfer server)
+    bind their ports with SO_REUSEPORT, and the transfer server binds lazily, at the first
+    cross-process `device_put`. Picking a free port and releasing it before they bind (what
+    this module used to do) leaves a window, seconds to minutes long, in which another job's
+    reuse-port server can take the same port; the two then silently share it, the kernel hands
+    some connections to the wrong process and a transfer waits forever with every process
+    idle (reproduced: the multi-process test hung this way under `pytest -n 2`). A port held by
+    this socket cannot be taken by anyone but a SO_REUSEPORT bind of the same user, and nobody
+    else picks it: the kernel never hands out a port in use. The socket does not listen, so it
+    receives no connection of its own.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host.strip("[]"), 0))
+    return sock
 
 
 def transfer_address(coordinator_address: str) -> str:
-    """The "HOST:PORT" this process serves cross-process device_put from."""
+    """The "HOST:PORT" this process serves cross-process device_put from (port reserved)."""
     if os.environ.get(ENV_TRANSFER_ADDRESS):
         return os.environ[ENV_TRANSFER_ADDRESS]
     host = _local_address_towards(coordinator_address.rpartition(":")[0])
-    return f"{host}:{_free_port(host)}"
+    # Port 0 handed to the transfer server itself hangs the first transfer (the peers are told
+    # port 0), so the port is chosen here and held until the process ends.
+    _RESERVED.append(reserve_port(host))
+    return f"{host}:{_RESERVED[-1].getsockname()[1]}"
 
 
 def initialize(cfg: DistributedConfig) -> None:
@@ -179,6 +205,10 @@ def initialize(cfg: DistributedConfig) -> None:
         heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
         shutdown_timeout_seconds=cfg.shutdown_timeout_s,
     )
+    from jaxrlhf.parallel import watchdog
+
+    # Not jax.process_index(): that would start the backend before the transfer address is set.
+    watchdog.configure(cfg.wait_timeout_s, process=jax_distributed.global_state.process_id)
     if _cpu_backend():
         # Read by the backend when it starts, which is after initialize: the coordinator is
         # known. TPU and GPU plugins move arrays between hosts themselves.

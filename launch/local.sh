@@ -26,7 +26,15 @@ shift
 grace=${GRACE_S:-90}
 log_dir=${LOG_DIR:-$(mktemp -d -t jaxrlhf-local-XXXXXX)}
 mkdir -p "$log_dir"
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# The coordinator's port stays reserved while the job runs: a port picked and released could be
+# taken meanwhile by another job's SO_REUSEPORT server and silently shared (see reserve_port in
+# jaxrlhf/distributed.py). The holder binds it with SO_REUSEPORT and never listens.
+coproc PORT_HOLDER { python3 -c 'import signal, socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+s.bind(("127.0.0.1", 0)); print(s.getsockname()[1], flush=True); signal.pause()'; }
+holder=$PORT_HOLDER_PID
+read -r port <&"${PORT_HOLDER[0]}"
+trap 'kill "$holder" 2>/dev/null' EXIT
 
 declare -A proc_of  # pid -> process index
 pids=()

@@ -24,6 +24,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ROWS = 32
+STALL_TIMEOUT_S = 5
 STEPS = 2
 BATCH = 8
 # Generation in process 0, training in process 1; the ref model moves from 4 devices of
@@ -47,28 +48,26 @@ def _config(allocation: str):
     return config
 
 
-def run_steps(allocation: str) -> list[dict]:
+def run_steps(allocation: str, workdir: pathlib.Path) -> list[dict]:
     """STEPS PPO steps from a fixed init on fixed prompts; the metrics of each step."""
     import jax
 
-    from jaxrlhf import trainer
     from jaxrlhf.data import tasks
     from jaxrlhf.data.encode import prompt_batch
-    from jaxrlhf.data.tokenizer import ByteTokenizer
     from jaxrlhf.mfc import Role
     from jaxrlhf.parallel.layout import init_params
+    from jaxrlhf.run import build
+    from jaxrlhf.run.check import check_config
 
-    config = _config(allocation)
     rows = tasks.make_reverse_task(tasks.ReverseTask(num_train=ROWS, num_eval=8, num_sft=8)).train
-    tokenizer = ByteTokenizer()
-    setup = trainer.setup_rl(config, tokenizer)
-    params = init_params(setup.models[Role.ACTOR], setup.plan.home(setup.graph, Role.ACTOR),
-                         jax.random.key(0))
+    job = check_config(_config(allocation), str(workdir))
+    params = init_params(job.spec.models[Role.ACTOR].config,
+                         job.plan.home(job.spec.graph, Role.ACTOR), jax.random.key(0))
     metrics = []
-    with trainer.host_pools(config) as pools:
-        runner = trainer.make_runner(setup, config, params, tokenizer, pools)
+    with build.host_pools(job.spec) as pools:
+        runner = build.fresh_runner(job, pools, params)
         for step in range(STEPS):
-            batch = prompt_batch(rows[BATCH * step:BATCH * (step + 1)], tokenizer, 8)
+            batch = prompt_batch(rows[BATCH * step:BATCH * (step + 1)], job.tokenizer, 8)
             metrics.append({k: runner.step(batch).metrics[k] for k in COMPARED})
         runner.close()
     return metrics
@@ -78,7 +77,8 @@ def _worker(mode: str, address: str, process_id: int, out: str, allocation: str)
     from jaxrlhf import distributed
     from jaxrlhf.backend import use_cpu_devices
 
-    cfg = distributed.from_flags(address, 2, process_id, heartbeat_timeout_s=5)
+    cfg = distributed.from_flags(address, 2, process_id, heartbeat_timeout_s=5,
+                                 wait_timeout_s=STALL_TIMEOUT_S if mode == "stall" else 600)
     use_cpu_devices(distributed.cpu_devices_per_process(8, cfg))
     distributed.initialize(cfg)
     import jax
@@ -86,7 +86,22 @@ def _worker(mode: str, address: str, process_id: int, out: str, allocation: str)
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     if mode == "steps":
-        pathlib.Path(out).write_text(json.dumps(run_steps(allocation)))
+        out = pathlib.Path(out)
+        out.write_text(json.dumps(run_steps(allocation, out.with_suffix(".workdir"))))
+        return
+    if mode == "stall":  # process 1 never arrives at a cross-process transfer
+        from jaxrlhf.parallel import watchdog
+        from jaxrlhf.parallel.reshard import reshard
+
+        devices = np.asarray(jax.devices())
+        src = NamedSharding(Mesh(devices[:4], ("d",)), PartitionSpec("d"))
+        dst = NamedSharding(Mesh(devices[4:], ("d",)), PartitionSpec("d"))
+        x = jax.make_array_from_callback((8,), src, lambda i: np.ones(8, np.float32)[i])
+        print("ready", flush=True)
+        if process_id == 1:
+            time.sleep(300)
+        with watchdog.label(step=7, mfc="actor_train"):
+            reshard(x, dst)
         return
     # mode "loop": collectives across both processes until one of them is killed.
     mesh = Mesh(np.asarray(jax.devices()), ("d",))
@@ -97,17 +112,25 @@ def _worker(mode: str, address: str, process_id: int, out: str, allocation: str)
         total(x).block_until_ready()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def coordinator_port():
+    """A port for the workers' coordinator, held (reserved) until the test ends.
+
+    Not "pick a free port and release it": the coordinator's gRPC server binds with
+    SO_REUSEPORT, so a released port can end up shared with another test's server (see
+    `distributed.reserve_port`).
+    """
+    from jaxrlhf.distributed import reserve_port
+
+    with reserve_port() as sock:
+        yield sock.getsockname()[1]
 
 
-def _spawn(mode: str, out: pathlib.Path, allocation: str = "") -> list[subprocess.Popen]:
+def _spawn(mode: str, out: pathlib.Path, port: int, allocation: str = "") -> list[subprocess.Popen]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's 8 devices
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
                XLA_FLAGS="--xla_backend_optimization_level=0")  # compiles faster
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{port}"
     return [subprocess.Popen(
         [sys.executable, __file__, mode, address, str(i), str(out.with_suffix(f".{i}.json")),
          allocation],
@@ -133,12 +156,13 @@ def _kill(procs) -> None:
             p.wait()
 
 
-def test_two_processes_match_one_with_generation_and_training_in_different_processes(tmp_path):
+def test_two_processes_match_one_with_generation_and_training_in_different_processes(
+        tmp_path, coordinator_port):
     import numpy as np
 
-    procs = _spawn("steps", tmp_path / "cross", CROSS)
+    procs = _spawn("steps", tmp_path / "cross", coordinator_port, CROSS)
     try:
-        reference = run_steps(CROSS)  # this process: 8 devices (conftest), meanwhile
+        reference = run_steps(CROSS, tmp_path / "one")  # this process: 8 devices, meanwhile
     except BaseException:
         _kill(procs)
         raise
@@ -163,8 +187,8 @@ def _wait_ready(proc, timeout: float) -> None:
     raise TimeoutError(f"the worker was not ready after {timeout} s")
 
 
-def _kill_one(tmp_path, victim: int) -> tuple[str, float, int]:
-    procs = _spawn("loop", tmp_path / "loop")
+def _kill_one(tmp_path, port: int, victim: int) -> tuple[str, float, int]:
+    procs = _spawn("loop", tmp_path / "loop", port)
     try:
         _wait_ready(procs[victim], timeout=120)
         time.sleep(1.0)  # both inside the collective loop
@@ -177,16 +201,37 @@ def _kill_one(tmp_path, victim: int) -> tuple[str, float, int]:
         _kill(procs)
 
 
-def test_killing_process_1_stops_process_0_within_60s_naming_it(tmp_path):
-    err, seconds, code = _kill_one(tmp_path, victim=1)
+def test_killing_process_1_stops_process_0_within_60s_naming_it(tmp_path, coordinator_port):
+    err, seconds, code = _kill_one(tmp_path, coordinator_port, victim=1)
     assert code != 0 and seconds < 60, (code, seconds)
     assert "stopped sending heartbeats" in err and "\n1\n" in err, err[-2000:]
 
 
-def test_killing_process_0_stops_process_1_within_60s_naming_it(tmp_path):
-    err, seconds, code = _kill_one(tmp_path, victim=0)
+def test_killing_process_0_stops_process_1_within_60s_naming_it(tmp_path, coordinator_port):
+    err, seconds, code = _kill_one(tmp_path, coordinator_port, victim=0)
     assert code != 0 and seconds < 60, (code, seconds)
     assert "leader task" in err, err[-2000:]  # process 0 hosts the coordination service
+
+
+def test_a_transfer_whose_peer_never_arrives_stops_the_job_naming_it(tmp_path,
+                                                                    coordinator_port):
+    """No hang, ever: a cross-process wait past its deadline ends the job with one line."""
+    procs = _spawn("stall", tmp_path / "stall", coordinator_port)
+    try:
+        _wait_ready(procs[0], timeout=120)
+        start = time.monotonic()
+        _, err = procs[0].communicate(timeout=60)
+        seconds = time.monotonic() - start
+        assert procs[0].returncode != 0, err[-2000:]
+        line = ("jaxrlhf: process 0: cross-process transfer of 1 array(s) (process 0 -> process "
+                f"1) (step 7, mfc actor_train) did not complete within {STALL_TIMEOUT_S} s")
+        assert line in err, err[-2000:]
+        assert seconds < STALL_TIMEOUT_S + 30, seconds
+        # The peer, asleep, is stopped by the coordination service (its leader is gone).
+        _, err1 = procs[1].communicate(timeout=60)
+        assert procs[1].returncode != 0, err1[-2000:]
+    finally:
+        _kill(procs)
 
 
 def _train(launcher: list[str], workdir: pathlib.Path, extra: list[str]) -> dict:

@@ -36,3 +36,31 @@ def test_dispatch_order_puts_device_calls_before_host_calls_and_resolves_futures
     assert seen == ["gen", "ref", "reward", "train"]
     assert float(buffer["loss"]) == 2 * 10 - 10
     assert "train<-r" in timing.host_blocked
+
+
+class _Failing:
+    """An output whose device work failed the way XLA reports it (block_until_ready raises)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def block_until_ready(self):
+        raise RuntimeError(self.message)
+
+
+def _one_mfc_step(output):
+    graph = build_graph([MFC("gen", R.ACTOR, C.GENERATE, ("p",), ("seq",))])
+    scheduler = Scheduler(graph, {"gen": lambda b: {"seq": output}}, {"gen": frozenset({0})})
+    return scheduler.run_step({"p": jnp.int32(1)})
+
+
+def test_a_device_error_in_an_mfc_is_raised_not_swallowed():
+    import pytest
+
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        _one_mfc_step(_Failing("RESOURCE_EXHAUSTED: Out of memory allocating 4096 bytes"))
+
+
+def test_an_output_deleted_downstream_counts_as_ready():
+    buffer, timing = _one_mfc_step(_Failing("Array has been deleted with shape=float32[4]."))
+    assert timing.mfcs["gen"].ready >= timing.mfcs["gen"].dispatch_done

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 import jax
 
 from jaxrlhf.dataflow.graph import DataflowGraph
+from jaxrlhf.parallel import watchdog
 
 Buffer = dict[str, object]
 Executor = Callable[[Buffer], Mapping[str, object]]
@@ -69,14 +70,23 @@ def _resolve(value, sync_point: str, blocked: dict[str, float]):
     return value
 
 
+def _deleted_buffer(error: RuntimeError) -> bool:
+    """Whether `error` only says an array was deleted or donated (by a later MFC)."""
+    text = str(error)
+    return "deleted" in text or "donated" in text
+
+
 def _wait_ready(outputs: Mapping[str, object]) -> None:
     for value in outputs.values():
         if isinstance(value, concurrent.futures.Future):
             value = value.result()
         try:
             jax.block_until_ready(value)
-        except RuntimeError:  # an output donated/deleted downstream is ready by definition
-            pass
+        except RuntimeError as error:
+            # An output donated or deleted downstream is ready by definition; anything else
+            # (an XLA runtime error such as out-of-memory) is the MFC's failure.
+            if not _deleted_buffer(error):
+                raise
 
 
 class Scheduler:
@@ -123,32 +133,41 @@ class Scheduler:
         blocked: dict[str, float] = {}
         timings: dict[str, MFCTiming] = {}
         watchers: list[threading.Thread] = []
+        failures: dict[str, BaseException] = {}
         for name in self.dispatch_order(set(dataset)):
             mfc = self.graph.mfc(name)
-            inputs = {k: _resolve(buffer[k], f"{name}<-{k}", blocked) for k in mfc.inputs}
-            buffer.update(inputs)
-            timing = MFCTiming(name, self.devices.get(name, frozenset()), dispatched=clock())
-            outputs = self.executors[name]({**buffer, **inputs})
+            with watchdog.label(mfc=name):
+                inputs = {k: _resolve(buffer[k], f"{name}<-{k}", blocked) for k in mfc.inputs}
+                buffer.update(inputs)
+                timing = MFCTiming(name, self.devices.get(name, frozenset()), dispatched=clock())
+                outputs = self.executors[name]({**buffer, **inputs})
             unknown = set(outputs) - set(mfc.outputs)
             if unknown:
                 raise ValueError(f"MFC {name} returned undeclared keys {sorted(unknown)}")
             timing.dispatch_done = clock()
             buffer.update(outputs)
             timings[name] = timing
-            watcher = threading.Thread(target=self._stamp, args=(timing, outputs, clock),
-                                       daemon=True)
+            watcher = threading.Thread(target=self._stamp,
+                                       args=(timing, outputs, clock, failures), daemon=True)
             watcher.start()
             watchers.append(watcher)
-        for watcher in watchers:
-            watcher.join()
+        for name, watcher in zip(timings, watchers):
+            with watchdog.label(mfc=name), watchdog.guard("the MFC's device work"):
+                watcher.join()
+            if name in failures:
+                raise failures[name]
         for key, value in list(buffer.items()):
-            buffer[key] = _resolve(value, f"end<-{key}", blocked)
+            with watchdog.guard(f"step end: value {key!r}"):
+                buffer[key] = _resolve(value, f"end<-{key}", blocked)
         self._place_on_timeline(timings)
         return buffer, StepTiming(timings, blocked, clock())
 
     @staticmethod
-    def _stamp(timing: MFCTiming, outputs, clock) -> None:
-        _wait_ready(outputs)
+    def _stamp(timing: MFCTiming, outputs, clock, failures: dict[str, BaseException]) -> None:
+        try:
+            _wait_ready(outputs)
+        except Exception as error:  # noqa: BLE001 - handed to the main thread, raised there
+            failures[timing.name] = error
         timing.ready = max(clock(), timing.dispatch_done)
 
     def _place_on_timeline(self, timings: dict[str, MFCTiming]) -> None:

@@ -62,6 +62,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from jaxrlhf.parallel import watchdog
+
 DEVICE_MEMORY = "device"
 _REPLICA_AXIS = "_reshard_replica"
 
@@ -240,8 +242,17 @@ def _barrier() -> None:
     from jax._src import distributed
 
     _barrier.count = getattr(_barrier, "count", 0) + 1
+    # The service's own deadline backs up the watchdog's (which ends the job, named, first).
+    timeout_s = 2 * (watchdog.timeout_s() or 300)
     distributed.global_state.client.wait_at_barrier(f"jaxrlhf_reshard_{_barrier.count}",
-                                                    timeout_in_ms=600_000)
+                                                    timeout_in_ms=int(timeout_s * 1000))
+
+
+def _processes(items) -> str:
+    """"processes 0,1" for arrays or shardings (what a watchdog message names)."""
+    shardings = [x.sharding if isinstance(x, jax.Array) else x for x in items]
+    ids = sorted({d.process_index for s in shardings for d in s.device_set})
+    return "process" + ("es " if len(ids) > 1 else " ") + ",".join(map(str, ids))
 
 
 def _same_process(x: jax.Array, group: NamedSharding) -> bool:
@@ -267,9 +278,11 @@ def _cross(xs: list[jax.Array], dsts: list[NamedSharding]) -> list[jax.Array]:
     pieces = _copy([xs[i] for i, _ in local], [block for _, block in local]) if local else []
     pieces += jax.device_put([xs[i] for i, _ in remote], [block for _, block in remote],
                              may_alias=False)
-    jax.block_until_ready(pieces)
-    if jax.process_count() > 1:
-        _barrier()
+    with watchdog.guard(f"cross-process transfer of {len(remote)} array(s) "
+                        f"({_processes(xs)} -> {_processes([b for _, b in remote])})"):
+        jax.block_until_ready(pieces)
+        if jax.process_count() > 1:
+            _barrier()
     by_device: list[dict] = [{} for _ in xs]
     for (i, _), piece in zip(local + remote, pieces):
         by_device[i].update({shard.device: shard.data for shard in piece.addressable_shards})
@@ -395,7 +408,8 @@ def reshard(tree, dst_shardings, *, free_source: bool = False, chunk_bytes: int 
     for chunk in _chunks([leaves[i].nbytes for i in moving], chunk_bytes):
         indices = [moving[j] for j in chunk]
         moved, intermediates = _move_chunk([leaves[i] for i in indices], [dsts[i] for i in indices])
-        jax.block_until_ready(moved)
+        with watchdog.guard(f"reshard of {len(indices)} array(s) onto {_processes(moved)}"):
+            jax.block_until_ready(moved)
         for i, result in zip(indices, moved):
             out[i] = result
             bytes_moved += leaves[i].nbytes
@@ -489,7 +503,8 @@ def fetch(tree):
         moved, _ = _move_chunk([leaves[i] for i in on_device], [everywhere] * len(on_device))
         for i, x in zip(on_device, moved):
             leaves[i] = x.addressable_data(0)
-    host = jax.device_get([leaves[i] for i in on_device])
+    with watchdog.guard(f"fetch of {len(on_device)} array(s) to the host"):
+        host = jax.device_get([leaves[i] for i in on_device])
     for i, x in zip(on_device, host):
         leaves[i] = np.asarray(x)
     return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -20,6 +20,7 @@ from jaxrlhf.dataflow.graph import DataflowGraph
 from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.dataflow.scheduler import Scheduler, StepTiming
 from jaxrlhf.mfc import Call, Role
+from jaxrlhf.parallel import watchdog
 from jaxrlhf.parallel.reshard import fetch
 from jaxrlhf.run.layouts import RunPlan
 
@@ -96,14 +97,15 @@ class Runner:
 
     def step(self, batch: dict) -> StepResult:
         """Runs every MFC once on `batch`; returns host metrics (the step's sync point)."""
-        buffer, timing = self.scheduler.run_step(batch)
-        metrics: dict[str, float] = {}
-        for mfc in self.graph.mfcs:
-            if mfc.call is Call.TRAIN_STEP:
-                stats = fetch(buffer[mfc.outputs[0]])  # every process: same metrics
-                metrics.update({f"{mfc.role.value}/{k}": float(v) for k, v in stats.items()})
-        if "scores_b" in buffer:
-            metrics["reward"] = float(np.mean(fetch(buffer["scores_b"])))
+        with watchdog.label(step=self.step_index):  # names the step in a stuck wait's message
+            buffer, timing = self.scheduler.run_step(batch)
+            metrics: dict[str, float] = {}
+            for mfc in self.graph.mfcs:
+                if mfc.call is Call.TRAIN_STEP:
+                    stats = fetch(buffer[mfc.outputs[0]])  # every process: same metrics
+                    metrics.update({f"{mfc.role.value}/{k}": float(v) for k, v in stats.items()})
+            if "scores_b" in buffer:
+                metrics["reward"] = float(np.mean(fetch(buffer["scores_b"])))
         if self.algorithm.controller_update is not None:
             shared = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("actor/")}
             # Host-side controller math at the step's sync point: transfers are expected here.
