@@ -35,6 +35,9 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process, 0..num_pro
                                    f"(default ${distributed.ENV_PROCESS_ID})")
 _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 15, "seconds without a heartbeat after "
                                   "which a process counts as dead and the whole job stops")
+_WAIT_TIMEOUT = flags.DEFINE_float("wait_timeout", 600.0, "seconds a cross-process wait (a "
+                                   "transfer, a barrier, a step's device work) may last before "
+                                   "the job stops with a message naming it")
 
 EXIT_CONFIG_ERROR = 2
 
@@ -93,7 +96,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # library INFO lines would bury the progress bar
     try:
         dist = distributed.from_flags(_COORDINATOR.value, _NUM_PROCESSES.value,
-                                      _PROCESS_ID.value, _HEARTBEAT.value)
+                                      _PROCESS_ID.value, _HEARTBEAT.value,
+                                      _WAIT_TIMEOUT.value)
         use_cpu_devices(distributed.cpu_devices_per_process(config.cpu_devices, dist))
         if dist.multi_process and not (_WORKDIR.value or config.workdir):
             raise distributed.DistributedError(
