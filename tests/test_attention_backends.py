@@ -3,6 +3,8 @@ same numbers as XLA (fp32): a packed/padded forward with gradients, and a sample
 (prefill + ragged decode against the cache). Pallas runs in interpret mode off accelerators."""
 
 import functools
+import importlib.util
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -113,3 +115,19 @@ def test_cudnn_bf16_matches_xla_on_gpu():
     real = (seg_bt != 0)[..., None]
     np.testing.assert_allclose(jnp.where(real, got, 0), jnp.where(real, want, 0),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow  # ~15 s alone: three compiles of a model
+def test_gpu_benchmark_script_runs_on_cpu(capsys):
+    """benchmarks/gpu_kernels.py end to end at a tiny size (figures meaningless on CPU)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    path = root / "benchmarks" / "gpu_kernels.py"
+    module_spec = importlib.util.spec_from_file_location("gpu_kernels", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    bench.main(["--size=tiny", "--dtype=float32", f"--cluster={root / 'meshes' / 'cpu_8.py'}",
+                "--attention=xla", "--batches=2", "--prompt=8", "--new=2", "--train_rows=2",
+                "--train_len=8", "--repeats=1"])
+    out = capsys.readouterr().out
+    for phase in ("train ", "prefill ", "decode "):
+        assert phase in out, out

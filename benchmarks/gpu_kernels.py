@@ -1,0 +1,188 @@
+"""Accelerator figures of one model on one device: train-step MFU, prefill MFU, decode vs the HBM
+roofline, for each attention implementation asked for.
+
+`python benchmarks/gpu_kernels.py --size=llama-3.2-1b --cluster=meshes/h100_1.py
+[--attention=auto,pallas] [--batches=64,256] [--prompt=512] [--new=512] [--train_rows=8]
+[--train_len=2048] [--repeats=5] [--dtype=bfloat16]`
+
+Denominators are the cluster file's *published* peak bf16 FLOP/s and HBM bandwidth (not a
+probe), as in the papers:
+  * train MFU = model FLOPs of one optimizer step (3 forward passes, `jaxrlhf.perf.flops`) /
+    (seconds x peak); parameters fp32, compute in `--dtype`;
+  * prefill MFU = forward FLOPs of `batch` prompts writing a KV cache / (seconds x peak);
+  * decode: `--new` greedy steps of one token against the cache (a `fori_loop` of the model, no
+    sampling work), as a fraction of the roofline = bytes that must be read per step (weights
+    in `--dtype` + each row's valid KV prefix, all layers) / HBM bandwidth.
+Weights of prefill/decode are stored in `--dtype` (a rollout engine's copy). Inputs are random
+tokens at full length (no padding), as ReaL measures. On CPU it runs end to end at a tiny
+size (`--size=tiny --dtype=float32 --cluster=meshes/cpu_8.py`): the figures then mean
+nothing, the point is that the script stays alive (tests/test_attention_backends.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="llama-3.2-1b", help="a name in jaxrlhf.models.sizes")
+    p.add_argument("--cluster", default="meshes/h100_1.py", help="cluster file (peak, HBM)")
+    p.add_argument("--attention", default="auto", help="comma list of auto|xla|cudnn|pallas")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batches", default="64,256", help="decode/prefill batch sizes")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--new", type=int, default=512, help="decode steps timed")
+    p.add_argument("--train_rows", type=int, default=8)
+    p.add_argument("--train_len", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--skip", default="", help="comma list of train,prefill,decode to skip")
+    return p.parse_args(argv)
+
+
+def _cluster(path: str):
+    spec = importlib.util.spec_from_file_location("cluster_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_cluster()
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    import jax
+    jax.block_until_ready(fn())  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _kv_bytes_per_slot(cfg) -> int:
+    """Bytes of keys + values one token occupies in the cache, all layers."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.dtype(0).itemsize
+
+
+def _train(cfg, layout, args, peak) -> str:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrlhf.engine.optimizer import OptimizerConfig
+    from jaxrlhf.engine.train_step import init_train_state, make_train_step
+    from jaxrlhf.perf.flops import call_flops
+
+    cfg = cfg.replace(param_dtype=jnp.float32)
+
+    def loss_fn(logits_btv, b):  # next-token cross-entropy
+        logp = jax.nn.log_softmax(logits_btv[:, :-1])
+        picked = jnp.take_along_axis(logp, b["tokens_bt"][:, 1:, None], -1)[..., 0]
+        return -jnp.sum(picked), jnp.float32(picked.size), {}
+
+    opt = OptimizerConfig(lr=1e-5)
+    step = make_train_step(cfg, layout, loss_fn, opt)
+    state = {"s": init_train_state(cfg, layout, opt, jax.random.key(0))}
+    rows, length = args.train_rows, args.train_len
+    tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (rows, length), np.int32)
+    batch = {"tokens_bt": tokens, "positions_bt": np.broadcast_to(np.arange(length), tokens.shape),
+             "segment_ids_bt": np.ones_like(tokens)}
+
+    def run():
+        state["s"], metrics = step(state["s"], batch)
+        return metrics
+
+    seconds = _median_seconds(run, args.repeats)
+    mfu = call_flops(cfg, "train_step", rows, length) / (seconds * peak)
+    return f"train   rows={rows} len={length}: {seconds * 1e3:9.2f} ms/step  MFU {mfu:6.1%}"
+
+
+def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip) -> list[str]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrlhf.models.sizes import param_count
+    from jaxrlhf.models.transformer import KVCache, Transformer
+    from jaxrlhf.parallel.layout import init_params, make_layout
+    from jaxrlhf.perf.flops import forward_flops_per_token
+
+    cfg = cfg.replace(param_dtype=cfg.dtype)  # the rollout copy of the weights
+    model = Transformer(cfg)
+    params = init_params(cfg, make_layout("0:d1", model=cfg), jax.random.key(0))
+    prompt, new = args.prompt, args.new
+    tokens_bp = jnp.asarray(
+        np.random.default_rng(1).integers(1, cfg.vocab_size, (batch, prompt), np.int32))
+    positions_bp = jnp.broadcast_to(jnp.arange(prompt), tokens_bp.shape)
+    kv_seg_bs = jnp.ones((batch, prompt + new), jnp.int32)
+
+    @jax.jit
+    def prefill(params):
+        cache = KVCache.zeros(cfg, batch, prompt + new)
+        logits_b1v, cache = model.apply({"params": params}, tokens_bp, positions_bp,
+                                        jnp.ones_like(tokens_bp), cache, 0, kv_seg_bs,
+                                        last_only=True)
+        return jnp.argmax(logits_b1v[:, 0], -1).astype(jnp.int32), cache
+
+    @jax.jit
+    def decode(params, token_b, cache):
+        def one(i, carry):
+            token_b, cache = carry
+            slot = prompt + i
+            logits_b1v, cache = model.apply(
+                {"params": params}, token_b[:, None], jnp.full((batch, 1), slot),
+                jnp.ones((batch, 1), jnp.int32), cache, slot, kv_seg_bs)
+            return jnp.argmax(logits_b1v[:, 0], -1).astype(jnp.int32), cache
+        return jax.lax.fori_loop(0, new, one, (token_b, cache))
+
+    lines = []
+    if "prefill" not in skip:
+        seconds = _median_seconds(lambda: prefill(params), args.repeats)
+        flops = batch * prompt * forward_flops_per_token(cfg, prompt)
+        lines.append(f"prefill batch={batch} prompt={prompt}: {seconds * 1e3:9.2f} ms  "
+                     f"MFU {flops / (seconds * peak):6.1%}")
+    if "decode" not in skip:
+        token_b, cache = prefill(params)
+        seconds = _median_seconds(lambda: decode(params, token_b, cache), args.repeats)
+        # Untied: the input embedding is only gathered (batch rows), not read whole.
+        gathered_only = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+        weight_bytes = (param_count(cfg) - gathered_only) * cfg.dtype(0).itemsize
+        # Step i reads every weight once and each row's prefix of prompt + i + 1 slots.
+        valid_slots = batch * sum(prompt + i + 1 for i in range(new))
+        roofline = (new * weight_bytes + valid_slots * _kv_bytes_per_slot(cfg)) / bandwidth
+        lines.append(f"decode  batch={batch} cache={prompt}+{new}: "
+                     f"{batch * new / seconds:11.0f} tok/s  {seconds / new * 1e3:7.3f} ms/step  "
+                     f"{roofline / seconds:6.1%} of HBM roofline")
+    return lines
+
+
+def main(argv=None):
+    args = _args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf.models.attention import AttentionImpl, resolve_impl
+    from jaxrlhf.models.sizes import get_size
+    from jaxrlhf.parallel.layout import make_layout
+
+    cluster = _cluster(args.cluster)
+    peak, bandwidth = cluster.peak_bf16_flops, cluster.hbm_bandwidth
+    skip = set(filter(None, args.skip.split(",")))
+    print(f"{jax.devices()[0].device_kind} ({jax.default_backend()}); {cluster.name}: peak "
+          f"{peak / 1e12:.0f} TFLOP/s, HBM {bandwidth / 1e12:.2f} TB/s; size {args.size}, "
+          f"{args.dtype}")
+    for name in args.attention.split(","):
+        impl = AttentionImpl(name)
+        cfg = get_size(args.size, dtype=jnp.dtype(args.dtype).type, attention=impl)
+        print(f"-- attention={name} (runs as {resolve_impl(impl).value})")
+        if "train" not in skip:
+            print(_train(cfg, make_layout("0:d1", model=cfg), args, peak), flush=True)
+        for batch in map(int, args.batches.split(",")):
+            for line in _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip):
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
