@@ -10,6 +10,8 @@ probe), as in the papers:
   * train MFU = model FLOPs of one optimizer step (3 forward passes, `jaxrlhf.perf.flops`) /
     (seconds x peak); parameters fp32, compute in `--dtype`;
   * prefill MFU = forward FLOPs of `batch` prompts writing a KV cache / (seconds x peak);
+  * mismatch: mean |log p_train - log p_rollout| on sampled tokens and the largest token
+    probability ratio, rollout weights in `--dtype` vs fp32 training weights;
   * decode: `--new` greedy steps of one token against the cache (a `fori_loop` of the model, no
     sampling work), as a fraction of the roofline = bytes that must be read per step (weights
     in `--dtype` + each row's valid KV prefix, all layers) / HBM bandwidth.
@@ -39,7 +41,7 @@ def _args(argv=None):
     p.add_argument("--train_rows", type=int, default=8)
     p.add_argument("--train_len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--skip", default="", help="comma list of train,prefill,decode to skip")
+    p.add_argument("--skip", default="", help="comma list of train,prefill,decode,mismatch to skip")
     return p.parse_args(argv)
 
 
@@ -158,6 +160,44 @@ def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip) -> list[str]:
     return lines
 
 
+def _mismatch(cfg, batch, args) -> str:
+    """bf16 train-vs-rollout log-prob mismatch on sampled responses (temperature 1).
+
+    The rollout samples with weights stored in `--dtype`; the trainer recomputes the same
+    tokens' log-probs from fp32 weights (compute in `--dtype`), as PPO's ratio does. Reports
+    mean |delta log p| and the largest token probability ratio exp(max |delta log p|). Random
+    weights give flat distributions: a real checkpoint is the meaningful measurement.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
+    from jaxrlhf.engine.inference import (InferenceBatch, InferenceConfig, InferenceKind,
+                                          make_inference_fn)
+    from jaxrlhf.parallel.layout import init_params, make_layout
+
+    train_cfg = cfg.replace(param_dtype=jnp.float32)
+    rollout_cfg = cfg.replace(param_dtype=cfg.dtype)
+    layout = make_layout("0:d1", model=train_cfg)
+    params32 = init_params(train_cfg, layout, jax.random.key(0))
+    params_rollout = jax.tree.map(lambda x: x.astype(cfg.dtype), params32)
+    gen = make_generate_fn(rollout_cfg, GenerateConfig(args.new, 0, 0, 1.0,
+                                                       force_max_length=True), layout)
+    tokens_bp = np.random.default_rng(2).integers(1, cfg.vocab_size, (batch, args.prompt),
+                                                  np.int32)
+    out = gen(params_rollout, tokens_bp, np.ones_like(tokens_bp, bool), jax.random.key(1))
+    infer = make_inference_fn(train_cfg, InferenceConfig(InferenceKind.LOGPROBS, 1.0), layout)
+    seqs = InferenceBatch.padded(np.asarray(out.sequences_bs), np.asarray(out.sequence_mask_bs))
+    # Both calls may pad to length buckets: the response starts after the bucketed prompt.
+    start = out.sequences_bs.shape[1] - args.new
+    train_logp_bn = np.asarray(infer(params32, seqs).logprobs_bt)[:, start:start + args.new]
+    mask_bn = np.asarray(out.response_mask_bn)
+    delta = np.abs(train_logp_bn - np.asarray(out.logprobs_bn))[mask_bn]
+    return (f"mismatch batch={batch} new={args.new}: mean |dlogp| {delta.mean():.2e}, "
+            f"max token prob ratio {np.exp(delta.max()):.4f}")
+
+
 def main(argv=None):
     args = _args(argv)
     import jax
@@ -182,6 +222,8 @@ def main(argv=None):
         for batch in map(int, args.batches.split(",")):
             for line in _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip):
                 print(line, flush=True)
+            if "mismatch" not in skip:
+                print(_mismatch(cfg, batch, args), flush=True)
 
 
 if __name__ == "__main__":

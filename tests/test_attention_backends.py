@@ -129,5 +129,5 @@ def test_gpu_benchmark_script_runs_on_cpu(capsys):
                 "--attention=xla", "--batches=2", "--prompt=8", "--new=2", "--train_rows=2",
                 "--train_len=8", "--repeats=1"])
     out = capsys.readouterr().out
-    for phase in ("train ", "prefill ", "decode "):
+    for phase in ("train ", "prefill ", "decode ", "mismatch "):
         assert phase in out, out
