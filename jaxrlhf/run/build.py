@@ -164,10 +164,8 @@ def initial_states(spec: RunSpec, plan: RunPlan, params) -> dict:
                 states[role] = create_train_state(params, model, home, opt)
             case Role.REF:
                 states[role] = frozen_copy(params, model, home)
-            case Role.CRITIC | Role.COST_CRITIC:
-                states[role] = create_train_state(critic_from_actor(params, model, home), model,
-                                                  home, opt)
-            case Role.REWARD if opt is not None:  # reward modelling: trained from the trunk
+            case Role.CRITIC | Role.COST_CRITIC | Role.REWARD if opt is not None:
+                # Critics, and the reward model of reward modelling: from the actor's trunk.
                 states[role] = create_train_state(critic_from_actor(params, model, home), model,
                                                   home, opt)
             case _:
