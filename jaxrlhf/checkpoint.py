@@ -33,7 +33,9 @@ import math
 import os
 import pathlib
 import signal
+import sys
 import threading
+import time
 from typing import Any
 
 import flax.linen as nn
@@ -46,6 +48,7 @@ from ml_collections import ConfigDict
 
 from jaxrlhf.engine.optimizer import OptimizerConfig, make_optimizer
 from jaxrlhf.engine.train_step import TrainState, state_shardings
+from jaxrlhf.fingerprint import differences as fingerprint_differences
 from jaxrlhf.mfc import Role
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.sizes import abstract_params
@@ -69,17 +72,31 @@ class NonFiniteError(RuntimeError):
     """A step produced NaN/inf; nothing of it was checkpointed."""
 
 
+class ResumeMode(enum.Enum):
+    """What a rerun does with the checkpoints in its workdir (`checkpoint.resume`)."""
+
+    AUTO = "auto"  # resume the newest intact one if it was written by this same run, else refuse
+    NEVER = "never"  # start afresh: existing checkpoints are moved aside, never deleted
+    FORCE = "force"  # resume even if another run wrote it (differences are printed)
+
+
+class CheckpointError(ValueError):
+    """Checkpoints that cannot be resumed (reported in one line `checkpoint: ...`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Attributes:
       every: save after every `every` RL steps (0 = only at the end and on Ctrl-C).
       keep: newest checkpoints kept on disk.
       async_save: write files in the background while training goes on.
+      resume: what a rerun does with existing checkpoints.
     """
 
     every: int
     keep: int
     async_save: bool
+    resume: ResumeMode = ResumeMode.AUTO
 
     def __post_init__(self):
         if self.every < 0 or self.keep < 1:
@@ -89,7 +106,11 @@ class CheckpointConfig:
     @classmethod
     def of(cls, config: ConfigDict) -> "CheckpointConfig":
         c = config.checkpoint
-        return cls(every=c.every, keep=c.keep, async_save=c.async_save)
+        modes = [m.value for m in ResumeMode]
+        if c.resume not in modes:
+            raise ValueError(f"checkpoint.resume={c.resume!r}: must be one of {modes}")
+        return cls(every=c.every, keep=c.keep, async_save=c.async_save,
+                   resume=ResumeMode(c.resume))
 
     def due(self, steps_done: int) -> bool:
         return self.every > 0 and steps_done % self.every == 0
@@ -107,6 +128,7 @@ class HostState:
       config: the experiment config as JSON (export rebuilds the model configs from it).
       trained: roles saved with optimizer state.
       frozen: roles saved as parameters only.
+      fingerprint: what defines the run that wrote it (`jaxrlhf.fingerprint`).
     """
 
     step: int
@@ -116,6 +138,7 @@ class HostState:
     config: str
     trained: tuple[str, ...]
     frozen: tuple[str, ...]
+    fingerprint: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -261,6 +284,42 @@ class Checkpointer:
         return {role: reshard(state, wanted[role], free_source=True)[0]
                 for role, state in states.items()}
 
+    def step_path(self, step: int) -> pathlib.Path:
+        return self.directory / str(step)
+
+    def newest_host(self) -> HostState | None:
+        """The host part of the newest checkpoint whose host item reads (None if none does);
+        a damaged newer one is reported and skipped."""
+        for step in reversed(self.all_steps()):
+            try:
+                return self.restore_host(step)
+            except Exception as error:  # noqa: BLE001 - any damage: try the previous one
+                _warn_damaged(self.step_path(step), error)
+        return None
+
+    def restore_intact(self, targets: dict[Role, ModelState]
+                       ) -> tuple[HostState, dict[Role, ModelState]] | None:
+        """The newest checkpoint that restores completely: (host, model states on `targets`).
+
+        A checkpoint that fails to restore (a truncated or missing file, unreadable metadata)
+        is reported with its path and skipped for the previous one. None when there are no
+        checkpoints.
+
+        Raises:
+          CheckpointError: checkpoints exist but none of them restores.
+        """
+        steps = self.all_steps()
+        for step in reversed(steps):
+            try:
+                host = self.restore_host(step)
+                return host, self.restore_models(step, targets)
+            except Exception as error:  # noqa: BLE001 - any damage: try the previous one
+                _warn_damaged(self.step_path(step), error)
+        if steps:
+            raise CheckpointError(f"checkpoint: none of the checkpoints {steps} in "
+                                  f"{self.directory} can be restored (see the warnings above)")
+        return None
+
     def wait(self) -> None:
         """Blocks until background writes are on disk."""
         self._manager.wait_until_finished()
@@ -269,8 +328,70 @@ class Checkpointer:
         self._manager.close()
 
 
+def _warn_damaged(path: pathlib.Path, error: BaseException) -> None:
+    text = " ".join(str(error).split())[:300]
+    print(f"warning: checkpoint {path} cannot be restored ({type(error).__name__}: {text}); "
+          "trying the previous one", file=sys.stderr, flush=True)
+
+
+def check_resume(directory: pathlib.Path, fingerprint: dict[str, str], mode: ResumeMode) -> None:
+    """Refuses, before anything compiles, to resume checkpoints another run wrote.
+
+    `NEVER` moves existing checkpoints aside (to `checkpoints.replaced-N`, never deleting
+    work); `FORCE` prints what differs and resumes anyway.
+
+    Raises:
+      CheckpointError: (AUTO) the newest readable checkpoint's fingerprint differs from
+        `fingerprint`, naming the keys that differ.
+    """
+    if not directory.is_dir():
+        return
+    checkpoints = Checkpointer(directory, None)
+    try:
+        host = checkpoints.newest_host()
+    finally:
+        checkpoints.close()
+    if host is None:
+        return
+    if mode is ResumeMode.NEVER:
+        _move_aside(directory)
+        return
+    if not host.fingerprint:
+        print(f"warning: checkpoint {directory / str(host.step)} records no fingerprint (an older "
+              "jaxrlhf wrote it); resuming it unchecked", file=sys.stderr, flush=True)
+        return
+    differ = fingerprint_differences(host.fingerprint, fingerprint)
+    if not differ:
+        return
+    listed = "; ".join(differ[:8]) + (f"; and {len(differ) - 8} more" if len(differ) > 8 else "")
+    if mode is ResumeMode.FORCE:
+        print(f"warning: checkpoint.resume=force: resuming {directory / str(host.step)}, written "
+              f"by another run ({listed})", file=sys.stderr, flush=True)
+        return
+    raise CheckpointError(
+        f"checkpoint: {directory / str(host.step)} was written by another run ({listed}); "
+        "use another --workdir, or --config.checkpoint.resume=never to start afresh (the old "
+        "checkpoints are moved aside) or =force to resume it anyway")
+
+
+def _move_aside(directory: pathlib.Path) -> None:
+    """Renames `directory` to a free `<name>.replaced-N` (process 0; the others wait)."""
+    if jax.process_index() == 0:
+        n = 1
+        while directory.with_name(f"{directory.name}.replaced-{n}").exists():
+            n += 1
+        target = directory.with_name(f"{directory.name}.replaced-{n}")
+        directory.rename(target)
+        print(f"checkpoint.resume=never: the existing checkpoints moved to {target}", flush=True)
+    deadline = time.monotonic() + 60  # a shared workdir: wait to see process 0's rename
+    while directory.exists():
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"checkpoint: {directory} was not moved aside within 60 s")
+        time.sleep(0.2)
+
+
 def save_run(checkpoints: Checkpointer, runner, prompts, accuracy_before: float,
-             config_json: str) -> bool:
+             config_json: str, fingerprint: dict[str, str]) -> bool:
     """Checkpoints `runner` (a Runner) fed by `prompts` (an EpochIterator) after its last step.
 
     Trained models are saved as TrainStates, frozen ones as parameters; a frozen model waiting
@@ -283,7 +404,8 @@ def save_run(checkpoints: Checkpointer, runner, prompts, accuracy_before: float,
         step=runner.step_index, iterator=prompts.state().to_dict(), runner=runner.state(),
         accuracy_before=float(accuracy_before), config=config_json,
         trained=tuple(r.value for r, rt in runtimes.items() if rt.trainable),
-        frozen=tuple(r.value for r, rt in runtimes.items() if not rt.trainable))
+        frozen=tuple(r.value for r, rt in runtimes.items() if not rt.trainable),
+        fingerprint=fingerprint)
     saved = checkpoints.save(states, host)
     for runtime in runtimes.values():
         runtime.after_call()  # a no-op for trained models and models that stay on devices
@@ -370,27 +492,35 @@ class NanGuard:
 
 
 class StopRequest:
-    """Ctrl-C (SIGINT) asks the RL loop to stop after the current step, save, and return.
+    """Ctrl-C (SIGINT) or SIGTERM asks the loop to stop after the current step, save, return.
 
-    A second Ctrl-C raises KeyboardInterrupt at once (the previous handler is back). Outside
-    the main thread (where Python cannot install signal handlers) this does nothing.
+    SIGTERM is what SLURM sends at the time limit or on preemption (`launch/slurm.sbatch` asks
+    for it early with `--signal`) and what Kubernetes sends on eviction; the loop finishes the
+    step it is in, saves a checkpoint and exits, and rerunning the same command resumes there.
+    (Multi-process, this handler replaces JAX's preemption notifier for SIGTERM: processes agree
+    on the step through `agreed`, as for Ctrl-C.) A second signal of the same kind acts at once
+    (the previous handler is back: Ctrl-C raises KeyboardInterrupt). Outside the main thread,
+    where Python cannot install signal handlers, this does nothing.
     """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame) -> None:
-        del signum, frame
+        del frame
         self.requested = True
-        signal.signal(signal.SIGINT, self._previous)
-        print("\ninterrupt: finishing this step, then saving a checkpoint "
-              "(Ctrl-C again to stop at once)", flush=True)
+        signal.signal(signum, self._previous[signum])
+        name = "interrupt" if signum == signal.SIGINT else "SIGTERM"
+        print(f"\n{name}: finishing this step, then saving a checkpoint "
+              "(the same signal again stops at once)", flush=True)
 
     def agreed(self) -> bool:
         """Whether any process was asked to stop (every process must stop at the same step:
@@ -401,6 +531,6 @@ class StopRequest:
         return bool(np.any(flags))
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}

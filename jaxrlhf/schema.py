@@ -39,6 +39,9 @@ def base_config() -> ConfigDict:
             "every": 20,  # RL steps between saves (0 = only at the end and on Ctrl-C)
             "keep": 3,  # newest checkpoints kept
             "async_save": True,  # write files in the background while training goes on
+            # auto: resume only checkpoints this same run wrote (fingerprint), else refuse;
+            # never: start afresh (old checkpoints moved aside); force: resume regardless
+            "resume": "auto",
         },
         "nan_policy": "stop",  # NaN/inf loss or grad norm: stop (last checkpoint kept) | skip
         "models": {

@@ -121,8 +121,14 @@ def main(argv):
         if dist.multi_process:  # no exit barrier: a process whose check passed must not wait
             distributed.abort(f"error: {e}", EXIT_CONFIG_ERROR)
         _config_error(e)
+    from jaxrlhf.checkpoint import CheckpointError
+
     try:
         summary = (offline.run if job.spec.offline else rl.run)(job)
+    except CheckpointError as e:  # no checkpoint restores: one line, like a config error
+        if dist.multi_process:
+            distributed.abort(f"error: {e}", EXIT_CONFIG_ERROR)
+        _config_error(e)
     except Exception as e:  # noqa: BLE001 - see below
         if not dist.multi_process:
             raise

@@ -127,6 +127,8 @@ def test_nan_policy_stop_keeps_the_last_good_checkpoint_and_skip_discards_steps(
                                       "    return 1e30\n")
     config = _config(steps=6)
     config.reward.function = f"{tmp_path / 'wild.py'}:reward"
+    # Another reward makes another run: resuming its checkpoints is the user's explicit choice.
+    config.checkpoint.resume = "force"
     with pytest.raises(checkpoint.NonFiniteError,
                        match=r"RL step 4: .*critic/loss=inf.*latest checkpoint \(step 4\)"):
         rl.run(check_config(config, str(work)))
@@ -145,6 +147,87 @@ def test_nan_policy_stop_keeps_the_last_good_checkpoint_and_skip_discards_steps(
     _assert_items_equal(work, 6, full, 4)
     host = checkpoint.Checkpointer(work / "checkpoints", None).restore_host()
     assert host.step == 6 and host.iterator == {"epoch": 1, "batch": 2}
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_one(full_run, tmp_path, capfd):
+    full, summary = full_run
+    work = tmp_path / "work"
+    shutil.copytree(full, work)
+    victim = max((p for p in (work / "checkpoints/4/actor_params").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 3])  # truncated
+    resumed = rl.run(check_config(_config(), str(work)))
+    assert resumed["resumed_from"] == 2
+    assert f"warning: checkpoint {work / 'checkpoints/4'} cannot be restored" in (
+        capfd.readouterr().err)
+    _assert_same_steps(_rl_records(work), _rl_records(full))
+    assert resumed["accuracy_after"] == summary["accuracy_after"]
+
+
+def test_no_intact_checkpoint_is_one_error_line(full_run, tmp_path):
+    work = tmp_path / "work"
+    shutil.copytree(full_run[0], work)
+    for step in (2, 4):
+        shutil.rmtree(work / f"checkpoints/{step}/actor_params")
+    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoint: none of the checkpoints "
+                       r"\[2, 4\] in .* can be restored"):
+        rl.run(check_config(_config(), str(work)))
+
+
+@pytest.mark.parametrize("change, keys", [
+    (lambda c: setattr(c, "algorithm", "grpo"), ["algorithm"]),
+    (lambda c: c.models.actor.update(size="small"), ["models.actor.size"]),
+    (lambda c: c.data.task.update(num_train=65), ["data.task.num_train"]),
+], ids=["algorithm", "model_size", "data"])
+def test_a_checkpoint_of_another_run_is_refused_naming_the_keys(full_run, change, keys):
+    from jaxrlhf.spec import ConfigError
+
+    config = _config()
+    change(config)
+    if config.algorithm == "grpo":
+        config.rollout.group_size = 2
+    with pytest.raises(ConfigError, match=r"^checkpoint: .*checkpoints/4 was written by another "
+                                          r"run \(" + ".*".join(keys)):
+        check_config(config, str(full_run[0]))
+
+
+def test_a_data_file_edited_between_runs_is_another_run(tmp_path):
+    from jaxrlhf.fingerprint import differences, run_fingerprint
+
+    data = tmp_path / "prompts.jsonl"
+    config = _config()
+    config.data.train_path = str(data)
+    data.write_text('{"prompt": "12>", "answer": "21"}\n')
+    before = run_fingerprint(config.to_json())
+    data.write_text('{"prompt": "13>", "answer": "31"}\n')
+    assert [d.split(":")[0] for d in differences(before, run_fingerprint(config.to_json()))] == [
+        "data.train_path"]
+
+
+def test_changes_that_may_come_with_a_resume_are_accepted(full_run, tmp_path, capfd):
+    config = _config(steps=8)
+    config.checkpoint.update(every=4, keep=3)
+    config.placement.update(kind="manual", allocation=(
+        "actor_gen=0-3:d4,ref_inf=4-7:d4,critic_inf=4-7:d4,actor_train=0-3:d2t2,"
+        "critic_train=4-7:f4"))
+    config.micro_batches = 2
+    config.reward.workers = 2
+    job = check_config(config, str(full_run[0]))  # no error: the same run
+    assert job.fingerprint == check_config(_config(), str(tmp_path / "fresh")).fingerprint
+
+    forced = _config()
+    forced.algorithm, forced.rollout.group_size = "grpo", 2
+    forced.checkpoint.resume = "force"
+    check_config(forced, str(full_run[0]))
+    assert "checkpoint.resume=force: resuming" in capfd.readouterr().err
+
+    work = tmp_path / "never"
+    shutil.copytree(full_run[0], work)
+    fresh = _config()
+    fresh.checkpoint.resume = "never"
+    check_config(fresh, str(work))
+    assert not (work / "checkpoints").exists()
+    assert sorted(p.name for p in (work / "checkpoints.replaced-1").iterdir()) == ["2", "4"]
 
 
 # ---- the real entry point, killed and interrupted --------------------------------------------

@@ -2,7 +2,8 @@
 
 `prepare(spec, workdir)` loads the tokenizer, checks the reward functions, model directories
 and vocabularies, resolves the placement (`placement.kind=auto` searches here, once), and reads
-the user's data files (a bad row is named by file:line). The job then runs what was checked.
+the user's data files (a bad row is named by file:line), and refuses checkpoints in the workdir
+that another run wrote (`checkpoint.resume`). The job then runs what was checked.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import tempfile
 
 from ml_collections import ConfigDict
 
+from jaxrlhf.checkpoint import CHECKPOINT_DIR, CheckpointError, check_resume
 from jaxrlhf.data import datasets
 from jaxrlhf.data.rewards import resolve_reward
 from jaxrlhf.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 from jaxrlhf.mfc import Role
+from jaxrlhf.fingerprint import run_fingerprint
 from jaxrlhf.models import hf_io
 from jaxrlhf.run.layouts import RunPlan, place
 from jaxrlhf.spec import ConfigError, RunSpec, field, run_spec
@@ -30,6 +33,7 @@ class Job:
     tokenizer: Tokenizer
     plan: RunPlan
     workdir: pathlib.Path
+    fingerprint: dict[str, str]  # what defines the run (checkpoints resume only their own)
 
 
 def _check_workdir(workdir: str) -> None:
@@ -97,7 +101,12 @@ def prepare(spec: RunSpec, workdir: str, devices=None) -> Job:
             raise ConfigError(f"warm_start.batch_size={w.batch_size}: does not split "
                               f"{home.dp_size} ways over the actor's layout {home}")
     _check_data(spec)
-    return Job(spec, tokenizer, plan, pathlib.Path(workdir))
+    fingerprint = run_fingerprint(spec.config_json)
+    try:
+        check_resume(pathlib.Path(workdir) / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
+    return Job(spec, tokenizer, plan, pathlib.Path(workdir), fingerprint)
 
 
 def check_config(config: ConfigDict, workdir: str, devices=None) -> Job:

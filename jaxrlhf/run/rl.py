@@ -87,15 +87,19 @@ def warm_start(job: Job, layout: Layout, params, data: build.Data, writer):
     return runtime.state.params
 
 
-def resumed_runner(job: Job, checkpoints: checkpoint.Checkpointer, host: checkpoint.HostState,
-                   pools) -> Runner:
-    """The runner continuing checkpoint `host.step`, restored onto this run's layouts (which
-    may differ from the layouts it was saved from)."""
+def restore(job: Job, checkpoints: checkpoint.Checkpointer):
+    """The newest intact checkpoint (host state, model states on this run's layouts, which may
+    differ from the layouts it was saved from), or None; damaged newer ones are skipped."""
     spec = job.spec
     targets = {role: checkpoint.abstract_state(model, job.plan.home(spec.graph, role),
                                                spec.optimizers.get(role))
                for role, model in spec.model_configs().items()}
-    runner = build.runner(job, checkpoints.restore_models(host.step, targets), pools)
+    return checkpoints.restore_intact(targets)
+
+
+def resumed_runner(job: Job, host: checkpoint.HostState, states: dict, pools) -> Runner:
+    """The runner continuing checkpoint `host.step` from its restored model `states`."""
+    runner = build.runner(job, states, pools)
     runner.restore(host.runner)
     return runner
 
@@ -117,7 +121,8 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
     """RL steps from the runner's step index to spec.steps, with checkpoints and guards."""
     spec, r = job.spec, job.spec.rollout
     guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
-    save = lambda: checkpoint.save_run(checkpoints, runner, prompts, acc_before, spec.config_json)
+    save = lambda: checkpoint.save_run(checkpoints, runner, prompts, acc_before, spec.config_json,
+                                       job.fingerprint)
     timings = []
     bar = tqdm(range(runner.step_index, spec.steps), desc=f"{runner.algorithm.name}",
                initial=runner.step_index, total=spec.steps, mininterval=1)
@@ -156,7 +161,8 @@ def run(job: Job) -> dict:
     spec, plan, workdir = job.spec, job.plan, job.workdir
     data = build.load_data(spec, workdir)
     checkpoints = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, spec.checkpoint)
-    resume = checkpoints.restore_host()
+    restored = restore(job, checkpoints)
+    resume = None if restored is None else restored[0]
     if resume is not None and jax.process_index() == 0:  # the process that writes metrics
         checkpoint.trim_metrics(workdir / "metrics.jsonl", resume.step)
     if resume is not None:
@@ -176,7 +182,7 @@ def run(job: Job) -> dict:
             if resume is None:
                 runner = build.fresh_runner(job, pools, params)
             else:
-                runner = resumed_runner(job, checkpoints, resume, pools)
+                runner = resumed_runner(job, resume, restored[1], pools)
                 prompts.restore(resume.iterator)
             try:
                 loop = rl_loop(job, runner, prompts, writer, checkpoints, acc_before)
