@@ -128,6 +128,10 @@ def accumulate(
       (Σ grads as fp32 pytree like params, Σ aux as fp32 pytree).
     """
     to_f32 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+    if jax.tree.leaves(batch_kb)[0].shape[0] == 1:
+        # One micro-batch: no accumulator to zero, add into and carry through a loop.
+        grads, aux = grad_fn(params, jax.tree.map(lambda x: x[0], batch_kb))
+        return constrain(to_f32(grads)), to_f32(aux)
     micro_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch_kb)
     _, aux_shapes = jax.eval_shape(grad_fn, params, micro_shapes)
     zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
