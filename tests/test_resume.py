@@ -230,6 +230,44 @@ def test_changes_that_may_come_with_a_resume_are_accepted(full_run, tmp_path, ca
     assert sorted(p.name for p in (work / "checkpoints.replaced-1").iterdir()) == ["2", "4"]
 
 
+_SIGTERM_REWARD = """
+import json, os, pathlib, signal
+
+FLAG = pathlib.Path(__file__).with_name("sigterm.json")
+
+
+def reward(prompt, completion, answer):
+    # While FLAG exists: send SIGTERM to the trainer at the FLAG's call number (as SLURM would).
+    if FLAG.exists():
+        flag = json.loads(FLAG.read_text())
+        flag["calls"] += 1
+        FLAG.write_text(json.dumps(flag))
+        if flag["calls"] == flag["at"]:
+            FLAG.unlink()
+            os.kill(flag["pid"], signal.SIGTERM)
+    return float(sum(c.isdigit() for c in completion))
+"""
+
+
+def test_sigterm_finishes_the_step_saves_and_a_rerun_resumes(full_run, tmp_path, capfd):
+    full, summary = full_run
+    (tmp_path / "term.py").write_text(_SIGTERM_REWARD)
+    # One reward call per prompt, 16 per step: call 40 falls in RL step 2 (0-based).
+    (tmp_path / "sigterm.json").write_text(json.dumps({"pid": os.getpid(), "at": 40, "calls": 0}))
+    config = _config()
+    config.reward.function = f"{tmp_path / 'term.py'}:reward"
+    work = tmp_path / "work"
+    stopped = rl.run(check_config(config, str(work)))
+    assert stopped["interrupted"] and stopped["accuracy_after"] is None
+    assert "SIGTERM: finishing this step" in capfd.readouterr().out
+    assert sorted(int(p.name) for p in (work / "checkpoints").iterdir()) == [2, 3]  # 3: SIGTERM
+
+    resumed = rl.run(check_config(config, str(work)))
+    assert resumed["resumed_from"] == 3 and not resumed["interrupted"]
+    _assert_same_steps(_rl_records(work), _rl_records(full))  # the same reward values
+    assert resumed["accuracy_after"] == summary["accuracy_after"]
+
+
 # ---- the real entry point, killed and interrupted --------------------------------------------
 
 _TRAIN = [sys.executable, "-m", "jaxrlhf.train", "--config=configs/ppo_tiny.py",
