@@ -7,7 +7,8 @@ block_k)) and never loads the blocks beyond. The per-row bounds `q_start_b` and
 would be scalar-prefetched into SMEM; the loop bound is data-dependent either way).
 
 All query heads of one kv head (the GQA group) and all new tokens are stacked into the
-matmul's M dimension ([q_len * groups, head_dim]), so K and V are read once per group.
+matmul's M dimension ([q_len * groups, head_dim], padded to a power of two >= 16 for GPU
+matmuls), so K and V are read once per group.
 
 The cache length need not be a multiple of `block_k`: the last block is loaded shifted back
 to end at the cache's end, and the slots it shares with the previous block are masked. The
@@ -37,15 +38,15 @@ class DecodeConfig:
 
 
 def _kernel(qstart_ref, kvlen_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, *,
-            block_k, groups, scale):
-    b = pl.program_id(0)
+            block_k, groups, q_len, scale):
     cache_len = k_ref.shape[0]
-    q = q_ref[...]  # [n = q_len * groups, d]
+    q = q_ref[...]  # [n >= q_len * groups, d]
     q_seg = qseg_ref[...]  # [n]
-    q_slot = qstart_ref[b] + jnp.arange(q.shape[0]) // groups
-    kv_len = jnp.minimum(kvlen_ref[b], cache_len)
+    q_start = qstart_ref[0]
+    q_slot = q_start + jnp.arange(q.shape[0]) // groups
+    kv_len = jnp.minimum(kvlen_ref[0], cache_len)
     # Keys past the prefix or after the last query's slot are never visible: skip their blocks.
-    end = jnp.minimum(kv_len, qstart_ref[b] + q.shape[0] // groups)
+    end = jnp.minimum(kv_len, q_start + q_len)
     n_blocks = (jnp.maximum(end, 0) + block_k - 1) // block_k
 
     def body(j, carry):
@@ -106,21 +107,26 @@ def decode_attention(
     groups = heads // kv_heads
     block_k = min(cfg.block_k, cache_len)
     n = q_len * groups
+    # GPU matmuls need M >= 16 (and a power of two): pad the stacked queries with segment 0
+    # rows, which see no key and are sliced off.
+    n_pad = max(16, pl.next_power_of_2(n))
     # [b, t, k*g, d] -> [b, k, t*g, d]: a kv head's whole group of queries in one block.
     q_bknd = q_bthd.reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
-    q_bknd = q_bknd.reshape(batch, kv_heads, n, head_dim)
+    q_bknd = jnp.pad(q_bknd.reshape(batch, kv_heads, n, head_dim),
+                     ((0, 0), (0, 0), (0, n_pad - n), (0, 0)))
     q_seg_bn = jnp.repeat(q_segment_ids_bt.astype(jnp.int32), groups, axis=1)
+    q_seg_bn = jnp.pad(q_seg_bn, ((0, 0), (0, n_pad - n)))
     sq = pl.squeezed
-    q_spec = pl.BlockSpec((sq, sq, n, head_dim), lambda b, h: (b, h, 0, 0))
+    q_spec = pl.BlockSpec((sq, sq, n_pad, head_dim), lambda b, h: (b, h, 0, 0))
     kv_spec = pl.BlockSpec((sq, cache_len, sq, head_dim), lambda b, h: (b, 0, h, 0))
-    whole = lambda shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
-    kernel = functools.partial(_kernel, block_k=block_k, groups=groups,
+    per_row = pl.BlockSpec((1,), lambda b, h: (b,))  # this row's scalar bound
+    kernel = functools.partial(_kernel, block_k=block_k, groups=groups, q_len=q_len,
                                scale=1.0 / math.sqrt(head_dim))
     out_bknd = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads),
-        in_specs=[whole((batch,)), whole((batch,)), q_spec, kv_spec, kv_spec,
-                  pl.BlockSpec((sq, n), lambda b, h: (b, 0)),
+        in_specs=[per_row, per_row, q_spec, kv_spec, kv_spec,
+                  pl.BlockSpec((sq, n_pad), lambda b, h: (b, 0)),
                   pl.BlockSpec((sq, cache_len), lambda b, h: (b, 0))],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q_bknd.shape, q_bthd.dtype),
@@ -129,5 +135,6 @@ def decode_attention(
     )(q_start_b.astype(jnp.int32), kv_lengths_b.astype(jnp.int32), q_bknd,
       k_bskd.astype(q_bthd.dtype), v_bskd.astype(q_bthd.dtype), q_seg_bn,
       kv_segment_ids_bs.astype(jnp.int32))
+    out_bknd = out_bknd[:, :, :n]
     out_btkgd = out_bknd.reshape(batch, kv_heads, q_len, groups, head_dim).transpose(0, 2, 1, 3, 4)
     return out_btkgd.reshape(batch, q_len, heads, head_dim)

@@ -164,7 +164,7 @@ def _cudnn_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> j
 
 def _block(length: int, largest: int = 128) -> int:
     """A power-of-two block no longer than needed (short test sequences stay one block)."""
-    return min(largest, max(8, 1 << (length - 1).bit_length()))
+    return min(largest, max(16, 1 << (length - 1).bit_length()))  # GPU matmuls need >= 16
 
 
 def _pallas_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax.Array:
