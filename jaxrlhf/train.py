@@ -69,9 +69,19 @@ def _unknown_override(argv: list[str]) -> str | None:
     return None
 
 
+def _missing_config_file(argv: list[str]) -> str | None:
+    """`--config=FILE[:VARIANT]` naming no file, as an error line (absl's is several lines)."""
+    for arg in argv:
+        if arg.startswith("--config="):
+            path = arg[len("--config="):].split(":", 1)[0]
+            if not os.path.isfile(path):
+                return f"--config={path}: no such config file"
+    return None
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parsing, with bad flags and unknown config keys reported in one line."""
-    problem = _unknown_override(argv)
+    problem = _unknown_override(argv) or _missing_config_file(argv)
     if problem:
         _config_error(problem)
     try:

@@ -63,6 +63,14 @@ CASES = [
      "ppo.mini_batches=3 does not divide the rollout batch of 32"),
     ("warm_start_batch_does_not_split", {"warm_start.sft_steps": 5, "warm_start.batch_size": 12},
      "warm_start.batch_size=12: does not split 8 ways"),
+    ("micro_batches_do_not_split", {"micro_batches": 3},
+     "micro_batches: MFC 'actor_train': 3 micro-batches do not split 32 rows into equal parts"),
+    ("warm_start_micro_batches_do_not_split",
+     {"warm_start.sft_steps": 5, "warm_start.batch_size": 16, "micro_batches": 4},
+     "micro_batches: warm start (warm_start.batch_size=16): 4 micro-batches do not split 16 "
+     "rows"),
+    ("unknown_resume_mode", {"checkpoint.resume": "maybe"},
+     "checkpoint.resume='maybe': must be one of ['auto', 'never', 'force']"),
     ("unknown_placement_kind", {"placement.kind": "spread"},
      "placement.kind='spread' is not one of: colocate"),
     ("allocation_missing_an_mfc",
@@ -226,7 +234,9 @@ def _train(*args, tmp_path) -> subprocess.CompletedProcess:
     (["--num_processes=2", "--process_id=1"],
      "error: --num_processes=2 --process_id=1 need --coordinator_address=HOST:PORT (or "
      "$JAXRLHF_COORDINATOR_ADDRESS)"),
-], ids=["bad_strategy", "unknown_key", "process_flags_without_coordinator"])
+    (["--config=configs/no_such_config.py:smoke"],
+     "error: --config=configs/no_such_config.py: no such config file"),
+], ids=["bad_strategy", "unknown_key", "process_flags_without_coordinator", "missing_config"])
 def test_cli_prints_one_line_and_exits_2(args, expected, tmp_path):
     result = _train(*args, tmp_path=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]

@@ -19,6 +19,7 @@ from jaxrlhf.data import datasets
 from jaxrlhf.data.rewards import resolve_reward
 from jaxrlhf.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 from jaxrlhf.mfc import Role
+from jaxrlhf.engine.microbatch import num_microbatches
 from jaxrlhf.fingerprint import run_fingerprint
 from jaxrlhf.models import hf_io
 from jaxrlhf.run.layouts import RunPlan, place
@@ -100,6 +101,11 @@ def prepare(spec: RunSpec, workdir: str, devices=None) -> Job:
         if w.batch_size % home.dp_size:
             raise ConfigError(f"warm_start.batch_size={w.batch_size}: does not split "
                               f"{home.dp_size} ways over the actor's layout {home}")
+        try:  # the warm start micro-batches its batches the same way
+            num_microbatches(spec.micro, w.batch_size, spec.rollout.seq_len, home.dp_size)
+        except ValueError as error:
+            raise ConfigError(f"micro_batches: warm start (warm_start.batch_size="
+                              f"{w.batch_size}): {error}") from None
     _check_data(spec)
     fingerprint = run_fingerprint(spec.config_json)
     try:
