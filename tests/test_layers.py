@@ -26,6 +26,7 @@ LAYERS = {
     "jaxrlhf.dataflow": 5,
     "jaxrlhf.plan": 6, "jaxrlhf.perf": 6,
     "jaxrlhf.checkpoint": 7, "jaxrlhf.metrics": 7, "jaxrlhf.distributed": 7,
+    "jaxrlhf.fingerprint": 7,
     "jaxrlhf.spec": 8,
     "jaxrlhf.run": 9,
     "jaxrlhf.calibration": 10,
