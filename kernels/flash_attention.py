@@ -13,7 +13,8 @@ log-sum-exp (nothing of size [q_len, k_len] is stored):
     (costs heads/kv_heads times the dK/dV memory, avoids atomics).
 
 Lengths that are not a multiple of the block sizes are padded with segment id 0 (padding
-never attends nor is attended) and the output is sliced back. Semantics are those of
+never attends nor is attended), head_dim with zeros to a power of two (as Triton blocks need),
+and the output is sliced back. Semantics are those of
 `kernels.reference.reference_attention` with `kv_lengths_b` = k_len and a static `q_offset`.
 """
 
@@ -38,6 +39,7 @@ class FlashConfig:
     block_k: int = 128
     q_offset: int = 0  # slot of query 0 (prefill against a cache starts at 0)
     interpret: bool = False  # Pallas interpret mode: runs on CPU, for tests
+    scale: float = 0.0  # softmax scale; 0 = 1/sqrt(head_dim) (set before head_dim padding)
 
 
 def _dot_nt(a, b):
@@ -121,7 +123,7 @@ def _fwd(q, k, v, qseg, kseg, cfg: FlashConfig):
     k_len, kv_heads = k.shape[1], k.shape[2]
     q_spec, k_spec, row_q, qseg_spec, kseg_spec = _specs(
         batch, heads, kv_heads, q_len, k_len, head_dim, cfg, over_k=False)
-    kernel = functools.partial(_fwd_kernel, cfg=cfg, scale=1.0 / math.sqrt(head_dim))
+    kernel = functools.partial(_fwd_kernel, cfg=cfg, scale=cfg.scale)
     out, lse = pl.pallas_call(
         kernel,
         grid=(batch, heads, q_len // cfg.block_q),
@@ -185,7 +187,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_
 def _bwd(q, k, v, qseg, kseg, out, lse, do, cfg: FlashConfig):
     batch, q_len, heads, head_dim = q.shape
     k_len, kv_heads = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(head_dim)
+    scale = cfg.scale
     # delta = rowsum(dO * O): the softmax-Jacobian term, [batch, heads, q_len] fp32.
     delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
     args = (q, k, v, qseg, kseg, do, lse, delta)
@@ -273,9 +275,13 @@ def flash_attention(
         raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
     if cfg.q_offset < 0:
         raise ValueError(f"q_offset={cfg.q_offset} must be >= 0")
-    q_len = q_bthd.shape[1]
+    q_len, head_dim = q_bthd.shape[1], q_bthd.shape[3]
+    cfg = dataclasses.replace(cfg, scale=cfg.scale or 1.0 / math.sqrt(head_dim))
+    # GPU (Triton) blocks need a power-of-two head_dim: zero columns change no dot product.
+    pad_d = lambda x: _pad_to(x, 3, pl.next_power_of_2(head_dim))
+    q_bthd, k_bskd, v_bskd = pad_d(q_bthd), pad_d(k_bskd), pad_d(v_bskd)
     q = _pad_to(q_bthd, 1, cfg.block_q)
     qseg = _pad_to(q_segment_ids_bt.astype(jnp.int32), 1, cfg.block_q)
     k, v = _pad_to(k_bskd, 1, cfg.block_k), _pad_to(v_bskd, 1, cfg.block_k)
     kseg = _pad_to(kv_segment_ids_bs.astype(jnp.int32), 1, cfg.block_k)
-    return _flash(q, k.astype(q.dtype), v.astype(q.dtype), qseg, kseg, cfg)[:, :q_len]
+    return _flash(q, k.astype(q.dtype), v.astype(q.dtype), qseg, kseg, cfg)[:, :q_len, :, :head_dim]

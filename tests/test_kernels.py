@@ -41,9 +41,10 @@ def test_flash_values_and_grads_match_reference(heads, kv_heads):
 
 
 def test_flash_prefill_against_longer_cache():
-    """Prefill: 12 prompt queries against a 20-slot cache whose tail is not yet written."""
+    """Prefill: 12 prompt queries against a 20-slot cache whose tail is not yet written;
+    head_dim 12 is zero-padded to 16 inside."""
     rng = np.random.default_rng(7)
-    q, k, v = _qkv(rng, 2, 12, 20, 4, 1)
+    q, k, v = _qkv(rng, 2, 12, 20, 4, 1, head_dim=12)
     q_seg = jnp.asarray([[0] * 4 + [1] * 8, [1] * 12], jnp.int32)
     kv_seg = jnp.concatenate([q_seg, jnp.ones((2, 8), jnp.int32)], axis=1)
     out = flash_attention(q, k, v, q_seg, kv_seg,
