@@ -86,7 +86,7 @@ def resolve_impl(impl: AttentionImpl, backend: str | None = None) -> AttentionIm
     if impl is not AttentionImpl.AUTO:
         return impl
     match backend or jax.default_backend():
-        case "gpu" | "cuda" | "rocm":
+        case "gpu" | "cuda":  # ("rocm" has no cuDNN: XLA below)
             return AttentionImpl.CUDNN  # falls back to XLA per call where cuDNN cannot
         case "tpu":
             return AttentionImpl.PALLAS
