@@ -129,7 +129,8 @@ def main(argv):
         "fraction_of_floor": step.fraction_of_floor, "floor_seconds": step.floor_seconds,
         "peak_gflops_per_s": machine_peak / 1e9, "dtype": config.models.actor.dtype,
         "devices": len(jax.devices()), "placement": dict(setup.plan.specs),
-        "mfcs": {f.name: {**f.as_dict(), "peak_bytes": memory.get(f.name, 0)} for f in figures},
+        "mfcs": {f.name: {**f.as_dict(), **({"peak_bytes": memory[f.name]}
+                                             if f.name in memory else {})} for f in figures},
         "host_rss_bytes": rss, "host_rss_peak_bytes": rss_peak,
         "step_seconds_all": [t.seconds for t in measured],
         # CPU seconds of this process per step (all threads): less sensitive than wall time to

@@ -49,9 +49,9 @@ def table(rows: Sequence[Figures], memory: Mapping[str, int]) -> str:
             f"{'MFU':>7}{'peak MiB':>10}")
     lines = [head, "-" * len(head)]
     for f in rows:
-        mib = memory.get(f.name, 0) / 2**20
+        mib = f"{memory[f.name] / 2**20:.1f}" if f.name in memory else "-"
         flag = " (probe raised)" if f.peak_raised else ""
         lines.append(f"{f.name:<14}{f.devices:>4}{f.seconds:>9.3f}{f.flops / 1e9:>8.1f}"
                      f"{f.floor_seconds:>9.3f}{f.fraction_of_floor:>9.1%}{f.mfu:>7.1%}"
-                     f"{mib:>10.1f}{flag}")
+                     f"{mib:>10}{flag}")
     return "\n".join(lines)
