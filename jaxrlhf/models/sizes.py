@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.models.config import HeadKind, ModelConfig, RopeScaling
+from jaxrlhf.models.config import ModelConfig, RopeScaling
 
 _LLAMA3 = dict(
     vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
