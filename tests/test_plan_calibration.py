@@ -131,7 +131,7 @@ def tiny_ppo_run():
 
 def test_memory_model_within_20_percent_of_compiled_calls(tiny_ppo_run):
     checks = validate.memory_checks(tiny_ppo_run, tiny_ppo_run.spec.experiment())
-    calls = {tiny_ppo_run.setup.graph.mfc(name).call for name in checks}
+    calls = {tiny_ppo_run.spec.graph.mfc(name).call for name in checks}
     assert calls == set(Call) and len(checks) == 5  # gen, ref/critic inference, two trainers
     for name, (estimate, check) in checks.items():
         assert 0.8 <= check.arguments_ratio <= 1.2, (name, check)
