@@ -46,7 +46,7 @@ def _check_workdir(workdir: str) -> None:
 
 def _check_model_files(spec: RunSpec, role: Role) -> None:
     path = spec.models[role].path
-    if role in (Role.REWARD, Role.COST) and not path:
+    if role in (Role.REWARD, Role.COST) and not path and role not in spec.optimizers:
         raise ConfigError(f"models.{role.value}.path: {role.value}.kind=model needs a trained "
                           "Hugging Face model directory")
     if path and not any((pathlib.Path(path) / f).is_file()
