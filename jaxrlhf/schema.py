@@ -57,12 +57,16 @@ def base_config() -> ConfigDict:
             "function": "exact_match",  # a built-in name or "module.path:function"
             "timeout": 5.0,  # seconds per call; a call past it scores 0 and is counted
             "workers": 2,
+            # a step whose calls fail (raise, hang, bad value) more often than this stops the
+            # run with the function's error, rather than training on zeros
+            "max_error_rate": 0.5,
         },
         "cost": {  # Safe-RLHF's cost (higher = worse), like `reward`; model = models.cost
             "kind": "function",  # function | model
             "function": "jaxrlhf.data.costs:contains_nine",  # "module.path:function" etc.
             "timeout": 5.0,
             "workers": 1,
+            "max_error_rate": 0.5,
         },
         "tokenizer": "byte",  # "byte" or a directory with tokenizer.json
         "data": {

@@ -126,6 +126,7 @@ class RewardSpec:
     function: str
     workers: int
     timeout: float
+    max_error_rate: float  # a step with a larger fraction of failed calls stops the run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,8 +437,12 @@ def run_spec(config: ConfigDict) -> RunSpec:
         graph = build_graph(algorithm.mfcs, roles=set(Role))
     sections = {Role.REWARD: config.reward, Role.COST: config.cost}
     rewards = {role: RewardSpec(sections[role].function, sections[role].workers,
-                                sections[role].timeout)
+                                sections[role].timeout, sections[role].max_error_rate)
                for role in dict.fromkeys(m.role for m in graph.mfcs if m.host)}
+    for key, section in (("reward", config.reward), ("cost", config.cost)):
+        if not 0.0 <= section.max_error_rate <= 1.0:
+            raise ConfigError(f"{key}.max_error_rate={section.max_error_rate}: must be in "
+                              "[0, 1]")
     models = _models(config, graph)
     with field("models"):
         base = models.get(Role.ACTOR) or ModelSpec(

@@ -4,7 +4,6 @@ References run in float64 on the same float32 inputs; tolerances are float32 rou
 Padding positions hold nan/garbage on purpose: the functions must never look at them.
 """
 
-import functools
 import math
 
 import jax

@@ -15,7 +15,6 @@ import os
 import pathlib
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time

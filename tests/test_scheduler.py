@@ -1,7 +1,6 @@
 """Scheduler: deterministic dispatch order and host futures."""
 
 import concurrent.futures
-import jax
 import jax.numpy as jnp
 import numpy as np
 

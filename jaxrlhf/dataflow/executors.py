@@ -10,6 +10,7 @@ tokens, so it blocks on them and hands the scoring to a process pool, returning 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.algorithms.spec import TrainSpec, response_values
-from jaxrlhf.data.rewards import RewardPool
+from jaxrlhf.data.rewards import RewardBatch, RewardPool
 from jaxrlhf.data.tokenizer import Tokenizer, decode_response
 from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine.generate import Generator
@@ -128,7 +129,36 @@ def inference_executor(mfc: MFC, model: ModelRuntime, layout: Layout, infer: Inf
     return run
 
 
-def host_reward_executor(mfc: MFC, tokenizer: Tokenizer, pool: RewardPool,
+@dataclasses.dataclass(frozen=True)
+class HostFunction:
+    """A role computed by a host function (reward, cost): its process pool and error budget.
+
+    Attributes:
+      pool: the worker processes that run the function.
+      max_error_rate: a step in which a larger fraction of calls fails (raises, hangs, returns
+        a bad value) stops the run: training on a batch of zeros would teach the model nothing
+        true, silently.
+    """
+
+    pool: RewardPool
+    max_error_rate: float
+
+
+class HostFunctionError(RuntimeError):
+    """A host function failed on too many samples of one step."""
+
+
+def check_error_rate(result: RewardBatch, role: str, max_error_rate: float) -> None:
+    """Raises HostFunctionError naming the failures if too many calls of `result` failed."""
+    size = len(result.rewards_b)
+    if size and result.errors.total / size > max_error_rate:
+        shown = "; ".join(result.messages[:3])
+        raise HostFunctionError(
+            f"{role} function failed on {result.errors.total} of {size} samples this step "
+            f"({role}.max_error_rate={max_error_rate}): {shown}")
+
+
+def host_reward_executor(mfc: MFC, tokenizer: Tokenizer, host: HostFunction,
                          waiter: concurrent.futures.ThreadPoolExecutor,
                          on_result: Callable[[object], None]):
     """Decodes responses (a sync point on the generated tokens) and scores them in the pool.
@@ -143,11 +173,12 @@ def host_reward_executor(mfc: MFC, tokenizer: Tokenizer, pool: RewardPool,
         seq_bs, mask_bn = fetch((buf[tokens_key], buf[response_key]))
         n = mask_bn.shape[1]
         completions = [decode_response(tokenizer, row[-n:].tolist()) for row in seq_bs]
-        handle = pool.submit(list(buf["prompt_text"]), completions, list(buf["answer"]))
+        handle = host.pool.submit(list(buf["prompt_text"]), completions, list(buf["answer"]))
 
         def collect():
             result = handle.result()
             on_result(result)
+            check_error_rate(result, mfc.role.value, host.max_error_rate)
             return result.rewards_b.astype(np.float32)
 
         return {out_key: waiter.submit(collect)}

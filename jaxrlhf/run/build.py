@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxrlhf.algorithms.spec import Algorithm
 from jaxrlhf.data import datasets, tasks
 from jaxrlhf.data.rewards import RewardPool
+from jaxrlhf.dataflow.executors import HostFunction
 from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine.generate import make_generate_fn
 from jaxrlhf.engine.inference import InferenceConfig, InferenceKind, make_inference_fn
@@ -194,10 +195,10 @@ def runtimes(spec: RunSpec, plan: RunPlan, states: dict) -> dict[Role, ModelRunt
 
 @contextlib.contextmanager
 def host_pools(spec: RunSpec):
-    """One RewardPool per role the algorithm runs as a host function (reward, cost)."""
+    """A process pool (and error budget) per role the algorithm runs as a host function."""
     with contextlib.ExitStack() as stack:
-        yield {role: stack.enter_context(RewardPool(r.function, num_workers=r.workers,
-                                                    timeout_s=r.timeout))
+        yield {role: HostFunction(stack.enter_context(RewardPool(
+            r.function, num_workers=r.workers, timeout_s=r.timeout)), r.max_error_rate)
                for role, r in spec.rewards.items()}
 
 

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 from jaxrlhf.algorithms.spec import Algorithm
-from jaxrlhf.data.rewards import RewardPool
 from jaxrlhf.dataflow import executors as ex
 from jaxrlhf.dataflow.graph import DataflowGraph
 from jaxrlhf.dataflow.runtime import ModelRuntime
@@ -42,14 +41,14 @@ class Runner:
       runtimes: role -> ModelRuntime holding the parameters.
       engines: MFC name -> its engine call (Generator, InferenceFn, TrainStep), every model MFC.
       tokenizer: for host rewards.
-      host_pools: role -> process pool of each role the graph runs as a host function
-        (reward, cost); empty if it has none.
+      host_pools: role -> the process pool and error budget (`HostFunction`) of each role
+        the graph runs as a host function (reward, cost); empty if it has none.
       seed: generation randomness; step s uses fold_in(key(seed), s).
     """
 
     def __init__(self, algorithm: Algorithm, graph: DataflowGraph, plan: RunPlan,
                  runtimes: dict[Role, ModelRuntime], engines: dict, tokenizer,
-                 host_pools: Mapping[Role, RewardPool], seed: int):
+                 host_pools: Mapping[Role, ex.HostFunction], seed: int):
         self.algorithm, self.graph, self.plan = algorithm, graph, plan
         self.runtimes = runtimes
         self.controller = dict(algorithm.controller_init)
