@@ -14,17 +14,18 @@ from jaxrlhf.perf.flops import Figures
 def compiled_peak_bytes(executables: Sequence[jax.stages.Compiled]) -> int:
     """Largest per-device footprint XLA reports over an MFC's executables (0 if unknown).
 
-    arguments + outputs + temporaries - aliased (donated) bytes, as `memory_analysis()` says.
+    arguments + outputs + temporaries - aliased (donated) bytes, as `memory_analysis()` says,
+    or its `peak_memory_in_bytes` when larger (the CPU client fills that field with arguments +
+    outputs only, leaving out the temporaries).
     """
     best = 0
     for compiled in executables:
         m = compiled.memory_analysis()
         if m is None:
             continue
-        peak = getattr(m, "peak_memory_in_bytes", 0) or (
-            m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
-        best = max(best, int(peak))
+        total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                 - m.alias_size_in_bytes)
+        best = max(best, int(total), int(getattr(m, "peak_memory_in_bytes", 0) or 0))
     return best
 
 
