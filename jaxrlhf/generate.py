@@ -2,13 +2,15 @@
 
     python -m jaxrlhf.generate --model=HF_DIR --prompt="Once upon a time"
         [--max_new_tokens=64] [--temperature=0.7] [--top_k=50] [--top_p=0.9] [--seed=0]
-        [--layout=0-7:d2t4] [--ignore_eos] [--json]
+        [--layout=0-7:d2t4] [--ignore_eos] [--json] [--chat]
 
 Flag names may also be written with dashes (`--max-new-tokens`). The model is loaded straight
 into the layout's shardings and the tokenizer comes from HF_DIR/tokenizer.json. With --json
 exactly one JSON object is printed: {"text", "token_ids", "logprobs", "prompt_token_ids",
 "finished", "seconds"}; `token_ids` and `logprobs` hold one entry per new token, and
-`seconds` is the wall time of the generate call (compilation included).
+`seconds` is the wall time of the generate call (compilation included). Prompt ids are those of
+`transformers.AutoTokenizer(HF_DIR)(PROMPT)`; with --chat, those of
+`apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _LAYOUT = flags.DEFINE_string("layout", "0:d1", "Strategy string, e.g. 0-7:d2t4.")
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "Always generate max_new_tokens.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the text.")
+_CHAT = flags.DEFINE_bool("chat", False, "Apply the model's chat template to the prompt as one "
+                          "user message (with the generation prompt).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 
 _DASHED_FLAG = re.compile(r"^(--?)([A-Za-z][\w-]*)(=.*)?$", re.DOTALL)
@@ -57,6 +61,7 @@ def _run() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxrlhf.data.chat import ChatTemplate, encode_chat
     from jaxrlhf.data.tokenizer import HFTokenizer, check_vocab, decode_response, encode_prompt
     from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
     from jaxrlhf.models import hf_io
@@ -82,7 +87,14 @@ def _run() -> dict:
         top_p=_TOP_P.value, force_max_length=_IGNORE_EOS.value,
     )
     generate = make_generate_fn(model_config, gen_config, layout)
-    prompt_ids = encode_prompt(tokenizer, _PROMPT.value)
+    if _CHAT.value:
+        template = ChatTemplate.from_dir(_MODEL.value)
+        if template is None:
+            raise app.UsageError(f"--chat: {_MODEL.value} has no chat_template in "
+                                 "tokenizer_config.json nor a chat_template.jinja")
+        prompt_ids = encode_chat(tokenizer, template, [{"role": "user", "content": _PROMPT.value}])
+    else:
+        prompt_ids = encode_prompt(tokenizer, _PROMPT.value)
     # One row per data-parallel replica (the batch must split evenly); row 0 is reported.
     rows = layout.dp_size
     tokens_bp = np.tile(np.asarray(prompt_ids, np.int32), (rows, 1))

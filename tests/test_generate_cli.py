@@ -23,6 +23,9 @@ def _write_word_tokenizer(directory, vocab_size):
     vocab.update({f"w{i}": i for i in range(3, vocab_size)})
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[PAD]"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    # Llama convention: the post-processor places BOS (transformers and jaxrlhf both follow it).
+    backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single="[BOS] $A", special_tokens=[("[BOS]", 1)])
     backend.add_special_tokens(["[PAD]", "[BOS]", "[EOS]"])
     backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(
@@ -46,7 +49,8 @@ def test_cli_json_greedy_matches_hf(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # exactly one JSON object on stdout
     assert len(result["token_ids"]) == len(result["logprobs"]) == N_NEW
-    prompt_ids = [1] + backend.encode(PROMPT).ids  # BOS first
+    prompt_ids = backend.encode(PROMPT).ids  # the post-processor puts BOS first
+    assert prompt_ids[0] == 1
     assert result["prompt_token_ids"] == prompt_ids
 
     hf_model.generation_config.eos_token_id = None  # --ignore_eos

@@ -1,8 +1,9 @@
 """Tokenizers: a byte-level one for the tiny CPU models and a wrapper around HF `tokenizer.json`.
 
-Both satisfy the `Tokenizer` protocol. `encode` never adds special tokens: callers that want a
-BOS use `encode_prompt`, so a Llama-3 tokenizer (whose post-processor would add one) and the byte
-tokenizer (which has none by default) behave the same way.
+Both satisfy the `Tokenizer` protocol. `encode` never adds special tokens. Prompts go through
+`encode_prompt`, which for an HF tokenizer gives exactly `transformers.AutoTokenizer`'s ids (the
+tokenizer.json post-processor places BOS, or none for Qwen) and for the byte tokenizer prepends
+its BOS. Chat-templated prompts (data/chat.py) carry their specials in the text.
 """
 
 from __future__ import annotations
@@ -123,8 +124,10 @@ class HFTokenizer:
             return [int(i) for i in ids] if isinstance(ids, list) else [int(ids)]
 
         eos_ids = special("eos")
-        # config.json may list extra end-of-turn ids even when tokenizer_config names one EOS.
-        extra = model_config.get("eos_token_id")
+        # HF `generate` stops on generation_config.json's eos_token_id (a list for chat models:
+        # <|im_end|>, <|eot_id|>), which wins over config.json's; both add to the tokenizer's EOS.
+        gen_config = _read_json(path / "generation_config.json")
+        extra = gen_config.get("eos_token_id", model_config.get("eos_token_id"))
         extra_ids = extra if isinstance(extra, list) else ([] if extra is None else [extra])
         stop_ids = tuple(dict.fromkeys(eos_ids + [int(i) for i in extra_ids]))
         if not stop_ids:
@@ -142,6 +145,12 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids as `transformers.AutoTokenizer(path)(text).input_ids`: the tokenizer.json
+        post-processor alone decides the special tokens (Llama adds BOS; Qwen adds none, even
+        though its config.json names a `bos_token_id`)."""
+        return self.backend.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -164,7 +173,11 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
-    """Prompt ids: BOS (when the tokenizer has one) followed by the text's ids."""
+    """Prompt ids. A tokenizer with its own `encode_prompt` (HFTokenizer: the post-processor, as
+    transformers does) decides; otherwise BOS (when the tokenizer has one) then the text's ids."""
+    own = getattr(tokenizer, "encode_prompt", None)
+    if own is not None:
+        return own(text)
     ids = tokenizer.encode(text)
     return ids if tokenizer.bos_id is None else [tokenizer.bos_id, *ids]
 
