@@ -32,6 +32,8 @@ from typing import Callable, Sequence
 import numpy as np
 from absl import logging
 
+from jaxrlhf.data.math_reward import math_reward
+
 RewardFn = Callable[[str, str, "str | None"], float]
 
 
@@ -57,7 +59,9 @@ def zero(prompt: str, completion: str, answer: str | None) -> float:
     return 0.0
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "zero": zero}
+# `math` (data/math_reward.py): \boxed{} / #### / last number, numerically normalised.
+BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "zero": zero,
+                                         "math": math_reward}
 
 
 def resolve_reward(spec: str) -> RewardFn:
