@@ -19,6 +19,13 @@ _LLAMA3 = dict(
     rope_scaling=RopeScaling(), rms_norm_eps=1e-5,
 )
 
+# Llama-3.1/3.2: 128k context with the llama3 RoPE scaling (factor 8 for 3.1, 32 for 3.2).
+_LLAMA31 = dict(_LLAMA3, max_position_embeddings=131072, rope_scaling=RopeScaling(factor=8.0))
+_LLAMA32 = dict(_LLAMA3, max_position_embeddings=131072, rope_scaling=RopeScaling(factor=32.0))
+# Qwen2.5: q/k/v bias, 151936-row vocabulary, theta 1e6.
+_QWEN2 = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+              rms_norm_eps=1e-6, qkv_bias=True)
+
 SIZES: dict[str, ModelConfig] = {
     # ~0.2M parameters, byte vocabulary: the CPU default that learns in minutes.
     "tiny": ModelConfig(
@@ -49,6 +56,28 @@ SIZES: dict[str, ModelConfig] = {
     "llama3-70b": ModelConfig(
         hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
         **_LLAMA3,
+    ),
+    # Released checkpoints (shapes from their HF config.json; counts checked in
+    # tests/test_sizes.py against the published safetensors totals).
+    "qwen2.5-0.5b": ModelConfig(
+        hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+        tie_word_embeddings=True, **_QWEN2,
+    ),
+    "qwen2.5-1.5b": ModelConfig(
+        hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
+        tie_word_embeddings=True, **_QWEN2,
+    ),
+    "llama-3.2-1b": ModelConfig(
+        hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+        tie_word_embeddings=True, **_LLAMA32,
+    ),
+    "llama-3.2-3b": ModelConfig(
+        hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24, num_kv_heads=8,
+        tie_word_embeddings=True, **_LLAMA32,
+    ),
+    "llama-3.1-8b": ModelConfig(
+        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        **_LLAMA31,
     ),
 }
 
