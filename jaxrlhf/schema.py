@@ -76,6 +76,9 @@ def base_config() -> ConfigDict:
             "preference_path": "",  # DPO / reward modelling pairs; empty = the built-in task's
             "preference_eval_path": "",  # held-out pairs; empty = the last preference_holdout
             "preference_holdout": 200,  # pairs of preference_path (never trained on)
+            # prompts longer than rollout.max_prompt_len, found when the data loads (before
+            # compiling): error | drop | truncate_left (keep the last max_prompt_len tokens)
+            "long_prompts": "error",
             "task": {  # the built-in task, used when train_path is empty
                 "kind": "reverse",  # reverse (digit reversal) | arithmetic
                 "num_digits": 4, "num_operands": 2, "ops": "+",  # ops/operands: arithmetic only

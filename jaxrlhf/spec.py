@@ -27,6 +27,7 @@ from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.spec import Algorithm, BatchKind
 from jaxrlhf.checkpoint import CheckpointConfig, NanPolicy
 from jaxrlhf.data import tasks
+from jaxrlhf.data.long_prompts import LongPrompts, parse_long_prompts
 from jaxrlhf.dataflow.graph import DataflowGraph, build_graph
 from jaxrlhf.dataflow.placement import Placement
 from jaxrlhf.engine.generate import GenerateConfig
@@ -140,6 +141,7 @@ class DataSpec:
     preference_eval_path: str
     preference_holdout: int
     task: tasks.ArithmeticTask | tasks.ReverseTask
+    long_prompts: LongPrompts  # prompts longer than rollout.max_prompt_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,8 +408,10 @@ def builtin_task(t: ConfigDict) -> tasks.ArithmeticTask | tasks.ReverseTask:
 def _data(d: ConfigDict) -> DataSpec:
     with field("data.task"):
         task = builtin_task(d.task)
+    with field("data.long_prompts"):
+        long_prompts = parse_long_prompts(d.long_prompts)
     return DataSpec(d.train_path, d.eval_path, d.sft_path, d.preference_path,
-                    d.preference_eval_path, d.preference_holdout, task)
+                    d.preference_eval_path, d.preference_holdout, task, long_prompts)
 
 
 def _rollout(r: ConfigDict) -> RolloutSpec:

@@ -111,6 +111,13 @@ CASES = [
      "reward.function: No module named 'no_such_module'"),
     ("reward_function_missing", {"reward.function": f"{FIXTURES / 'reward_fns.py'}:nope"},
      "has no function 'nope'"),
+    ("prompt_longer_than_max_prompt_len",
+     lambda tmp: {"data.train_path": _rows_file(tmp / "long.jsonl", [
+         '{"prompt": "12>", "answer": "21"}', '{"prompt": "' + "9" * 40 + '>", "answer": "1"}'])},
+     "data.train_path: row 1: prompt of 41 tokens exceeds rollout.max_prompt_len=16 (set "
+     "data.long_prompts=drop or truncate_left)"),
+    ("unknown_long_prompts_policy", {"data.long_prompts": "cut"},
+     "data.long_prompts='cut': use one of error | drop | truncate_left"),
     ("unknown_task_kind", {"data.task.kind": "sort"}, "data.task.kind='sort' is not one of"),
     ("bad_task_setting", {"data.task.num_digits": 1}, "data.task: num_digits=1 must be >= 2"),
     ("data_row_not_json",

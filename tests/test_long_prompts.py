@@ -32,3 +32,19 @@ def test_parse():
     assert parse_long_prompts("truncate_left") is LongPrompts.TRUNCATE_LEFT
     with pytest.raises(ValueError, match=r"data.long_prompts='cut': use one of error \| drop"):
         parse_long_prompts("cut")
+
+
+def test_truncated_rows_reach_the_prompt_batch_with_their_kept_ids(capsys):
+    from jaxrlhf.data.encode import prompt_batch
+    from jaxrlhf.data.long_prompts import fit_rows
+    from jaxrlhf.data.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    rows = [PromptRow("12>", "21"), PromptRow("123456789>", "x")]
+    kept = fit_rows(rows, tokenizer, 6, LongPrompts.TRUNCATE_LEFT, "train.jsonl")
+    assert "1 of 2 prompts of train.jsonl truncated on the left" in capsys.readouterr().out
+    batch = prompt_batch(kept, tokenizer, 6)
+    assert batch["prompt_tokens_bp"][1].tolist() == list(b"56789>")  # the last 6 ids
+    assert batch["prompt_mask_bp"][0].tolist() == [False] * 2 + [True] * 4  # BOS + "12>"
+    dropped = fit_rows(rows, tokenizer, 6, LongPrompts.DROP, "train.jsonl")
+    assert dropped == rows[:1]

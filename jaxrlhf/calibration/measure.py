@@ -108,7 +108,7 @@ class LiveRun:
     def __init__(self, job: Job, pools, seed: int = 0):
         self.job, self.spec = job, job.spec
         self.tokenizer = job.tokenizer
-        data = build.load_data(self.spec, job.workdir)
+        data = build.load_data(self.spec, job.workdir, job.tokenizer)
         home = job.plan.home(self.spec.graph, Role.ACTOR)
         params = init_params(self.spec.models[Role.ACTOR].config, home, jax.random.key(seed))
         self.runner = build.fresh_runner(job, pools, params)

@@ -64,6 +64,9 @@ class FileFormat(enum.Enum):
 class PromptRow:
     prompt: str
     answer: str | None = None
+    # The prompt's token ids when they are not simply its encoding (data.long_prompts=
+    # truncate_left keeps the last rollout.max_prompt_len of them); None: encode `prompt`.
+    prompt_ids: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

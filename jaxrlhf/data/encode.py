@@ -35,7 +35,8 @@ def prompt_batch(rows: Sequence[PromptRow], tokenizer: Tokenizer, max_prompt_len
     tokens_bp = np.full((len(rows), max_prompt_len), tokenizer.pad_id, np.int32)
     mask_bp = np.zeros((len(rows), max_prompt_len), bool)
     for b, row in enumerate(rows):
-        ids = _prompt_ids(tokenizer, row.prompt, max_prompt_len, "prompt batch")
+        ids = (list(row.prompt_ids) if row.prompt_ids is not None
+               else _prompt_ids(tokenizer, row.prompt, max_prompt_len, "prompt batch"))
         tokens_bp[b, max_prompt_len - len(ids):] = ids
         mask_bp[b, max_prompt_len - len(ids):] = True
     return {"prompt_tokens_bp": tokens_bp, "prompt_mask_bp": mask_bp,

@@ -75,3 +75,27 @@ def fit_prompts(rows: Sequence[PromptRow], encode: Callable[[str], list[int]],
         raise ValueError(f"data.long_prompts=drop removed all {len(rows)} rows: every prompt "
                          f"exceeds rollout.max_prompt_len={max_prompt_len}")
     return FittedPrompts(kept_rows, kept_ids, affected)
+
+
+def fit_rows(rows: Sequence[PromptRow], tokenizer, max_prompt_len: int, policy: LongPrompts,
+             where: str) -> list[PromptRow]:
+    """`rows` under `policy`, reporting how many were dropped or truncated (one line).
+
+    Truncated rows carry their kept ids (`PromptRow.prompt_ids`), which batches use as they are.
+
+    Raises:
+      ValueError: as `fit_prompts`, naming the row.
+    """
+    from jaxrlhf.data.tokenizer import encode_prompt
+
+    fitted = fit_prompts(rows, lambda text: encode_prompt(tokenizer, text), max_prompt_len,
+                         policy)
+    if fitted.affected:
+        done = "dropped" if policy is LongPrompts.DROP else "truncated on the left"
+        print(f"data.long_prompts={policy.value}: {fitted.affected} of {len(rows)} prompts of "
+              f"{where} {done} (longer than rollout.max_prompt_len={max_prompt_len})",
+              flush=True)
+    if policy is not LongPrompts.TRUNCATE_LEFT:
+        return list(fitted.rows)
+    return [dataclasses.replace(row, prompt_ids=tuple(ids))
+            for row, ids in zip(fitted.rows, fitted.ids)]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxrlhf.algorithms.spec import Algorithm
 from jaxrlhf.data import datasets, tasks
+from jaxrlhf.data.long_prompts import fit_rows
 from jaxrlhf.data.rewards import RewardPool
 from jaxrlhf.dataflow.executors import HostFunction
 from jaxrlhf.dataflow.runtime import ModelRuntime
@@ -48,8 +49,9 @@ def task_dir(workdir: pathlib.Path) -> pathlib.Path:
     return workdir / "data" / f"process_{jax.process_index()}"
 
 
-def load_data(spec: RunSpec, workdir: pathlib.Path) -> Data:
-    """User files when given, else the built-in task written to workdir/data (same reader)."""
+def load_data(spec: RunSpec, workdir: pathlib.Path, tokenizer) -> Data:
+    """User files when given, else the built-in task written to workdir/data (same reader);
+    prompts longer than rollout.max_prompt_len go by `data.long_prompts`."""
     d = spec.data
     if not d.train_path:
         files = tasks.write_task(d.task, task_dir(workdir))
@@ -57,7 +59,10 @@ def load_data(spec: RunSpec, workdir: pathlib.Path) -> Data:
     else:
         paths = (d.train_path, d.eval_path or d.train_path, d.sft_path)
     kinds = (datasets.RowKind.PROMPT, datasets.RowKind.PROMPT, datasets.RowKind.SFT)
-    return Data(*[datasets.read_rows(p, k) if p else [] for p, k in zip(paths, kinds)])
+    train, evaluation, sft = [datasets.read_rows(p, k) if p else [] for p, k in zip(paths, kinds)]
+    fit = lambda rows, path: fit_rows(rows, tokenizer, spec.rollout.max_prompt_len,
+                                      d.long_prompts, path)
+    return Data(fit(train, paths[0]), fit(evaluation, paths[1]) if evaluation else [], sft)
 
 
 def load_preferences(spec: RunSpec, workdir: pathlib.Path):

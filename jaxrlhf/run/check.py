@@ -16,6 +16,7 @@ from ml_collections import ConfigDict
 
 from jaxrlhf.checkpoint import CHECKPOINT_DIR, CheckpointError, check_resume
 from jaxrlhf.data import datasets
+from jaxrlhf.data.long_prompts import fit_rows
 from jaxrlhf.data.rewards import resolve_reward
 from jaxrlhf.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 from jaxrlhf.mfc import Role
@@ -55,8 +56,8 @@ def _check_model_files(spec: RunSpec, role: Role) -> None:
                           f"{hf_io.INDEX_FILE} (a Hugging Face model directory has its weights)")
 
 
-def _check_data(spec: RunSpec) -> None:
-    """User files parse; the prompt file holds at least one batch."""
+def _check_data(spec: RunSpec, tokenizer: Tokenizer) -> None:
+    """User files parse, their prompts fit (`data.long_prompts`); one batch of prompts exists."""
     d = spec.data
     if not d.train_path:
         return  # the built-in task, already checked by run_spec
@@ -70,6 +71,9 @@ def _check_data(spec: RunSpec) -> None:
         if path:
             with field(name):
                 rows[name] = datasets.read_rows(path, kind)
+                if kind is datasets.RowKind.PROMPT:
+                    rows[name] = fit_rows(rows[name], tokenizer, spec.rollout.max_prompt_len,
+                                          d.long_prompts, path)
     batch = spec.rollout.batch_size
     if len(rows["data.train_path"]) < batch:
         raise ConfigError(f"rollout.batch_size={batch}: more than the "
@@ -106,7 +110,7 @@ def prepare(spec: RunSpec, workdir: str, devices=None) -> Job:
         except ValueError as error:
             raise ConfigError(f"micro_batches: warm start (warm_start.batch_size="
                               f"{w.batch_size}): {error}") from None
-    _check_data(spec)
+    _check_data(spec, tokenizer)
     fingerprint = run_fingerprint(spec.config_json)
     try:
         check_resume(pathlib.Path(workdir) / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)

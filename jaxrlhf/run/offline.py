@@ -151,7 +151,7 @@ def run(job: Job) -> dict:
     spec = job.spec
     role = spec.algorithm.trained_role
     home = job.plan.home(spec.graph, role)
-    data = build.load_data(spec, job.workdir)
+    data = build.load_data(spec, job.workdir, job.tokenizer)
     pairs, eval_pairs = [], []
     if spec.algorithm.batches is BatchKind.PAIRS:
         pairs, eval_pairs = build.load_preferences(spec, job.workdir)

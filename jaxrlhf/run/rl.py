@@ -159,7 +159,7 @@ def run(job: Job) -> dict:
     """The whole RL job; returns the summary dict printed as the last line."""
     start = time.perf_counter()
     spec, plan, workdir = job.spec, job.plan, job.workdir
-    data = build.load_data(spec, workdir)
+    data = build.load_data(spec, workdir, job.tokenizer)
     checkpoints = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, spec.checkpoint)
     restored = restore(job, checkpoints)
     resume = None if restored is None else restored[0]
