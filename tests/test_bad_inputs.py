@@ -114,7 +114,7 @@ CASES = [
     ("prompt_longer_than_max_prompt_len",
      lambda tmp: {"data.train_path": _rows_file(tmp / "long.jsonl", [
          '{"prompt": "12>", "answer": "21"}', '{"prompt": "' + "9" * 40 + '>", "answer": "1"}'])},
-     "data.train_path: row 1: prompt of 41 tokens exceeds rollout.max_prompt_len=16 (set "
+     "data.train_path: row 1: prompt of 42 tokens exceeds rollout.max_prompt_len=16 (set "
      "data.long_prompts=drop or truncate_left)"),
     ("unknown_long_prompts_policy", {"data.long_prompts": "cut"},
      "data.long_prompts='cut': use one of error | drop | truncate_left"),

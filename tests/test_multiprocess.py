@@ -186,10 +186,21 @@ def _wait_ready(proc, timeout: float) -> None:
     raise TimeoutError(f"the worker was not ready after {timeout} s")
 
 
+def _stderr_tails(procs) -> str:
+    """Each worker's last stderr lines, after killing them all (for a failure message)."""
+    _kill(procs)
+    return "\n".join(f"[worker {i}] {p.stderr.read()[-1500:]}" for i, p in enumerate(procs))
+
+
 def _kill_one(tmp_path, port: int, victim: int) -> tuple[str, float, int]:
     procs = _spawn("loop", tmp_path / "loop", port)
     try:
-        _wait_ready(procs[victim], timeout=120)
+        try:
+            # Generous: on 2 busy cores (the other pytest worker runs a multi-process test too)
+            # starting JAX, joining the job and gloo's first collective take minutes.
+            _wait_ready(procs[victim], timeout=300)
+        except TimeoutError as error:
+            raise TimeoutError(f"{error}\n{_stderr_tails(procs)}") from None
         time.sleep(1.0)  # both inside the collective loop
         procs[victim].send_signal(signal.SIGKILL)
         start = time.monotonic()
