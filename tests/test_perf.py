@@ -10,7 +10,8 @@ from jaxrlhf.engine.inference import InferenceBatch
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.perf import floor
-from jaxrlhf.perf.flops import Figures, call_flops, forward_flops_per_token, matmul_params
+from jaxrlhf.models.sizes import matmul_params
+from jaxrlhf.perf.flops import Figures, call_flops, forward_flops_per_token
 
 
 def test_w_cpu_step_flops():

@@ -139,19 +139,26 @@ def _make_row(record: Any, kind: RowKind, names: FieldNames, path, location: str
     return cls(**values)
 
 
-def _read_jsonl(path: pathlib.Path, kind: RowKind, names: FieldNames) -> list[Row]:
-    rows = []
+def jsonl_records(path: pathlib.Path):
+    """Yields ("line N", parsed record) for each non-blank line of a JSONL file.
+
+    Raises:
+      DataError: a line is not valid JSON, naming the file and line.
+    """
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():  # tolerate blank lines, e.g. a trailing newline
                 continue
             location = f"line {line_no}"
             try:
-                record = json.loads(line)
+                yield location, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(path, location, None, f"is not valid JSON ({e.msg})") from e
-            rows.append(_make_row(record, kind, names, path, location))
-    return rows
+
+
+def _read_jsonl(path: pathlib.Path, kind: RowKind, names: FieldNames) -> list[Row]:
+    return [_make_row(record, kind, names, path, location)
+            for location, record in jsonl_records(path)]
 
 
 def _read_parquet(path: pathlib.Path, kind: RowKind, names: FieldNames) -> list[Row]:

@@ -6,11 +6,10 @@ answer after `####` (thousands commas removed), ready for the `math` reward.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import re
 
-from jaxrlhf.data.datasets import DataError, PromptRow
+from jaxrlhf.data.datasets import DataError, PromptRow, jsonl_records
 
 _FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
 
@@ -33,24 +32,16 @@ def read_gsm8k(path: str | pathlib.Path) -> list[PromptRow]:
     """
     path = pathlib.Path(path)
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            location = f"line {n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(path, location, None, f"is not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict):
-                raise DataError(path, location, None, "is not an object")
-            for key in ("question", "answer"):
-                if not isinstance(record.get(key), str) or not record[key].strip():
-                    raise DataError(path, location, key, "is missing or not a non-empty string")
-            final = gsm8k_final_answer(record["answer"])
-            if not final:
-                raise DataError(path, location, "answer", "has no '#### N' final answer")
-            rows.append(PromptRow(prompt=record["question"], answer=final))
+    for location, record in jsonl_records(path):
+        if not isinstance(record, dict):
+            raise DataError(path, location, None, "is not an object")
+        for key in ("question", "answer"):
+            if not isinstance(record.get(key), str) or not record[key].strip():
+                raise DataError(path, location, key, "is missing or not a non-empty string")
+        final = gsm8k_final_answer(record["answer"])
+        if not final:
+            raise DataError(path, location, "answer", "has no '#### N' final answer")
+        rows.append(PromptRow(prompt=record["question"], answer=final))
     if not rows:
         raise DataError(path, "", None, "holds no rows")
     return rows

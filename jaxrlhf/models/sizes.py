@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.models.config import ModelConfig, RopeScaling
+from jaxrlhf.models.config import HeadKind, ModelConfig, RopeScaling
 
 _LLAMA3 = dict(
     vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
@@ -112,3 +112,16 @@ def param_count_without_output_embedding(config: ModelConfig) -> int:
     """ReaL's identifier count (Table 1): all parameters but the LM head."""
     lm_head = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     return param_count(config) - lm_head
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: all but the embedding lookup table (a
+    gather) and the norm scales; a tied LM head counts once, as a matmul."""
+    c = config
+    per_layer = (
+        c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim  # q, k, v
+        + c.num_heads * c.head_dim * c.hidden_size  # o
+        + 3 * c.hidden_size * c.intermediate_size  # gate, up, down
+    )
+    head = c.hidden_size * (c.vocab_size if c.head is HeadKind.LM else 1)
+    return c.num_layers * per_layer + head

@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from jaxrlhf.models.config import HeadKind, ModelConfig
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.sizes import matmul_params
 
 
 class Passes(enum.Enum):
@@ -26,18 +27,6 @@ class Passes(enum.Enum):
     generate = 1.0
     inference = 1.0
     train_step = 3.0  # backward = 2 forwards
-
-
-def matmul_params(config: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token (not the embedding gather or norms)."""
-    c = config
-    per_layer = (
-        c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim  # q, k, v
-        + c.num_heads * c.head_dim * c.hidden_size  # o
-        + 3 * c.hidden_size * c.intermediate_size  # gate, up, down
-    )
-    head = c.hidden_size * (c.vocab_size if c.head is HeadKind.LM else 1)
-    return c.num_layers * per_layer + head
 
 
 def forward_flops_per_token(config: ModelConfig, context: int) -> float:

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.models.config import HeadKind, ModelConfig
-from jaxrlhf.models.sizes import abstract_params
+from jaxrlhf.models.sizes import abstract_params, matmul_params
 from jaxrlhf.parallel import rules as rule_presets
 
 
@@ -73,14 +73,7 @@ class ModelProfile:
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token: all but the embedding lookup table
         (a gather) and the norm scales; the tied LM head counts once as a matmul."""
-        c = self.config
-        per_layer = (
-            c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim  # q, k, v
-            + c.num_heads * c.head_dim * c.hidden_size  # o
-            + 3 * c.hidden_size * c.intermediate_size  # gate, up, down
-        )
-        head = c.hidden_size * (c.vocab_size if c.head is HeadKind.LM else 1)
-        return c.num_layers * per_layer + head
+        return matmul_params(self.config)
 
     @property
     def attn_dim(self) -> int:
