@@ -157,7 +157,7 @@ class Scheduler:
             if name in failures:
                 raise failures[name]
         for key, value in list(buffer.items()):
-            with watchdog.guard(f"step end: value {key!r}"):
+            with watchdog.guard(lambda: f"step end: value {key!r}"):
                 buffer[key] = _resolve(value, f"end<-{key}", blocked)
         self._place_on_timeline(timings)
         return buffer, StepTiming(timings, blocked, clock())

@@ -278,8 +278,8 @@ def _cross(xs: list[jax.Array], dsts: list[NamedSharding]) -> list[jax.Array]:
     pieces = _copy([xs[i] for i, _ in local], [block for _, block in local]) if local else []
     pieces += jax.device_put([xs[i] for i, _ in remote], [block for _, block in remote],
                              may_alias=False)
-    with watchdog.guard(f"cross-process transfer of {len(remote)} array(s) "
-                        f"({_processes(xs)} -> {_processes([b for _, b in remote])})"):
+    with watchdog.guard(lambda: f"cross-process transfer of {len(remote)} array(s) "
+                                f"({_processes(xs)} -> {_processes([b for _, b in remote])})"):
         jax.block_until_ready(pieces)
         if jax.process_count() > 1:
             _barrier()
@@ -408,7 +408,8 @@ def reshard(tree, dst_shardings, *, free_source: bool = False, chunk_bytes: int 
     for chunk in _chunks([leaves[i].nbytes for i in moving], chunk_bytes):
         indices = [moving[j] for j in chunk]
         moved, intermediates = _move_chunk([leaves[i] for i in indices], [dsts[i] for i in indices])
-        with watchdog.guard(f"reshard of {len(indices)} array(s) onto {_processes(moved)}"):
+        with watchdog.guard(lambda: f"reshard of {len(indices)} array(s) onto "
+                                    f"{_processes(moved)}"):
             jax.block_until_ready(moved)
         for i, result in zip(indices, moved):
             out[i] = result

@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 _POLL_S = 0.5
 
@@ -105,14 +106,19 @@ def _where() -> str:
 
 
 @contextlib.contextmanager
-def guard(what: str):
-    """The enclosed wait must end within the configured timeout, else the job stops, named."""
+def guard(what: str | Callable[[], str]):
+    """The enclosed wait must end within the configured timeout, else the job stops, named.
+
+    `what` may be a function giving the description, so that hot paths of single-process runs
+    (where guards are off) never build it.
+    """
     if _DOG.timeout_s is None:
         yield
         return
+    text = what() if callable(what) else what
     wait_id = next(_DOG.ids)
     with _DOG.lock:
-        _DOG.waits[wait_id] = _Wait(what, _where(), time.monotonic() + _DOG.timeout_s)
+        _DOG.waits[wait_id] = _Wait(text, _where(), time.monotonic() + _DOG.timeout_s)
     try:
         yield
     finally:
