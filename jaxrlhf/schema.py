@@ -122,12 +122,22 @@ def base_config() -> ConfigDict:
             "sft_steps": 0, "batch_size": 32, "lr": 3e-3,
         },
         "placement": {
-            "kind": "colocate",  # colocate | standalone | split | interleave | manual | auto
+            # colocate | standalone | split | interleave | disaggregate | manual | auto
+            "kind": "colocate",
             "cluster": "",  # auto: the cluster file the planner searches for, e.g. meshes/cpu_8.py
             "strategy": "",  # colocate's parallel degrees, e.g. d2f2t2; empty = d<devices>
             "allocation": "",  # manual: "actor_gen=0-3:d4,ref_inf=4-7:d2t2,..."
             # Frozen models (ref, reward) wait in host memory between their calls when they
             # share devices with other models.
             "offload_frozen": True,
+        },
+        "async_rl": {  # asynchronous RL (AReaL): generation runs ahead of training
+            # η: a batch is trained only if its oldest token was sampled at most η policy
+            # versions ago, and generation waits when it runs further ahead. 0 = the
+            # synchronous loop (generate, then train, every step). ppo and grpo only.
+            "max_staleness": 0,
+            "decoupled": True,  # η > 0: AReaL's decoupled PPO objective (clip vs π_prox)
+            "behav_imp_weight_cap": 0.0,  # decoupled: drop tokens with π_prox/π_behav above (0 = off)
+            "chunk_tokens": 8,  # tokens decoded between checks for new weights (interruptions)
         },
     })

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from jaxrlhf.algorithms import dpo, grpo, ppo, remax, rw, safe_rlhf, sft
+from jaxrlhf.algorithms import decoupled, dpo, grpo, ppo, remax, rw, safe_rlhf, sft
 from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.spec import Algorithm, BatchKind
@@ -163,6 +163,25 @@ class PlacementSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class AsyncRLSpec:
+    """Asynchronous RL (AReaL); see jaxrlhf/run/async_loop.py.
+
+    Attributes:
+      max_staleness: η; 0 = the synchronous loop.
+      decoupled: the algorithm trains with the decoupled PPO objective (η > 0 only).
+      chunk_tokens: tokens decoded between checks for new weights.
+    """
+
+    max_staleness: int = 0
+    decoupled: bool = False
+    chunk_tokens: int = 8
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_staleness > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSpec:
     """Everything a run needs, typed and validated (see the module docstring).
 
@@ -196,6 +215,7 @@ class RunSpec:
     seed: int
     steps: int
     config_json: str
+    async_rl: AsyncRLSpec = AsyncRLSpec()
 
     @property
     def offline(self) -> bool:
@@ -280,6 +300,8 @@ _RANGES = (
     ("micro_batches", 1, True), ("micro_batch_tokens", 0, True), ("warm_start.sft_steps", 0, True),
     ("warm_start.batch_size", 1, True), ("warm_start.lr", 0.0, False),
     ("optimizer.actor.lr", 0.0, False), ("optimizer.critic.lr", 0.0, False),
+    ("async_rl.max_staleness", 0, True), ("async_rl.chunk_tokens", 1, True),
+    ("async_rl.behav_imp_weight_cap", 0.0, True),
 )
 
 
@@ -394,6 +416,30 @@ def make_algorithm(config: ConfigDict) -> Algorithm:
             return rw.make()
 
 
+def _async_rl(config: ConfigDict, name: AlgorithmName) -> AsyncRLSpec:
+    a = config.async_rl
+    if a.max_staleness and name not in (AlgorithmName.PPO, AlgorithmName.GRPO):
+        raise ConfigError(f"async_rl.max_staleness={a.max_staleness}: asynchronous RL runs ppo "
+                          f"and grpo, not {name.value}")
+    return AsyncRLSpec(a.max_staleness, bool(a.max_staleness and a.decoupled), a.chunk_tokens)
+
+
+def decoupled_algorithm(config: ConfigDict, name: AlgorithmName) -> Algorithm:
+    """PPO or GRPO with AReaL's decoupled objective (async_rl.decoupled)."""
+    cap = config.async_rl.behav_imp_weight_cap or None
+    reward_model = enum_value(RewardKind, config.reward.kind, "reward.kind") is RewardKind.MODEL
+    if name is AlgorithmName.PPO:
+        cfg = ppo_config(config)
+        cfg = dataclasses.replace(cfg, policy=dataclasses.replace(
+            cfg.policy, behav_imp_weight_cap=cap))
+        batch = config.rollout.batch_size * config.rollout.group_size
+        return decoupled.decoupled_ppo(cfg, reward_model=reward_model, batch_size=batch)
+    cfg = grpo_config(config)
+    policy = dataclasses.replace(cfg.loss.policy, behav_imp_weight_cap=cap)
+    cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, policy=policy))
+    return decoupled.decoupled_grpo(cfg, reward_model=reward_model)
+
+
 def builtin_task(t: ConfigDict) -> tasks.ArithmeticTask | tasks.ReverseTask:
     common = dict(num_digits=t.num_digits, num_train=t.num_train, num_eval=t.num_eval,
                   num_sft=t.num_sft, sft_noise=t.sft_noise, seed=t.seed)
@@ -436,8 +482,10 @@ def run_spec(config: ConfigDict) -> RunSpec:
     with field("algorithm"):
         name = enum_value(AlgorithmName, config.algorithm, "algorithm")
     _check_ranges(config)
+    async_rl = _async_rl(config, name)
     with field("algorithm"):
-        algorithm = make_algorithm(config)
+        algorithm = (decoupled_algorithm(config, name) if async_rl.decoupled
+                     else make_algorithm(config))
         graph = build_graph(algorithm.mfcs, roles=set(Role))
     sections = {Role.REWARD: config.reward, Role.COST: config.cost}
     rewards = {role: RewardSpec(sections[role].function, sections[role].workers,
@@ -452,6 +500,11 @@ def run_spec(config: ConfigDict) -> RunSpec:
         base = models.get(Role.ACTOR) or ModelSpec(
             model_config_of(config.models.actor, Role.ACTOR, "models.actor"),
             config.models.actor.path)
+    if Role.REF in models and not models[Role.REF].path:  # a copy of the actor: its shapes
+        ref = models[Role.REF].config
+        models[Role.REF] = ModelSpec(base.config.replace(
+            dtype=ref.dtype, param_dtype=ref.param_dtype, scan_layers=ref.scan_layers,
+            remat=ref.remat, attention=ref.attention))
     updates = config.steps * config.ppo.epochs * config.ppo.mini_batches
     optimizers = {role: optimizer_of(config.optimizer[role.value], updates)
                   for role in models if any(m.call is Call.TRAIN_STEP for m in graph.calls_of(role))}
@@ -475,4 +528,4 @@ def run_spec(config: ConfigDict) -> RunSpec:
         placement=PlacementSpec(kind, p.cluster, p.strategy, p.allocation, p.offload_frozen),
         checkpoint=checkpoint, nan_policy=nan_policy, data=_data(config.data),
         warm_start=warm, tokenizer=config.tokenizer, seed=config.seed, steps=config.steps,
-        config_json=config.to_json())
+        config_json=config.to_json(), async_rl=async_rl)

@@ -1,0 +1,102 @@
+"""AReaL's decoupled PPO objective, as a transformation of the PPO and GRPO algorithms.
+
+Asynchronous RL trains on samples that older policies generated, some of them by several
+policies (a sequence interrupted by a weight update continues under the new weights). Standard
+PPO clips the ratio π_θ / π_behav against that mixture of stale policies, so its trust region
+moves with how stale the data is. AReaL decouples the two roles of the old policy:
+
+  l_t = −(π_prox / π_behav) · min(u_t A_t, clip(u_t, 1 ± ε) A_t),   u_t = π_θ / π_prox,
+
+where π_behav is the policy that sampled token t (its log-prob recorded at generation) and
+π_prox is the trainer's policy before this step's updates. The math is
+`losses.ppo_policy_loss(..., proximal_logp_bn=...)`; this module adds what the graph needs to
+feed it: one more actor call, `actor_prox` (log-probs of the sampled sequences under the
+trainer's current weights, on the actor's train layout), whose output the actor's train step
+reads. With fresh on-policy data π_prox = π_behav and the objective equals standard PPO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxrlhf.algorithms import grpo, losses, ppo
+from jaxrlhf.algorithms import kl as kl_lib
+from jaxrlhf.algorithms.spec import Algorithm, LossFn, response_policy
+from jaxrlhf.mfc import MFC, Call, Role
+
+PROX_KEY = "prox_logp_bn"  # [b, n] log π_prox of the response tokens
+PROX_MFC = "actor_prox"
+
+
+def ppo_actor_loss(cfg: ppo.PPOConfig) -> LossFn:
+    """PPO's actor loss with the decoupled surrogate (batch carries `prox_logp_bn`); the KL
+    term (when it is in the loss, not the reward) is unchanged."""
+
+    def loss_fn(logits_btv, batch):
+        logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.temperature)
+        loss_sum, weight, stats = losses.ppo_policy_loss(
+            logp_bn, batch["old_logp_bn"], batch["advantages_bn"], batch["mask_bn"], cfg.policy,
+            proximal_logp_bn=batch[PROX_KEY], entropy_bn=entropy_bn)
+        if not cfg.kl_in_reward:
+            kl_bn = kl_lib.kl_per_token(logp_bn, batch["ref_logp_bn"], cfg.kl_estimator)
+            kl_sum = jnp.sum(kl_bn * batch["mask_bn"] * batch["kl_coef"][:, None])
+            loss_sum = loss_sum + kl_sum
+            stats = {**stats, "kl_loss": kl_sum}
+        return loss_sum, weight, stats
+
+    return loss_fn
+
+
+def grpo_actor_loss(cfg: grpo.GRPOConfig) -> LossFn:
+    """GRPO's loss (surrogate + β·KL to the reference) with the decoupled surrogate."""
+
+    def loss_fn(logits_btv, batch):
+        logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.temperature)
+        return losses.grpo_loss(logp_bn, batch["old_logp_bn"], batch["ref_logp_bn"],
+                                batch["advantages_bn"], batch["mask_bn"], cfg.loss,
+                                proximal_logp_bn=batch[PROX_KEY], entropy_bn=entropy_bn)
+
+    return loss_fn
+
+
+def _with_prox(prepare):
+    """The actor's prepare, passing the proximal log-probs through to the train batch."""
+
+    def wrapped(buf, controller):
+        batch, stats = prepare(buf, controller)
+        return {**batch, PROX_KEY: buf[PROX_KEY]}, stats
+
+    return wrapped
+
+
+def decouple(algorithm: Algorithm, actor_loss: LossFn) -> Algorithm:
+    """`algorithm` (PPO-family: one actor generate and train_step) with the decoupled objective.
+
+    Adds the `actor_prox` inference call before the actor's train step, makes the train step
+    read its output, and trains the actor with `actor_loss` (see `ppo_actor_loss`).
+    """
+    (gen,) = [m for m in algorithm.mfcs if m.role is Role.ACTOR and m.call is Call.GENERATE]
+    (train,) = [m for m in algorithm.mfcs if m.role is Role.ACTOR and m.call is Call.TRAIN_STEP]
+    seq_keys = gen.outputs[:3]  # sequence tokens, sequence mask, response mask
+    prox = MFC(PROX_MFC, Role.ACTOR, Call.INFERENCE, seq_keys, (PROX_KEY,))
+    mfcs = []
+    for mfc in algorithm.mfcs:
+        if mfc is train:
+            mfcs += [prox, dataclasses.replace(mfc, inputs=mfc.inputs + (PROX_KEY,))]
+        else:
+            mfcs.append(mfc)
+    spec = algorithm.train[Role.ACTOR]
+    actor = dataclasses.replace(spec, prepare=_with_prox(spec.prepare), loss_fn=actor_loss)
+    return dataclasses.replace(algorithm, mfcs=tuple(mfcs),
+                               train={**algorithm.train, Role.ACTOR: actor})
+
+
+def decoupled_ppo(cfg: ppo.PPOConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
+    return decouple(ppo.make(cfg, reward_model=reward_model, batch_size=batch_size),
+                    ppo_actor_loss(cfg))
+
+
+def decoupled_grpo(cfg: grpo.GRPOConfig, *, reward_model: bool) -> Algorithm:
+    return decouple(grpo.make(cfg, reward_model=reward_model), grpo_actor_loss(cfg))
