@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="", help="default: a new temporary directory")
     args = parser.parse_args()
     workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="jaxrlhf-rss-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "jaxrlhf.train", "--config=configs/ppo_tiny.py",
                f"--config.steps={args.steps}", "--config.warm_start.sft_steps=20",
                "--config.checkpoint.every=100", f"--workdir={workdir}"]
