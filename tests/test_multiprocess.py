@@ -73,6 +73,11 @@ def run_steps(allocation: str, workdir: pathlib.Path) -> list[dict]:
 
 
 def _worker(mode: str, address: str, process_id: int, out: str, allocation: str) -> None:
+    import faulthandler
+
+    # SIGUSR1 prints every thread's Python stack to stderr: a test that gives up waiting for
+    # this worker sends it first, so its failure message shows where the worker was stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from jaxrlhf import distributed
     from jaxrlhf.backend import use_cpu_devices
 
@@ -187,9 +192,13 @@ def _wait_ready(proc, timeout: float) -> None:
 
 
 def _stderr_tails(procs) -> str:
-    """Each worker's last stderr lines, after killing them all (for a failure message)."""
+    """Each worker's Python stacks and last stderr lines, then kills them all (for a failure)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)  # faulthandler: the stacks go to stderr
+    time.sleep(2.0)
     _kill(procs)
-    return "\n".join(f"[worker {i}] {p.stderr.read()[-1500:]}" for i, p in enumerate(procs))
+    return "\n".join(f"[worker {i}] {p.stderr.read()[-4000:]}" for i, p in enumerate(procs))
 
 
 def _kill_one(tmp_path, port: int, victim: int) -> tuple[str, float, int]:
@@ -250,17 +259,33 @@ def test_a_transfer_whose_peer_never_arrives_stops_the_job_naming_it(tmp_path,
         _kill(procs)
 
 
-def _train(launcher: list[str], workdir: pathlib.Path, extra: list[str]) -> dict:
+def _train_command(launcher: list[str], workdir: pathlib.Path, extra: list[str]
+                   ) -> tuple[list[str], dict]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", LOG_DIR=str(workdir.parent / f"{workdir.name}-logs"))
     args = ["--config=configs/ppo_tiny.py", f"--workdir={workdir}", "--config.steps=3",
             "--config.warm_start.sft_steps=5", "--config.data.task.num_eval=16",
             "--config.reward.workers=1",
             "--config.reward.function=tests/fixtures/reward_fns.py:digit_count", *extra]
-    result = subprocess.run([*launcher, sys.executable, "-m", "jaxrlhf.train", *args], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=600)
+    return [*launcher, sys.executable, "-m", "jaxrlhf.train", *args], env
+
+
+def _train(launcher: list[str], workdir: pathlib.Path, extra: list[str]) -> dict:
+    command, env = _train_command(launcher, workdir, extra)
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _rl_rows(workdir: pathlib.Path) -> list[dict]:
+    rows = []
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # being written
+    return [r for r in rows if "reward" in r]
 
 
 @pytest.mark.slow
@@ -285,6 +310,54 @@ def test_train_entry_point_two_processes_match_one(tmp_path, extra):
                                        err_msg=f"step {want['step']} {key}")
     assert sorted(p.name for p in (tmp_path / "two/data").iterdir()) == ["process_0",
                                                                          "process_1"]
+
+
+@pytest.mark.slow
+@pytest.mark.entry
+def test_sigterm_to_a_two_process_job_saves_and_a_rerun_resumes(tmp_path):
+    """SLURM's SIGTERM reaches both processes: they agree on a step, save it, exit 0 in < 60 s.
+
+    Rerunning the same command resumes from that checkpoint and ends where one uninterrupted
+    process ends.
+    """
+    import numpy as np
+
+    extra = ["--config.steps=6", "--config.checkpoint.every=100"]  # only the SIGTERM saves
+    one = _train([], tmp_path / "one", extra)
+    work = tmp_path / "two"
+    command, env = _train_command([str(REPO / "launch/local.sh"), "2"], work, extra)
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not ((work / "metrics.jsonl").exists() and _rl_rows(work)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # to local.sh, which passes it to both processes
+        start = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        seconds = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert seconds < 60, seconds
+    saved = [int(p.name) for p in (work / "checkpoints").iterdir()]
+    assert len(saved) == 1 and 1 <= saved[0] < 6, saved
+    assert f"interrupted after RL step {saved[0] - 1}" in out
+    log_1 = (tmp_path / "two-logs" / "process_1.log").read_text()
+    assert f"interrupted after RL step {saved[0] - 1}" in log_1  # the same step, agreed
+    assert json.loads(out.strip().splitlines()[-1])["interrupted"]
+
+    resumed = _train([str(REPO / "launch/local.sh"), "2"], work, extra)
+    assert resumed["resumed_from"] == saved[0] and not resumed["interrupted"]
+    assert resumed["accuracy_after"] == one["accuracy_after"]
+    got, want = _rl_rows(work), _rl_rows(tmp_path / "one")
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        for key in COMPARED:
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"step {w['step']} {key}")
 
 
 if __name__ == "__main__":
