@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import pathlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -28,10 +29,11 @@ from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.parallel.layout import Layout, init_params
 from jaxrlhf.parallel.reshard import reshard
+from jaxrlhf.run import roles
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.layouts import RunPlan
 from jaxrlhf.run.runner import Runner
-from jaxrlhf.spec import RolloutSpec, RunSpec
+from jaxrlhf.spec import ModelSpec, RolloutSpec, RunSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,14 +124,27 @@ def engines(spec: RunSpec, algorithm: Algorithm, plan: RunPlan, tokenizer,
 # --- model states --------------------------------------------------------------------------
 
 
+def load_role(model: ModelSpec, layout: Layout):
+    """A role's parameters on `layout` from its HF directory; a scalar head missing there (a
+    causal LM's trunk as critic or reward model) starts at zero."""
+    config = model.config
+    shardings = layout.param_shardings(abstract_params(config))
+    return hf_io.load_hf(model.path, shardings=shardings, dtype=config.dtype,
+                         param_dtype=config.param_dtype, head=config.head,
+                         init_missing_score=config.head is HeadKind.SCALAR)[1]
+
+
 def initial_actor_params(spec: RunSpec, layout: Layout):
     """The actor's parameters on `layout`: from its HF directory, else freshly initialised."""
-    model = spec.base
-    if model.path:
-        shardings = layout.param_shardings(abstract_params(model.config))
-        return hf_io.load_hf(model.path, shardings=shardings, dtype=model.config.dtype,
-                             param_dtype=model.config.param_dtype)[1]
-    return init_params(model.config, layout, jax.random.key(spec.seed))
+    if spec.base.path:
+        return load_role(spec.base, layout)
+    return init_params(spec.base.config, layout, jax.random.key(spec.seed))
+
+
+def _cast_like(params, abstract):
+    """`params` in the dtypes of `abstract` (a role may store its copy in another dtype)."""
+    return jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype),
+                        params, abstract)
 
 
 def independent_copy(params, shardings):
@@ -143,40 +158,55 @@ def independent_copy(params, shardings):
 
 
 def frozen_copy(params, model: ModelConfig, layout: Layout):
-    """A copy of `params` on `layout`, independent of the source."""
-    return independent_copy(params, layout.param_shardings(abstract_params(model)))
+    """A copy of `params` on `layout`, independent of the source, in `model`'s dtypes."""
+    boxed = abstract_params(model)
+    copy = independent_copy(params, layout.param_shardings(boxed))
+    return _cast_like(copy, nn.meta.unbox(boxed))
 
 
 def critic_from_actor(actor_params, critic_model: ModelConfig, layout: Layout):
     """The critic (or reward model) starts from the actor's trunk with a zero value head."""
     trunk = {k: v for k, v in actor_params.items() if k != "lm_head"}
-    shardings = layout.param_shardings(abstract_params(critic_model))
+    boxed = abstract_params(critic_model)
+    shardings = layout.param_shardings(boxed)
     score_sharding = shardings.pop("score")
-    params = independent_copy(trunk, shardings)
+    abstract = nn.meta.unbox(boxed)
+    abstract.pop("score")
+    params = _cast_like(independent_copy(trunk, shardings), abstract)
     params["score"] = jax.device_put(
         jnp.zeros((critic_model.hidden_size, 1), critic_model.param_dtype), score_sharding)
     return params
 
 
+def initial_params(spec: RunSpec, role: Role, start: roles.Start, layout: Layout, actor_params):
+    """One role's first parameters on `layout` (see `run.roles`)."""
+    model = spec.models[role]
+    match start:
+        case roles.Start.LOAD if role is Role.ACTOR:
+            return actor_params  # loaded (and maybe warm-started) by the caller
+        case roles.Start.LOAD:
+            return load_role(model, layout)
+        case roles.Start.INIT if role is Role.ACTOR:
+            return actor_params
+        case roles.Start.INIT:  # its own stream: not the actor's initialisation again
+            key = jax.random.fold_in(jax.random.key(spec.seed), list(Role).index(role) + 1)
+            return init_params(model.config, layout, key)
+        case roles.Start.ACTOR_COPY:
+            return frozen_copy(actor_params, model.config, layout)
+        case roles.Start.ACTOR_TRUNK:
+            return critic_from_actor(actor_params, model.config, layout)
+
+
 def initial_states(spec: RunSpec, plan: RunPlan, params) -> dict:
-    """Every model's state at the start of training, from the (warm-started) actor parameters:
-    TrainStates of trained models, parameters of frozen ones."""
+    """Every model's state at the start of training: TrainStates of trained models, parameters
+    of frozen ones. `params` are the (warm-started) actor's parameters on its home layout."""
     states = {}
-    for role, model in spec.model_configs().items():
+    for role, start in roles.starts(spec).items():
         home = plan.home(spec.graph, role)
+        first = initial_params(spec, role, start, home, params)
         opt = spec.optimizers.get(role)
-        match role:
-            case Role.ACTOR:
-                states[role] = create_train_state(params, model, home, opt)
-            case Role.REF:
-                states[role] = frozen_copy(params, model, home)
-            case Role.CRITIC | Role.COST_CRITIC | Role.REWARD if opt is not None:
-                # Critics, and the reward model of reward modelling: from the actor's trunk.
-                states[role] = create_train_state(critic_from_actor(params, model, home), model,
-                                                  home, opt)
-            case _:
-                raise ValueError(f"models.{role.value}: reward/cost models need models."
-                                 f"{role.value}.path (a trained HF model directory)")
+        states[role] = (first if opt is None
+                        else create_train_state(first, spec.models[role].config, home, opt))
     return states
 
 

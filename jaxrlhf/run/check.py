@@ -12,6 +12,7 @@ import dataclasses
 import pathlib
 import tempfile
 
+import jax
 from ml_collections import ConfigDict
 
 from jaxrlhf.checkpoint import CHECKPOINT_DIR, CheckpointError, check_resume
@@ -23,6 +24,9 @@ from jaxrlhf.mfc import Role
 from jaxrlhf.engine.microbatch import num_microbatches
 from jaxrlhf.fingerprint import run_fingerprint
 from jaxrlhf.models import hf_io
+from jaxrlhf.dataflow.placement import Placement
+from jaxrlhf.plan.cluster import load_cluster
+from jaxrlhf.run import roles
 from jaxrlhf.run.layouts import RunPlan, place
 from jaxrlhf.spec import ConfigError, RunSpec, field, run_spec
 
@@ -47,13 +51,24 @@ def _check_workdir(workdir: str) -> None:
 
 def _check_model_files(spec: RunSpec, role: Role) -> None:
     path = spec.models[role].path
-    if role in (Role.REWARD, Role.COST) and not path and role not in spec.optimizers:
-        raise ConfigError(f"models.{role.value}.path: {role.value}.kind=model needs a trained "
-                          "Hugging Face model directory")
     if path and not any((pathlib.Path(path) / f).is_file()
                         for f in (hf_io.SINGLE_FILE, hf_io.INDEX_FILE)):
         raise ConfigError(f"models.{role.value}.path={path!r}: no {hf_io.SINGLE_FILE} or "
                           f"{hf_io.INDEX_FILE} (a Hugging Face model directory has its weights)")
+
+
+def _check_cluster_size(spec: RunSpec, devices) -> None:
+    """placement.kind=auto plans for a cluster file: this job must have its device count."""
+    p = spec.placement
+    if p.kind is not Placement.AUTO or not p.cluster:
+        return
+    cluster = load_cluster(p.cluster)
+    have = len(devices or jax.devices())
+    if cluster.num_devices != have:
+        raise ConfigError(
+            f"placement.cluster={p.cluster!r}: the plan is made for its {cluster.hosts} × "
+            f"{cluster.devices_per_host} = {cluster.num_devices} devices, but this job has "
+            f"{have}; run on that cluster or set placement.cluster to a file for this one")
 
 
 def _check_data(spec: RunSpec, tokenizer: Tokenizer) -> None:
@@ -89,15 +104,20 @@ def prepare(spec: RunSpec, workdir: str, devices=None) -> Job:
     with field("workdir"):
         _check_workdir(workdir)
     with field("tokenizer"):
+        if not spec.tokenizer:  # "" would read the current directory
+            raise ConfigError('tokenizer: empty; set it to "byte" or to the Hugging Face '
+                              "directory of the models' tokenizer (tokenizer.json)")
         tokenizer = load_tokenizer(spec.tokenizer)
     for role, reward in spec.rewards.items():
         with field(f"{'reward' if role is Role.REWARD else 'cost'}.function"):
             resolve_reward(reward.function)
     for role, model in spec.models.items():
         _check_model_files(spec, role)
-        with field(f"models.{role.value}"):
+        with field(f"models.{role.value}"):  # one tokenizer serves every role
             check_vocab(tokenizer, model.config.vocab_size)
+    roles.starts(spec)  # every role has weights to start from
     with field("placement"):
+        _check_cluster_size(spec, devices)
         plan = place(spec, devices)
     w = spec.warm_start
     if Role.ACTOR in spec.models and w.steps:
