@@ -2,9 +2,10 @@
 
 Runs `python -m jaxrlhf.train` on the tiny PPO job for `--steps` RL steps and samples, from
 /proc, the resident set of the trainer process and of its whole process tree (reward workers
-included) as RL steps are logged. Growth is measured from the step `--settle` (compilation,
-allocator pools and caches have reached their working size by then) to the last step; a leak of
-a few KiB per step shows as growth over hundreds of steps. The last line is one JSON object:
+included) as RL steps are logged. Growth is measured from the step `--settle` to the last step: by then
+compilation, allocator pools and the checkpointer's first saves (orbax's thread pools and
+buffers: ~120 MiB once, measured with saves every 100 steps) have reached their working size,
+and a leak of a few KiB per step or per save shows as growth over hundreds of steps. The last line is one JSON object:
 
     python benchmarks/rss_soak.py --steps=500
 """
@@ -66,7 +67,7 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "jaxrlhf.train", "--config=configs/ppo_tiny.py",
                f"--config.steps={args.steps}", "--config.warm_start.sft_steps=20",
-               "--config.checkpoint.every=100", f"--workdir={workdir}"]
+               "--config.checkpoint.every=25", f"--workdir={workdir}"]
     began = time.monotonic()
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=(workdir / "stderr.log").open("w"))
