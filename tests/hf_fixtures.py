@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face Llama / Qwen2 models built in-process (nothing is downloaded).
+"""Tiny random Hugging Face Llama / Qwen2 / Qwen3 models built in-process (nothing is downloaded).
 
 Reusable by any HF comparison test:
 
@@ -37,11 +37,18 @@ _QWEN2 = dict(
     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
 )
-FAMILIES = {"llama": (transformers.LlamaConfig, _LLAMA), "qwen2": (transformers.Qwen2Config, _QWEN2)}
+# Qwen3: per-head q/k RMSNorm, no q/k/v bias, head_dim set apart from hidden/heads, untied.
+_QWEN3 = dict(
+    vocab_size=104, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+)
+FAMILIES = {"llama": (transformers.LlamaConfig, _LLAMA), "qwen2": (transformers.Qwen2Config, _QWEN2),
+            "qwen3": (transformers.Qwen3Config, _QWEN3)}
 
 
 def tiny_hf_config(family: str, *, num_labels: int | None = None, **overrides):
-    """A transformers config for a tiny model of `family` ("llama" | "qwen2")."""
+    """A transformers config for a tiny model of `family` ("llama" | "qwen2" | "qwen3")."""
     config_cls, base = FAMILIES[family]
     kwargs = {**base, **overrides}
     if num_labels is not None:
@@ -79,7 +86,7 @@ def make_tiny_hf_model(
 
     Args:
       tmp_path: parent directory; the checkpoint goes to `tmp_path / f"hf_{family}..."`.
-      family: "llama" or "qwen2".
+      family: "llama", "qwen2" or "qwen3".
       seq_cls: a one-label *ForSequenceClassification (critic/reward layout) instead of a
         causal LM.
       save_dtype: dtype of the saved safetensors (e.g. torch.bfloat16); the returned model is

@@ -60,7 +60,8 @@ def _write_tokenizer(directory, vocab_size, convention):
 
 @pytest.mark.entry
 @pytest.mark.parametrize("family,convention,chat", [
-    ("qwen2", "qwen", False), ("qwen2", "qwen", True), ("llama", "llama3", True)])
+    ("qwen2", "qwen", False), ("qwen2", "qwen", True), ("llama", "llama3", True),
+    ("qwen3", "qwen", False), ("qwen3", "qwen", True)])
 def test_generate_json_matches_transformers(tmp_path, family, convention, chat):
     path, hf_model = make_tiny_hf_model(tmp_path, family)
     hf_tok = _write_tokenizer(path, hf_model.config.vocab_size, convention)

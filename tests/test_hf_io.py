@@ -58,14 +58,20 @@ def _assert_trees_equal(a, b):
 
 # ---- config conversion ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("family,seq_cls", [("llama", False), ("qwen2", False), ("llama", True)])
+_ARCH = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+@pytest.mark.parametrize("family,seq_cls", [("llama", False), ("qwen2", False), ("llama", True),
+                                            ("qwen3", False), ("qwen3", True)])
 def test_config_round_trip(family, seq_cls):
     hf = tiny_hf_config(family, num_labels=1 if seq_cls else None).to_dict()
-    hf["architectures"] = [("Llama" if family == "llama" else "Qwen2")
+    hf["architectures"] = [_ARCH[family]
                            + ("ForSequenceClassification" if seq_cls else "ForCausalLM")]
     config = hf_config_to_model_config(hf, dtype=jnp.float32)
     assert config.head is (HeadKind.SCALAR if seq_cls else HeadKind.LM)
     assert config.qkv_bias == (family == "qwen2")
+    assert config.qk_norm == (family == "qwen3")
+    assert config.head_dim == hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     assert config.tie_word_embeddings == (family == "qwen2")
     assert config.num_kv_heads == hf["num_key_value_heads"]
     exported = model_config_to_hf_config(config)
@@ -105,6 +111,9 @@ def test_llama3_rope_both_spellings():
     (dict(architectures=["LlamaForSequenceClassification"]), "num_labels=1"),
     (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True),
      "sliding-window"),
+    (dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], use_sliding_window=True),
+     "sliding-window"),
+    (dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=True), "o_proj"),
 ])
 def test_unsupported_configs_raise(change, message):
     hf = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128,
@@ -119,11 +128,17 @@ def test_export_rejects_family_without_matching_bias():
     config = hf_config_to_model_config(tiny_hf_config("qwen2").to_dict())
     with pytest.raises(ValueError, match="qkv_bias"):
         model_config_to_hf_config(config, family=HfFamily.LLAMA)
+    qwen3 = hf_config_to_model_config(tiny_hf_config("qwen3").to_dict())
+    assert qwen3.qk_norm and not qwen3.qkv_bias
+    with pytest.raises(ValueError, match="qk_norm"):
+        model_config_to_hf_config(qwen3, family=HfFamily.LLAMA)
+    with pytest.raises(ValueError, match="qkv_bias"):
+        model_config_to_hf_config(qwen3, family=HfFamily.QWEN2)
 
 
 # ---- load: logit parity with transformers --------------------------------------------------
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_logits_match_hf_unsharded_and_sharded(tmp_path, family):
     path, hf_model = make_tiny_hf_model(tmp_path, family)
     config, params = hf_io.load_hf(path, dtype=jnp.float32)
@@ -182,7 +197,7 @@ def test_bf16_checkpoint_loads(tmp_path):
 
 # ---- export --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_export_loads_in_transformers(tmp_path, family):
     path, hf_model = make_tiny_hf_model(tmp_path, family)
     config, _ = hf_io.load_hf(path, dtype=jnp.float32)
@@ -226,8 +241,9 @@ def test_export_bf16_single_file(tmp_path):
 
 # ---- scalar (critic / reward) head ---------------------------------------------------------
 
-def test_scalar_head_round_trip(tmp_path):
-    path, hf_model = make_tiny_hf_model(tmp_path, "llama", seq_cls=True)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_scalar_head_round_trip(tmp_path, family):
+    path, hf_model = make_tiny_hf_model(tmp_path, family, seq_cls=True)
     config, params = hf_io.load_hf(path, dtype=jnp.float32)
     assert config.head is HeadKind.SCALAR and params["score"].shape == (config.hidden_size, 1)
     tokens_bt, mask_bt = _batch(config)
@@ -237,7 +253,7 @@ def test_scalar_head_round_trip(tmp_path):
     out = tmp_path / "export"
     hf_io.save_hf(out, config, params)
     saved = json.loads((out / "config.json").read_text())
-    assert saved["architectures"] == ["LlamaForSequenceClassification"]
+    assert saved["architectures"] == [f"{_ARCH[family]}ForSequenceClassification"]
     reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(
         out, attn_implementation="eager", dtype=torch.float32).eval()
     assert reloaded.config.num_labels == 1

@@ -37,7 +37,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-2/Llama-3/Qwen2-family decoder.
+    """A Llama-2/Llama-3/Qwen2/Qwen3-family decoder.
 
     `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters.
     `scan_layers=False` unrolls the layer loop but keeps the same stacked parameter tree.
@@ -57,6 +57,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each query/key head before RoPE
     head: HeadKind = HeadKind.LM
     dtype: type = jnp.bfloat16
     param_dtype: type = jnp.float32

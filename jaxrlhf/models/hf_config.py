@@ -1,16 +1,20 @@
-"""Hugging Face `config.json` <-> `ModelConfig`, for the Llama and Qwen2 families.
+"""Hugging Face `config.json` <-> `ModelConfig`, for the Llama, Qwen2 and Qwen3 families.
 
 Supported architectures (`config.json` "architectures"/"model_type"):
 
-  * `LlamaForCausalLM`, `Qwen2ForCausalLM` -> `HeadKind.LM`;
-  * `LlamaForSequenceClassification`, `Qwen2ForSequenceClassification` with `num_labels == 1`
-    -> `HeadKind.SCALAR` (critic / reward / cost models: `score.weight` [1, hidden]).
+  * `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` -> `HeadKind.LM`;
+  * `{Llama,Qwen2,Qwen3}ForSequenceClassification` with `num_labels == 1` -> `HeadKind.SCALAR`
+    (critic / reward / cost models: `score.weight` [1, hidden]).
+
+The families differ in the attention block: Llama has no q/k/v bias, Qwen2 always has one, and
+Qwen3 has none but RMS-normalises each query and key head over head_dim before RoPE (`qk_norm`).
 
 Both RoPE spellings are read: the transformers<5 one (top-level `rope_theta` plus
 `rope_scaling: {rope_type|type: ...}`) and the transformers>=5 one (`rope_parameters:
 {rope_theta, rope_type, ...}`). Only `default` and Llama-3 (`llama3`) RoPE exist in the model;
 anything else (linear, dynamic, yarn, longrope, partial rotary, per-layer RoPE), sliding-window
-attention, Llama's `attention_bias` (which also biases o_proj) and `mlp_bias` are rejected
+attention, Llama's and Qwen3's `attention_bias` (which also biases o_proj) and `mlp_bias` are
+rejected
 with an error rather than silently loaded into a different network.
 
 Export writes both RoPE spellings (they agree), and both `torch_dtype` and `dtype`, so readers
@@ -34,12 +38,13 @@ class HfFamily(enum.Enum):
 
     LLAMA = "llama"
     QWEN2 = "qwen2"
+    QWEN3 = "qwen3"
 
 
-_ARCH_PREFIX = {HfFamily.LLAMA: "Llama", HfFamily.QWEN2: "Qwen2"}
+_ARCH_PREFIX = {HfFamily.LLAMA: "Llama", HfFamily.QWEN2: "Qwen2", HfFamily.QWEN3: "Qwen3"}
 _HEAD_SUFFIX = {HeadKind.LM: "ForCausalLM", HeadKind.SCALAR: "ForSequenceClassification"}
-# HF's own defaults for keys a config.json may omit (transformers LlamaConfig / Qwen2Config).
-_DEFAULT_MAX_POSITIONS = {HfFamily.LLAMA: 2048, HfFamily.QWEN2: 32768}
+# HF's own defaults for keys a config.json may omit (transformers Llama/Qwen2/Qwen3Config).
+_DEFAULT_MAX_POSITIONS = {HfFamily.LLAMA: 2048, HfFamily.QWEN2: 32768, HfFamily.QWEN3: 32768}
 _DEFAULT_RMS_EPS = 1e-6
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -126,12 +131,17 @@ def _check_family_features(cfg: Mapping[str, Any], family: HfFamily) -> None:
                 )
             if cfg.get("mlp_bias", False):
                 raise ValueError("Llama mlp_bias=True is not supported")
-        case HfFamily.QWEN2:
+        case HfFamily.QWEN2 | HfFamily.QWEN3:
+            name = "Qwen2" if family is HfFamily.QWEN2 else "Qwen3"
             layer_types = cfg.get("layer_types") or []
             if cfg.get("use_sliding_window", False) or any(
                 t != "full_attention" for t in layer_types
             ):
-                raise ValueError("Qwen2 sliding-window attention is not supported")
+                raise ValueError(f"{name} sliding-window attention is not supported")
+            if family is HfFamily.QWEN3 and cfg.get("attention_bias", False):
+                raise ValueError(
+                    "Qwen3 attention_bias=True adds a bias to o_proj too, which the model lacks"
+                )
 
 
 def hf_config_to_model_config(
@@ -178,7 +188,8 @@ def hf_config_to_model_config(
         rope_scaling=rope_scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_RMS_EPS)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=family is HfFamily.QWEN2,  # Qwen2 always biases q/k/v, Llama never here
+        qkv_bias=family is HfFamily.QWEN2,  # Qwen2 always biases q/k/v; Llama, Qwen3 never here
+        qk_norm=family is HfFamily.QWEN3,
         head=inferred_head if head is None else head,
         dtype=dtype,
         param_dtype=param_dtype,
@@ -186,8 +197,21 @@ def hf_config_to_model_config(
 
 
 def default_family(config: ModelConfig) -> HfFamily:
-    """The HF family that can express `config`: q/k/v bias without o_proj bias is Qwen2."""
+    """The HF family that can express `config`: q/k/v bias without o_proj bias is Qwen2, q/k
+    norms are Qwen3, neither is Llama."""
+    if config.qk_norm:
+        return HfFamily.QWEN3
     return HfFamily.QWEN2 if config.qkv_bias else HfFamily.LLAMA
+
+
+def _check_expressible(config: ModelConfig, family: HfFamily) -> None:
+    """Raises ValueError when `family`'s attention block differs from `config`'s."""
+    if config.qkv_bias != (family is HfFamily.QWEN2):
+        raise ValueError(
+            f"{family.value} cannot express qkv_bias={config.qkv_bias} without an o_proj bias"
+        )
+    if config.qk_norm != (family is HfFamily.QWEN3):
+        raise ValueError(f"{family.value} cannot express qk_norm={config.qk_norm}")
 
 
 def _rope_dicts(config: ModelConfig) -> tuple[dict | None, dict]:
@@ -214,13 +238,10 @@ def model_config_to_hf_config(
       dtype: dtype the weights are saved in (`torch_dtype`); None means `config.param_dtype`.
 
     Raises:
-      ValueError: if the family cannot express the config (bias layout differs).
+      ValueError: if the family cannot express the config (bias or q/k norm layout differs).
     """
     family = default_family(config) if family is None else family
-    if config.qkv_bias != (family is HfFamily.QWEN2):
-        raise ValueError(
-            f"{family.value} cannot express qkv_bias={config.qkv_bias} without an o_proj bias"
-        )
+    _check_expressible(config, family)
     rope_scaling, rope_parameters = _rope_dicts(config)
     dtype_name = np.dtype(config.param_dtype if dtype is None else dtype).name
     hf = {
@@ -248,6 +269,8 @@ def model_config_to_hf_config(
             hf.update(attention_bias=False, mlp_bias=False)
         case HfFamily.QWEN2:
             hf.update(use_sliding_window=False)
+        case HfFamily.QWEN3:
+            hf.update(attention_bias=False, use_sliding_window=False)
     if config.head is HeadKind.SCALAR:
         hf.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return hf

@@ -18,6 +18,7 @@ Hd = head_dim, F = intermediate, V = vocab; per layer i):
   layers/self_attn/q_proj/kernel [L,D,H,Hd] <- model.layers.i.self_attn.q_proj.weight [H*Hd, D]
   layers/self_attn/{k,v}_proj/kernel [L,D,K,Hd] <- ...{k,v}_proj.weight [K*Hd, D]
   layers/self_attn/{q,k,v}_proj/bias [L,H|K,Hd] <- ...{q,k,v}_proj.bias [H*Hd | K*Hd]   (Qwen2)
+  layers/self_attn/{q,k}_norm/scale [L,Hd] <- ...self_attn.{q,k}_norm.weight [Hd]          (Qwen3)
   layers/self_attn/o_proj/kernel [L,H,Hd,D] <- ...o_proj.weight [D, H*Hd]
   layers/mlp/{gate,up}_proj/kernel [L,D,F] <- ...mlp.{gate,up}_proj.weight [F, D]
   layers/mlp/down_proj/kernel [L,F,D]    <- ...mlp.down_proj.weight [D, F]
@@ -26,7 +27,7 @@ Hd = head_dim, F = intermediate, V = vocab; per layer i):
   score [D, 1]                           <- score.weight [1, D]    (HeadKind.SCALAR)
 
 Critic / reward / cost checkpoints (HeadKind.SCALAR) use HF's sequence-classification layout:
-architecture `LlamaForSequenceClassification` / `Qwen2ForSequenceClassification`, one label
+architecture `{Llama,Qwen2,Qwen3}ForSequenceClassification`, one label
 (`id2label={"0": "LABEL_0"}`, i.e. num_labels=1), the decoder under `model.` and the value head
 as `score.weight` [1, hidden] without bias. `score(last_hidden_state)` is our per-token value;
 HF's own `forward` additionally pools it at each row's last non-pad token. A checkpoint that
@@ -135,6 +136,8 @@ def tensor_map(path: tuple[str, ...]) -> TensorMap:
             return TensorMap(f"{path[0]}.weight", (1, 0), (1, 1))
         case ("layers", norm, "scale"):
             return TensorMap(f"{layer}{norm}.weight", (0,), (1,))
+        case ("layers", "self_attn", norm, "scale"):  # Qwen3 q_norm / k_norm
+            return TensorMap(f"{layer}self_attn.{norm}.weight", (0,), (1,))
         case ("layers", "self_attn", "o_proj", "kernel"):
             return TensorMap(f"{layer}self_attn.o_proj.weight", (2, 0, 1), (1, 2))
         case ("layers", "self_attn", proj, "kernel"):
@@ -267,7 +270,7 @@ def load_hf(
     head: HeadKind | None = None,
     init_missing_score: bool = False,
 ) -> tuple[ModelConfig, Any]:
-    """Loads a HF Llama/Qwen2 checkpoint directory into (sharded) parameters.
+    """Loads a HF Llama/Qwen2/Qwen3 checkpoint directory into (sharded) parameters.
 
     Args:
       path: directory with config.json and model.safetensors or a sharded index.
@@ -392,7 +395,8 @@ def save_hf(
       config: the model's config.
       params: parameter tree (boxed or unboxed) of possibly sharded arrays.
       tokenizer_dir: directory whose tokenizer files are copied alongside.
-      family: HF family to write as; None picks Qwen2 for q/k/v bias, else Llama.
+      family: HF family to write as; None picks Qwen2 for q/k/v bias, Qwen3 for q/k norms,
+        else Llama.
       dtype: dtype of the saved tensors (cast on host); None means `config.param_dtype`.
       max_shard_bytes: upper bound per safetensors file (a larger single tensor gets its own).
       extra_config: keys merged into config.json, e.g. bos/eos/pad token ids.

@@ -25,6 +25,10 @@ _LLAMA32 = dict(_LLAMA3, max_position_embeddings=131072, rope_scaling=RopeScalin
 # Qwen2.5: q/k/v bias, 151936-row vocabulary, theta 1e6.
 _QWEN2 = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
               rms_norm_eps=1e-6, qkv_bias=True)
+# Qwen3: no q/k/v bias but per-head q/k RMSNorm, 40960 context; head_dim is 128 at every size
+# (an override where hidden/heads differs, as HF's config.json import leaves it).
+_QWEN3 = dict(vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+              rms_norm_eps=1e-6, qk_norm=True)
 
 SIZES: dict[str, ModelConfig] = {
     # ~0.2M parameters, byte vocabulary: the CPU default that learns in minutes.
@@ -66,6 +70,22 @@ SIZES: dict[str, ModelConfig] = {
     "qwen2.5-1.5b": ModelConfig(
         hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
         tie_word_embeddings=True, **_QWEN2,
+    ),
+    "qwen3-0.6b": ModelConfig(
+        hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
+        head_dim_override=128, tie_word_embeddings=True, **_QWEN3,
+    ),
+    "qwen3-1.7b": ModelConfig(
+        hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16, num_kv_heads=8,
+        tie_word_embeddings=True, **_QWEN3,
+    ),
+    "qwen3-4b": ModelConfig(
+        hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32, num_kv_heads=8,
+        head_dim_override=128, tie_word_embeddings=True, **_QWEN3,
+    ),
+    "qwen3-8b": ModelConfig(
+        hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
+        **_QWEN3,
     ),
     "llama-3.2-1b": ModelConfig(
         hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,

@@ -1,4 +1,4 @@
-"""Decoder-only transformer of the Llama-2/Llama-3/Qwen2 family, in Flax linen.
+"""Decoder-only transformer of the Llama-2/Llama-3/Qwen2/Qwen3 family, in Flax linen.
 
 Every parameter carries logical axis names (see `LOGICAL_AXES` below) and the main activations
 carry logical sharding constraints; the model never sees a mesh. Layer parameters are stacked on
@@ -14,8 +14,10 @@ equal non-zero segment ids, so padding (segment 0) and packed neighbours never s
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import flax.linen as nn
 import jax
@@ -81,11 +83,12 @@ class RMSNorm(nn.Module):
     eps: float
     dtype: type
     param_dtype: type
+    axis: str = "embed"  # logical name of the normalised axis (q/k norms: "head_dim")
 
     @nn.compact
     def __call__(self, x):
         scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
             (x.shape[-1],), self.param_dtype,
         )
         x32 = x.astype(jnp.float32)
@@ -149,6 +152,10 @@ class Attention(nn.Module):
         q = self._proj("q_proj", cfg.num_heads, "heads", x_btd)
         k = self._proj("k_proj", cfg.num_kv_heads, "kv_heads", x_btd)
         v = self._proj("v_proj", cfg.num_kv_heads, "kv_heads", x_btd)
+        if cfg.qk_norm:  # Qwen3: one RMSNorm over head_dim shared by all heads, before RoPE
+            head_norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype,
+                                             axis="head_dim", name=name)
+            q, k = head_norm("q_norm")(q), head_norm("k_norm")(k)
         q = nn.with_logical_constraint(q, ("batch", "length", "act_heads", "head_dim"))
         k = nn.with_logical_constraint(k, ("batch", "length", "act_kv_heads", "head_dim"))
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -257,10 +264,60 @@ def _layer_stack(cfg: ModelConfig):
     )
 
 
+class LayerInputs(NamedTuple):
+    """What every layer reads besides its carry; dim 0 of each array is the batch.
+
+    positions_bt, segment_ids_bt: int [b, t]; kv_segment_ids_bs: int [b, S] or None.
+    """
+
+    positions_bt: jax.Array
+    segment_ids_bt: jax.Array
+    kv_segment_ids_bs: jax.Array | None
+
+
+# (one layer's params, carry (x_btd, stacked KVCache of the layers run or None), layer index
+#  into that cache, LayerInputs, cache_index) -> new carry.
+LayerFn = Callable[[Any, tuple, jax.Array, LayerInputs, Any], tuple]
+
+
+class LayerStack(Protocol):
+    """Runs the stacked decoder layers another way than the plain scan (e.g. as a pipeline,
+    `jaxrlhf/parallel/pipeline.py`). The parameter tree is the same either way.
+    """
+
+    def __call__(self, layer_fn: LayerFn, params_l, x_btd: jax.Array, cache: KVCache | None,
+                 inputs: LayerInputs, cache_index, unroll: bool
+                 ) -> tuple[jax.Array, KVCache | None]:
+        """params_l: every layer's params stacked on dim 0 [L, ...]; x_btd [b, t, d]; cache
+        [L, b, S, k, d] or None. Returns (x_btd after all L layers, updated cache or None)."""
+        ...
+
+
+def apply_layer(cfg: ModelConfig, params, carry, layer, inputs: LayerInputs, cache_index):
+    """One decoder layer as a pure function of its own (unstacked) parameters: the body a
+    `LayerStack` runs, with the same remat policy as the plain scan."""
+
+    def run(params, carry):
+        (carry, _) = DecoderLayer(cfg, parent=None).apply(
+            {"params": params}, carry, layer, inputs.positions_bt, inputs.segment_ids_bt,
+            cache_index, inputs.kv_segment_ids_bs,
+        )
+        return carry
+
+    if cfg.remat is not RematPolicy.NONE:
+        run = jax.checkpoint(run, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    return run(params, carry)
+
+
 class Transformer(nn.Module):
-    """Token ids -> logits [b, t, vocab] (HeadKind.LM) or values [b, t] (HeadKind.SCALAR)."""
+    """Token ids -> logits [b, t, vocab] (HeadKind.LM) or values [b, t] (HeadKind.SCALAR).
+
+    `layer_stack`, when given, runs the decoder layers in `apply` (init always uses the plain
+    scan, so the parameters are the same with or without it).
+    """
 
     config: ModelConfig
+    layer_stack: LayerStack | None = None
 
     @nn.compact
     def __call__(
@@ -295,11 +352,18 @@ class Transformer(nn.Module):
             name="embed_tokens",
         )
         x_btd = nn.with_logical_constraint(embed(tokens_bt), ("batch", "length", "act_embed"))
-        layers_l = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x_btd, new_cache), _ = _layer_stack(cfg)(cfg, name="layers")(
-            (x_btd, cache), layers_l, positions_bt, segment_ids_bt, cache_index,
-            kv_segment_ids_bs,
-        )
+        if self.layer_stack is None or self.is_initializing():
+            layers_l = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+            (x_btd, new_cache), _ = _layer_stack(cfg)(cfg, name="layers")(
+                (x_btd, cache), layers_l, positions_bt, segment_ids_bt, cache_index,
+                kv_segment_ids_bs,
+            )
+        else:
+            x_btd, new_cache = self.layer_stack(
+                functools.partial(apply_layer, cfg), self.variables["params"]["layers"], x_btd,
+                cache, LayerInputs(positions_bt, segment_ids_bt, kv_segment_ids_bs),
+                cache_index, not cfg.scan_layers,
+            )
         x_btd = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, name="norm")(x_btd)
         if last_only:
             x_btd = x_btd[:, -1:]
