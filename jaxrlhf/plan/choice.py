@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 
-from jaxrlhf.parallel.strategy import DeviceRange, Strategy
+from jaxrlhf.parallel.strategy import Axis, DeviceRange, Strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,8 +19,10 @@ class CallChoice:
 
     Attributes:
       devices: its sub-mesh (a legal ReaL sub-mesh of the cluster).
-      data, fsdp, tensor: parallel degrees; their product is the number of devices.
-      micro_batches: sequential slices of the MFC's batch (each one jit step).
+      data, fsdp, tensor, pipeline: parallel degrees; their product is the number of devices.
+      micro_batches: slices of the MFC's batch (of one optimizer update when training). Without
+        a pipeline they run one after the other; with one (pipeline > 1) the pipeline streams
+        them through its stages, so more of them shrink the bubble, (p-1)/(M+p-1) of the time.
     """
 
     devices: DeviceRange
@@ -28,16 +30,16 @@ class CallChoice:
     fsdp: int = 1
     tensor: int = 1
     micro_batches: int = 1
+    pipeline: int = 1  # last, so positional construction without a pipeline stays valid
 
     def __post_init__(self):
-        if self.data * self.fsdp * self.tensor != self.devices.size:
-            needed = self.data * self.fsdp * self.tensor
-            raise ValueError(f"d{self.data}f{self.fsdp}t{self.tensor} needs {needed} devices "
-                             f"but range {self.devices} has {self.devices.size}")
+        if self.data * self.fsdp * self.tensor * self.pipeline != self.devices.size:
+            raise ValueError(f"{self.axes_str()} needs {self.stage_size * self.pipeline} "
+                             f"devices but range {self.devices} has {self.devices.size}")
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         key = (self.devices.first, self.devices.last, self.data, self.fsdp, self.tensor,
-               self.micro_batches)
+               self.micro_batches, self.pipeline)
         object.__setattr__(self, "_hash", hash(key))
 
     def __hash__(self) -> int:  # choices key every cache of the search: hash once
@@ -48,11 +50,17 @@ class CallChoice:
         """From a parsed strategy string with a device range, e.g. parse_strategy("0-3:d2t2")."""
         if strategy.devices is None:
             raise ValueError(f"strategy {strategy} has no device range")
-        return cls(strategy.devices, strategy.data, strategy.fsdp, strategy.tensor, micro_batches)
+        return cls(strategy.devices, strategy.data, strategy.fsdp, strategy.tensor, micro_batches,
+                   strategy.size(Axis.PIPELINE))
 
     @property
     def num_devices(self) -> int:
         return self.devices.size
+
+    @property
+    def stage_size(self) -> int:
+        """Devices of one pipeline stage (all of them without a pipeline)."""
+        return self.data * self.fsdp * self.tensor
 
     @property
     def dp_size(self) -> int:
@@ -60,15 +68,26 @@ class CallChoice:
 
     @property
     def strategy(self) -> Strategy:
-        return Strategy(self.data, self.fsdp, self.tensor, self.devices)
+        if self.pipeline == 1:
+            return Strategy(self.data, self.fsdp, self.tensor, self.devices)
+        fields = {f.name for f in dataclasses.fields(Strategy)}
+        if "pipeline" not in fields:  # the grammar reserves `p` until the runtime has pipelines
+            raise ValueError(f"{self.spec()}: this runtime's strategies have no pipeline axis")
+        return Strategy(self.data, self.fsdp, self.tensor, self.devices, pipeline=self.pipeline)
 
     @property
-    def param_layout(self) -> tuple[DeviceRange, int, int]:
+    def param_layout(self) -> tuple[DeviceRange, int, int, int]:
         """What decides where parameter shards sit: equal keys need no reallocation."""
-        return (self.devices, self.fsdp, self.tensor)
+        return (self.devices, self.fsdp, self.tensor, self.pipeline)
+
+    def axes_str(self) -> str:
+        """Degrees in the strategy grammar, e.g. `d4p16t2` (sizes of 1 left out)."""
+        sizes = (("d", self.data), ("p", self.pipeline), ("f", self.fsdp), ("t", self.tensor))
+        return "".join(f"{letter}{n}" for letter, n in sizes if n > 1) or "d1"
 
     def spec(self) -> str:
-        return str(self.strategy)
+        """`RANGE:STRATEGY`, as `parallel.strategy.parse_strategy` reads it."""
+        return f"{self.devices}:{self.axes_str()}"
 
     def overlaps(self, other: "CallChoice") -> bool:
         return self.devices.first <= other.devices.last and other.devices.first <= self.devices.last

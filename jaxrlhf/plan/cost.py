@@ -12,8 +12,8 @@ calibration a linear least-squares fit (`fit_calibration`). The overheads matter
 work is tiny: one decode step of a large model (ReaL's CUDA-graph gap) or any call of a small
 one.
 
-Per call kind, on a sub-mesh with degrees d × f × t and k micro-batches, rows r = batch/(d·f·k)
-per device and micro-batch:
+Per call kind, on a sub-mesh with degrees d × f × t (× p pipeline stages) and k micro-batches,
+rows r = batch/(d·f·k) per device and micro-batch:
   * train_step: (3 + remat recompute) forward passes of FLOPs, split t ways; per micro-batch
     tensor-parallel all-reduces of activations (2 per layer per forward or backward pass), fsdp
     all-gathers of the weights (forward, recompute, backward) and a reduce-scatter of the
@@ -26,11 +26,19 @@ per device and micro-batch:
     cache slot), with fsdp gathering the weights on every step.
 A mesh axis whose device group spans hosts communicates at the inter-host bandwidth.
 
+Pipelines (p > 1; `pipelined`). The layers are cut into p stages of d × f × t devices each; a
+stage does 1/p of a micro-batch's work (FLOPs, collectives, weight reads) per slot. The k
+micro-batches stream through the stages, GPipe or 1F1B alike in k + p - 1 slots, so the bubble
+is (p-1)/(k+p-1) of the time; every slot ends with a stage-to-stage send of the micro-batch's
+activations (and, training, of their gradients back), on the slowest hop's link. Pipelined
+decoding keeps every micro-batch in flight: one new token of all of them takes max(k, p) slots
+(with k < p a token waits for its micro-batch to come round). A pipelined call is one jit call.
+
 Parameter movements (`realloc_cost`, `offload_cost`). A layout's mesh is its device range
-reshaped to (data, fsdp, tensor), and the big matrices are cut along `embed` by fsdp and along
-heads / mlp / vocab by tensor. So the
-device at mesh index i holds the (fsdp index, tensor index) = ((i // t) % f, i % t) block of
-every matrix, whatever the data degree. A destination device needs its block; the part of it
+reshaped to the mesh axes, and the big matrices are cut along `embed` by fsdp, along
+heads / mlp / vocab by tensor and along the layer stack by pipeline. So the device at mesh
+index i holds the (stage, fsdp index, tensor index) block of every matrix (`_blocks`), whatever
+the data degree (the embedding and head, a few percent of the bytes, are priced like a layer). A destination device needs its block; the part of it
 that it already holds under the source layout stays, the rest moves — from a device on its own
 host (intra-host bandwidth) where the source has a replica there, else across hosts.
 
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,6 +62,7 @@ from scipy import optimize
 
 from jaxrlhf.mfc import Call
 from jaxrlhf.models.config import RematPolicy
+from jaxrlhf.parallel import strategy as strategy_lib
 from jaxrlhf.parallel.strategy import Axis
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import OVERHEADS, Calibration, Cluster
@@ -93,25 +103,42 @@ class CallCost:
 ZERO = CallCost()
 
 
-def _stride(axis: Axis, choice: CallChoice) -> int:
+def mesh_order() -> tuple[Axis, ...]:
+    """The runtime's mesh axes, outermost first. Where the strategy module does not place the
+    pipeline axis, it is outermost (ReaL's and Megatron's order: a stage is a block of
+    consecutive devices, so stage-to-stage sends are the only traffic between blocks)."""
+    order = strategy_lib.MESH_AXES
+    return order if Axis.PIPELINE in order else (Axis.PIPELINE, *order)
+
+
+def axis_size(choice: CallChoice, axis: Axis) -> int:
     match axis:
-        case Axis.TENSOR:
-            return 1
-        case Axis.FSDP:
-            return choice.tensor
         case Axis.DATA:
-            return choice.tensor * choice.fsdp
+            return choice.data
+        case Axis.FSDP:
+            return choice.fsdp
+        case Axis.TENSOR:
+            return choice.tensor
+        case Axis.PIPELINE:
+            return choice.pipeline
     raise ValueError(f"no mesh axis {axis}")
+
+
+def _stride(axis: Axis, choice: CallChoice) -> int:
+    """Device-index distance between neighbours along `axis` (row-major mesh)."""
+    order = mesh_order()
+    return math.prod(axis_size(choice, a) for a in order[order.index(axis) + 1:])
 
 
 def axis_link(cluster: Cluster, choice: CallChoice, axis: Axis) -> tuple[float, float]:
     """(bandwidth, latency) of one mesh axis: inter-host when its device groups span hosts.
 
-    The mesh is the range's devices reshaped to (data, fsdp, tensor), so an axis with stride s
-    and size n groups devices first, first+s, ..., first+s(n-1); sub-meshes are host-aligned, so
-    the first group is representative.
+    The mesh is the range's devices reshaped to the mesh axes (`mesh_order`), so an axis with
+    stride s and size n groups devices first, first+s, ..., first+s(n-1); sub-meshes are
+    host-aligned, so the first group is representative. A pipeline is as slow as its slowest
+    hop, so a pipeline axis that spans hosts uses the inter-host link.
     """
-    size = choice.strategy.size(axis)
+    size = axis_size(choice, axis)
     last = choice.devices.first + _stride(axis, choice) * (size - 1)
     if cluster.host_of(last) != cluster.host_of(choice.devices.first):
         return cluster.inter_host_bandwidth, cluster.inter_host_latency
@@ -177,6 +204,33 @@ def optimizer_bytes_per_param(p: ModelProfile, fp32_master: bool) -> int:
     return 4 + 2 * 2 * state + 2 * p.param_itemsize + master  # grads, m and v, params, master
 
 
+def stage_send(p: ModelProfile, cluster: Cluster, choice: CallChoice, tokens: int) -> CallCost:
+    """One stage-to-stage send of `tokens` local tokens' hidden states (point to point); zero
+    without a pipeline. Tensor ranks hold the activations replicated and each sends its copy
+    on its own link, so the bytes per device are the whole activation."""
+    if choice.pipeline == 1:
+        return ZERO
+    bandwidth, latency = axis_link(cluster, choice, Axis.PIPELINE)
+    return CallCost(comm=tokens * p.config.hidden_size * p.act_itemsize / bandwidth,
+                    fixed=latency)
+
+
+def pipelined(micro: CallCost, send: CallCost, choice: CallChoice, slots: int) -> CallCost:
+    """`slots` pipeline slots: each a stage's 1/p share of one micro-batch's `micro` work, then
+    one `send`. Without a pipeline (p = 1) that is `slots` micro-batches one after another."""
+    return micro.times(slots / choice.pipeline) + send.times(slots)
+
+
+def schedule_slots(choice: CallChoice) -> int:
+    """Slots of a GPipe or 1F1B schedule of M micro-batches over p stages: M + p - 1."""
+    return choice.micro_batches + choice.pipeline - 1
+
+
+def bubble_fraction(choice: CallChoice) -> float:
+    """Share of a pipelined pass that each stage idles: (p - 1) / (M + p - 1)."""
+    return (choice.pipeline - 1) / schedule_slots(choice)
+
+
 def train_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Cluster,
                fp32_master: bool) -> CallCost:
     """One train_step MFC: `work.updates` optimizer updates."""
@@ -189,11 +243,13 @@ def train_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Clu
     micro = micro + _gather_weights(p, cluster, choice).times(2 + full + 1)  # + grad scatter
     d_link = axis_link(cluster, choice, Axis.DATA)
     micro = micro + all_reduce(p.shard_bytes(choice.tensor, choice.fsdp), choice.data, d_link)
-    update_bytes = (p.shard_elements(choice.tensor, choice.fsdp)
+    # Activations forward, their gradients back.
+    send = stage_send(p, cluster, choice, rows * s).times(2)
+    update_bytes = (p.shard_elements(choice.tensor, choice.fsdp, choice.pipeline)
                     * optimizer_bytes_per_param(p, fp32_master))
     # One jit call per update, whose optimizer runs a few kernels per parameter array.
     update = CallCost(memory=update_bytes / cluster.hbm_bandwidth, calls=1, arrays=len(p.leaves))
-    return (micro.times(choice.micro_batches) + update).times(work.updates)
+    return (pipelined(micro, send, choice, schedule_slots(choice)) + update).times(work.updates)
 
 
 def inference_cost(p: ModelProfile, work: Workload, choice: CallChoice,
@@ -201,9 +257,11 @@ def inference_cost(p: ModelProfile, work: Workload, choice: CallChoice,
     """One forward pass over the batch (log-probs, values or scores)."""
     rows = work.rows_per_device(Call.INFERENCE, choice.dp_size, choice.micro_batches)
     s = work.seq_len
-    micro = (_forward(p, cluster, choice, rows * s, s) + _gather_weights(p, cluster, choice)
-             + CallCost(calls=1))  # a micro-batch of inference is one jit call
-    return micro.times(choice.micro_batches)
+    micro = _forward(p, cluster, choice, rows * s, s) + _gather_weights(p, cluster, choice)
+    send = stage_send(p, cluster, choice, rows * s)
+    # A micro-batch of inference is one jit call; a pipelined pass is one for all of them.
+    calls = choice.micro_batches if choice.pipeline == 1 else 1
+    return pipelined(micro, send, choice, schedule_slots(choice)) + CallCost(calls=calls)
 
 
 def decode_step_cost(p: ModelProfile, work: Workload, choice: CallChoice,
@@ -222,8 +280,14 @@ def generate_cost(p: ModelProfile, work: Workload, choice: CallChoice,
     rows = work.rows_per_device(Call.GENERATE, choice.dp_size, choice.micro_batches)
     prefill = (_forward(p, cluster, choice, rows * work.prompt_len, work.seq_len)
                + _gather_weights(p, cluster, choice))
-    decode = decode_step_cost(p, work, choice, cluster).times(work.new_tokens)
-    return (prefill + decode + CallCost(calls=1)).times(choice.micro_batches)
+    prefill_send = stage_send(p, cluster, choice, rows * work.prompt_len)
+    token_send = stage_send(p, cluster, choice, rows)
+    # All micro-batches in flight: a token of each takes max(M, p) slots (module docstring).
+    cycle = max(choice.micro_batches, choice.pipeline)
+    decode = pipelined(decode_step_cost(p, work, choice, cluster), token_send, choice, cycle)
+    calls = choice.micro_batches if choice.pipeline == 1 else 1
+    return (pipelined(prefill, prefill_send, choice, schedule_slots(choice))
+            + decode.times(work.new_tokens) + CallCost(calls=calls))
 
 
 def call_cost(p: ModelProfile, call: Call, work: Workload, choice: CallChoice, cluster: Cluster,
@@ -295,14 +359,15 @@ def choose_route(src: CallChoice, dst: CallChoice, cluster: Cluster) -> Route:
         return Route.DIRECT
     hosts = set(cluster.hosts_of(src.devices)) | set(cluster.hosts_of(dst.devices))
     same_shards = (src.num_devices == dst.num_devices and src.tensor == dst.tensor
-                   and src.fsdp == dst.fsdp)
+                   and src.fsdp == dst.fsdp and src.pipeline == dst.pipeline)
     return Route.DIRECT if len(hosts) == 1 or same_shards else Route.STAGED
 
 
-def _blocks(choice: CallChoice, devices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(fsdp index, tensor index) of each device's block under `choice`."""
+def _blocks(choice: CallChoice, devices: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(stage, fsdp index, tensor index) of each device's block under `choice`."""
     i = devices - choice.devices.first
-    return (i // choice.tensor) % choice.fsdp, i % choice.tensor
+    return tuple((i // _stride(axis, choice)) % axis_size(choice, axis)
+                 for axis in (Axis.PIPELINE, Axis.FSDP, Axis.TENSOR))
 
 
 def _overlap(i: np.ndarray, n: int, j: np.ndarray, m: int) -> np.ndarray:
@@ -314,23 +379,25 @@ def _incoming(p: ModelProfile, src: CallChoice, dst: CallChoice, cluster: Cluste
               ) -> tuple[np.ndarray, np.ndarray]:
     """Per destination device: bytes it must receive, and the share of them found on its host."""
     devices = np.arange(dst.devices.first, dst.devices.last + 1)
-    f_dst, t_dst = _blocks(dst, devices)
-    f_src, t_src = _blocks(src, devices)
+    p_dst, f_dst, t_dst = _blocks(dst, devices)
+    p_src, f_src, t_src = _blocks(src, devices)
     held = (devices >= src.devices.first) & (devices <= src.devices.last)
-    kept = np.where(held, _overlap(f_dst, dst.fsdp, f_src, src.fsdp)
+    kept = np.where(held, _overlap(p_dst, dst.pipeline, p_src, src.pipeline)
+                    * _overlap(f_dst, dst.fsdp, f_src, src.fsdp)
                     * _overlap(t_dst, dst.tensor, t_src, src.tensor), 0.0)
-    needed = p.shard_bytes(dst.tensor, dst.fsdp) * (1.0 - kept * dst.fsdp * dst.tensor)
+    shard = p.shard_bytes(dst.tensor, dst.fsdp, dst.pipeline)
+    needed = shard * (1.0 - kept * dst.fsdp * dst.tensor * dst.pipeline)
     per_host = cluster.devices_per_host
     host_first = (devices // per_host) * per_host
     on_host = np.clip(np.minimum(host_first + per_host, src.devices.last + 1)
                       - np.maximum(host_first, src.devices.first), 0, None)
-    local_share = np.minimum(on_host / (src.fsdp * src.tensor), 1.0)
+    local_share = np.minimum(on_host / (src.fsdp * src.tensor * src.pipeline), 1.0)
     return needed, local_share
 
 
 def offload_cost(p: ModelProfile, choice: CallChoice, cluster: Cluster) -> CallCost:
     """Moving one layout's parameter shards between device and host memory (either way)."""
-    nbytes = p.shard_bytes(choice.tensor, choice.fsdp)
+    nbytes = p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline)
     return CallCost(comm=nbytes / cluster.host_link_bandwidth, arrays=len(p.leaves))
 
 

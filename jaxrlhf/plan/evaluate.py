@@ -104,6 +104,17 @@ class Evaluator:
     def memory(self, plan: ExecutionPlan) -> memory_lib.PlanMemory:
         return memory_lib.plan_memory(self.experiment, plan, self.cluster, self.own_memory)
 
+    def tasks(self, plan: ExecutionPlan) -> list[simulator.Task]:
+        """The plan's augmented graph of one step (MFCs and parameter movements)."""
+        seconds = {name: self.mfc_seconds(name, choice) for name, choice in plan.items()}
+        return simulator.augmented_tasks(self.skeleton, plan, seconds, self._realloc_seconds,
+                                         self._offload_seconds)
+
+    def simulate(self, plan: ExecutionPlan) -> simulator.SimResult:
+        """The simulated steps of a plan, whether or not the memory model lets it fit."""
+        return simulator.simulate(self.tasks(plan), self.cluster.num_devices,
+                                  self.options.num_steps, self.options.overlap_steps)
+
     def evaluate(self, plan: ExecutionPlan) -> Evaluation:
         """Memory check, then (if it fits) the simulated step time."""
         if plan in self._plans:
@@ -111,8 +122,7 @@ class Evaluator:
         self.evaluations += 1
         memory = self.memory(plan)
         seconds = {name: self.mfc_seconds(name, choice) for name, choice in plan.items()}
-        tasks = simulator.augmented_tasks(self.skeleton, plan, seconds, self._realloc_seconds,
-                                          self._offload_seconds)
+        tasks = self.tasks(plan)
         moves = {t.name: t.seconds for t in tasks if t.kind is not simulator.TaskKind.MFC}
         sim = None
         step = math.inf

@@ -14,7 +14,12 @@ One MFC on its own (`call_memory`), per device:
   * logits (train): fp32 logits over the (tensor-sharded) vocabulary, with the log-softmax and
     its gradient;
   * gathered: a layer's largest weight matrix sliced out of the scanned stack or all-gathered
-    over fsdp, and with fsdp the LM head's table.
+    over fsdp, and with fsdp the LM head's table;
+  * pipelines (p > 1): a stage holds 1/p of the layers' parameters, state and gradients (the
+    embedding and head whole, `ModelProfile.shard_bytes`) and of what they save for the
+    backward pass, but for every micro-batch in flight: 1F1B keeps min(M, p) on the first
+    stage; the stage also buffers every micro-batch's boundary activations (its input and its
+    output), and pipelined decoding keeps all M micro-batches' caches.
 
 A plan (`plan_memory`) adds what other models keep on the same devices while the MFC runs,
 following the runtime (`dataflow.runtime.ModelRuntime`): a trained model's parameters and
@@ -75,10 +80,10 @@ class MemoryBreakdown:
 
 def train_state_bytes(p: ModelProfile, choice: CallChoice, fp32_master: bool) -> tuple[int, int]:
     """(parameter bytes, optimizer-state bytes) per device of a trained model on `choice`."""
-    elements = p.shard_elements(choice.tensor, choice.fsdp)
+    elements = p.shard_elements(choice.tensor, choice.fsdp, choice.pipeline)
     moment = 4 if (fp32_master or p.param_itemsize == 4) else p.param_itemsize
     optimizer = elements * (2 * moment + (4 if fp32_master else 0))
-    return p.shard_bytes(choice.tensor, choice.fsdp), optimizer
+    return p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline), optimizer
 
 
 def _sharded(dim: int, ways: int) -> float:
@@ -149,20 +154,29 @@ def _gathered_bytes(p: ModelProfile, choice: CallChoice) -> float:
     return live + cast + head
 
 
+def _stage_buffers(p: ModelProfile, choice: CallChoice, tokens: int) -> float:
+    """A pipeline stage's input and output activations of every micro-batch (0 without)."""
+    if choice.pipeline == 1:
+        return 0.0
+    return 2 * choice.micro_batches * tokens * p.config.hidden_size * p.act_itemsize
+
+
 def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                 fp32_master: bool = False) -> MemoryBreakdown:
     """Bytes per device of one MFC on its own (its own model's parameters included)."""
     rows = work.rows_per_device(call, choice.dp_size, choice.micro_batches)
-    s, t = work.seq_len, choice.tensor
-    params = p.shard_bytes(t, choice.fsdp)
+    s, t, stages = work.seq_len, choice.tensor, choice.pipeline
+    params = p.shard_bytes(t, choice.fsdp, stages)
     gathered = int(_gathered_bytes(p, choice))
     match call:
         case Call.TRAIN_STEP:
             tokens = rows * s
             params, optimizer = train_state_bytes(p, choice, fp32_master)
-            elements = p.shard_elements(t, choice.fsdp)
-            activations = (saved_activation_bytes(p, tokens, s, t)
-                           + layer_working_bytes(p, tokens, s, t))
+            elements = p.shard_elements(t, choice.fsdp, stages)
+            in_flight = min(choice.micro_batches, stages)  # 1F1B on the first stage
+            activations = (saved_activation_bytes(p, tokens, s, t) * in_flight / stages
+                           + layer_working_bytes(p, tokens, s, t)
+                           + _stage_buffers(p, choice, tokens))
             return MemoryBreakdown(
                 params=params, optimizer=optimizer, grads=elements * (4 + p.param_itemsize),
                 activations=int(activations), logits=int(_logit_bytes(p, tokens, t, 3)),
@@ -170,11 +184,15 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
         case Call.INFERENCE:  # the layers, then the head: the larger phase is the peak
             tokens = rows * s
             peak = max(forward_peak_bytes(p, tokens, s, t), _logit_bytes(p, tokens, t, 2))
-            return MemoryBreakdown(params=params, activations=int(peak), gathered=gathered)
+            return MemoryBreakdown(params=params, gathered=gathered,
+                                   activations=int(peak + _stage_buffers(p, choice, tokens)))
         case Call.GENERATE:
             tokens = rows * work.prompt_len  # the prefill, then a decode step is far smaller
-            kv = rows * s * p.kv_bytes_per_token() / t
-            peak = max(forward_peak_bytes(p, tokens, s, t), _logit_bytes(p, tokens, t, 1))
+            # Pipelined decoding keeps every micro-batch in flight, each stage its layers' cache.
+            in_flight = choice.micro_batches if stages > 1 else 1
+            kv = in_flight * rows * s * p.kv_bytes_per_token() / (t * stages)
+            peak = (max(forward_peak_bytes(p, tokens, s, t), _logit_bytes(p, tokens, t, 1))
+                    + _stage_buffers(p, choice, tokens))
             # The layer scan reads the cache as its input and writes the new cache as its
             # output: a second copy lives through every pass.
             return MemoryBreakdown(params=params, activations=int(peak + kv), kv_cache=int(kv),
@@ -224,7 +242,7 @@ def _resident(experiment: Experiment, plan: ExecutionPlan, role: Role) -> tuple[
         return home, sum(train_state_bytes(p, home, experiment.master(role)))
     if experiment.offload_frozen:
         return home, 0
-    return home, p.shard_bytes(home.tensor, home.fsdp)
+    return home, p.shard_bytes(home.tensor, home.fsdp, home.pipeline)
 
 
 def _copy_lifetimes(experiment: Experiment, plan: ExecutionPlan, order: list[str]):
@@ -267,10 +285,10 @@ def plan_memory(experiment: Experiment, plan: ExecutionPlan, cluster: Cluster,
         extra = own.total - (own.arguments if home_bytes and choice.param_layout ==
                              home.param_layout else 0)
         others = base.copy()
-        for role, (devices, fsdp, tensor), first, last in copies:
+        for role, (devices, fsdp, tensor, stages), first, last in copies:
             if first <= i <= last and not (role is mfc.role and
-                                           (devices, fsdp, tensor) == choice.param_layout):
-                nbytes = experiment.profile(role).shard_bytes(tensor, fsdp)
+                                           (devices, fsdp, tensor, stages) == choice.param_layout):
+                nbytes = experiment.profile(role).shard_bytes(tensor, fsdp, stages)
                 others[devices.first:devices.last + 1] += nbytes
         window = others[choice.devices.first:choice.devices.last + 1]
         worst = int(np.argmax(window))

@@ -101,54 +101,77 @@ class ModelProfile:
         """Keys and values of one token, all layers (cache dtype = compute dtype)."""
         return 2 * self.config.num_layers * self.kv_dim * self.act_itemsize
 
-    def shard_elements(self, tensor: int, fsdp: int) -> int:
-        """Parameter elements one device holds under tensor × fsdp sharding (data replicates)."""
-        return self._shard(tensor, fsdp)[0]
+    def shard_elements(self, tensor: int, fsdp: int, pipeline: int = 1) -> int:
+        """Parameter elements one device holds under tensor × fsdp (× pipeline) sharding (data
+        replicates)."""
+        return self._shard(tensor, fsdp, pipeline)[0]
 
-    def shard_bytes(self, tensor: int, fsdp: int) -> int:
-        """Parameter bytes one device holds under tensor × fsdp sharding."""
-        return self._shard(tensor, fsdp)[1]
+    def shard_bytes(self, tensor: int, fsdp: int, pipeline: int = 1) -> int:
+        """Parameter bytes one device holds under tensor × fsdp (× pipeline) sharding."""
+        return self._shard(tensor, fsdp, pipeline)[1]
 
     def layer_shard_bytes(self, tensor: int) -> int:
         """Bytes of one decoder layer's parameters after an fsdp all-gather (tensor-sharded)."""
         key = ("layer", tensor)
         if key not in self._shards:
-            layers = [leaf for leaf in self.leaves if leaf.names and leaf.names[0] == "layers"]
-            sizes = {"data": 1, "fsdp": 1, "tensor": tensor}
+            layers = [leaf for leaf in self.leaves if _is_layer(leaf)]
+            sizes = {"data": 1, "fsdp": 1, "tensor": tensor, "pipeline": 1}
             total = sum(leaf.size * leaf.itemsize // self._ways(leaf, sizes) for leaf in layers)
             self._shards[key] = (0, total // self.config.num_layers)
         return self._shards[key][1]
 
     @functools.cached_property
-    def _shards(self) -> dict[tuple[int, int], tuple[int, int]]:
+    def _shards(self) -> dict[tuple[int, ...], tuple[int, int]]:
         return {}
 
-    def _shard(self, tensor: int, fsdp: int) -> tuple[int, int]:
+    def _shard(self, tensor: int, fsdp: int, pipeline: int) -> tuple[int, int]:
         """(elements, bytes) per device; memoised per instance (the search asks millions)."""
-        if (tensor, fsdp) not in self._shards:
-            self._shards[tensor, fsdp] = self._count_shard(tensor, fsdp)
-        return self._shards[tensor, fsdp]
+        key = (tensor, fsdp, pipeline)
+        if key not in self._shards:
+            self._shards[key] = self._count_shard(tensor, fsdp, pipeline)
+        return self._shards[key]
 
-    def _count_shard(self, tensor: int, fsdp: int) -> tuple[int, int]:
-        sizes = {"data": 1, "fsdp": fsdp, "tensor": tensor}
+    def _count_shard(self, tensor: int, fsdp: int, pipeline: int) -> tuple[int, int]:
+        """A pipeline stage holds its share of the stacked layers; the embedding, final norm
+        and head stay whole on every stage (the SPMD pipeline replicates what is not stacked),
+        which is the worst device of ReaL's layout too (stage 0 holds the embedding, the last
+        the head)."""
+        sizes = {"data": 1, "fsdp": fsdp, "tensor": tensor, "pipeline": pipeline}
         elements = nbytes = 0
         for leaf in self.leaves:
-            n = leaf.size // self._ways(leaf, sizes)
+            ways = self._ways(leaf, sizes)
+            if pipeline > 1 and _is_layer(leaf) and not self._pipelined_by_rules(leaf, sizes):
+                ways *= pipeline  # the rules predate the pipeline axis: stages split the stack
+            n = leaf.size // ways
             elements += n
             nbytes += n * leaf.itemsize
         return elements, nbytes
 
     @staticmethod
-    def _ways(leaf: Leaf, sizes: dict[str, int]) -> int:
+    def _rule_of() -> dict:
+        return dict(reversed(rule_presets.DEFAULT))  # first rule for a name wins
+
+    @classmethod
+    def _pipelined_by_rules(cls, leaf: Leaf, sizes: dict[str, int]) -> bool:
+        target = cls._rule_of().get(leaf.names[0])
+        return "pipeline" in rule_presets.mesh_axes_of(target)
+
+    @classmethod
+    def _ways(cls, leaf: Leaf, sizes: dict[str, int]) -> int:
         """How many shards a leaf is cut into; mirrors `Layout.spec(shape=...)`."""
-        rule_of = dict(reversed(rule_presets.DEFAULT))  # first rule for a name wins
+        rule_of = cls._rule_of()
         ways = 1
         for dim, name in zip(leaf.shape, leaf.names):
             axes = () if name is None else rule_presets.mesh_axes_of(rule_of.get(name))
-            n = math.prod(sizes[a] for a in axes)
+            n = math.prod(sizes.get(a, 1) for a in axes)
             if n > 1 and dim % n == 0:
                 ways *= n
         return ways
+
+
+def _is_layer(leaf: Leaf) -> bool:
+    """A leaf of the scanned decoder-layer stack (its leading axis is `layers`)."""
+    return bool(leaf.names) and leaf.names[0] == "layers"
 
 
 @functools.lru_cache(maxsize=None)

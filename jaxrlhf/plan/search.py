@@ -12,8 +12,11 @@ and is how the tests check the annealer.
 
 Baselines, the placements of earlier systems, each with the best strategies it allows:
 
-  colocate    every MFC on all devices with one symmetric strategy (DeepSpeed-Chat; ReaL's
-              heuristic): the best single (d, f, t) for all MFCs, micro-batches per MFC.
+  colocate    every MFC on all devices with one symmetric strategy (DeepSpeed-Chat): the best
+              single (d, f, t, p) for all MFCs by the cost model, micro-batches per MFC.
+  heuristic   ReaL's heuristic baseline: every MFC on all devices with one symmetric 3D
+              strategy and one micro-batch count chosen by Megatron-style rules, not by the
+              cost model (`heuristic`).
   standalone, split, interleave
               the device blocks of `dataflow.placement.resolve_placement`, then the best
               strategy per MFC on its block.
@@ -99,16 +102,61 @@ def colocate(menu: Menu) -> PlanResult:
     size = everything.size
     shared = None
     for n in names:
-        degrees = {(c.data, c.fsdp, c.tensor) for c in menu.configs[n].get(size, [])}
+        degrees = {c.degrees for c in menu.configs[n].get(size, [])}
         shared = degrees if shared is None else shared & degrees
-    best = PlanResult("colocate", None, None, "no (d, f, t) is legal for every MFC on all devices")
-    for d, f, t in sorted(shared or ()):
-        allowed = {n: [c for c in menu.configs[n][size] if (c.data, c.fsdp, c.tensor) == (d, f, t)]
-                   for n in names}
+    best = PlanResult("colocate", None, None,
+                      "no (d, f, t, p) is legal for every MFC on all devices")
+    for degrees in sorted(shared or ()):
+        allowed = {n: [c for c in menu.configs[n][size] if c.degrees == degrees] for n in names}
         result = descend(menu, {n: everything for n in names}, allowed, "colocate")
         if best.plan is None or result.step_seconds < best.step_seconds:
             best = result
     return best
+
+
+def _heuristic_degrees(experiment: Experiment, cluster: Cluster) -> tuple[int, list[int]]:
+    """Megatron's rules: tensor parallelism inside a host, as wide as every model's heads allow;
+    then pipeline degrees that divide every model's layers, fewest stages first."""
+    models = [experiment.model(role) for role, _ in experiment.models]
+    tensor = max(t for t in range(1, cluster.devices_per_host + 1)
+                 if cluster.devices_per_host % t == 0 and cluster.num_devices % t == 0
+                 and all(m.num_heads % t == 0 and m.num_kv_heads % t == 0 for m in models))
+    stages = [p for p in range(1, cluster.num_devices // tensor + 1)
+              if (cluster.num_devices // tensor) % p == 0
+              and all(m.num_layers % p == 0 for m in models)]
+    return tensor, stages
+
+
+def heuristic(evaluator: Evaluator, micro_batches: tuple[int, ...]) -> PlanResult:
+    """ReaL's heuristic baseline: one symmetric 3D strategy for every MFC, on all devices.
+
+    Megatron-style rules, not the cost model, pick it: tensor parallelism inside a host
+    (`_heuristic_degrees`), the fewest pipeline stages with which the plan fits, data
+    parallelism over the remaining devices (no fsdp: Megatron has none), and one micro-batch
+    count for all MFCs, the fewest that fits and, with a pipeline, is at least 2p, which keeps
+    a 1F1B bubble under a third. (ReaL's tables: 70B+7B on 128 GPUs took TP8 PP4 DP4 with 8 micro-batches,
+    7B+7B on 16 took TP8 DP2 with 4.)
+    """
+    experiment, cluster = evaluator.experiment, evaluator.cluster
+    everything = DeviceRange(0, cluster.num_devices - 1)
+    tensor, stages = _heuristic_degrees(experiment, cluster)
+    names = [m.name for m in experiment.model_mfcs()]
+    last = PlanResult("heuristic", None, None, "no symmetric 3D strategy is legal")
+    for p in stages:
+        data = cluster.num_devices // (tensor * p)
+        floor = min(2 * p, max(micro_batches)) if p > 1 else 1
+        for k in sorted(m for m in micro_batches if m >= floor):
+            rows = {n: experiment.workload.rows(experiment.graph.mfc(n).call) for n in names}
+            if any(r % (k * data) for r in rows.values()):
+                continue
+            choice = CallChoice(everything, data, 1, tensor, k, p)
+            plan = ExecutionPlan.of({n: choice for n in names})
+            evaluation = evaluator.evaluate(plan)
+            if evaluation.fits:
+                return PlanResult("heuristic", plan, evaluation)
+            last = PlanResult("heuristic", plan, evaluation, "; ".join(
+                str(v) for v in evaluation.memory.violations))
+    return last
 
 
 def placed(menu: Menu, kind: Placement) -> PlanResult:
@@ -221,7 +269,8 @@ class _Proposer:
         target = plan[self.rng.choice(others)]
         configs = self.menu.configs[name].get(target.devices.size, [])
         if same_role:
-            configs = [c for c in configs if (c.fsdp, c.tensor) == (target.fsdp, target.tensor)]
+            configs = [c for c in configs if (c.fsdp, c.tensor, c.pipeline)
+                       == (target.fsdp, target.tensor, target.pipeline)]
         return configs[0].at(target.devices) if configs else None
 
 
@@ -285,6 +334,7 @@ def search(experiment: Experiment, cluster: Cluster,
     evaluator = Evaluator(experiment, cluster, sim)
     menu = Menu(evaluator, space)
     results = {kind.value: baseline(menu, kind) for kind in baselines}
+    results["heuristic"] = heuristic(evaluator, space.micro_batches)
     start = min([*results.values(), _everything(menu)], key=lambda r: r.step_seconds)
     if not start.feasible:
         reasons = "; ".join(f"{n}: {r.reason}" for n, r in results.items())

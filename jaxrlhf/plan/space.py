@@ -1,17 +1,18 @@
 """The search space: every choice the runtime can execute for one MFC.
 
-A choice is a legal ReaL sub-mesh (`parallel.submesh.legal_submeshes`), degrees d × f × t equal
-to its size, and a micro-batch count, such that
+A choice is a legal ReaL sub-mesh (`parallel.submesh.legal_submeshes`), degrees d × f × t × p
+equal to its size, and a micro-batch count, such that
   * t divides the devices per host (tensor groups never leave a host) and both head counts;
+  * p (pipeline stages) divides the number of layers (stages hold equal slices of the stack);
   * the rows of one jit call (the batch, or one PPO mini-batch when training) split evenly into
     micro-batches and each micro-batch over d × f;
   * the MFC alone fits in device memory (its own parameters, state and activations).
 
 `Menu` holds, per sub-mesh size, the configurations worth trying. A configuration's time and
 memory do not depend on where its sub-mesh sits (sub-meshes are host-aligned), only its
-reallocation costs do, and those depend only on (devices, f, t). So among configurations with
-the same size, f and t, one that is no faster and no smaller than another is never needed:
-`Menu` keeps the Pareto front of (seconds, bytes) in each (size, f, t) group. The pruning is
+reallocation costs do, and those depend only on (devices, f, t, p). So among configurations
+with the same size, f, t and p, one that is no faster and no smaller than another is never
+needed: `Menu` keeps the Pareto front of (seconds, bytes) in each (size, f, t, p) group. The pruning is
 exact, since a plan's step time never grows when one MFC gets faster at equal memory.
 """
 
@@ -31,10 +32,12 @@ from jaxrlhf.plan.evaluate import Evaluator
 
 @dataclasses.dataclass(frozen=True)
 class SpaceOptions:
-    """Knobs of the space: micro-batch counts to try, and whether to keep only Pareto configs
-    (exact, see the module docstring; off only to check that claim)."""
+    """Knobs of the space: micro-batch counts to try (a pipeline of p stages needs about 2p and
+    more to keep its bubble small), the largest pipeline degree, and whether to keep only
+    Pareto configs (exact, see the module docstring; off only to check that claim)."""
 
-    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    max_pipeline: int = 16
     prune: bool = True
 
 
@@ -46,31 +49,42 @@ class Config:
     fsdp: int
     tensor: int
     micro_batches: int
+    pipeline: int = 1
 
     def at(self, devices: DeviceRange) -> CallChoice:
-        return CallChoice(devices, self.data, self.fsdp, self.tensor, self.micro_batches)
+        return CallChoice(devices, self.data, self.fsdp, self.tensor, self.micro_batches,
+                          self.pipeline)
+
+    @property
+    def degrees(self) -> tuple[int, int, int, int]:
+        return self.data, self.fsdp, self.tensor, self.pipeline
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def degrees(num_devices: int, cluster: Cluster, model: ModelConfig) -> Iterator[tuple[int, ...]]:
-    """(d, f, t) with d·f·t = num_devices and a tensor degree the runtime accepts."""
-    for t in _divisors(num_devices):
-        if (cluster.devices_per_host % t or model.num_heads % t or model.num_kv_heads % t):
+def degrees(num_devices: int, cluster: Cluster, model: ModelConfig,
+            max_pipeline: int = 1) -> Iterator[tuple[int, ...]]:
+    """(d, f, t, p) with d·f·t·p = num_devices, a tensor degree the runtime accepts and a
+    pipeline degree that divides the layers."""
+    for p in _divisors(num_devices):
+        if p > max_pipeline or model.num_layers % p:
             continue
-        for f in _divisors(num_devices // t):
-            yield num_devices // (t * f), f, t
+        for t in _divisors(num_devices // p):
+            if (cluster.devices_per_host % t or model.num_heads % t or model.num_kv_heads % t):
+                continue
+            for f in _divisors(num_devices // (t * p)):
+                yield num_devices // (t * f * p), f, t, p
 
 
 def configs(mfc: MFC, rows: int, num_devices: int, cluster: Cluster, model: ModelConfig,
             options: SpaceOptions) -> Iterator[Config]:
     """Degrees × micro-batches that split `rows` evenly."""
-    for d, f, t in degrees(num_devices, cluster, model):
+    for d, f, t, p in degrees(num_devices, cluster, model, options.max_pipeline):
         for k in options.micro_batches:
             if rows % k == 0 and (rows // k) % (d * f) == 0:
-                yield Config(d, f, t, k)
+                yield Config(d, f, t, k, p)
 
 
 def _pareto(entries: list[tuple[float, int, Config]]) -> list[Config]:
@@ -111,7 +125,7 @@ class Menu:
                 if nbytes > cluster.usable_hbm_bytes:
                     continue
                 seconds = self.evaluator.mfc_seconds(mfc.name, choice)
-                groups.setdefault((config.fsdp, config.tensor), []).append(
+                groups.setdefault((config.fsdp, config.tensor, config.pipeline), []).append(
                     (seconds, nbytes, config))
             kept = [c for entries in groups.values()
                     for c in (_pareto(entries) if options.prune else [e[2] for e in entries])]
