@@ -133,3 +133,96 @@ def test_chat_template_errors(tmp_path):
         template.render(["hello"])
     (tmp_path / "none").mkdir()
     assert ChatTemplate.from_dir(tmp_path / "none") is None
+
+
+# --- data.chat_template: `messages` rows and templated prompts at dataset load ---
+
+CHAT_ROWS = [
+    {"messages": [{"role": "system", "content": "be brief"},
+                  {"role": "user", "content": "what is 1+1 ?"}], "answer": "2"},
+    {"prompt": "hello world"},
+    {"question": "what is 1+1 ?", "answer": "1+1 = 2\n#### 2"},  # GSM8K style
+]
+
+
+def _chat_file(tmp_path, suffix=".jsonl"):
+    from jaxrlhf.data.datasets import RowKind, read_rows
+    path = tmp_path / f"chat{suffix}"
+    path.write_text("".join(json.dumps(r) + "\n" for r in CHAT_ROWS))
+    return read_rows(path, RowKind.PROMPT)
+
+
+def test_prompt_rows_carry_messages_prompts_or_questions(tmp_path):
+    from jaxrlhf.data.datasets import DataError, PromptRow, RowKind, read_rows, write_rows
+    rows = _chat_file(tmp_path)
+    assert rows[0] == PromptRow("", "2", messages=tuple(CHAT_ROWS[0]["messages"]))
+    assert rows[1] == PromptRow("hello world")
+    assert rows[2] == PromptRow("what is 1+1 ?", "1+1 = 2\n#### 2")
+    again = read_rows(write_rows(tmp_path / "again.jsonl", rows), RowKind.PROMPT)
+    assert again == rows
+    for bad, match in [({"messages": []}, "'messages' is not a non-empty list"),
+                       ({"messages": [{"role": "user"}]}, "message 0 is not an object"),
+                       ({"answer": "2"}, "'prompt' is missing .*'messages' or 'question'")]:
+        (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+        with pytest.raises(DataError, match=match):
+            read_rows(tmp_path / "bad.jsonl", RowKind.PROMPT)
+
+
+def test_chat_rows_from_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jaxrlhf.data.datasets import RowKind, read_rows
+    path = tmp_path / "chat.parquet"
+    pq.write_table(pa.table({"messages": [CHAT_ROWS[0]["messages"]], "answer": ["2"]}), path)
+    assert read_rows(path, RowKind.PROMPT) == _chat_file(tmp_path)[:1]
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+def test_auto_template_renders_rows_as_apply_chat_template(tmp_path, kind):
+    from jaxrlhf.data.chat import ChatTemplateMode
+    from jaxrlhf.data.encode import prompt_batch
+    from jaxrlhf.data.long_prompts import LongPrompts, fit_rows
+    rows = _chat_file(tmp_path)
+    model_dir = tmp_path / "model"
+    if kind == "llama3":
+        llama3_dir(model_dir)
+    else:
+        qwen_dir(model_dir, QWEN3_TEMPLATE)
+    ours = HFTokenizer.from_dir(model_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    fitted = fit_rows(rows, ours, 64, LongPrompts.ERROR, "chat.jsonl", ChatTemplateMode.AUTO)
+    chats = [CHAT_ROWS[0]["messages"], [{"role": "user", "content": "hello world"}],
+             [{"role": "user", "content": "what is 1+1 ?"}]]
+    for row, chat in zip(fitted, chats):
+        want = hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        assert list(row.prompt_ids) == want
+        assert row.prompt == hf.apply_chat_template(chat, add_generation_prompt=True,
+                                                    tokenize=False)
+        assert row.messages is None
+    assert [r.answer for r in fitted] == [r.answer for r in rows]
+    batch = prompt_batch(fitted, ours, 64)  # the batch holds exactly the templated ids
+    n = len(fitted[0].prompt_ids)
+    assert batch["prompt_tokens_bp"][0, 64 - n:].tolist() == list(fitted[0].prompt_ids)
+    # Too long after templating: the long-prompt policy sees the templated length.
+    with pytest.raises(ValueError, match="row 0: prompt of"):
+        fit_rows(rows, ours, n - 1, LongPrompts.ERROR, "chat.jsonl", ChatTemplateMode.AUTO)
+
+
+def test_none_or_no_template_keeps_prompts_and_rejects_messages(tmp_path):
+    from jaxrlhf.data.chat import ChatTemplateMode
+    from jaxrlhf.data.long_prompts import LongPrompts, fit_rows
+    from jaxrlhf.data.tokenizer import ByteTokenizer
+    rows = _chat_file(tmp_path)
+    qwen_dir(tmp_path / "model")
+    ours = HFTokenizer.from_dir(tmp_path / "model")
+    plain = fit_rows(rows[1:], ours, 64, LongPrompts.ERROR, "x", ChatTemplateMode.NONE)
+    assert [r.prompt_ids for r in plain] == [None, None]
+    assert plain == rows[1:]
+    with pytest.raises(ChatTemplateError, match="chat.jsonl: row 0 holds messages, but "
+                                                "data.chat_template=none"):
+        fit_rows(rows, ours, 64, LongPrompts.ERROR, "chat.jsonl", ChatTemplateMode.NONE)
+    with pytest.raises(ChatTemplateError, match="the tokenizer has no chat template"):
+        fit_rows(rows, ByteTokenizer(), 64, LongPrompts.ERROR, "chat.jsonl")
+    assert fit_rows(rows[1:], ByteTokenizer(), 64, LongPrompts.ERROR, "x") == rows[1:]

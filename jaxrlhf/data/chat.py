@@ -6,10 +6,12 @@ jinja2 environment with the same options, filters and globals as transformers (t
 a `tojson` that does not HTML-escape, `raise_exception`, `strftime_now`, loop controls) and the
 tokenizer's special-token strings (`bos_token`, `eos_token`, ...) as variables. The rendered text
 already holds its special tokens, so it is encoded WITHOUT the post-processor's (as transformers).
+`template_rows` applies `data.chat_template` to a dataset's prompt rows when it loads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import enum
 import json
@@ -19,6 +21,8 @@ from typing import Any, Sequence
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+
+from jaxrlhf.data.datasets import PromptRow
 
 Message = dict[str, Any]  # {"role": "user" | "assistant" | "system", "content": str}
 _SPECIAL_NAMES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
@@ -109,3 +113,34 @@ def encode_chat(tokenizer, template: ChatTemplate, messages: Sequence[Message], 
                 add_generation_prompt: bool = True) -> list[int]:
     """Prompt ids of `messages`, equal to apply_chat_template(messages, add_generation_prompt)."""
     return tokenizer.encode(template.render(messages, add_generation_prompt=add_generation_prompt))
+
+
+def template_rows(rows: Sequence[PromptRow], tokenizer, mode: ChatTemplateMode,
+                  where: str) -> list[PromptRow]:
+    """Prompt rows as the model sees them under `data.chat_template=mode`.
+
+    AUTO with a tokenizer that has a chat template (`tokenizer.chat_template`): every row is
+    rendered with it and the generation prompt, a `messages` row as its chat and a `prompt` row
+    as one user message; the row's `prompt` becomes the rendered text and `prompt_ids` its ids
+    (encoded as apply_chat_template encodes). Otherwise rows stay as they are.
+
+    Raises:
+      ChatTemplateError: a `messages` row without a template to render it (naming `where`), or
+        a template that rejects a row's messages.
+    """
+    template = getattr(tokenizer, "chat_template", None) if mode is ChatTemplateMode.AUTO else None
+    if template is None:
+        chat = next((i for i, r in enumerate(rows) if r.messages is not None), None)
+        if chat is not None:
+            why = ("data.chat_template=none" if mode is ChatTemplateMode.NONE
+                   else "the tokenizer has no chat template")
+            raise ChatTemplateError(f"{where}: row {chat} holds messages, but {why}; give "
+                                    "such rows a 'prompt' or use a tokenizer with a chat_template")
+        return list(rows)
+    out = []
+    for row in rows:
+        messages = row.messages or ({"role": "user", "content": row.prompt},)
+        text = template.render(messages, add_generation_prompt=True)
+        out.append(dataclasses.replace(row, prompt=text, messages=None,
+                                       prompt_ids=tuple(tokenizer.encode(text))))
+    return out

@@ -4,6 +4,11 @@ deterministic, resumable epoch iterator over them.
 Every malformed row raises `DataError` naming the file, the place (1-based line for JSONL,
 0-based row index for parquet) and the field, so a bad row in a million-line file is found at
 once rather than as a shape error deep inside a jitted step.
+
+A prompt row carries its prompt as `prompt` (text), as `messages` (a chat: role/content
+objects, rendered with the model's chat template when the data loads, see `data/chat.py`), or
+GSM8K-style as `question` (its `answer` then holds the solution ending in `#### N`, which the
+`math` reward reduces to N).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import dataclasses
 import enum
 import json
 import pathlib
+from collections.abc import Mapping
 from typing import Any, Generic, Iterator, Sequence, TypeVar
 
 import numpy as np
@@ -60,13 +66,18 @@ class FileFormat(enum.Enum):
                 raise ValueError(f"{path}: unknown dataset format {suffix!r} (.jsonl or .parquet)")
 
 
+Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant", "content": str, ...}
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptRow:
     prompt: str
     answer: str | None = None
-    # The prompt's token ids when they are not simply its encoding (data.long_prompts=
-    # truncate_left keeps the last rollout.max_prompt_len of them); None: encode `prompt`.
+    # The prompt's token ids when they are not simply its encoding (a chat-templated prompt, or
+    # data.long_prompts=truncate_left's last rollout.max_prompt_len ids); None: encode `prompt`.
     prompt_ids: tuple[int, ...] | None = None
+    # A chat to render with the chat template instead of `prompt` (which is "" until then).
+    messages: tuple[Message, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +102,8 @@ class FieldNames:
 
     prompt: str = "prompt"
     answer: str = "answer"
+    messages: str = "messages"
+    question: str = "question"  # GSM8K's name of the prompt
     chosen: str = "chosen"
     rejected: str = "rejected"
     response: str = "response"
@@ -118,12 +131,35 @@ def row_kind_of(row: Row) -> RowKind:
     raise TypeError(f"not a dataset row: {row!r}")
 
 
+def _messages(value: Any, path, location: str, key: str) -> tuple[Message, ...]:
+    """A validated chat: a non-empty list of objects with string `role` and `content`."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise DataError(path, location, key, "is not a non-empty list of messages")
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping) or not all(
+                isinstance(message.get(k), str) for k in ("role", "content")):
+            raise DataError(path, location, key,
+                            f"message {i} is not an object with string 'role' and 'content'")
+    return tuple(dict(m) for m in value)
+
+
 def _make_row(record: Any, kind: RowKind, names: FieldNames, path, location: str) -> Row:
     """Validates one decoded record and builds its row."""
     if not isinstance(record, dict):
         raise DataError(path, location, None, f"is a {type(record).__name__}, not an object")
     cls, required, optional = _row_schema(kind)
     values = {}
+    if kind is RowKind.PROMPT and record.get(names.prompt) is None:
+        if record.get(names.messages) is not None:  # a chat, templated when the data loads
+            values = {"prompt": "", "messages": _messages(record[names.messages], path,
+                                                          location, names.messages)}
+            required = ()
+        elif record.get(names.question) is not None:  # GSM8K
+            record = {**record, names.prompt: record[names.question]}
+        else:
+            raise DataError(path, location, names.prompt,
+                            f"is missing (and there is no {names.messages!r} or "
+                            f"{names.question!r})")
     for attr in required + optional:
         key = getattr(names, attr)
         value = record.get(key)
@@ -165,6 +201,11 @@ def _read_parquet(path: pathlib.Path, kind: RowKind, names: FieldNames) -> list[
     parquet = pq.ParquetFile(path)
     _, required, optional = _row_schema(kind)
     present = set(parquet.schema_arrow.names)
+    if kind is RowKind.PROMPT:  # the prompt may come as messages or as GSM8K's question
+        alternatives = [n for n in (names.messages, names.question) if n in present]
+        optional = optional + tuple(a for a in ("messages", "question")
+                                    if getattr(names, a) in alternatives)
+        required = () if alternatives else required
     for attr in required:
         if getattr(names, attr) not in present:
             raise DataError(path, "", getattr(names, attr), "is missing (no such column)")
@@ -195,12 +236,17 @@ def read_rows(
     return rows
 
 
-def _to_record(row: Row, names: FieldNames) -> dict[str, str]:
-    return {
+def _to_record(row: Row, names: FieldNames) -> dict[str, Any]:
+    """The file record of `row`; a chat row is written as its messages (no `prompt`)."""
+    record = {
         getattr(names, f.name): getattr(row, f.name)
         for f in dataclasses.fields(row)
-        if getattr(row, f.name) is not None
+        if getattr(row, f.name) is not None and f.name not in ("prompt_ids", "messages")
     }
+    if isinstance(row, PromptRow) and row.messages is not None:
+        del record[names.prompt]
+        record[names.messages] = [dict(m) for m in row.messages]
+    return record
 
 
 def write_rows(
@@ -218,6 +264,8 @@ def write_rows(
         case FileFormat.PARQUET:
             # An explicit schema keeps an all-None optional column typed as string.
             cls, required, optional = _row_schema(row_kind_of(rows[0]))
+            if any(getattr(r, "messages", None) is not None for r in rows):
+                raise ValueError(f"{path}: chat (messages) rows are written as .jsonl")
             schema = pa.schema([(getattr(names, a), pa.string()) for a in required + optional])
             columns = {n: [rec.get(n) for rec in records] for n in schema.names}
             pq.write_table(pa.table(columns, schema=schema), path)

@@ -1,4 +1,5 @@
-"""`data.long_prompts`: what to do, at dataset load, with prompts longer than max_prompt_len.
+"""`data.long_prompts`: what to do, at dataset load, with prompts longer than max_prompt_len
+(after `data.chat_template` has rendered them).
 
 ERROR raises naming the first offending row; DROP removes such rows; TRUNCATE_LEFT keeps the
 last max_prompt_len ids (the end of a prompt, next to where the response starts, matters most).
@@ -11,6 +12,7 @@ import dataclasses
 import enum
 from typing import Callable, Sequence
 
+from jaxrlhf.data.chat import ChatTemplateMode, template_rows
 from jaxrlhf.data.datasets import PromptRow
 
 
@@ -46,7 +48,8 @@ class FittedPrompts:
 
 def fit_prompts(rows: Sequence[PromptRow], encode: Callable[[str], list[int]],
                 max_prompt_len: int, policy: LongPrompts) -> FittedPrompts:
-    """Applies `policy` to every row whose `encode(row.prompt)` exceeds `max_prompt_len`.
+    """Applies `policy` to every row whose ids (its `prompt_ids`, else `encode(row.prompt)`)
+    exceed `max_prompt_len`.
 
     Raises:
       ValueError: under ERROR, for the first long row (naming rollout.max_prompt_len and the
@@ -54,7 +57,7 @@ def fit_prompts(rows: Sequence[PromptRow], encode: Callable[[str], list[int]],
     """
     kept_rows, kept_ids, affected = [], [], 0
     for i, row in enumerate(rows):
-        ids = encode(row.prompt)
+        ids = list(row.prompt_ids) if row.prompt_ids is not None else encode(row.prompt)
         if len(ids) <= max_prompt_len:
             kept_rows.append(row)
             kept_ids.append(ids)
@@ -78,16 +81,19 @@ def fit_prompts(rows: Sequence[PromptRow], encode: Callable[[str], list[int]],
 
 
 def fit_rows(rows: Sequence[PromptRow], tokenizer, max_prompt_len: int, policy: LongPrompts,
-             where: str) -> list[PromptRow]:
-    """`rows` under `policy`, reporting how many were dropped or truncated (one line).
+             where: str, chat: ChatTemplateMode = ChatTemplateMode.AUTO) -> list[PromptRow]:
+    """`rows` rendered by `data.chat_template=chat` (see `chat.template_rows`), then under
+    `policy`, reporting how many were dropped or truncated (one line).
 
-    Truncated rows carry their kept ids (`PromptRow.prompt_ids`), which batches use as they are.
+    Templated and truncated rows carry their ids (`PromptRow.prompt_ids`), which batches use as
+    they are.
 
     Raises:
-      ValueError: as `fit_prompts`, naming the row.
+      ValueError: as `fit_prompts`, naming the row; ChatTemplateError as `template_rows`.
     """
     from jaxrlhf.data.tokenizer import encode_prompt
 
+    rows = template_rows(rows, tokenizer, chat, where)
     fitted = fit_prompts(rows, lambda text: encode_prompt(tokenizer, text), max_prompt_len,
                          policy)
     if fitted.affected:

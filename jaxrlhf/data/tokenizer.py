@@ -15,6 +15,8 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import tokenizers
 
+from jaxrlhf.data.chat import ChatTemplate
+
 # Byte-tokenizer layout: ids 0..255 are raw bytes; specials follow; the rest is reserved so the
 # vocabulary matches the tiny model's embedding (272 rows, a multiple of 16).
 _NUM_BYTES = 256
@@ -87,6 +89,8 @@ class HFTokenizer:
     eos_id: int
     pad_id: int
     stop_ids: tuple[int, ...]
+    # The directory's chat template (data/chat.py), or None when it has none.
+    chat_template: ChatTemplate | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_dir(cls, path: str | pathlib.Path) -> "HFTokenizer":
@@ -141,6 +145,7 @@ class HFTokenizer:
             eos_id=stop_ids[0],
             pad_id=pad_ids[0] if pad_ids else stop_ids[0],
             stop_ids=stop_ids,
+            chat_template=ChatTemplate.from_dir(path),
         )
 
     def encode(self, text: str) -> list[int]:
