@@ -8,6 +8,10 @@ A layout spec is the strategy grammar's string, a device range plus parallel deg
   split       actor + ref on the first half, critics + reward + cost on the second (OpenRLHF).
   interleave  actor and critics on all devices; ref on the first half and reward/cost on the
               second, so the frozen models' inference runs side by side (FlexRLHF).
+  disaggregate  generation on its own devices, disjoint from everything else (FlexRLHF's
+              shadow actors, AReaL's rollout workers): the actor's generate calls on the first
+              half, every other call on the second. The trainer feeds generation new weights
+              through `parallel.reshard`; with `async_rl.max_staleness` > 0 the two overlap.
   manual      one spec per MFC, given in the config.
   auto        the planner (jaxrlhf.plan) searches the plan for a cluster; the run stack
               (jaxrlhf.run.layouts) runs that ExecutionPlan as is, without coming here.
@@ -18,7 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 
-from jaxrlhf.dataflow.graph import DataflowGraph, Role
+from jaxrlhf.dataflow.graph import Call, DataflowGraph, Role
 
 
 class Placement(enum.Enum):
@@ -26,6 +30,7 @@ class Placement(enum.Enum):
     STANDALONE = "standalone"
     SPLIT = "split"
     INTERLEAVE = "interleave"
+    DISAGGREGATE = "disaggregate"
     MANUAL = "manual"
     AUTO = "auto"
 
@@ -83,6 +88,16 @@ def _role_blocks(kind: Placement, roles: list[Role], n: int) -> dict[Role, tuple
     raise PlacementError(f"placement.kind={kind.value} has no role blocks")
 
 
+def _disaggregated(model_mfcs, num_devices: int) -> dict[str, str]:
+    """Generate calls on the first half of the devices, all other calls on the second."""
+    if not any(m.call is Call.GENERATE for m in model_mfcs):
+        raise PlacementError("placement.kind=disaggregate separates generation from training; "
+                             "this algorithm does not generate")
+    gen, train = _halves(num_devices)
+    return {m.name: f"{_span(*block)}:d{block[1]}"
+            for m in model_mfcs for block in [gen if m.call is Call.GENERATE else train]}
+
+
 def resolve_placement(
     graph: DataflowGraph,
     kind: Placement,
@@ -115,6 +130,8 @@ def resolve_placement(
         if missing:
             raise PlacementError(f"placement.allocation has no layout for MFC(s) {missing}")
         return {m.name: allocation[m.name] for m in model_mfcs}
+    if kind is Placement.DISAGGREGATE:
+        return _disaggregated(model_mfcs, num_devices)
     roles = [r for r in _ROLE_PRIORITY if any(m.role is r for m in model_mfcs)]
     blocks = _role_blocks(kind, roles, num_devices)
     specs = {}
