@@ -1,12 +1,19 @@
-"""Checkpoints of an RL run, and the guards that keep them good (non-finite steps, Ctrl-C).
+"""Checkpoints of a run (RL or offline), and the guards that keep them good (non-finite steps,
+Ctrl-C, SIGTERM).
 
 A checkpoint is one orbax step directory under `workdir/checkpoints/<steps done>/` with items
 
   <role>_params  every model's parameters, frozen ones included (the ref is the warm-started
                  actor: saving it is simpler than re-running the warm start, and exact)
   <role>_opt     a trained model's optimizer state and update count ({"opt_state", "step"})
-  host           JSON: steps done, the prompt iterator's position, the runner's controller
-                 state and counters, held-out accuracy before RL, the experiment config
+  host           JSON: steps done, the prompt (or training row) iterator's position, the
+                 runner's controller state and counters, the held-out evaluation before
+                 training, the experiment config
+
+The supervised warm start of the actor, which runs before the first step, has checkpoints of its
+own in `workdir/checkpoints/warm_start/<warm-start steps done>/` (the actor's TrainState under
+the warm-start optimizer, and the SFT row iterator): a run stopped in its warm start resumes
+there, and once the run has a checkpoint of its own the warm start is never run again.
 
 Generation randomness is `fold_in(key(seed), step)`, so the step count restores it too; a run
 resumed from a checkpoint repeats the uninterrupted run's steps exactly.
@@ -49,6 +56,7 @@ from ml_collections import ConfigDict
 from jaxrlhf.engine.optimizer import OptimizerConfig, make_optimizer
 from jaxrlhf.engine.train_step import TrainState, state_shardings
 from jaxrlhf.fingerprint import differences as fingerprint_differences
+from jaxrlhf.metrics import METRICS_FILE, TENSORBOARD_DIR
 from jaxrlhf.mfc import Role
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.sizes import abstract_params
@@ -57,6 +65,7 @@ from jaxrlhf.parallel.reshard import fetch, reshard, spanning
 
 HOST_ITEM = "host"
 CHECKPOINT_DIR = "checkpoints"
+WARM_START_DIR = "warm_start"  # inside CHECKPOINT_DIR: the warm start's own checkpoints
 
 ModelState = Any  # a TrainState (trained model) or a parameter tree (frozen model)
 
@@ -121,24 +130,28 @@ class HostState:
     """The non-array part of a checkpoint.
 
     Attributes:
-      step: RL steps done (the runner's step index; the next metrics step).
-      iterator: the prompt iterator's `state()` as a dict.
+      step: steps done (the runner's step index; the next metrics step).
+      iterator: the prompt (or training row) iterator's `state()` as a dict.
       runner: `Runner.state()` (controller values, counters).
-      accuracy_before: held-out accuracy before RL (not recomputed on resume).
+      accuracy_before: held-out accuracy before training (not recomputed on resume); None in
+        a warm-start checkpoint (the evaluation follows the warm start).
       config: the experiment config as JSON (export rebuilds the model configs from it).
       trained: roles saved with optimizer state.
       frozen: roles saved as parameters only.
       fingerprint: what defines the run that wrote it (`jaxrlhf.fingerprint`).
+      evaluation_before: an offline run's whole held-out evaluation before training (metric
+        name -> value; `accuracy_before` is its "accuracy"); empty for RL.
     """
 
     step: int
     iterator: dict[str, int]
     runner: dict[str, Any]
-    accuracy_before: float
+    accuracy_before: float | None
     config: str
     trained: tuple[str, ...]
     frozen: tuple[str, ...]
     fingerprint: dict[str, str] = dataclasses.field(default_factory=dict)
+    evaluation_before: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -197,7 +210,7 @@ def all_finite(states) -> bool:
 
 
 class Checkpointer:
-    """Saves and restores an RL run's checkpoints in `directory` (see the module docstring).
+    """Saves and restores a run's checkpoints in `directory` (see the module docstring).
 
     Args:
       directory: the checkpoint directory (workdir/checkpoints).
@@ -344,44 +357,61 @@ def check_resume(directory: pathlib.Path, fingerprint: dict[str, str], mode: Res
       CheckpointError: (AUTO) the newest readable checkpoint's fingerprint differs from
         `fingerprint`, naming the keys that differ.
     """
-    if not directory.is_dir():
+    found = _newest_host(directory)
+    if found is None:
         return
-    checkpoints = Checkpointer(directory, None)
-    try:
-        host = checkpoints.newest_host()
-    finally:
-        checkpoints.close()
-    if host is None:
-        return
+    path, host = found
     if mode is ResumeMode.NEVER:
         _move_aside(directory)
         return
     if not host.fingerprint:
-        print(f"warning: checkpoint {directory / str(host.step)} records no fingerprint (an older "
-              "jaxrlhf wrote it); resuming it unchecked", file=sys.stderr, flush=True)
+        print(f"warning: checkpoint {path} records no fingerprint (an older jaxrlhf wrote it); "
+              "resuming it unchecked", file=sys.stderr, flush=True)
         return
     differ = fingerprint_differences(host.fingerprint, fingerprint)
     if not differ:
         return
     listed = "; ".join(differ[:8]) + (f"; and {len(differ) - 8} more" if len(differ) > 8 else "")
     if mode is ResumeMode.FORCE:
-        print(f"warning: checkpoint.resume=force: resuming {directory / str(host.step)}, written "
+        print(f"warning: checkpoint.resume=force: resuming {path}, written "
               f"by another run ({listed})", file=sys.stderr, flush=True)
         return
     raise CheckpointError(
-        f"checkpoint: {directory / str(host.step)} was written by another run ({listed}); "
+        f"checkpoint: {path} was written by another run ({listed}); "
         "use another --workdir, or --config.checkpoint.resume=never to start afresh (the old "
         "checkpoints are moved aside) or =force to resume it anyway")
 
 
+def _newest_host(directory: pathlib.Path) -> tuple[pathlib.Path, HostState] | None:
+    """(path, host state) of the checkpoint a rerun would resume: the newest readable one of
+    the run, else of its warm start; None when there is none."""
+    for where in (directory, directory / WARM_START_DIR):
+        if not where.is_dir():
+            continue
+        checkpoints = Checkpointer(where, None)
+        try:
+            host = checkpoints.newest_host()
+        finally:
+            checkpoints.close()
+        if host is not None:
+            return where / str(host.step), host
+    return None
+
+
 def _move_aside(directory: pathlib.Path) -> None:
-    """Renames `directory` to a free `<name>.replaced-N` (process 0; the others wait)."""
+    """Renames `directory` to a free `<name>.replaced-N` (process 0; the others wait), and the
+    metrics beside it (which describe the run of those checkpoints) to `<name>.replaced-N...`."""
     if jax.process_index() == 0:
         n = 1
         while directory.with_name(f"{directory.name}.replaced-{n}").exists():
             n += 1
         target = directory.with_name(f"{directory.name}.replaced-{n}")
         directory.rename(target)
+        for name in (METRICS_FILE, TENSORBOARD_DIR):
+            metrics = directory.with_name(name)
+            if metrics.exists():
+                stem, dot, suffix = name.partition(".")
+                metrics.rename(directory.with_name(f"{stem}.replaced-{n}{dot}{suffix}"))
         print(f"checkpoint.resume=never: the existing checkpoints moved to {target}", flush=True)
     deadline = time.monotonic() + 60  # a shared workdir: wait to see process 0's rename
     while directory.exists():
@@ -390,9 +420,11 @@ def _move_aside(directory: pathlib.Path) -> None:
         time.sleep(0.2)
 
 
-def save_run(checkpoints: Checkpointer, runner, prompts, accuracy_before: float,
-             config_json: str, fingerprint: dict[str, str]) -> bool:
-    """Checkpoints `runner` (a Runner) fed by `prompts` (an EpochIterator) after its last step.
+def save_run(checkpoints: Checkpointer, runner, prompts, accuracy_before: float | None,
+             config_json: str, fingerprint: dict[str, str],
+             evaluation_before: dict[str, float] | None = None) -> bool:
+    """Checkpoints `runner` (a Runner) fed by `prompts` (an EpochIterator of prompts, training
+    rows or pairs) after its last step.
 
     Trained models are saved as TrainStates, frozen ones as parameters; a frozen model waiting
     in host memory is brought back to read it and offloaded again once the save has copied it.
@@ -402,22 +434,26 @@ def save_run(checkpoints: Checkpointer, runner, prompts, accuracy_before: float,
     states = {role: rt.state if rt.trainable else rt.params for role, rt in runtimes.items()}
     host = HostState(
         step=runner.step_index, iterator=prompts.state().to_dict(), runner=runner.state(),
-        accuracy_before=float(accuracy_before), config=config_json,
+        accuracy_before=None if accuracy_before is None else float(accuracy_before),
+        config=config_json,
         trained=tuple(r.value for r, rt in runtimes.items() if rt.trainable),
         frozen=tuple(r.value for r, rt in runtimes.items() if not rt.trainable),
-        fingerprint=fingerprint)
+        fingerprint=fingerprint,
+        evaluation_before={k: float(v) for k, v in (evaluation_before or {}).items()})
     saved = checkpoints.save(states, host)
     for runtime in runtimes.values():
         runtime.after_call()  # a no-op for trained models and models that stay on devices
     return saved
 
 
-def trim_metrics(path: pathlib.Path, step: int) -> None:
-    """Drops RL records of `step` and later from a metrics.jsonl before a resume rewrites them.
+def trim_metrics(path: pathlib.Path, step: int, warm_start_step: int | None = None) -> None:
+    """Drops the records a resumed run writes again from a metrics.jsonl, before it runs.
 
     A killed run may have logged steps past its latest checkpoint; the resumed run repeats
-    them. Warm-start records (every key `sft/...`) are kept, and so is nothing half-written.
-    Process 0 rewrites the file (a shared workdir has one).
+    them. Kept: training records of steps before `step`, warm-start records (every key
+    `sft/...`) of warm-start steps before `warm_start_step` (None: all of them, the warm start
+    is over), and nothing half-written. A run starting afresh passes (0, 0): the file is
+    emptied. Process 0 rewrites the file (a shared workdir has one).
     """
     if not path.exists() or jax.process_index() != 0:
         return
@@ -427,8 +463,11 @@ def trim_metrics(path: pathlib.Path, step: int) -> None:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # the last line of a run killed mid-write
-        warm_start = all(k == "step" or k.startswith("sft/") for k in record)
-        if warm_start or record["step"] < step:
+        if all(k == "step" or k.startswith("sft/") for k in record):  # the warm start's
+            keep = warm_start_step is None or record["step"] < warm_start_step
+        else:
+            keep = record["step"] < step
+        if keep:
             kept.append(line)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
@@ -489,6 +528,28 @@ class NanGuard:
                 print(f"RL step {step}: {what}; step discarded (nan_policy=skip, "
                       f"{self.skipped} so far)", flush=True)
                 return True
+
+
+def save_if_due(checkpoints: Checkpointer, stop: "StopRequest", steps_done: int, save,
+                what: str) -> bool:
+    """After a step of a checkpointed loop: saves (`save()`) on the cadence or when a stop was
+    asked; True when the loop must stop now (its checkpoint is then on disk).
+
+    Args:
+      checkpoints: the loop's checkpoints (cadence, directory).
+      stop: the loop's StopRequest (every process stops at the same step).
+      steps_done: steps done so far (the checkpoint's number).
+      save: writes checkpoint `steps_done`.
+      what: the loop's name for the message ("RL", "warm-start", "sft", ...).
+    """
+    stopping = stop.agreed()
+    if checkpoints.cfg.due(steps_done) or stopping:
+        save()
+    if stopping:
+        checkpoints.wait()
+        print(f"interrupted after {what} step {steps_done - 1}: checkpoint {steps_done} saved "
+              f"in {checkpoints.directory}; run the same command again to resume", flush=True)
+    return stopping
 
 
 class StopRequest:

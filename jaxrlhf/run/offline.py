@@ -2,8 +2,10 @@
 
 The job mirrors the RL job: data (the built-in task or user files), the optional supervised
 warm start of the actor, held-out evaluation before and after, one runner step per batch, a
-progress bar, metrics.jsonl, and a summary whose `accuracy_before` / `accuracy_after` mean what
-the algorithm's `Evaluation` says:
+progress bar, metrics.jsonl and TensorBoard events, checkpoints (`checkpoint.every`, Ctrl-C and
+SIGTERM save and stop, a rerun resumes exactly; `python -m jaxrlhf.export` writes the trained
+model as a Hugging Face directory), and a summary whose `accuracy_before` / `accuracy_after`
+mean what the algorithm's `Evaluation` says:
 
   SFT               greedy exact-match accuracy on the held-out prompts (also `eval_loss_*`:
                     token NLL of their reference answers);
@@ -24,6 +26,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from jaxrlhf import checkpoint
 from jaxrlhf.algorithms.pairs import check_pair_split
 from jaxrlhf.algorithms.spec import BatchKind, Evaluation
 from jaxrlhf.data import datasets
@@ -32,12 +35,14 @@ from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine.inference import (
     InferenceBatch, InferenceConfig, InferenceKind, make_inference_fn,
 )
-from jaxrlhf.metrics import MetricsWriter
+from jaxrlhf.metrics import METRICS_FILE, MetricsWriter
 from jaxrlhf.mfc import MFC, Call
 from jaxrlhf.parallel.reshard import fetch
 from jaxrlhf.run import build
 from jaxrlhf.run.check import Job
-from jaxrlhf.run.rl import greedy_accuracy, postfix, warm_start
+from jaxrlhf.run.rl import greedy_accuracy, postfix, restore, resumed_runner
+from jaxrlhf.run.runner import Runner
+from jaxrlhf.run.warm_start import WarmStart
 from jaxrlhf.spec import RolloutSpec
 
 Evaluator = Callable[[], dict[str, float]]
@@ -130,14 +135,21 @@ def make_evaluator(job: Job, runtime: ModelRuntime, data: build.Data, eval_pairs
                      f"{job.spec.algorithm.evaluation}")
 
 
-def batches(job: Job, data: build.Data, pairs):
-    """Endless training batches in the runner's keys."""
-    spec, r = job.spec, job.spec.rollout
+def training_rows(job: Job, data: build.Data, pairs) -> datasets.EpochIterator:
+    """Endless batches of training rows (SFT rows or preference pairs); a checkpoint holds its
+    position."""
+    spec = job.spec
     paired = spec.algorithm.batches is BatchKind.PAIRS
-    rows = datasets.EpochIterator(pairs if paired else data.sft, r.batch_size, seed=spec.seed)
-    encode = preference_batch if paired else sft_batch
-    while True:
-        yield encode(next(rows), job.tokenizer, r.max_prompt_len, r.max_new_tokens)
+    return datasets.EpochIterator(pairs if paired else data.sft, spec.rollout.batch_size,
+                                  seed=spec.seed)
+
+
+def encode(job: Job, rows: list) -> dict[str, np.ndarray]:
+    """One batch of training rows in the runner's keys."""
+    r = job.spec.rollout
+    paired = job.spec.algorithm.batches is BatchKind.PAIRS
+    return (preference_batch if paired else sft_batch)(rows, job.tokenizer, r.max_prompt_len,
+                                                      r.max_new_tokens)
 
 
 def _train_mfc(job: Job) -> MFC:
@@ -145,38 +157,91 @@ def _train_mfc(job: Job) -> MFC:
                 and m.role is job.spec.algorithm.trained_role)
 
 
-def run(job: Job) -> dict:
-    """The whole offline job; returns the summary dict printed as the last line."""
-    start = time.perf_counter()
+def train_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
+               checkpoints: checkpoint.Checkpointer, before: dict[str, float]) -> bool:
+    """Steps from the runner's step index to spec.steps, with checkpoints (on the cadence, on
+    Ctrl-C/SIGTERM, at the end) and the NaN policy; returns whether it was stopped."""
     spec = job.spec
+    guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
+    save = lambda: checkpoint.save_run(checkpoints, runner, rows, before.get("accuracy"),
+                                       spec.config_json, job.fingerprint, before)
+    bar = tqdm(range(runner.step_index, spec.steps), desc=spec.name.value,
+               initial=runner.step_index, total=spec.steps, mininterval=1)
+    with checkpoint.StopRequest() as stop:
+        for step in bar:
+            saved = guard.before_step(runner)
+            result = runner.step(encode(job, next(rows)))
+            if guard.after_step(runner, result.metrics, step, saved):
+                result.metrics["nan_skipped"] = 1.0
+            writer.write(step, result.metrics)
+            bar.set_postfix(postfix(spec.algorithm, result.metrics))
+            if checkpoint.save_if_due(checkpoints, stop, step + 1, save, spec.name.value):
+                return True
+    save()
+    return False
+
+
+def run(job: Job) -> dict:
+    """The whole offline job; returns the summary dict printed as the last line.
+
+    Like the RL job, a workdir with checkpoints resumes from the newest intact one (no warm
+    start, no 'before' evaluation: both are in it) and repeats the uninterrupted run exactly;
+    one with only warm-start checkpoints resumes the warm start.
+    """
+    start = time.perf_counter()
+    spec, workdir = job.spec, job.workdir
     role = spec.algorithm.trained_role
     home = job.plan.home(spec.graph, role)
-    data = build.load_data(spec, job.workdir, job.tokenizer)
+    data = build.load_data(spec, workdir, job.tokenizer)
     pairs, eval_pairs = [], []
     if spec.algorithm.batches is BatchKind.PAIRS:
-        pairs, eval_pairs = build.load_preferences(spec, job.workdir)
+        pairs, eval_pairs = build.load_preferences(spec, workdir)
         # Micro-batches must keep each chosen row with its rejected row.
         check_pair_split(spec.rollout.batch_size, job.plan.micro_batches(_train_mfc(job).name),
                          "the number of micro-batches")
-    with MetricsWriter(job.workdir) as writer:
-        params = warm_start(job, home, build.initial_actor_params(spec, home), data, writer)
-        runner = build.fresh_runner(job, {}, params)  # offline graphs have no host MFCs
+    checkpoints = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, spec.checkpoint)
+    restored = restore(job, checkpoints)
+    resume = None if restored is None else restored[0]
+    # The warm start trains the actor on the trained model's layout (reward modelling then
+    # starts its reward model from the actor's trunk).
+    warm = WarmStart(job, home, data) if resume is None else None
+    checkpoint.trim_metrics(workdir / METRICS_FILE, 0 if resume is None else resume.step,
+                            warm.start_step if warm is not None else None)
+    summary = {"steps": spec.steps, "workdir": str(workdir),
+               "resumed_from": None if resume is None else resume.step}
+    with MetricsWriter(workdir) as writer:
+        if resume is None:
+            try:
+                params = warm.run(lambda: build.initial_actor_params(spec, home), writer)
+            finally:
+                warm.close()
+            if params is None:  # stopped in the warm start, its checkpoint saved
+                checkpoints.close()
+                return {**summary, "seconds": time.perf_counter() - start, "interrupted": True}
+            runner = build.fresh_runner(job, {}, params)  # offline graphs have no host MFCs
+        else:
+            print(f"resuming from checkpoint {resume.step} in {checkpoints.directory}",
+                  flush=True)
+            runner = resumed_runner(job, resume, restored[1], {})
         evaluate = make_evaluator(job, runner.runtimes[role], data, eval_pairs)
-        before = evaluate()
+        before = evaluate() if resume is None else resume.evaluation_before
         print(f"held-out before {spec.name.value}: {before}", flush=True)
-        stream = batches(job, data, pairs)
-        bar = tqdm(range(spec.steps), desc=spec.name.value, mininterval=1)
-        for step in bar:
-            result = runner.step(next(stream))
-            writer.write(step, result.metrics)
-            bar.set_postfix(postfix(spec.algorithm, result.metrics))
-        runner.close()
-        after = evaluate()
-        print(f"held-out after {spec.name.value}:  {after}")
-        writer.write(spec.steps, {f"eval/{k}_{when}": v for when, m in
-                                  (("before", before), ("after", after)) for k, v in m.items()})
-    summary = {}
+        rows = training_rows(job, data, pairs)
+        if resume is not None:
+            rows.restore(resume.iterator)
+        try:
+            interrupted = train_loop(job, runner, rows, writer, checkpoints, before)
+        finally:
+            runner.close()
+            checkpoints.close()  # waits for background writes
+        after = None if interrupted else evaluate()
+        if after is not None:
+            print(f"held-out after {spec.name.value}:  {after}")
+            writer.write(spec.steps, {f"eval/{k}_{when}": v for when, m in
+                                      (("before", before), ("after", after))
+                                      for k, v in m.items()})
     for key in before:
-        summary[f"{key}_before"], summary[f"{key}_after"] = before[key], after[key]
-    return {**summary, "seconds": time.perf_counter() - start, "steps": spec.steps,
-            "workdir": str(job.workdir), "recompiles": runner.compiles}
+        summary[f"{key}_before"] = before[key]
+        summary[f"{key}_after"] = None if after is None else after[key]
+    return {**summary, "seconds": time.perf_counter() - start, "recompiles": runner.compiles,
+            "interrupted": interrupted}

@@ -1,0 +1,127 @@
+"""The supervised warm start of the actor before an RL or offline run, checkpointed.
+
+The warm start fine-tunes the actor on the SFT rows through the same runner as training, with
+its own optimizer. It saves checkpoints of its own in `workdir/checkpoints/warm_start/<steps
+done>/` (the actor's TrainState and the SFT row iterator) on the run's `checkpoint.every`
+cadence, when asked to stop (Ctrl-C, SIGTERM: the step finishes, the checkpoint is saved, the
+run returns), and once at its end. A rerun that finds no checkpoint of the run itself resumes
+the warm start from the newest intact one (one at its end: the warm start is skipped) and then
+goes on exactly as the uninterrupted run did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tqdm import tqdm
+
+from jaxrlhf import checkpoint
+from jaxrlhf.algorithms import sft
+from jaxrlhf.data import datasets
+from jaxrlhf.data.encode import sft_batch
+from jaxrlhf.dataflow.graph import build_graph
+from jaxrlhf.dataflow.runtime import ModelRuntime
+from jaxrlhf.engine.microbatch import num_microbatches
+from jaxrlhf.engine.train_step import create_train_state
+from jaxrlhf.mfc import Role
+from jaxrlhf.parallel.layout import Layout
+from jaxrlhf.run import build
+from jaxrlhf.run.check import Job
+from jaxrlhf.run.layouts import single
+from jaxrlhf.run.runner import Runner
+
+
+class WarmStart:
+    """The warm start of one run on the actor's `layout`: its checkpoints and where it stands.
+
+    Construction restores the newest intact warm-start checkpoint, if any (a run that has a
+    checkpoint of its own never builds one), so that `start_step` is known before the run opens
+    its metrics (`checkpoint.trim_metrics`). `run` then trains; `close` waits for saves.
+    """
+
+    def __init__(self, job: Job, layout: Layout, data: build.Data):
+        self.job, self.layout, self.rows = job, layout, data.sft
+        w = job.spec.warm_start
+        self.steps = w.steps if data.sft else 0
+        self.checkpoints = None
+        self.restored = None
+        if self.steps:
+            self.checkpoints = checkpoint.Checkpointer(
+                job.workdir / checkpoint.CHECKPOINT_DIR / checkpoint.WARM_START_DIR,
+                job.spec.checkpoint)
+            target = {Role.ACTOR: checkpoint.abstract_state(job.spec.base.config, layout,
+                                                            w.optimizer)}
+            self.restored = self.checkpoints.restore_intact(target)
+        # The warm-start step this run begins at (0 unless a checkpoint was restored).
+        self.start_step = 0 if self.restored is None else self.restored[0].step
+
+    def run(self, initial_params: Callable[[], object], writer):
+        """The actor's parameters after the warm start, or None when it was stopped (a
+        checkpoint saved: the rerun goes on from it).
+
+        Args:
+          initial_params: the actor's parameters on the layout before any warm start (called
+            only when no checkpoint was restored).
+          writer: the run's MetricsWriter (records `sft/...` at warm-start steps).
+        """
+        if not self.steps:
+            return initial_params()
+        job, spec = self.job, self.job.spec
+        if self.restored is not None and self.start_step >= self.steps:
+            print(f"the warm start is done: its checkpoint {self.start_step} in "
+                  f"{self.checkpoints.directory}", flush=True)
+            return self.restored[1][Role.ACTOR].params
+        if self.restored is not None:
+            print(f"resuming the warm start from checkpoint {self.start_step} in "
+                  f"{self.checkpoints.directory}", flush=True)
+        runner, rows = self._runner(initial_params)
+        r = spec.rollout
+        save = lambda: checkpoint.save_run(self.checkpoints, runner, rows, None,
+                                           spec.config_json, job.fingerprint)
+        bar = tqdm(range(runner.step_index, self.steps), desc="warm start (SFT)",
+                   initial=runner.step_index, total=self.steps, mininterval=2)
+        try:
+            with checkpoint.StopRequest() as stop:
+                for step in bar:
+                    batch = sft_batch(next(rows), job.tokenizer, r.max_prompt_len,
+                                      r.max_new_tokens)
+                    result = runner.step(batch)
+                    writer.write(step, {f"sft/{k}": v for k, v in result.metrics.items()
+                                        if k.startswith("actor/")})
+                    if checkpoint.save_if_due(self.checkpoints, stop, step + 1, save,
+                                              "warm-start"):
+                        return None
+            save()  # its end: a rerun stopped before the run's first checkpoint starts here
+        finally:
+            runner.close()
+        return runner.runtimes[Role.ACTOR].state.params
+
+    def _runner(self, initial_params) -> tuple[Runner, datasets.EpochIterator]:
+        """The warm start's runner and SFT row iterator, at step 0 or at the restored step."""
+        job, spec, layout = self.job, self.job.spec, self.layout
+        w, r = spec.warm_start, spec.rollout
+        algorithm = sft.make()
+        micro = num_microbatches(spec.micro, w.batch_size, r.seq_len, layout.dp_size)
+        rows = datasets.EpochIterator(self.rows, w.batch_size, seed=spec.seed)
+        if self.restored is None:
+            state = create_train_state(initial_params(), spec.base.config, layout, w.optimizer)
+        else:
+            host, states = self.restored
+            state = states[Role.ACTOR]
+            rows.restore(host.iterator)
+        runtime = ModelRuntime(Role.ACTOR, spec.base.config, layout, state=state)
+        engines = {"actor_train": build.engine_call(
+            algorithm.mfcs[0], spec.base.config, layout, micro, r, job.tokenizer, algorithm,
+            w.optimizer)}
+        plan = single("actor_train", layout, micro)
+        runner = Runner(algorithm, build_graph(algorithm.mfcs), plan, {Role.ACTOR: runtime},
+                        engines, job.tokenizer, {}, spec.seed)
+        if self.restored is not None:
+            runner.restore(self.restored[0].runner)
+        self.restored = None  # its arrays now belong to the runner (donated by its steps)
+        return runner, rows
+
+    def close(self) -> None:
+        """Waits for background saves."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
