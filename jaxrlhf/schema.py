@@ -69,6 +69,9 @@ def base_config() -> ConfigDict:
             "max_error_rate": 0.5,
         },
         "tokenizer": "byte",  # "byte" or a directory with tokenizer.json
+        # Every model role starts from its own Hugging Face directory (models.<role>.path);
+        # a role without one is an error before compiling (the big configs set this).
+        "require_model_paths": False,
         "data": {
             "train_path": "",  # JSONL/parquet prompt rows; empty = the built-in task
             "eval_path": "",
@@ -79,6 +82,9 @@ def base_config() -> ConfigDict:
             # prompts longer than rollout.max_prompt_len, found when the data loads (before
             # compiling): error | drop | truncate_left (keep the last max_prompt_len tokens)
             "long_prompts": "error",
+            # auto: prompts (and `messages` rows) are rendered with the tokenizer's chat
+            # template, with the generation prompt, when it has one | none: never
+            "chat_template": "auto",
             "task": {  # the built-in task, used when train_path is empty
                 "kind": "reverse",  # reverse (digit reversal) | arithmetic
                 "num_digits": 4, "num_operands": 2, "ops": "+",  # ops/operands: arithmetic only
@@ -118,6 +124,11 @@ def base_config() -> ConfigDict:
                       "cost_critic": optimizer(1e-3), "reward": optimizer(1e-3)},
         "micro_batches": 1,  # per optimizer update; or use a token budget
         "micro_batch_tokens": 0,  # >0: split micro-batches by this token budget instead
+        # Held-out evaluation (data.eval_path or the task's eval rows), jaxrlhf/run/evaluate.py:
+        # greedy reward (and accuracy when rows have answers) before and after RL, and every
+        # `every` steps (0 = never) in metrics.jsonl / TensorBoard as eval/*; with samples = n,
+        # also pass@1, pass@n and mean@n of n sampled responses per prompt.
+        "eval": {"every": 0, "samples": 0, "max_prompts": 0},
         "warm_start": {  # supervised warm start of the actor before RL (0 steps = none)
             "sft_steps": 0, "batch_size": 32, "lr": 3e-3,
         },

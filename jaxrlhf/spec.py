@@ -27,6 +27,7 @@ from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.spec import Algorithm, BatchKind
 from jaxrlhf.checkpoint import CheckpointConfig, NanPolicy
 from jaxrlhf.data import tasks
+from jaxrlhf.data.chat import ChatTemplateMode
 from jaxrlhf.data.long_prompts import LongPrompts, parse_long_prompts
 from jaxrlhf.dataflow.graph import DataflowGraph, build_graph
 from jaxrlhf.dataflow.placement import Placement
@@ -142,6 +143,21 @@ class DataSpec:
     preference_holdout: int
     task: tasks.ArithmeticTask | tasks.ReverseTask
     long_prompts: LongPrompts  # prompts longer than rollout.max_prompt_len
+    chat_template: ChatTemplateMode  # render prompts with the tokenizer's chat template
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """Held-out evaluation during RL (`jaxrlhf/run/evaluate.py`).
+
+    every: RL steps between evaluations (0 = only before and after training); samples: sampled
+    responses per prompt for pass@k / mean@k (0 = greedy only); max_prompts: held-out prompts
+    used (0 = all).
+    """
+
+    every: int = 0
+    samples: int = 0
+    max_prompts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +232,8 @@ class RunSpec:
     steps: int
     config_json: str
     async_rl: AsyncRLSpec = AsyncRLSpec()
+    require_model_paths: bool = False  # every role loads its own HF directory
+    evaluation: EvalSpec = EvalSpec()
 
     @property
     def offline(self) -> bool:
@@ -302,6 +320,7 @@ _RANGES = (
     ("optimizer.actor.lr", 0.0, False), ("optimizer.critic.lr", 0.0, False),
     ("async_rl.max_staleness", 0, True), ("async_rl.chunk_tokens", 1, True),
     ("async_rl.behav_imp_weight_cap", 0.0, True),
+    ("eval.every", 0, True), ("eval.samples", 0, True), ("eval.max_prompts", 0, True),
 )
 
 
@@ -456,8 +475,11 @@ def _data(d: ConfigDict) -> DataSpec:
         task = builtin_task(d.task)
     with field("data.long_prompts"):
         long_prompts = parse_long_prompts(d.long_prompts)
+    with field("data.chat_template"):
+        chat_template = enum_value(ChatTemplateMode, d.chat_template, "data.chat_template")
     return DataSpec(d.train_path, d.eval_path, d.sft_path, d.preference_path,
-                    d.preference_eval_path, d.preference_holdout, task, long_prompts)
+                    d.preference_eval_path, d.preference_holdout, task, long_prompts,
+                    chat_template)
 
 
 def _rollout(r: ConfigDict) -> RolloutSpec:
@@ -528,4 +550,6 @@ def run_spec(config: ConfigDict) -> RunSpec:
         placement=PlacementSpec(kind, p.cluster, p.strategy, p.allocation, p.offload_frozen),
         checkpoint=checkpoint, nan_policy=nan_policy, data=_data(config.data),
         warm_start=warm, tokenizer=config.tokenizer, seed=config.seed, steps=config.steps,
-        config_json=config.to_json(), async_rl=async_rl)
+        config_json=config.to_json(), async_rl=async_rl,
+        require_model_paths=config.require_model_paths,
+        evaluation=EvalSpec(config.eval.every, config.eval.samples, config.eval.max_prompts))

@@ -47,12 +47,15 @@ def start_of(spec: RunSpec, role: Role) -> Start:
     """How `role`'s parameters begin (see the module docstring).
 
     Raises:
-      ConfigError: a frozen reward/cost model without a path, or a critic that cannot start
+      ConfigError: a role without a path where the config requires one, a frozen reward/cost model without a path, or a critic that cannot start
         from a pretrained actor of another size.
     """
     model = spec.models[role]
     if model.path:
         return Start.LOAD
+    if spec.require_model_paths:
+        raise ConfigError(f"models.{role.value}.path: empty; this config starts every model "
+                          "from its own Hugging Face directory (require_model_paths)")
     match role:
         case Role.ACTOR:
             return Start.INIT
