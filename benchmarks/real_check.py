@@ -26,6 +26,8 @@ How ReaL's plans map to jaxrlhf's:
     setting has 4096 prompts (`configs/ppo_70b.py` with rollout.batch_size=4096). Only 4096
     splits into ReaL's micro-batch counts, and only it makes the measured seconds plausible
     (512 prompts would put the 70B actor's training at ~4% MFU, 4096 at ~30%).
+  * ReaL's pipelined decoding keeps the pipeline full across tokens, so its plans are priced
+    with `DecodeSchedule.ACROSS_TOKENS` (jaxrlhf's runtime pays the bubble every token);
   * generation is compared with the CUDA-graph figures (Tables 2-5 list those); the step with
     Table 6's End2End with CUDA graphs. The w/o-CUDA-graph figures are printed beside them.
 """
@@ -50,7 +52,7 @@ from jaxrlhf.plan import cost as cost_lib  # noqa: E402
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan  # noqa: E402
 from jaxrlhf.plan.cluster import Cluster, load_cluster  # noqa: E402
 from jaxrlhf.plan.evaluate import Evaluator  # noqa: E402
-from jaxrlhf.plan.experiment import Experiment  # noqa: E402
+from jaxrlhf.plan.experiment import DecodeSchedule, Experiment  # noqa: E402
 from jaxrlhf.spec import run_spec  # noqa: E402
 
 MFCS = ("actor_gen", "reward", "ref_inf", "critic_inf", "critic_train", "actor_train")
@@ -109,7 +111,8 @@ def experiment_of(case: str) -> Experiment:
     spec.loader.exec_module(module)
     config = module.get_config()
     config.rollout.batch_size = batch
-    return run_spec(config).experiment()
+    experiment = run_spec(config).experiment()
+    return dataclasses.replace(experiment, decode=DecodeSchedule.ACROSS_TOKENS)
 
 
 def micro_batches(call: Call, row: Row) -> int:
@@ -119,13 +122,19 @@ def micro_batches(call: Call, row: Row) -> int:
 
 
 def real_plan(experiment: Experiment, case: str, kind: str) -> ExecutionPlan:
-    """ReaL's plan of Table 2-5 as an ExecutionPlan."""
+    """ReaL's plan of Table 2-5 as an ExecutionPlan.
+
+    On a workload other than the table's (e.g. `configs/ppo_70b.py`'s 512 prompts), a
+    micro-batch count that does not split the batch becomes the largest one below it that does.
+    """
     choices = {}
     for name, row in zip(MFCS, TABLES[case, kind]):
         devices = DeviceRange(*HOSTS[row.mesh])
         call = experiment.graph.mfc(name).call
+        rows = experiment.workload.rows(call) // row.dp
+        micro = max(k for k in range(1, micro_batches(call, row) + 1) if rows % k == 0)
         choices[name] = CallChoice(devices, data=row.dp, fsdp=1, tensor=row.tp,
-                                   micro_batches=micro_batches(call, row), pipeline=row.pp)
+                                   micro_batches=micro, pipeline=row.pp)
     return ExecutionPlan.of(choices)
 
 

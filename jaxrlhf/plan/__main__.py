@@ -1,8 +1,11 @@
 """`python -m jaxrlhf.plan --config=configs/ppo_70b.py --cluster=meshes/a100_16x8.py [--json]`
 
 Searches an execution plan for an experiment on a cluster and prints it beside the baselines
-(colocate, standalone, split, interleave), as tables like ReaL's Tables 2-6, with the step time
-of each and the searched plan's speedup; `--json` prints one JSON object instead. The searched
+(colocate, standalone, split, interleave, and ReaL's Megatron-rule `heuristic`), as tables like
+ReaL's Tables 2-6, with the step time of each and the searched plan's speedup; `--json` prints
+one JSON object instead ({"plans": {NAME: {"step_seconds", "mfc_seconds", "mfcs", ...}}}).
+With `--config.placement.kind=manual --config.placement.allocation=...` the given plan is
+priced too, as plan `configured` (an MFC without `@N` gets the run's default micro-batches). The searched
 plan's `placement.allocation` line (micro-batches included, `@N`) can be pasted into a run
 (`placement.kind=manual`); `placement.kind=auto` runs the same plan object.
 
@@ -18,6 +21,7 @@ Two modes run the config's MFCs on this machine's devices, which must be the clu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -25,9 +29,11 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxrlhf.plan import report as report_lib
+from jaxrlhf.plan.allocation import AllocationError, parse_allocation, plan_of
+from jaxrlhf.plan.choice import ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster, load_cluster, save_calibration
-from jaxrlhf.plan.evaluate import SimOptions
-from jaxrlhf.plan.search import SearchOptions, search
+from jaxrlhf.plan.evaluate import Evaluator, SimOptions
+from jaxrlhf.plan.search import PlanResult, SearchOptions, search
 from jaxrlhf.plan.simulator import dispatch_order
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
@@ -95,18 +101,49 @@ def _validate(config, cluster: Cluster) -> None:
     print(validate.memory_table(result))
 
 
+def _configured_plan(spec) -> ExecutionPlan | None:
+    """placement.kind=manual: the allocation as a plan (train_step micro-batches default to the
+    run's `micro_batches`, other calls to 1, as the runtime's placement does)."""
+    from jaxrlhf.dataflow.placement import Placement
+    from jaxrlhf.engine.microbatch import MicrobatchMode
+    from jaxrlhf.mfc import Call
+
+    if spec.placement.kind is not Placement.MANUAL:
+        return None
+    try:
+        entries = parse_allocation(spec.placement.allocation)
+        train = spec.micro.value if spec.micro.mode is MicrobatchMode.COUNT else 1
+        plans = {name: plan_of({name: entry}, train if spec.graph.mfc(name).call is
+                               Call.TRAIN_STEP else 1)[name]
+                 for name, entry in entries.items()}
+    except (AllocationError, ValueError, KeyError) as e:
+        raise app.UsageError(f"placement.allocation: {e}") from None
+    missing = [m.name for m in spec.experiment().model_mfcs() if m.name not in plans]
+    if missing:
+        raise app.UsageError(f"placement.allocation: no entry for MFC(s) {missing}")
+    return ExecutionPlan.of(plans)
+
+
 def _search(config, cluster: Cluster) -> None:
     from jaxrlhf.spec import run_spec
 
-    experiment = run_spec(config).experiment()
+    spec = run_spec(config)
+    experiment = spec.experiment()
+    configured = _configured_plan(spec)
     options = SearchOptions(iterations=_ITERATIONS.value, time_limit_s=_TIME_LIMIT.value,
                             seed=_SEED.value)
-    report = search(experiment, cluster, options, SimOptions(overlap_steps=_OVERLAP.value))
+    sim = SimOptions(overlap_steps=_OVERLAP.value)
+    report = search(experiment, cluster, options, sim)
+    if configured is not None:
+        evaluation = Evaluator(experiment, cluster, sim).evaluate(configured)
+        reason = "; ".join(str(v) for v in evaluation.memory.violations)
+        report = dataclasses.replace(
+            report, configured=PlanResult("configured", configured, evaluation, reason))
     if _JSON.value:
         print(json.dumps(report_lib.to_json(report, cluster), indent=1, sort_keys=True))
         return
     order = dispatch_order(experiment)
-    for result in [report.searched, *report.baselines.values()]:
+    for result in report.plans().values():
         print(report_lib.plan_table(result, cluster, order) + "\n")
     print(report_lib.summary(report))
     if report.searched.plan is not None:

@@ -30,9 +30,12 @@ Pipelines (p > 1; `pipelined`). The layers are cut into p stages of d × f × t 
 stage does 1/p of a micro-batch's work (FLOPs, collectives, weight reads) per slot. The k
 micro-batches stream through the stages, GPipe or 1F1B alike in k + p - 1 slots, so the bubble
 is (p-1)/(k+p-1) of the time; every slot ends with a stage-to-stage send of the micro-batch's
-activations (and, training, of their gradients back), on the slowest hop's link. Pipelined
-decoding keeps every micro-batch in flight: one new token of all of them takes max(k, p) slots
-(with k < p a token waits for its micro-batch to come round). A pipelined call is one jit call.
+activations (and, training, of their gradients back), on the slowest hop's link. A pipelined
+train_step is one backward pass per update, so its gradients are reduced once per update, not
+per micro-batch. Pipelined decoding keeps every micro-batch in flight; jaxrlhf's runtime runs
+one pipeline pass per token (k + p - 1 slots, `DecodeSchedule.PER_TOKEN`), ReaL's keeps the
+pipeline full across tokens (max(k, p) slots: with k < p a token waits for its micro-batch to
+come round). A pipelined call is one jit call.
 
 Parameter movements (`realloc_cost`, `offload_cost`). A layout's mesh is its device range
 reshaped to the mesh axes, and the big matrices are cut along `embed` by fsdp, along
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Sequence
 
@@ -66,7 +70,7 @@ from jaxrlhf.parallel import strategy as strategy_lib
 from jaxrlhf.parallel.strategy import Axis
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import OVERHEADS, Calibration, Cluster
-from jaxrlhf.plan.experiment import Workload
+from jaxrlhf.plan.experiment import DecodeSchedule, Workload
 from jaxrlhf.plan.profile import ModelProfile
 
 
@@ -91,7 +95,8 @@ class CallCost:
         return CallCost(*(a * k for a in self.parts()))
 
     def parts(self) -> tuple[float, ...]:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        return (self.compute, self.memory, self.comm, self.fixed, self.launches, self.calls,
+                self.arrays)  # the fields in order (spelled out: the search adds millions)
 
     def seconds(self, cluster: Cluster) -> float:
         return (self.compute / cluster.matmul_efficiency + self.memory / cluster.hbm_efficiency
@@ -103,6 +108,7 @@ class CallCost:
 ZERO = CallCost()
 
 
+@functools.cache
 def mesh_order() -> tuple[Axis, ...]:
     """The runtime's mesh axes, outermost first. Where the strategy module does not place the
     pipeline axis, it is outermost (ReaL's and Megatron's order: a stage is a block of
@@ -242,14 +248,19 @@ def train_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Clu
                      layer_passes=2 + full)
     micro = micro + _gather_weights(p, cluster, choice).times(2 + full + 1)  # + grad scatter
     d_link = axis_link(cluster, choice, Axis.DATA)
-    micro = micro + all_reduce(p.shard_bytes(choice.tensor, choice.fsdp), choice.data, d_link)
+    grads = all_reduce(p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline), choice.data,
+                       d_link)
     # Activations forward, their gradients back.
     send = stage_send(p, cluster, choice, rows * s).times(2)
     update_bytes = (p.shard_elements(choice.tensor, choice.fsdp, choice.pipeline)
                     * optimizer_bytes_per_param(p, fp32_master))
     # One jit call per update, whose optimizer runs a few kernels per parameter array.
     update = CallCost(memory=update_bytes / cluster.hbm_bandwidth, calls=1, arrays=len(p.leaves))
-    return (pipelined(micro, send, choice, schedule_slots(choice)) + update).times(work.updates)
+    if choice.pipeline == 1:  # the accumulator is reduced after every micro-batch
+        passes = (micro + grads).times(choice.micro_batches)
+    else:  # one backward pass through the pipeline, one reduction
+        passes = pipelined(micro, send, choice, schedule_slots(choice)) + grads
+    return (passes + update).times(work.updates)
 
 
 def inference_cost(p: ModelProfile, work: Workload, choice: CallChoice,
@@ -274,16 +285,20 @@ def decode_step_cost(p: ModelProfile, work: Workload, choice: CallChoice,
             + CallCost(memory=reads / cluster.hbm_bandwidth))
 
 
-def generate_cost(p: ModelProfile, work: Workload, choice: CallChoice,
-                  cluster: Cluster) -> CallCost:
+def generate_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Cluster,
+                  decode: DecodeSchedule = DecodeSchedule.PER_TOKEN) -> CallCost:
     """Prefill over the prompts, then `new_tokens` decode steps, per micro-batch."""
     rows = work.rows_per_device(Call.GENERATE, choice.dp_size, choice.micro_batches)
     prefill = (_forward(p, cluster, choice, rows * work.prompt_len, work.seq_len)
                + _gather_weights(p, cluster, choice))
     prefill_send = stage_send(p, cluster, choice, rows * work.prompt_len)
     token_send = stage_send(p, cluster, choice, rows)
-    # All micro-batches in flight: a token of each takes max(M, p) slots (module docstring).
-    cycle = max(choice.micro_batches, choice.pipeline)
+    # All micro-batches in flight; a token of each takes (module docstring):
+    match decode:
+        case DecodeSchedule.PER_TOKEN:
+            cycle = schedule_slots(choice)
+        case DecodeSchedule.ACROSS_TOKENS:
+            cycle = max(choice.micro_batches, choice.pipeline)
     decode = pipelined(decode_step_cost(p, work, choice, cluster), token_send, choice, cycle)
     calls = choice.micro_batches if choice.pipeline == 1 else 1
     return (pipelined(prefill, prefill_send, choice, schedule_slots(choice))
@@ -291,7 +306,8 @@ def generate_cost(p: ModelProfile, work: Workload, choice: CallChoice,
 
 
 def call_cost(p: ModelProfile, call: Call, work: Workload, choice: CallChoice, cluster: Cluster,
-              fp32_master: bool = False) -> CallCost:
+              fp32_master: bool = False,
+              decode: DecodeSchedule = DecodeSchedule.PER_TOKEN) -> CallCost:
     """The cost of one MFC of kind `call` (see the module docstring)."""
     match call:
         case Call.TRAIN_STEP:
@@ -299,7 +315,7 @@ def call_cost(p: ModelProfile, call: Call, work: Workload, choice: CallChoice, c
         case Call.INFERENCE:
             return inference_cost(p, work, choice, cluster)
         case Call.GENERATE:
-            return generate_cost(p, work, choice, cluster)
+            return generate_cost(p, work, choice, cluster, decode)
     raise ValueError(f"unknown call kind {call}")
 
 

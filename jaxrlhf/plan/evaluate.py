@@ -73,7 +73,7 @@ class Evaluator:
         mfc = self.experiment.graph.mfc(name)
         return cost_lib.call_cost(self.experiment.profile(mfc.role), mfc.call,
                                   self.experiment.workload, choice, self.cluster,
-                                  self.experiment.master(mfc.role))
+                                  self.experiment.master(mfc.role), self.experiment.decode)
 
     def mfc_seconds(self, name: str, choice: CallChoice) -> float:
         key = (name, choice)

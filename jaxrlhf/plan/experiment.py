@@ -8,6 +8,7 @@ workload is the maximum shapes.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Mapping
 
@@ -63,6 +64,18 @@ class Workload:
         return rows // ways
 
 
+class DecodeSchedule(enum.Enum):
+    """How a pipelined generation schedules its decode steps (the runtime being priced).
+
+    PER_TOKEN: jaxrlhf's (`parallel/pipeline.py`): every new token is one pipeline pass over
+      the M micro-batches, M + p - 1 slots, so each token pays the bubble.
+    ACROSS_TOKENS: ReaL's: the pipeline stays full from token to token, max(M, p) slots.
+    """
+
+    PER_TOKEN = "per_token"
+    ACROSS_TOKENS = "across_tokens"
+
+
 @dataclasses.dataclass(frozen=True)
 class Experiment:
     """Graph + models + workload.
@@ -75,6 +88,7 @@ class Experiment:
       offload_frozen: frozen models wait in host memory between calls when their devices are
         shared with another model's calls.
       host_seconds: host MFC name -> its duration (rule-based rewards); 0 if absent.
+      decode: the runtime's pipelined decode schedule (jaxrlhf's unless pricing another).
     """
 
     graph: DataflowGraph
@@ -83,16 +97,18 @@ class Experiment:
     fp32_master: tuple[tuple[Role, bool], ...] = ()
     offload_frozen: bool = False
     host_seconds: tuple[tuple[str, float], ...] = ()
+    decode: DecodeSchedule = DecodeSchedule.PER_TOKEN
 
     @classmethod
     def of(cls, graph: DataflowGraph, models: Mapping[Role, ModelConfig], workload: Workload,
            *, fp32_master: Mapping[Role, bool] | None = None, offload_frozen: bool = False,
-           host_seconds: Mapping[str, float] | None = None) -> "Experiment":
+           host_seconds: Mapping[str, float] | None = None,
+           decode: DecodeSchedule = DecodeSchedule.PER_TOKEN) -> "Experiment":
         missing = [m.name for m in graph.mfcs if not m.host and m.role not in models]
         if missing:
             raise ValueError(f"no model config for the role of MFC(s) {missing}")
         return cls(graph, tuple(models.items()), workload, tuple((fp32_master or {}).items()),
-                   offload_frozen, tuple((host_seconds or {}).items()))
+                   offload_frozen, tuple((host_seconds or {}).items()), decode)
 
     def model(self, role: Role) -> ModelConfig:
         return dict(self.models)[role]

@@ -17,9 +17,10 @@ One MFC on its own (`call_memory`), per device:
     over fsdp, and with fsdp the LM head's table;
   * pipelines (p > 1): a stage holds 1/p of the layers' parameters, state and gradients (the
     embedding and head whole, `ModelProfile.shard_bytes`) and of what they save for the
-    backward pass, but for every micro-batch in flight: 1F1B keeps min(M, p) on the first
-    stage; the stage also buffers every micro-batch's boundary activations (its input and its
-    output), and pipelined decoding keeps all M micro-batches' caches.
+    backward pass, but for every iteration of the schedule: the runtime's GPipe loop keeps
+    them for all M + p - 1 (bubble iterations compute on filler); every stage also holds all
+    micro-batches' inputs and outputs, and pipelined decoding keeps all M micro-batches'
+    caches (`parallel/pipeline.py`).
 
 A plan (`plan_memory`) adds what other models keep on the same devices while the MFC runs,
 following the runtime (`dataflow.runtime.ModelRuntime`): a trained model's parameters and
@@ -173,7 +174,8 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             tokens = rows * s
             params, optimizer = train_state_bytes(p, choice, fp32_master)
             elements = p.shard_elements(t, choice.fsdp, stages)
-            in_flight = min(choice.micro_batches, stages)  # 1F1B on the first stage
+            # GPipe: every iteration's activations, bubble ones included (none without stages).
+            in_flight = choice.micro_batches + stages - 1 if stages > 1 else 1
             activations = (saved_activation_bytes(p, tokens, s, t) * in_flight / stages
                            + layer_working_bytes(p, tokens, s, t)
                            + _stage_buffers(p, choice, tokens))

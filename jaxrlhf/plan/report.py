@@ -67,7 +67,7 @@ def summary(report: SearchReport) -> str:
     """Step time of every plan and the searched plan's speedup over each baseline."""
     searched = report.searched.step_seconds
     rows = [("plan", "step seconds", "searched speedup")]
-    for name, result in [("searched", report.searched), *report.baselines.items()]:
+    for name, result in report.plans().items():
         seconds = result.step_seconds
         speedup = "-"
         if name != "searched" and math.isfinite(seconds) and math.isfinite(searched):
@@ -88,23 +88,27 @@ def allocation(result: PlanResult) -> str:
 
 def _plan_json(result: PlanResult, cluster: Cluster) -> dict:
     if not result.feasible:
-        return {"step_seconds": None, "reason": result.reason or "; ".join(
+        out = {"step_seconds": None, "reason": result.reason or "; ".join(
             str(v) for v in result.evaluation.memory.violations)}
+        if result.evaluation is not None:  # priced, but the memory model rejects it
+            out["mfc_seconds"] = dict(result.evaluation.mfc_seconds)
+            out["allocation"] = allocation(result)
+        return out
     ev = result.evaluation
     mfcs = {}
     for name, choice in result.plan.items():
         mfcs[name] = {
             "mesh": str(choice.devices), "hosts": mesh_name(choice, cluster),
-            "strategy": choice.strategy.axes_str(), "micro_batches": choice.micro_batches,
+            "strategy": choice.axes_str(), "micro_batches": choice.micro_batches,
             "seconds": ev.mfc_seconds[name], "peak_bytes_per_device": ev.memory.peak[name],
         }
     return {"step_seconds": ev.step_seconds, "mfcs": mfcs, "movements": ev.movement_seconds,
-            "allocation": allocation(result)}
+            "mfc_seconds": dict(ev.mfc_seconds), "allocation": allocation(result)}
 
 
 def to_json(report: SearchReport, cluster: Cluster) -> dict:
-    """{plans: {searched: {...}, colocate: {...}, ...}, search_seconds, evaluations}."""
-    plans = {"searched": _plan_json(report.searched, cluster)}
-    plans.update({name: _plan_json(r, cluster) for name, r in report.baselines.items()})
+    """{plans: {searched: {...}, colocate: {...}, ..., configured: {...} when given},
+    search_seconds, evaluations}."""
+    plans = {name: _plan_json(r, cluster) for name, r in report.plans().items()}
     return {"plans": plans, "search_seconds": report.search_seconds,
             "evaluations": report.evaluations, "cluster": cluster.name}

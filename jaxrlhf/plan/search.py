@@ -72,13 +72,34 @@ def _smallest(menu: Menu, name: str, devices: DeviceRange, configs: list[Config]
                                menu.evaluator.mfc_seconds(name, ch)))
 
 
+FASTEST, SMALLEST = 24, 8  # the descent's shortlist per MFC
+
+
+def _shortlist(configs: list[Config]) -> list[Config]:
+    """The FASTEST fastest configs and the SMALLEST slowest (which hold the least memory):
+    the menu's configs are sorted by seconds, and the descent is only a start for annealing,
+    which sees them all."""
+    if len(configs) <= FASTEST + SMALLEST:
+        return configs
+    return configs[:FASTEST] + configs[-SMALLEST:]
+
+
 def descend(menu: Menu, ranges: dict[str, DeviceRange], allowed: dict[str, list[Config]],
             name: str) -> PlanResult:
-    """Coordinate descent over each MFC's `allowed` configs on its fixed `ranges`."""
-    evaluator = menu.evaluator
+    """Coordinate descent over each MFC's `allowed` configs (their `_shortlist`; all of them
+    when the plan does not fit otherwise) on its fixed `ranges`."""
     if any(not allowed[n] for n in ranges):
         empty = [n for n in ranges if not allowed[n]]
         return PlanResult(name, None, None, f"no legal strategy fits for MFC(s) {empty}")
+    shortlisted = _descend(menu, ranges, {n: _shortlist(c) for n, c in allowed.items()}, name)
+    if shortlisted.feasible or all(len(c) == len(_shortlist(c)) for c in allowed.values()):
+        return shortlisted
+    return _descend(menu, ranges, allowed, name)
+
+
+def _descend(menu: Menu, ranges: dict[str, DeviceRange], allowed: dict[str, list[Config]],
+             name: str) -> PlanResult:
+    evaluator = menu.evaluator
     plan = ExecutionPlan.of({n: _smallest(menu, n, ranges[n], allowed[n]) for n in ranges})
     best = evaluator.evaluate(plan)
     if not best.fits:
@@ -215,6 +236,12 @@ class SearchReport:
     baselines: dict[str, PlanResult]
     search_seconds: float
     evaluations: int
+    configured: PlanResult | None = None  # the run's own plan (placement.kind=manual), priced
+
+    def plans(self) -> dict[str, PlanResult]:
+        """Every plan by name: searched, the baselines, and the configured one if any."""
+        found = {"searched": self.searched, **self.baselines}
+        return found | ({"configured": self.configured} if self.configured else {})
 
     @property
     def best_baseline(self) -> PlanResult:

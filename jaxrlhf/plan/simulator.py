@@ -19,6 +19,7 @@ synchronous scheduler does (`Scheduler.run_step` waits for every output).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 from collections.abc import Callable, Mapping, Sequence
@@ -98,6 +99,29 @@ class SimResult:
                 for iv in ivs if iv.kind is TaskKind.MFC}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Segments:
+    """The devices cut at every task range's ends: devices of one segment are always occupied
+    together, so the simulation tracks one free time per segment instead of per device."""
+
+    bounds: tuple[int, ...]  # first device of each segment
+
+    def of(self, devices: DeviceRange) -> tuple[int, int]:
+        """[first, last) segment indices that make up `devices`."""
+        return (bisect.bisect_left(self.bounds, devices.first),
+                bisect.bisect_left(self.bounds, devices.last + 1))
+
+
+def _segments(tasks: Sequence[Task], num_devices: int) -> _Segments:
+    cuts = {0}
+    for task in tasks:
+        for r in task.devices:
+            if r.last >= num_devices:
+                raise ValueError(f"task {task.name} uses devices {r} of {num_devices}")
+            cuts.update((r.first, r.last + 1))
+    return _Segments(tuple(sorted(c for c in cuts if c < num_devices)))
+
+
 def simulate(tasks: Sequence[Task], num_devices: int, num_steps: int = 2,
              overlap_steps: bool = False) -> SimResult:
     """Runs Algorithm 1 over `num_steps` copies of `tasks` (given in dispatch order)."""
@@ -111,18 +135,20 @@ def simulate(tasks: Sequence[Task], num_devices: int, num_steps: int = 2,
         unknown = [a for a in task.after_previous if a not in position]
         if unknown:
             raise ValueError(f"task {task.name} waits for unknown task(s) {unknown}")
-    free = [0.0] * num_devices  # when each device is next free
+    segments = _segments(tasks, num_devices)
+    free = [0.0] * len(segments.bounds)  # when each segment's devices are next free
+    spans = [[segments.of(r) for r in task.devices] for task in tasks]
     ends: dict[tuple[int, str], float] = {}
     intervals, step_ends, barrier = [], [], 0.0
     for step in range(num_steps):
-        for task in tasks:
+        for task, task_spans in zip(tasks, spans):
             ready = max([barrier] + [ends[step, a] for a in task.after]
                         + [ends[step - 1, a] for a in task.after_previous if step > 0])
-            busy = max((max(free[r.first:r.last + 1]) for r in task.devices), default=0.0)
+            busy = max((max(free[a:b]) for a, b in task_spans), default=0.0)
             start = max(ready, busy)
             end = start + task.seconds
-            for r in task.devices:
-                free[r.first:r.last + 1] = [end] * r.size
+            for a, b in task_spans:
+                free[a:b] = [end] * (b - a)
             ends[step, task.name] = end
             intervals.append(Interval(task.name, task.kind, task.mfc, step, start, end,
                                       task.devices))
