@@ -115,3 +115,38 @@ def test_staleness_bounded_and_generation_runs_ahead(algorithm, rows, tmp_path):
         assert got[s]["actor/behav_imp_weight"] > 0
     assert result.extra["tokens_per_second"] > 0
     assert prompts.state().batch == STEPS
+
+
+def test_checkpoints_drain_the_pipeline():
+    # Generation may not start a batch at or past the next checkpoint step (or the run's end).
+    assert async_loop._limit(trained=3, steps=40, every=4) == 4
+    assert async_loop._limit(trained=4, steps=40, every=4) == 8
+    assert async_loop._limit(trained=38, steps=40, every=4) == 40
+    assert async_loop._limit(trained=3, steps=40, every=0) == 40
+
+
+def test_stop_rewinds_to_the_first_untrained_batch(rows):
+    prompts = datasets.EpochIterator(rows, 8, seed=0)
+    states, batches = [], []
+    for _ in range(4):
+        states.append(prompts.state())
+        batches.append(next(prompts))
+    # batch 0 trained; 1 and 2 generated, waiting; 3 in flight: a stop drops 1..3.
+    ready = [async_loop.Generated(k, {}, np.zeros((1, 1), np.int32), 0, states[k], (0.0, 0.0))
+             for k in (1, 2)]
+    async_loop._rewind(prompts, ready, states[3])
+    assert not ready and prompts.state() == states[1]
+    assert next(prompts) == batches[1]  # a resumed run generates batch 1 again
+    async_loop._rewind(prompts, [], None)  # nothing generated ahead: nothing moves
+    assert prompts.state() == states[2]
+
+
+def test_batch_metrics_from_token_versions():
+    versions_bn = np.array([[3, 3, 4, 4, -1], [5, 5, -1, -1, -1], [4, 4, 4, 4, 4]], np.int32)
+    done = async_loop.Generated(7, {}, versions_bn, 2, None, (0.0, 1.0))
+    m = async_loop._batch_metrics(done, version=5, eta=2)
+    # staleness per token: [2 2 1 1], [0 0], [1 1 1 1 1]
+    assert m["async/staleness_max"] == 2 and m["async/staleness_mean"] == 1.0
+    assert m["async/interrupted_sequences"] == 1  # row 0 switched from version 3 to 4
+    assert m["async/interruptions"] == 2
+    assert [m[f"async/staleness_frac_{k}"] for k in range(3)] == [2 / 11, 7 / 11, 2 / 11]

@@ -239,10 +239,12 @@ def _draw(events: list, path: str, specs: dict[str, str]) -> None:
 
 
 def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
-            acc_before: float) -> AsyncLoopResult:
+            acc_before: float | None, held_out=None,
+            evaluation_before: dict[str, float] | None = None) -> AsyncLoopResult:
     """RL steps from the runner's step index to spec.steps, asynchronously (module docstring).
 
-    Args and checkpoints as the synchronous loop (`jaxrlhf.run.rl.rl_loop`).
+    Args, checkpoints and the periodic held-out evaluation (`held_out`, run between two
+    updates) as the synchronous loop (`jaxrlhf.run.rl.rl_loop`).
     """
     spec, r = job.spec, job.spec.rollout
     eta = spec.async_rl.max_staleness
@@ -264,8 +266,9 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
     last_end, busy_marks = now(), (0.0, 0.0)
     bar = tqdm(range(trained, spec.steps), desc=f"{trainer_run.algorithm.name} (async η={eta})",
                initial=trained, total=spec.steps, mininterval=1)
+    kept = {} if evaluation_before is None else {"evaluation_before": evaluation_before}
     save = lambda: checkpoint.save_run(checkpoints, trainer_run, prompts, acc_before,
-                                       spec.config_json, job.fingerprint)
+                                       spec.config_json, job.fingerprint, **kept)
     interrupted = False
     with checkpoint.StopRequest() as stop:
         while trained < spec.steps:
@@ -289,6 +292,9 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
                 busy_marks = (gen_busy, train_busy)
                 if skipped:
                     m["nan_skipped"] = 1.0
+                if held_out is not None and held_out.due(trained):  # no update is running
+                    m.update(held_out.periodic(actor.params_on(held_out.layout), trained,
+                                               runner.runtimes.get(Role.REWARD)))
                 staleness_max = max(staleness_max, m["async/staleness_max"])
                 if trained > 1:
                     tokens_per_s.append((tokens, window))
@@ -301,7 +307,7 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
                                  for k in trainer_run.algorithm.shown})
                 stopping = stop.agreed()
                 if stopping:
-                    _rewind(prompts, ready, worker)
+                    _rewind(prompts, ready, worker.drop())
                 if checkpoints.cfg.due(trained) or stopping:
                     save()
                 if stopping:
@@ -348,9 +354,10 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
     return AsyncLoopResult(timings, interrupted, trainer.guard.skipped, extra)
 
 
-def _rewind(prompts, ready, worker: RolloutWorker) -> None:
-    """Stop: drop generated-but-untrained batches and rewind the prompts to the first."""
-    firsts = [g.iterator_before for g in ready] + [worker.drop()]
+def _rewind(prompts, ready, inflight_before) -> None:
+    """Stop: drop the generated-but-untrained batches (`ready`, and the one in flight, drawn
+    from `inflight_before`, or None) and rewind the prompts to the first of them."""
+    firsts = [g.iterator_before for g in ready] + [inflight_before]
     firsts = [f for f in firsts if f is not None]
     if firsts:
         prompts.restore(firsts[0])
