@@ -17,7 +17,7 @@ TINY = get_size("tiny", dtype=jnp.float32)
 
 def test_mesh_of_strategy():
     layout = make_layout("4-7:d2t2", model=TINY)
-    assert dict(layout.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert dict(layout.mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 1, "tensor": 2}
     assert [d.id for d in layout.devices] == [4, 5, 6, 7]
     assert layout.dp_size == 2
     assert str(layout) == "4-7:d2t2"

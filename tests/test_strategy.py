@@ -33,7 +33,7 @@ def test_canonical_string_round_trips():
     strategy = parse_strategy("0-7:t2f4")
     assert str(strategy) == "0-7:f4t2"
     assert parse_strategy(str(strategy)) == strategy
-    assert strategy.mesh_shape == (1, 4, 2)
+    assert strategy.mesh_shape == (1, 1, 4, 2)  # (pipeline, data, fsdp, tensor)
     assert strategy.dp_size == 4
     assert [strategy.size(a) for a in Axis] == [1, 4, 2, 1]
 
@@ -48,8 +48,7 @@ def test_canonical_string_round_trips():
         ("t", "missing size after 't'"),
         ("", "names no parallel axes"),
         ("0-7:", "names no parallel axes"),
-        ("p2", "pipeline parallelism ('p') is not supported yet"),
-        ("d2p2", "pipeline parallelism ('p') is not supported yet"),
+        ("0-3:d2p4", "uses 8 devices but range 0-3 has 4"),
         ("7-0:d8", "device range 7-0 is reversed"),
         ("0-7:d4", "uses 4 devices but range 0-7 has 8"),
         ("2:t2", "uses 2 devices but range 2 has 1"),

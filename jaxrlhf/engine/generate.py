@@ -27,9 +27,11 @@ from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
+from jaxrlhf.parallel.pipeline import layer_stack
 from jaxrlhf.parallel.reshard import transfer
 
-_CACHE_AXES = (None, "batch", None, "act_kv_heads", "head_dim")  # KVCache [l, b, s, k, d]
+# KVCache [l, b, s, k, d]; a pipeline keeps each stage's layers on its own devices.
+_CACHE_AXES = ("layers", "batch", None, "act_kv_heads", "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +244,8 @@ class Generator(BucketedCall):
         row, rows = layout.batch_sharding(1), layout.batch_sharding(2)
         self._rows, self._rng_sharding = rows, layout.replicated()
         self._jitted = jax.jit(
-            functools.partial(generate, Transformer(model_config), gen_config),
+            functools.partial(generate, Transformer(model_config, layer_stack(layout)),
+                              gen_config),
             in_shardings=(
                 layout.param_shardings(abstract_params(model_config)), rows, rows,
                 self._rng_sharding,

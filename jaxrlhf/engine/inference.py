@@ -32,6 +32,7 @@ from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
+from jaxrlhf.parallel.pipeline import layer_stack
 
 
 class InferenceKind(enum.Enum):
@@ -213,7 +214,7 @@ class InferenceFn(BucketedCall):
             scores_bk=rows if cfg.kind is InferenceKind.SCORES else None,
         )
         self._jitted = jax.jit(
-            functools.partial(infer, Transformer(model_config), cfg),
+            functools.partial(infer, Transformer(model_config, layer_stack(layout)), cfg),
             in_shardings=(layout.param_shardings(abstract_params(model_config)),
                           InferenceBatch(rows, rows, rows)),
             out_shardings=out_shardings,

@@ -39,6 +39,7 @@ from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import Layout, init_params
+from jaxrlhf.parallel.pipeline import Pipeline, layer_stack
 from jaxrlhf.parallel.reshard import transfer
 
 Batch = dict[str, jax.Array]
@@ -130,7 +131,8 @@ class _StepSpec:
 
     model_config: ModelConfig
     opt_cfg: OptimizerConfig
-    num_micro: int
+    num_micro: int  # micro-batches accumulated one after another
+    pipeline: Pipeline | None = None  # on a pipelined layout: streams its micro-batches
 
 
 def _grad_fn(model: Transformer, loss_fn: LossFn):
@@ -160,7 +162,8 @@ def _train_step(state: TrainState, batch: Batch, *, spec: _StepSpec, loss_fn: Lo
     )
     keep_sharded = lambda g: jax.lax.with_sharding_constraint(g, param_shardings)
     grads_sum, sums = microbatch.accumulate(
-        _grad_fn(Transformer(spec.model_config), loss_fn), state.params, batch_kb, keep_sharded
+        _grad_fn(Transformer(spec.model_config, spec.pipeline), loss_fn), state.params, batch_kb,
+        keep_sharded,
     )
     weight = sums["weight"]
     # An all-masked batch has no loss; dividing by 1 makes its gradient 0 instead of NaN.
@@ -236,7 +239,10 @@ class TrainStep(BucketedCall):
         return executable(state, batch)
 
     def _jit_for(self, state: TrainState, batch: Batch) -> jax.stages.Wrapped:
-        spec = _StepSpec(self.model_config, self.opt_cfg, self.num_microbatches(batch))
+        count = self.num_microbatches(batch)
+        # A pipeline streams the micro-batches through its stages in one pass instead.
+        pipeline = layer_stack(self.layout, count)
+        spec = _StepSpec(self.model_config, self.opt_cfg, 1 if pipeline else count, pipeline)
         step_fn = functools.partial(
             _train_step, spec=spec, loss_fn=self.loss_fn, layout=self.layout,
             param_shardings=self.shardings.params,

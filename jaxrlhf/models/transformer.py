@@ -30,6 +30,7 @@ from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy, RopeScalin
 LOGICAL_AXES = (
     "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",  # parameters
     "batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab",
+    "stages",  # a pipelined LayerStack's per-stage activations (parallel/pipeline.py)
 )
 
 class KVCache(NamedTuple):

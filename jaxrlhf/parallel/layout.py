@@ -1,7 +1,7 @@
 """A layout: devices + mesh shape + logical axis rules, and sharded parameter init.
 
 `make_layout("0-3:d2t2", model=cfg)` builds a `Layout` whose mesh has axes
-("data", "fsdp", "tensor") over devices 0..3. Everything that shards an array (parameters,
+("pipeline", "data", "fsdp", "tensor") over devices 0..3. Everything that shards an array (parameters,
 batches, activations inside jit) asks the layout, so one object answers "where does this live".
 
 Divisibility: a logical dimension is only sharded over mesh axes whose total size divides it;
@@ -34,11 +34,21 @@ from jaxrlhf.parallel import rules as rule_presets
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One named device mesh plus the logical->mesh rules used on it. Hashable."""
+    """One named device mesh plus the logical->mesh rules used on it. Hashable.
+
+    `micro_batches` matters only with a pipeline (strategy.pipeline > 1): how many micro-batches
+    a call on this layout streams through the stages (the allocation's `@N`).
+    """
 
     strategy: Strategy
     mesh: Mesh
     rules: rule_presets.Rules
+    micro_batches: int = 1
+
+    @property
+    def pipeline(self) -> int:
+        """Pipeline stages (1 = no pipeline)."""
+        return self.strategy.pipeline
 
     @property
     def dp_size(self) -> int:
@@ -139,14 +149,16 @@ def make_layout(
     model: ModelConfig | None = None,
     devices: Sequence[jax.Device] | None = None,
     rules: rule_presets.Rules = rule_presets.DEFAULT,
+    micro_batches: int = 1,
 ) -> Layout:
-    """Builds a Layout from a strategy string such as "0-7:d2f2t2".
+    """Builds a Layout from a strategy string such as "0-7:d2f2t2" or "0-7:d2p2t2".
 
     Args:
       spec: strategy string or parsed Strategy; without a device range it spans all devices.
       model: when given, t must divide the head counts and non-dividing dims replicate.
       devices: the cluster's devices (default `jax.devices()`), indexed host by host.
       rules: logical->mesh rule preset from `jaxrlhf/parallel/rules.py`.
+      micro_batches: with a pipeline, the micro-batches a call streams through its stages.
     """
     strategy = parse_strategy(spec) if isinstance(spec, str) else spec
     all_devices = submesh.cluster_devices(devices)
@@ -159,7 +171,9 @@ def make_layout(
     if model is not None:
         strategy.check_model(model)
         rules = _rules_for_model(rules, mesh, model)
-    return Layout(strategy=strategy, mesh=mesh, rules=rules)
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    return Layout(strategy=strategy, mesh=mesh, rules=rules, micro_batches=micro_batches)
 
 
 def check_batch_divisible(layout: Layout, batch: int, what: str) -> None:

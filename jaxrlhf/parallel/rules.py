@@ -4,7 +4,9 @@ A rule maps one logical axis name (see `jaxrlhf.models.transformer.LOGICAL_AXES`
 name, a tuple of mesh axis names (sharded over their product), or None (replicated). Flax reads
 them through `nn.logical_axis_rules`; the first rule for a name wins.
 
-Mesh axes are ("data", "fsdp", "tensor"):
+Mesh axes are ("pipeline", "data", "fsdp", "tensor"):
+  * "pipeline" splits the stacked layers into stages (and a pipelined call's per-stage
+    activations, logical name "stages"; see parallel/pipeline.py);
   * "data" replicates parameters and splits the batch;
   * "fsdp" splits the batch *and* the parameters' embed dimension (ZeRO-3 style, gathered per
     layer by XLA);
@@ -25,6 +27,7 @@ DEFAULT: Rules = (
     ("act_kv_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
+    ("stages", "pipeline"),
     # parameters
     ("vocab", "tensor"),
     ("embed", "fsdp"),
@@ -32,7 +35,7 @@ DEFAULT: Rules = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
-    ("layers", None),
+    ("layers", "pipeline"),
 )
 
 # Everything replicated but the batch: the layout of a pure data-parallel call.

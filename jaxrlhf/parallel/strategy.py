@@ -3,10 +3,13 @@
     spec    := [range ":"] axes
     range   := INT ["-" INT]              inclusive device indices, e.g. 0-7 or 3
     axes    := (LETTER INT)+              each letter at most once, any order
-    LETTER  := "d" (data) | "f" (fsdp) | "t" (tensor) | "p" (pipeline, reserved)
+    LETTER  := "d" (data) | "f" (fsdp) | "t" (tensor) | "p" (pipeline)
 
-Missing letters mean size 1. The parser is a regex tokenizer plus a small recursive-descent
-reader, so every malformed string gets a one-line `ValueError` naming the problem. Checks that
+Missing letters mean size 1. With `p` > 1 the model's layers are cut into that many stages, one
+per slice of the mesh's "pipeline" axis (see `jaxrlhf/parallel/pipeline.py`).
+
+The parser is a regex tokenizer plus a small recursive-descent reader, so every malformed
+string gets a one-line `ValueError` naming the problem. Checks that
 need to know the devices or the model live in `check_devices` / `check_model`.
 """
 
@@ -29,7 +32,11 @@ class Axis(enum.Enum):
 
 
 LETTERS: dict[str, Axis] = {"d": Axis.DATA, "f": Axis.FSDP, "t": Axis.TENSOR, "p": Axis.PIPELINE}
-MESH_AXES: tuple[Axis, ...] = (Axis.DATA, Axis.FSDP, Axis.TENSOR)  # mesh axis order
+# Mesh axis order: pipeline outermost (stages talk least: one activation per micro-batch),
+# tensor innermost (it talks most: neighbouring devices are the best connected).
+MESH_AXES: tuple[Axis, ...] = (Axis.PIPELINE, Axis.DATA, Axis.FSDP, Axis.TENSOR)
+# Order of the letters when a strategy is written (as ReaL writes plans, e.g. d4p16t2).
+_WRITE_ORDER: tuple[Axis, ...] = (Axis.DATA, Axis.PIPELINE, Axis.FSDP, Axis.TENSOR)
 MESH_AXIS_NAMES: tuple[str, ...] = tuple(axis.value for axis in MESH_AXES)
 
 
@@ -59,12 +66,13 @@ class DeviceRange:
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """data × fsdp × tensor parallel sizes, optionally pinned to a device range."""
+    """data × fsdp × tensor × pipeline parallel sizes, optionally pinned to a device range."""
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
     devices: DeviceRange | None = None
+    pipeline: int = 1  # last, so positional construction without a pipeline stays valid
 
     def __post_init__(self):
         for axis in MESH_AXES:
@@ -86,11 +94,11 @@ class Strategy:
             case Axis.TENSOR:
                 return self.tensor
             case Axis.PIPELINE:
-                return 1
+                return self.pipeline
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.fsdp * self.tensor
+        return self.data * self.fsdp * self.tensor * self.pipeline
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -103,7 +111,8 @@ class Strategy:
 
     def axes_str(self) -> str:
         letters = {axis: letter for letter, axis in LETTERS.items()}
-        return "".join(f"{letters[a]}{self.size(a)}" for a in MESH_AXES if self.size(a) > 1) or "d1"
+        return "".join(f"{letters[a]}{self.size(a)}" for a in _WRITE_ORDER
+                       if self.size(a) > 1) or "d1"
 
     def __str__(self) -> str:
         prefix = "" if self.devices is None else f"{self.devices}:"
@@ -128,12 +137,16 @@ class Strategy:
         return self.devices
 
     def check_model(self, model: ModelConfig) -> None:
-        """Tensor parallelism splits attention heads, so t must divide both head counts."""
+        """Tensor parallelism splits attention heads, so t must divide both head counts; a
+        pipeline gives every stage the same number of layers, so p must divide the layers."""
         for what, count in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)):
             if count % self.tensor:
                 raise ValueError(
                     f"tensor={self.tensor} does not divide the model's {what}={count}"
                 )
+        if model.num_layers % self.pipeline:
+            raise ValueError(f"pipeline={self.pipeline} does not divide the model's "
+                             f"num_layers={model.num_layers}")
 
 
 _TOKEN = re.compile(r"\s*(?:(?P<int>\d+)|(?P<letter>[A-Za-z])|(?P<punct>[-:])|(?P<bad>\S))")
@@ -216,15 +229,14 @@ class _Reader:
 
 
 def parse_strategy(spec: str) -> Strategy:
-    """Parses `[range:]axes`, e.g. "0-7:d2f2t2" -> Strategy(2, 2, 2, DeviceRange(0, 7))."""
+    """Parses `[range:]axes`, e.g. "0-7:d2f2t2" -> Strategy(2, 2, 2, DeviceRange(0, 7)),
+    "0-7:d2p2t2" -> Strategy(2, 1, 2, DeviceRange(0, 7), pipeline=2)."""
     reader = _Reader(spec)
     devices = reader.device_range()
     sizes = reader.axes()
-    if sizes.get(Axis.PIPELINE, 1) > 1:
-        raise ValueError(f"pipeline parallelism ('p') is not supported yet in strategy {spec!r}")
     strategy = Strategy(
         data=sizes.get(Axis.DATA, 1), fsdp=sizes.get(Axis.FSDP, 1),
-        tensor=sizes.get(Axis.TENSOR, 1),
+        tensor=sizes.get(Axis.TENSOR, 1), pipeline=sizes.get(Axis.PIPELINE, 1),
     )
     if devices is not None and devices.size != strategy.num_devices:
         raise ValueError(

@@ -1,0 +1,197 @@
+"""Pipeline parallelism: the stacked decoder layers run as stages over the mesh's pipeline axis.
+
+The model keeps one parameter tree whatever the layout: every layer's weights stacked on a
+leading "layers" dim [L, ...]. A layout with p > 1 shards that dim over the "pipeline" mesh axis
+(rule `layers -> pipeline`), so device slice s of the axis holds layers [s·L/p, (s+1)·L/p): stage
+s. Moving parameters between pipelined and non-pipelined layouts is therefore an ordinary
+reshard of the same tree (`parallel/reshard.py`), bit for bit.
+
+`Pipeline` is the model's `LayerStack` on such a layout (`Transformer(cfg, layer_stack=...)`).
+It runs a GPipe schedule written SPMD-style, without per-stage programs:
+
+  * the batch is cut into M micro-batches (strided, rows m, m+M, ... as in
+    `engine/microbatch.py`, so each stays spread over the data-parallel devices);
+  * the stacked parameters are viewed as [S, L/S, ...] (a local reshape: dim 0 is already split
+    over the pipeline axis);
+  * a state buffer [S, b, t, d] holds the activation each stage works on. Each of the M + S - 1
+    iterations runs every stage at once (`jax.vmap` over the stage dim, whose shards live on
+    different pipeline devices, so each device computes only its own stage), then shifts the
+    buffer one stage on (`jnp.roll` over a sharded dim: XLA's collective-permute) and feeds the
+    next micro-batch into stage 0. Stage S-1's output at iteration i is micro-batch i-S+1.
+
+Stage s works on micro-batch i - s at iteration i; outside [0, M) it computes on filler (the
+bubble, (S-1)/(M+S-1) of the time) whose results are never used. Reverse-mode autodiff of the
+same loop is the backward pipeline (activations of every iteration are kept, as GPipe does;
+the model's remat policy applies per layer), so train_step, inference and generation all run
+pipelined through the one forward.
+
+KV cache (generation): the cache [L, b, S_len, k, d] is viewed as [S, L/S, b/M, M, S_len, k, d];
+stage s reads micro-batch m's slice and writes back only the t slots it filled, and only when m
+is real, so bubble iterations never touch the cache. Decoding therefore runs one pipeline per
+token: with M micro-batches each decode step keeps M/(M+S-1) of the stages busy (ReaL keeps
+the pipeline full across tokens instead; not done here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.models.transformer import KVCache, LayerFn, LayerInputs
+from jaxrlhf.parallel.layout import Layout
+from jaxrlhf.parallel.strategy import Axis
+
+_STATE_AXES = ("stages", "batch", "length", "act_embed")  # [S, b, t, d]
+_MICRO_AXES = (None, "batch", "length", "act_embed")  # [M, b, t, d]
+# [S, L/S, b, M, S_len, k, d]
+_CACHE_AXES = ("stages", None, "batch", None, None, "act_kv_heads", "head_dim")
+
+
+def split_rows(x, num_micro: int):
+    """[B, ...] -> [M, B/M, ...]; micro-batch m holds rows m, m+M, m+2M, ..."""
+    rows = x.shape[0]
+    return jnp.swapaxes(x.reshape(rows // num_micro, num_micro, *x.shape[1:]), 0, 1)
+
+
+def merge_rows(x):
+    """Inverse of `split_rows`: [M, B/M, ...] -> [B, ...]."""
+    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """A GPipe schedule of `stages` stages over `micro_batches` micro-batches (a LayerStack).
+
+    Attributes:
+      stages: S, the size of the pipeline mesh axis; must divide the number of layers.
+      micro_batches: M; must divide the batch of every call.
+      axis: the mesh axis the stage dim is sharded over (None: no sharding hints, for use
+        outside a mesh).
+    """
+
+    stages: int
+    micro_batches: int
+    axis: str | None = Axis.PIPELINE.value
+
+    def __post_init__(self):
+        if self.stages < 1 or self.micro_batches < 1:
+            raise ValueError(f"pipeline needs stages and micro_batches >= 1, got {self}")
+
+    def __call__(self, layer_fn: LayerFn, params_l, x_btd: jax.Array, cache: KVCache | None,
+                 inputs: LayerInputs, cache_index, unroll: bool
+                 ) -> tuple[jax.Array, KVCache | None]:
+        """Runs all L layers as S stages (see the module docstring).
+
+        Args:
+          layer_fn: one layer, `transformer.apply_layer` with its config bound.
+          params_l: every layer's params stacked on dim 0 [L, ...].
+          x_btd: [B, t, d] input of the first layer.
+          cache: KVCache [L, B, S_len, k, d] or None.
+          inputs: per-row layer inputs (dim 0 = B).
+          cache_index: scalar slot of the first of the t tokens in the cache.
+          unroll: unroll each stage's loop over its layers.
+
+        Returns:
+          (x_btd [B, t, d] after the last layer, the updated cache or None).
+        """
+        num_stages, num_micro = self.stages, self.micro_batches
+        batch = x_btd.shape[0]
+        num_layers = jax.tree.leaves(params_l)[0].shape[0]
+        if num_layers % num_stages:
+            raise ValueError(f"{num_stages} pipeline stages do not divide {num_layers} layers")
+        if batch % num_micro:
+            raise ValueError(f"{num_micro} pipeline micro-batches do not divide a batch of "
+                             f"{batch} rows")
+        per_stage = num_layers // num_stages
+        params_s = jax.tree.map(
+            lambda p: p.reshape(num_stages, per_stage, *p.shape[1:]), params_l)
+        x_mbtd = self._constrain(split_rows(x_btd, num_micro), _MICRO_AXES)
+        inputs_m = jax.tree.map(lambda a: split_rows(a, num_micro), inputs)
+        cache_s = None if cache is None else KVCache(*(
+            self._constrain(c.reshape(num_stages, per_stage, batch // num_micro, num_micro,
+                                      *c.shape[2:]), _CACHE_AXES) for c in cache))
+        stage = _stage_fn(layer_fn, jnp.asarray(cache_index, jnp.int32), unroll)
+        run_stages = jax.vmap(stage, spmd_axis_name=self.axis)
+        stage_ids = jnp.arange(num_stages, dtype=jnp.int32)
+
+        def iteration(carry, i):
+            state_sbtd, cache_s, out_mbtd = carry
+            micro_s = i - stage_ids
+            real_s = (micro_s >= 0) & (micro_s < num_micro)
+            micro_s = jnp.clip(micro_s, 0, num_micro - 1)
+            fresh_btd = jax.lax.dynamic_index_in_dim(x_mbtd, jnp.minimum(i, num_micro - 1), 0,
+                                                     keepdims=False)
+            # Stage s takes what stage s-1 produced last iteration; stage 0 the next micro-batch.
+            shifted_sbtd = jnp.roll(state_sbtd, 1, axis=0)
+            in_sbtd = jnp.where((stage_ids == 0)[:, None, None, None], fresh_btd[None],
+                                shifted_sbtd)
+            in_sbtd = self._constrain(in_sbtd, _STATE_AXES)
+            inputs_s = jax.tree.map(lambda a: a[micro_s], inputs_m)
+            out_sbtd, cache_s = run_stages(params_s, in_sbtd, cache_s, inputs_s, micro_s,
+                                           real_s)
+            out_sbtd = self._constrain(out_sbtd, _STATE_AXES)
+            # Before stage S-1 has a real output this writes filler into slot 0; micro-batch
+            # 0's real output overwrites it at iteration S-1.
+            done = jnp.clip(i - (num_stages - 1), 0, num_micro - 1)
+            out_mbtd = jax.lax.dynamic_update_index_in_dim(out_mbtd, out_sbtd[-1], done, 0)
+            return (out_sbtd, cache_s, out_mbtd), None
+
+        state_sbtd = self._constrain(
+            jnp.zeros((num_stages,) + x_mbtd.shape[1:], x_btd.dtype), _STATE_AXES)
+        init = (state_sbtd, cache_s, jnp.zeros_like(x_mbtd))
+        steps = jnp.arange(num_micro + num_stages - 1, dtype=jnp.int32)
+        (_, cache_s, out_mbtd), _ = jax.lax.scan(iteration, init, steps)
+        new_cache = None if cache is None else KVCache(*(
+            c.reshape(num_layers, batch, *c.shape[4:]) for c in cache_s))
+        return merge_rows(out_mbtd), new_cache
+
+    def _constrain(self, x, names):
+        return x if self.axis is None else nn.with_logical_constraint(x, names)
+
+
+def _stage_fn(layer_fn: LayerFn, cache_index: jax.Array, unroll: bool):
+    """One stage: its L/S layers on one micro-batch (vmapped over the stages by `Pipeline`).
+
+    The returned function maps (params [L/S, ...], x_btd [b, t, d], cache KVCache
+    [L/S, b, M, S_len, k, d] or None, LayerInputs of its micro-batch, micro index m, whether m
+    is real) -> (x_btd after its layers, cache with micro-batch m's new slots written).
+    """
+
+    def stage(params, x_btd, cache, inputs, micro, real):
+        per_stage = jax.tree.leaves(params)[0].shape[0]
+        cache_m = None if cache is None else KVCache(*(
+            jax.lax.dynamic_index_in_dim(c, micro, 2, keepdims=False) for c in cache))
+
+        def body(carry, layer_params_and_index):
+            layer_params, layer = layer_params_and_index
+            return layer_fn(layer_params, carry, layer, inputs, cache_index), None
+
+        layers = jnp.arange(per_stage, dtype=jnp.int32)
+        (x_btd, new_m), _ = jax.lax.scan(body, (x_btd, cache_m), (params, layers),
+                                         unroll=per_stage if unroll else 1)
+        if cache is None:
+            return x_btd, None
+        length = x_btd.shape[1]
+
+        def write_back(c, new, old):
+            # Only the `length` slots this call filled, and only for a real micro-batch.
+            slot = lambda a: jax.lax.dynamic_slice_in_dim(a, cache_index, length, axis=2)
+            slots = jnp.where(real, slot(new), slot(old))
+            zero = jnp.zeros((), jnp.int32)
+            start = (zero, zero, micro.astype(jnp.int32), cache_index, zero, zero)
+            return jax.lax.dynamic_update_slice(c, slots[:, :, None], start)
+
+        return x_btd, KVCache(*(write_back(c, n, o) for c, n, o in zip(cache, new_m, cache_m)))
+
+    return stage
+
+
+def layer_stack(layout: Layout, micro_batches: int | None = None) -> Pipeline | None:
+    """The LayerStack a call on `layout` uses: a Pipeline when the layout has p > 1 (with
+    `micro_batches`, default the layout's own), else None (the model's plain scan)."""
+    if layout.pipeline == 1:
+        return None
+    return Pipeline(layout.pipeline, micro_batches or layout.micro_batches)
