@@ -141,6 +141,9 @@ def base_config() -> ConfigDict:
             # Frozen models (ref, reward) wait in host memory between their calls when they
             # share devices with other models.
             "offload_frozen": True,
+            # Trained models (actor, critic) move their parameters and optimizer state to host
+            # memory while other models' calls run on their devices, and back for their own.
+            "offload_trainable": False,
         },
         "async_rl": {  # asynchronous RL (AReaL): generation runs ahead of training
             # η: a batch is trained only if its oldest token was sampled at most η policy

@@ -176,6 +176,7 @@ class PlacementSpec:
     strategy: str  # colocate's degrees
     allocation: str  # manual: NAME=RANGE:STRATEGY[@MICRO_BATCHES],...
     offload_frozen: bool
+    offload_trainable: bool = False  # trained models wait in host memory while others run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -547,7 +548,8 @@ def run_spec(config: ConfigDict) -> RunSpec:
         name=name, algorithm=algorithm, graph=graph, models=models, base=base,
         rollout=_rollout(config.rollout), micro=micro, mini_batches=config.ppo.mini_batches,
         epochs=config.ppo.epochs, optimizers=optimizers, rewards=rewards,
-        placement=PlacementSpec(kind, p.cluster, p.strategy, p.allocation, p.offload_frozen),
+        placement=PlacementSpec(kind, p.cluster, p.strategy, p.allocation, p.offload_frozen,
+                                p.offload_trainable),
         checkpoint=checkpoint, nan_policy=nan_policy, data=_data(config.data),
         warm_start=warm, tokenizer=config.tokenizer, seed=config.seed, steps=config.steps,
         config_json=config.to_json(), async_rl=async_rl,

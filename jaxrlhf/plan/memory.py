@@ -24,7 +24,8 @@ One MFC on its own (`call_memory`), per device:
 
 A plan (`plan_memory`) adds what other models keep on the same devices while the MFC runs,
 following the runtime (`dataflow.runtime.ModelRuntime`): a trained model's parameters and
-optimizer state stay on its home layout (its train_step's); a frozen model's parameters stay on
+optimizer state stay on its home layout (its train_step's), unless `offload_trainable` sends
+them to host memory while other models run; a frozen model's parameters stay on
 the layout of its first call unless the experiment offloads frozen models; a copy on another
 layout lives from the first to the last call that uses it within a step.
 
@@ -236,11 +237,15 @@ def own_memory(experiment: Experiment, mfc: MFC, choice: CallChoice) -> MemoryBr
     return call_memory(p, mfc.call, experiment.workload, choice, experiment.master(mfc.role))
 
 
-def _resident(experiment: Experiment, plan: ExecutionPlan, role: Role) -> tuple[CallChoice, int]:
-    """(home layout, bytes per device) a role keeps between calls; 0 bytes when offloaded."""
+def _resident(experiment: Experiment, plan: ExecutionPlan, role: Role,
+              offload_trainable: bool = False) -> tuple[CallChoice, int]:
+    """(home layout, bytes per device) a role keeps between calls; 0 bytes when offloaded (a
+    trained model with `offload_trainable` brings its state back for its own calls only)."""
     home = plan[experiment.home_mfc(role)]
     p = experiment.profile(role)
     if experiment.trainable(role):
+        if offload_trainable:
+            return home, 0
         return home, sum(train_state_bytes(p, home, experiment.master(role)))
     if experiment.offload_frozen:
         return home, 0
@@ -262,19 +267,21 @@ OwnMemory = Callable[[MFC, CallChoice], MemoryBreakdown]
 
 
 def plan_memory(experiment: Experiment, plan: ExecutionPlan, cluster: Cluster,
-                own: OwnMemory | None = None) -> PlanMemory:
+                own: OwnMemory | None = None, *, offload_trainable: bool = False) -> PlanMemory:
     """Peak bytes per device of each MFC, given everything else the plan keeps on its devices.
 
     Args:
       experiment, plan, cluster: what to check.
       own: (mfc, choice) -> its `call_memory` (default `own_memory`; the search passes a cache).
+      offload_trainable: trained models wait in host memory while other models' calls run
+        (`placement.offload_trainable`, see `dataflow.runtime`).
     """
     own_of = own or functools.partial(own_memory, experiment)
     order = [m.name for m in experiment.model_mfcs()]
     base = np.zeros(cluster.num_devices)
     resident = {}
     for role in dict(experiment.models):
-        home, nbytes = _resident(experiment, plan, role)
+        home, nbytes = _resident(experiment, plan, role, offload_trainable)
         resident[role] = (home, nbytes)
         base[home.devices.first:home.devices.last + 1] += nbytes
     copies = _copy_lifetimes(experiment, plan, order)

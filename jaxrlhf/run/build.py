@@ -17,7 +17,7 @@ from jaxrlhf.data import datasets, tasks
 from jaxrlhf.data.long_prompts import fit_rows
 from jaxrlhf.data.rewards import RewardPool
 from jaxrlhf.dataflow.executors import HostFunction
-from jaxrlhf.dataflow.runtime import ModelRuntime
+from jaxrlhf.dataflow.runtime import ModelRuntime, readers_per_layout
 from jaxrlhf.engine.generate import make_generate_fn
 from jaxrlhf.engine.inference import InferenceConfig, InferenceKind, make_inference_fn
 from jaxrlhf.engine.microbatch import MicrobatchConfig
@@ -211,7 +211,8 @@ def initial_states(spec: RunSpec, plan: RunPlan, params) -> dict:
 
 
 def runtimes(spec: RunSpec, plan: RunPlan, states: dict) -> dict[Role, ModelRuntime]:
-    """ModelRuntimes around initial or checkpointed states (TrainState = trained)."""
+    """ModelRuntimes around initial or checkpointed states (TrainState = trained); models that
+    share devices with others wait in host memory as `placement.offload_*` say."""
     graph = spec.graph
     devices_of = {role: {d.id for m in graph.calls_of(role) if not m.host
                          for d in plan.layouts[m.name].devices} for role in spec.models}
@@ -220,11 +221,15 @@ def runtimes(spec: RunSpec, plan: RunPlan, states: dict) -> dict[Role, ModelRunt
     out = {}
     for role, model in spec.model_configs().items():
         home = plan.home(graph, role)
+        readers = readers_per_layout(graph.calls_of(role), plan.layouts)
         if isinstance(states[role], TrainState):
-            out[role] = ModelRuntime(role, model, home, state=states[role])
+            offload = spec.placement.offload_trainable and shares(role)
+            out[role] = ModelRuntime(role, model, home, state=states[role], readers=readers,
+                                     offload_trainable=offload)
         else:
             offload = spec.placement.offload_frozen and shares(role)
-            out[role] = ModelRuntime(role, model, home, offload=offload, params=states[role])
+            out[role] = ModelRuntime(role, model, home, offload=offload, params=states[role],
+                                     readers=readers)
     return out
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from jaxrlhf.algorithms.spec import Algorithm
 from jaxrlhf.dataflow import executors as ex
 from jaxrlhf.dataflow.graph import DataflowGraph
-from jaxrlhf.dataflow.runtime import ModelRuntime
+from jaxrlhf.dataflow.runtime import ModelRuntime, with_memory_policy
 from jaxrlhf.dataflow.scheduler import Scheduler, StepTiming
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.parallel import watchdog
@@ -67,8 +67,9 @@ class Runner:
                 continue
             layout = plan.layouts[name]
             devices[name] = frozenset(d.id for d in layout.devices)
-            executors[name] = self._executor(mfc, runtimes[mfc.role], layout, engines[name],
-                                             plan.micro_batches(name))
+            executors[name] = with_memory_policy(
+                self._executor(mfc, runtimes[mfc.role], layout, engines[name],
+                               plan.micro_batches(name)), mfc, layout, runtimes)
         self.scheduler = Scheduler(graph, executors, devices)
 
     def _executor(self, mfc, runtime, layout, engine, micro_batches: int):

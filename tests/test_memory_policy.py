@@ -1,0 +1,101 @@
+"""Memory of trained models: the generation copy of the actor is freed once generation is
+dispatched (not kept until the next train step), and `placement.offload_trainable` keeps the
+actor's and critic's parameters and optimizer state in host memory while other models run,
+without changing a single number of the run.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrlhf.data import tasks
+from jaxrlhf.data.encode import prompt_batch
+from jaxrlhf.dataflow.runtime import ModelRuntime
+from jaxrlhf.engine.optimizer import OptimizerConfig
+from jaxrlhf.engine.train_step import create_train_state
+from jaxrlhf.mfc import Role
+from jaxrlhf.models.sizes import abstract_params, get_size
+from jaxrlhf.parallel.layout import init_params, make_layout
+from jaxrlhf.run import build
+from jaxrlhf.run.check import check_config
+from jaxrlhf.schema import base_config
+
+ROWS = 8
+ALLOCATION = ("actor_gen=0-7:d4t2,ref_inf=0-7:d8,critic_inf=0-7:d8,actor_train=0-7:d8,"
+              "critic_train=0-7:d8")
+
+
+def test_a_copy_lives_until_its_last_reader():
+    model = get_size("tiny")
+    home, gen = make_layout("0-7:d8", model=model), make_layout("0-7:d4t2", model=model)
+    params = init_params(model, home, jax.random.key(0))
+    runtime = ModelRuntime(Role.ACTOR, model, home, readers={gen: 2},
+                           state=create_train_state(params, model, home, OptimizerConfig()))
+    runtime.params_on(gen)
+    copied = runtime.counters.realloc_bytes
+    runtime.done_reading(gen)
+    runtime.params_on(gen)  # the second reader of the step: the same copy
+    assert runtime.counters.realloc_bytes == copied > 0
+    runtime.done_reading(gen)
+    runtime.params_on(gen)  # the copy was dropped after its last reader: copied again
+    assert runtime.counters.realloc_bytes == 2 * copied
+
+
+def gen_copies_alive(gen_layout, model) -> int:
+    """Live device arrays laid out as the actor's generation copy of its embedding."""
+    boxed = abstract_params(model)
+    embed = gen_layout.param_shardings(boxed)["embed_tokens"]["embedding"]
+    shape = (model.vocab_size, model.hidden_size)
+    return sum(1 for x in jax.live_arrays()
+               if x.shape == shape and x.sharding.is_equivalent_to(embed, 2)
+               and x.sharding.memory_kind == "device")
+
+
+def run_two_steps(tmp_path, offload_trainable: bool):
+    """(metrics of 2 PPO steps, what a probe saw when ref_inf was dispatched in step 2)."""
+    config = base_config()
+    config.rollout.update(batch_size=ROWS, max_prompt_len=8, max_new_tokens=4)
+    config.placement.update(kind="manual", allocation=ALLOCATION,
+                            offload_trainable=offload_trainable)
+    job = check_config(config, str(tmp_path))
+    rows = tasks.make_reverse_task(tasks.ReverseTask(num_train=ROWS, num_eval=8, num_sft=8))
+    batch = prompt_batch(rows.train, job.tokenizer, 8)
+    seen = {}
+    with build.host_pools(job.spec) as pools:
+        runner = build.fresh_runner(job, pools)
+        ref_inf = runner.scheduler.executors["ref_inf"]
+
+        def probe(buf):  # observes, then runs the real executor
+            runtimes = runner.runtimes
+            seen.update(gen_copies=gen_copies_alive(job.plan.layouts["actor_gen"],
+                                                    job.spec.models[Role.ACTOR].config),
+                        actor_on_host=runtimes[Role.ACTOR].on_host,
+                        critic_on_host=runtimes[Role.CRITIC].on_host)
+            return ref_inf(buf)
+
+        runner.scheduler.executors["ref_inf"] = probe
+        metrics = [runner.step(batch).metrics for _ in range(2)]
+        runner.close()
+    return metrics, seen
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return {flag: run_two_steps(tmp_path_factory.mktemp(f"offload_{flag}"), flag)
+            for flag in (False, True)}
+
+
+def test_generation_copy_is_freed_after_generation(runs):
+    for _, seen in runs.values():
+        assert seen["gen_copies"] == 0
+
+
+def test_offload_trainable_keeps_trained_models_on_host_between_their_calls(runs):
+    (plain, seen_plain), (offloaded, seen_off) = runs[False], runs[True]
+    assert seen_off["actor_on_host"] and seen_off["critic_on_host"]
+    assert not (seen_plain["actor_on_host"] or seen_plain["critic_on_host"])
+    for before, after in zip(plain, offloaded):
+        for key in ("actor/loss", "critic/loss", "reward", "actor/kl"):
+            np.testing.assert_allclose(after[key], before[key], rtol=1e-6, atol=1e-7)
+        assert after["actor/offload_bytes"] > 0 and after["critic/offload_bytes"] > 0
+        assert before["actor/offload_bytes"] == 0
