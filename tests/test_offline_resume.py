@@ -12,6 +12,7 @@ scores pooled at each sequence's last token, as the run's own held-out scorer gi
 The runs share a persistent compilation cache (see tests/test_resume.py).
 """
 
+import importlib
 import json
 import os
 import pathlib
@@ -185,3 +186,15 @@ def test_the_trained_model_exports_to_transformers(full_run, tmp_path):
                   ).logits[:, 0].numpy()
     assert np.ptp(ours_b) > 0.1  # a trained head: scores of real spread, not the zero init
     np.testing.assert_allclose(hf_b, ours_b, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["sft_tiny", "dpo_tiny", "rw_tiny"])
+def test_shipped_offline_config_runs_its_smoke_variant(name, tmp_path, compile_cache):  # noqa: F811
+    """The shipped config's own job, two steps (`--config=configs/NAME.py:smoke`)."""
+    config = importlib.import_module(f"configs.{name}").get_config("smoke")
+    summary = offline.run(check_config(config, str(tmp_path)))
+    assert summary["steps"] == 2 and not summary["interrupted"]
+    assert [r["step"] for r in _records(tmp_path)] == [0, 1, 2]  # 2: the evaluation
+    assert {"accuracy_before", "accuracy_after"} <= set(summary)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [
+        "2"]
