@@ -217,3 +217,24 @@ def test_reshard_round_trip_through_a_pipeline_is_bitwise(d8_params, name):
         assert out.sharding == src.sharding
         np.testing.assert_array_equal(fetch(out), fetch(src))
         np.testing.assert_array_equal(fetch(mid), fetch(src))
+
+
+def test_allocation_micro_batches_reach_pipelined_layouts():
+    """`MFC=RANGE:STRATEGY@N`: a pipelined MFC's layout streams N micro-batches; without `@N`
+    a pipelined generate/inference MFC streams as many as it has stages."""
+    import configs.grpo_tiny
+    from jaxrlhf import spec as spec_lib
+    from jaxrlhf.run.layouts import place
+
+    config = configs.grpo_tiny.get_config()
+    config.placement.kind = "manual"
+    config.placement.allocation = (
+        "actor_gen=0-3:d2p2@4,ref_inf=4-7:p2f2,actor_train=0-7:d2p2t2@8")
+    plan = place(spec_lib.run_spec(config))
+    layouts = plan.layouts
+    assert [layouts[n].pipeline for n in ("actor_gen", "ref_inf", "actor_train")] == [2, 2, 2]
+    assert [layouts[n].micro_batches for n in ("actor_gen", "ref_inf", "actor_train")] == [4, 2, 8]
+    assert plan.specs == {"actor_gen": "0-3:d2p2@4", "ref_inf": "4-7:p2f2@2",
+                          "actor_train": "0-7:d2p2t2@8"}
+    assert plan.allocation() == ("actor_gen=0-3:d2p2@4,actor_train=0-7:d2p2t2@8,"
+                                 "ref_inf=4-7:p2f2@2")

@@ -4,7 +4,8 @@ A `RunPlan` is the planner's `ExecutionPlan` (each MFC's devices, degrees and mi
 plus the layouts built from it on this machine's devices. `placement.kind=auto` runs exactly
 the searched plan, micro-batches included; the other kinds are written as the same object
 (train_step micro-batches from `micro_batches`/`micro_batch_tokens` unless `@N` says otherwise,
-one for generate and inference).
+one for generate and inference, or on a pipeline up to its stage count). A pipelined MFC's layout
+carries its count (`Layout.micro_batches`): the micro-batches its pipeline streams.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _micro_batches(spec: RunSpec, mfc: MFC, layout: Layout, entry: Entry, where:
             f"which does not divide its batch of {per_update} (rollout.batch_size × group_size "
             f"/ mini-batches)")
     if entry.micro_batches is None and mfc.call is not Call.TRAIN_STEP:
-        return 1
+        return _pipeline_default(layout, per_update)
     micro = (spec.micro if entry.micro_batches is None
              else MicrobatchConfig.by_count(entry.micro_batches))
     try:
@@ -96,6 +97,15 @@ def _micro_batches(spec: RunSpec, mfc: MFC, layout: Layout, entry: Entry, where:
     except ValueError as e:
         field = "micro_batches" if entry.micro_batches is None else where
         raise PlacementError(f"{field}: MFC {mfc.name!r}: {e}") from None
+
+
+def _pipeline_default(layout: Layout, rows: int) -> int:
+    """Micro-batches of a generate/inference MFC without `@N`: 1, or on a pipeline the most
+    up to its stage count that split `rows` evenly over its data-parallel devices (fewer leave
+    stages idle: the bubble is (p-1)/(M+p-1) of the time)."""
+    valid = [k for k in range(1, layout.pipeline + 1)
+             if rows % k == 0 and (rows // k) % layout.dp_size == 0]
+    return max(valid)
 
 
 def place(spec: RunSpec, devices=None) -> RunPlan:
@@ -111,6 +121,8 @@ def place(spec: RunSpec, devices=None) -> RunPlan:
         except ValueError as e:
             raise PlacementError(f"{where}: MFC {name!r} ({entry.spec}): {e}") from None
         micro = _micro_batches(spec, mfc, layout, entry, where)
+        if layout.pipeline > 1:  # the pipeline streams `micro` micro-batches through its stages
+            layout = dataclasses.replace(layout, micro_batches=micro)
         layouts[name] = layout
         choices[name] = CallChoice.of(layout.strategy, micro_batches=micro)
     return RunPlan(ExecutionPlan.of(choices), layouts)
