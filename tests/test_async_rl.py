@@ -174,3 +174,18 @@ def test_async_main_learns_like_sync(config, tmp_path):
     rl_rows = [r for r in rows if "async/staleness_max" in r]
     assert [r["step"] for r in rl_rows] == list(range(40))
     assert (tmp_path / "timeline_async.png").stat().st_size > 0
+
+
+def test_disaggregate_puts_generation_on_its_own_devices():
+    from jaxrlhf.dataflow.placement import Placement, PlacementError, resolve_placement
+    from jaxrlhf.spec import run_spec
+
+    specs = resolve_placement(run_spec(_config()).graph, Placement.DISAGGREGATE, 8)
+    assert specs == {"actor_gen": "0-3:d4", "ref_inf": "4-7:d4", "critic_inf": "4-7:d4",
+                     "actor_train": "4-7:d4", "critic_train": "4-7:d4"}
+    grpo = run_spec(_config("grpo", 2, kind="disaggregate"))  # with the decoupled objective
+    assert resolve_placement(grpo.graph, Placement.DISAGGREGATE, 6)["actor_prox"] == "3-5:d3"
+    sft = base_config()
+    sft.algorithm = "sft"
+    with pytest.raises(PlacementError, match="disaggregate separates generation"):
+        resolve_placement(run_spec(sft).graph, Placement.DISAGGREGATE, 8)
