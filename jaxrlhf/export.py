@@ -1,15 +1,20 @@
-"""Export a trained model from an RL run's checkpoint as a Hugging Face model directory.
+"""Export a trained model from a run's checkpoint as a Hugging Face model directory.
 
     python -m jaxrlhf.export --workdir=W --out=DIR [--role=actor] [--step=N]
+
+Any run's checkpoint: RL (actor, critic, ...), SFT and DPO (`--role=actor`), reward modelling
+(`--role=reward`: the trained reward model, which an RL run then scores with through
+`--config.reward.kind=model --config.models.reward.path=DIR`).
 
 Reads checkpoint N (default: the latest) of W/checkpoints, rebuilds the role's model config from
 the experiment config stored in it, restores only that role's parameters (no optimizer state)
 and writes them with `hf_io.save_hf` in the parameters' dtype:
 
 - actor / ref: `LlamaForCausalLM` (or Qwen2 when the model has q/k/v biases);
-- critic / cost_critic: `…ForSequenceClassification` with one label, the value head as
-  `score.weight` [1, hidden] (hf_io's layout; HF's `forward` pools the score at each row's last
-  non-pad token, `score(model(x).last_hidden_state)` gives our per-token values).
+- critic / cost_critic / reward / cost: `…ForSequenceClassification` with one label, the
+  scalar head as `score.weight` [1, hidden] (hf_io's layout; HF's `forward` pools the score at
+  each row's last non-pad token, which is a reward model's score as jaxrlhf computes it;
+  `score(model(x).last_hidden_state)` gives our per-token values).
 
 config.json carries the tokenizer's `bos_token_id`, `eos_token_id` and `pad_token_id`. When the
 run's tokenizer is a Hugging Face directory its files are copied alongside. The built-in byte
