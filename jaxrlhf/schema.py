@@ -60,6 +60,10 @@ def base_config() -> ConfigDict:
             # a step whose calls fail (raise, hang, bad value) more often than this stops the
             # run with the function's error, rather than training on zeros
             "max_error_rate": 0.5,
+            # RL: scores standardised by their running mean/std over the run (reward model
+            # or function), then clipped to ±clip (0 = no clipping); jaxrlhf/algorithms/reward_norm.py
+            "normalize": False,
+            "clip": 0.0,
         },
         "cost": {  # Safe-RLHF's cost (higher = worse), like `reward`; model = models.cost
             "kind": "function",  # function | model

@@ -24,6 +24,7 @@ from ml_collections import ConfigDict
 from jaxrlhf.algorithms import decoupled, dpo, grpo, ppo, remax, rw, safe_rlhf, sft
 from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses
+from jaxrlhf.algorithms.reward_norm import RewardNormConfig, with_reward_norm
 from jaxrlhf.algorithms.spec import Algorithm, BatchKind
 from jaxrlhf.checkpoint import CheckpointConfig, NanPolicy
 from jaxrlhf.data import tasks
@@ -319,6 +320,7 @@ _RANGES = (
     ("micro_batches", 1, True), ("micro_batch_tokens", 0, True), ("warm_start.sft_steps", 0, True),
     ("warm_start.batch_size", 1, True), ("warm_start.lr", 0.0, False),
     ("optimizer.actor.lr", 0.0, False), ("optimizer.critic.lr", 0.0, False),
+    ("reward.clip", 0.0, True),
     ("async_rl.max_staleness", 0, True), ("async_rl.chunk_tokens", 1, True),
     ("async_rl.behav_imp_weight_cap", 0.0, True),
     ("eval.every", 0, True), ("eval.samples", 0, True), ("eval.max_prompts", 0, True),
@@ -509,6 +511,10 @@ def run_spec(config: ConfigDict) -> RunSpec:
     with field("algorithm"):
         algorithm = (decoupled_algorithm(config, name) if async_rl.decoupled
                      else make_algorithm(config))
+    with field("reward"):
+        algorithm = with_reward_norm(algorithm, RewardNormConfig(config.reward.normalize,
+                                                                 config.reward.clip))
+    with field("algorithm"):
         graph = build_graph(algorithm.mfcs, roles=set(Role))
     sections = {Role.REWARD: config.reward, Role.COST: config.cost}
     rewards = {role: RewardSpec(sections[role].function, sections[role].workers,
