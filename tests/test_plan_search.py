@@ -198,13 +198,14 @@ def test_cli_plans_70b_on_a100_16x8(tmp_path):
     config.write_text(PPO_70B)
     out = subprocess.run(
         [sys.executable, "-m", "jaxrlhf.plan", f"--config={config}",
-         "--cluster=meshes/a100_16x8.py", "--json", "--iterations=3000", "--seed=3"],
+         "--cluster=meshes/a100_16x8.py", "--json", "--iterations=3000", "--seed=3",
+         "--config.placement.kind=manual", f"--config.placement.allocation={CONFIGURED}"],
         capture_output=True, text=True, timeout=300, check=True,
     )
     result = json.loads(out.stdout)
     plans = result["plans"]
     assert set(plans) == {"searched", "colocate", "standalone", "split", "interleave",
-                          "heuristic"}
+                          "heuristic", "configured"}
     usable = load_cluster("meshes/a100_16x8.py").usable_hbm_bytes
     searched = plans["searched"]
     assert set(searched["mfcs"]) == {"actor_gen", "reward", "ref_inf", "critic_inf",
@@ -215,3 +216,27 @@ def test_cli_plans_70b_on_a100_16x8(tmp_path):
         assert plans[name]["step_seconds"] is not None, plans[name]
         assert searched["step_seconds"] < plans[name]["step_seconds"], name
     assert result["search_seconds"] < 60
+    configured = plans["configured"]  # the allocation, priced: every MFC, `@N` honoured
+    assert configured["allocation"] == CONFIGURED
+    assert set(configured["mfc_seconds"]) == set(searched["mfcs"])
+    assert configured["mfc_seconds"] == {k: v["seconds"] for k, v in configured["mfcs"].items()}
+    assert configured["step_seconds"] > 0
+
+
+# An interleaved plan that fits, micro-batches as written.
+CONFIGURED = ("actor_gen=0-127:d16t8@1,actor_train=0-127:d2f8t8@2,critic_inf=0-127:d128@1,"
+              "critic_train=0-127:d16f2t4@1,ref_inf=0-63:d8f8@1,reward=64-127:f32t2@16")
+
+
+def test_cli_configured_allocation_that_does_not_split_is_a_config_error(tmp_path):
+    config = tmp_path / "ppo_70b.py"
+    config.write_text(PPO_70B)
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxrlhf.plan", f"--config={config}",
+         "--cluster=meshes/a100_16x8.py", "--config.placement.kind=manual",
+         "--config.placement.allocation=actor_gen=0-127:d128@8"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: placement.allocation: 512 sequences do not split over data×fsdp×micro-batches "
+        "= 128×8"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -116,12 +117,22 @@ def _configured_plan(spec) -> ExecutionPlan | None:
         plans = {name: plan_of({name: entry}, train if spec.graph.mfc(name).call is
                                Call.TRAIN_STEP else 1)[name]
                  for name, entry in entries.items()}
+        workload = spec.experiment().workload
+        for name, choice in plans.items():  # raises naming the split that fails
+            workload.rows_per_device(spec.graph.mfc(name).call, choice.dp_size,
+                                     choice.micro_batches)
     except (AllocationError, ValueError, KeyError) as e:
-        raise app.UsageError(f"placement.allocation: {e}") from None
+        _config_error(f"placement.allocation: {e}")
     missing = [m.name for m in spec.experiment().model_mfcs() if m.name not in plans]
     if missing:
-        raise app.UsageError(f"placement.allocation: no entry for MFC(s) {missing}")
+        _config_error(f"placement.allocation: no entry for MFC(s) {missing}")
     return ExecutionPlan.of(plans)
+
+
+def _config_error(message: str) -> None:
+    """Bad config input: one line on stderr, exit code 2 (as `jaxrlhf.train`)."""
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def _search(config, cluster: Cluster) -> None:

@@ -1,0 +1,180 @@
+"""The planner with pipeline stages: bubble, stage-to-stage sends, per-stage memory, the
+Megatron-rule heuristic, and ReaL's searched 70B plan priced beside jaxrlhf's."""
+
+import dataclasses
+import importlib.util
+import math
+import pathlib
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxrlhf.mfc import Call
+from jaxrlhf.models.sizes import abstract_params, get_size
+from jaxrlhf.parallel.strategy import Axis, DeviceRange, Strategy
+from jaxrlhf.plan import cost, memory
+from jaxrlhf.plan.allocation import format_allocation
+from jaxrlhf.plan.choice import CallChoice
+from jaxrlhf.plan.cluster import Cluster, load_cluster
+from jaxrlhf.plan.evaluate import Evaluator
+from jaxrlhf.plan.experiment import DecodeSchedule, Workload
+from jaxrlhf.plan.profile import profile_of
+from jaxrlhf.plan.search import SearchOptions, heuristic, search
+from jaxrlhf.spec import run_spec
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CLUSTER = Cluster(
+    name="test_2x4", hosts=2, devices_per_host=4, hbm_bytes=10**9, peak_bf16_flops=1e12,
+    hbm_bandwidth=1e11, intra_host_bandwidth=1e10, inter_host_bandwidth=1e9,
+    host_link_bandwidth=5e8, matmul_efficiency=0.5, hbm_efficiency=0.5, comm_efficiency=0.5,
+)
+# Only matmuls cost anything: the schedule's shape shows in the compute term alone.
+COMPUTE_ONLY = dataclasses.replace(
+    CLUSTER, hbm_bandwidth=1e30, intra_host_bandwidth=1e30, inter_host_bandwidth=1e30,
+    intra_host_latency=0.0, inter_host_latency=0.0)
+WORK = Workload(batch_size=32, prompt_len=32, new_tokens=32, mini_batches=2)
+SMALL = get_size("small", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+
+
+def _load(name: str, path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+real_check = _load("real_check", ROOT / "benchmarks" / "real_check.py")
+
+
+def _config(path: str, batch: int | None = None):
+    config = _load(f"_cfg_{pathlib.Path(path).stem}", ROOT / path).get_config()
+    if batch:
+        config.rollout.batch_size = batch
+    return config
+
+
+def test_bubble_fraction():
+    choice = CallChoice(DeviceRange(0, 7), tensor=2, micro_batches=8, pipeline=4)
+    assert cost.schedule_slots(choice) == 11
+    assert cost.bubble_fraction(choice) == pytest.approx(3 / 11)
+    assert cost.bubble_fraction(CallChoice(DeviceRange(0, 7), data=8, micro_batches=8)) == 0
+
+
+@pytest.mark.parametrize("micro", [1, 4, 16])
+def test_pipelined_compute_is_the_stage_share_times_the_schedule(micro):
+    """A stage does 1/p of each micro-batch; M + p - 1 slots: compute = C (M+p-1)/(M p)."""
+    p = profile_of(SMALL)
+    stage = CallChoice(DeviceRange(0, 1), tensor=2)  # the whole batch on one stage's devices
+    whole = cost.inference_cost(p, WORK, stage, COMPUTE_ONLY).compute
+    piped = CallChoice(DeviceRange(0, 7), tensor=2, micro_batches=micro, pipeline=4)
+    got = cost.inference_cost(p, WORK, piped, COMPUTE_ONLY).compute
+    assert got == pytest.approx(whole * (micro + 3) / (micro * 4), rel=1e-12)
+
+
+def test_decode_schedules():
+    """jaxrlhf pays the bubble every token, ReaL keeps the pipeline full across tokens."""
+    p = profile_of(SMALL)
+    piped = CallChoice(DeviceRange(0, 7), tensor=2, micro_batches=4, pipeline=4)
+    step = cost.decode_step_cost(p, WORK, piped, COMPUTE_ONLY).compute
+    per_token, across = (cost.generate_cost(p, WORK, piped, COMPUTE_ONLY, schedule).compute
+                         for schedule in (DecodeSchedule.PER_TOKEN, DecodeSchedule.ACROSS_TOKENS))
+    # M + p - 1 = 7 slots against max(M, p) = 4, each a quarter of a micro-batch's step.
+    assert per_token - across == pytest.approx(WORK.new_tokens * step * (7 - 4) / 4, rel=1e-9)
+    unpiped = CallChoice(DeviceRange(0, 1), tensor=2, micro_batches=4)
+    assert len({cost.generate_cost(p, WORK, unpiped, COMPUTE_ONLY, schedule).compute
+                for schedule in DecodeSchedule}) == 1
+
+
+def test_stage_sends_use_the_inter_host_link_only_when_stages_span_hosts():
+    across = CallChoice(DeviceRange(0, 7), data=4, micro_batches=2, pipeline=2)  # a host each
+    inside = CallChoice(DeviceRange(0, 3), tensor=2, micro_batches=2, pipeline=2)
+    assert cost.axis_link(CLUSTER, across, Axis.PIPELINE)[0] == CLUSTER.inter_host_bandwidth
+    assert cost.axis_link(CLUSTER, inside, Axis.PIPELINE)[0] == CLUSTER.intra_host_bandwidth
+    assert cost.axis_link(CLUSTER, across, Axis.DATA)[0] == CLUSTER.intra_host_bandwidth
+    p = profile_of(SMALL)
+    send = cost.stage_send(p, CLUSTER, across, tokens=100)
+    assert send.comm == pytest.approx(100 * SMALL.hidden_size * 2 / CLUSTER.inter_host_bandwidth)
+    assert cost.stage_send(p, CLUSTER, CallChoice(DeviceRange(0, 3), data=4), 100) == cost.ZERO
+
+
+def test_stage_memory():
+    """A stage holds 1/p of the layers (embedding and head whole) and GPipe keeps every
+    iteration's saved activations."""
+    p = profile_of(SMALL)
+    layers = sum(leaf.size * leaf.itemsize for leaf in p.leaves if leaf.names[0] == "layers")
+    rest = p.param_bytes - layers
+    assert p.shard_bytes(1, 1, 2) == layers // 2 + rest
+    stack = p.layer_shard_bytes(2) * SMALL.num_layers  # the layers, tensor-sharded
+    assert p.shard_bytes(2, 1, 2) == p.shard_bytes(2, 1) - stack // 2
+    one = memory.call_memory(p, Call.TRAIN_STEP, WORK, CallChoice(DeviceRange(0, 1), data=2,
+                                                                   micro_batches=2))
+    two = memory.call_memory(p, Call.TRAIN_STEP, WORK, CallChoice(
+        DeviceRange(0, 3), data=2, micro_batches=2, pipeline=2))
+    assert two.params < one.params and two.optimizer < one.optimizer
+    saved = memory.saved_activation_bytes(p, WORK.rows(Call.TRAIN_STEP) // 4 * WORK.seq_len,
+                                          WORK.seq_len, 1)
+    assert two.activations - one.activations > saved * 3 / 2 - saved  # 3 iterations of 1/2
+
+
+@pytest.mark.skipif("pipeline" not in {f.name for f in dataclasses.fields(Strategy)},
+                    reason="the runtime's strategies have no pipeline axis yet")
+@pytest.mark.parametrize("spec", ["p2t2f2", "d2p4", "p4t2"])
+def test_pipelined_shard_bytes_equal_compiled_arguments(spec):
+    from jaxrlhf.parallel.layout import make_layout
+
+    cfg = get_size("small")
+    layout = make_layout(spec, model=cfg)
+    compiled = jax.jit(lambda p: p, in_shardings=(
+        layout.param_shardings(abstract_params(cfg)),)).lower(
+        nn.unbox(abstract_params(cfg))).compile()
+    s = layout.strategy
+    assert profile_of(cfg).shard_bytes(s.tensor, s.fsdp, s.pipeline) == \
+        compiled.memory_analysis().argument_size_in_bytes
+
+
+def test_heuristic_is_reals_for_70b_on_h100():
+    """Megatron's rules give ReaL's Table 3 plan: TP8 × PP4 × DP4, 8 micro-batches."""
+    experiment = run_spec(_config("configs/ppo_70b.py")).experiment()
+    result = heuristic(Evaluator(experiment, load_cluster("meshes/h100_16x8.py")),
+                       (1, 2, 4, 8, 16, 32, 64))
+    assert result.feasible
+    for _, choice in result.plan.items():
+        assert (choice.data, choice.fsdp, choice.tensor, choice.pipeline,
+                choice.micro_batches) == (4, 1, 8, 4, 8)
+        assert choice.devices == DeviceRange(0, 127)
+
+
+def test_searched_70b_is_at_least_as_fast_as_reals_searched_plan():
+    """Both priced by the same model (configs/ppo_70b.py on meshes/h100_16x8.py)."""
+    cluster = load_cluster("meshes/h100_16x8.py")
+    experiment = run_spec(_config("configs/ppo_70b.py")).experiment()
+    report = search(experiment, cluster, SearchOptions(iterations=1500, seed=0))
+    real = real_check.real_plan(experiment, "70B+7B", "searched")
+    real_seconds = Evaluator(experiment, cluster).simulate(real).step_seconds
+    assert report.searched.feasible
+    assert report.searched.step_seconds <= real_seconds, format_allocation(report.searched.plan)
+
+
+def test_real_check_prints_every_mfc_of_every_plan(capsys):
+    result = real_check.main([])
+    out = capsys.readouterr().out
+    assert set(result["pricings"]) == {"file", "fit7B"}
+    for name, pricing in result["pricings"].items():
+        rows = pricing["rows"]
+        assert len(rows) == 4 * 7  # four plans × (six MFCs + the step)
+        for (case, kind), table in real_check.TABLES.items():
+            mine = [r for r in rows if (r["case"], r["plan"]) == (case, kind)]
+            assert [r["measured"] for r in mine[:6]] == [row.seconds for row in table]
+            assert mine[6]["mfc"] == "End2End"
+            assert mine[6]["measured"] == real_check.END2END[case, kind][0]
+            for r in mine:
+                assert math.isfinite(r["predicted"]) and r["predicted"] > 0
+                assert r["error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
+        assert set(pricing["speedup_heuristic_over_searched"]) == {"7B+7B", "70B+7B"}
+        assert f"pricing {name}" in out
+    assert result["pricings"]["fit7B"]["calibration"]["source"].startswith("fit on ReaL's 7B")
+    assert "70B+7B  heuristic  End2End" in out
