@@ -4,7 +4,8 @@
 timelines to the workdir, and returns a summary (accuracy before/after, seconds) that the entry
 point prints as its last line. A workdir that holds checkpoints resumes from the latest (no warm
 start, no 'before' evaluation: both are in the checkpoint) and repeats the uninterrupted run's
-steps exactly.
+steps exactly; one that holds only warm-start checkpoints resumes the warm start
+(`run/warm_start.py`).
 """
 
 from __future__ import annotations
@@ -13,78 +14,20 @@ import dataclasses
 import time
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from jaxrlhf import checkpoint
-from jaxrlhf.algorithms import sft
 from jaxrlhf.data import datasets
-from jaxrlhf.data.encode import prompt_batch, sft_batch
-from jaxrlhf.data.rewards import exact_match
-from jaxrlhf.data.tokenizer import decode_response
-from jaxrlhf.dataflow.graph import build_graph
-from jaxrlhf.dataflow.runtime import ModelRuntime
+from jaxrlhf.data.encode import prompt_batch
 from jaxrlhf.dataflow.timeline import draw_timeline, time_table
-from jaxrlhf.engine.generate import make_generate_fn
-from jaxrlhf.engine.microbatch import num_microbatches
-from jaxrlhf.engine.train_step import create_train_state
-from jaxrlhf.metrics import MetricsWriter
+from jaxrlhf.metrics import METRICS_FILE, MetricsWriter
 from jaxrlhf.mfc import Role
-from jaxrlhf.parallel.layout import Layout
-from jaxrlhf.parallel.reshard import fetch
 from jaxrlhf.run import build
 from jaxrlhf.run.check import Job
-from jaxrlhf.run.layouts import single
+from jaxrlhf.run.evaluate import HeldOut
+from jaxrlhf.run.evaluate import greedy_accuracy as greedy_accuracy  # offline.py's import
 from jaxrlhf.run.runner import Runner
-
-
-def accuracy(generator, params, rows, tokenizer, max_prompt_len: int, dp: int) -> float:
-    """Greedy exact-match accuracy on `rows` (padded to a multiple of the dp size)."""
-    padded = list(rows) + list(rows[: (-len(rows)) % dp])
-    batch = prompt_batch(padded, tokenizer, max_prompt_len)
-    out = generator(params, batch["prompt_tokens_bp"], batch["prompt_mask_bp"],
-                    jax.random.key(0))
-    response_bn = fetch(out.response_bn)[: len(rows)]  # every process scores all rows
-    hits = [exact_match(r.prompt, decode_response(tokenizer, ids.tolist()), r.answer)
-            for r, ids in zip(rows, response_bn)]
-    return float(np.mean(hits))
-
-
-def greedy_accuracy(job: Job, layout: Layout, rows):
-    """params -> greedy exact-match accuracy of the actor on `rows`, generating on `layout`."""
-    spec = job.spec
-    r = spec.rollout
-    greedy = make_generate_fn(spec.base.config, r.generate(job.tokenizer, greedy=True), layout,
-                              prompt_buckets=(r.max_prompt_len,))
-    return lambda params: accuracy(greedy, params, rows, job.tokenizer, r.max_prompt_len,
-                                   layout.dp_size)
-
-
-def warm_start(job: Job, layout: Layout, params, data: build.Data, writer):
-    """Supervised fine-tuning of the actor through the same runner, before training."""
-    spec, w = job.spec, job.spec.warm_start
-    if w.steps == 0 or not data.sft:
-        return params
-    algorithm = sft.make()
-    r = spec.rollout
-    micro = num_microbatches(spec.micro, w.batch_size, r.seq_len, layout.dp_size)
-    plan = single("actor_train", layout, micro)
-    runtime = ModelRuntime(Role.ACTOR, spec.base.config, layout,
-                           state=create_train_state(params, spec.base.config, layout,
-                                                    w.optimizer))
-    engines = {"actor_train": build.engine_call(
-        algorithm.mfcs[0], spec.base.config, layout, micro, r, job.tokenizer, algorithm,
-        w.optimizer)}
-    runner = Runner(algorithm, build_graph(algorithm.mfcs), plan, {Role.ACTOR: runtime},
-                    engines, job.tokenizer, {}, spec.seed)
-    rows = datasets.EpochIterator(data.sft, w.batch_size, seed=spec.seed)
-    for step in tqdm(range(w.steps), desc="warm start (SFT)", mininterval=2):
-        batch = sft_batch(next(rows), job.tokenizer, r.max_prompt_len, r.max_new_tokens)
-        result = runner.step(batch)
-        writer.write(step, {f"sft/{k}": v for k, v in result.metrics.items()
-                            if k.startswith("actor/")})
-    runner.close()
-    return runtime.state.params
+from jaxrlhf.run.warm_start import WarmStart
 
 
 def restore(job: Job, checkpoints: checkpoint.Checkpointer):
@@ -109,6 +52,7 @@ class LoopResult:
     timings: list
     interrupted: bool  # stopped by Ctrl-C (after saving a checkpoint)
     skipped: int  # steps discarded by nan_policy=skip
+    extra: dict = dataclasses.field(default_factory=dict)  # more figures for the summary line
 
 
 def postfix(algorithm, metrics: dict) -> dict[str, str]:
@@ -117,12 +61,14 @@ def postfix(algorithm, metrics: dict) -> dict[str, str]:
 
 
 def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
-            acc_before: float) -> LoopResult:
-    """RL steps from the runner's step index to spec.steps, with checkpoints and guards."""
+            acc_before: float | None, held_out: HeldOut | None = None,
+            evaluation_before: dict[str, float] | None = None) -> LoopResult:
+    """RL steps from the runner's step index to spec.steps, with checkpoints and guards, and
+    the held-out evaluation every `eval.every` steps (its eval/* metrics join the step's)."""
     spec, r = job.spec, job.spec.rollout
     guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
     save = lambda: checkpoint.save_run(checkpoints, runner, prompts, acc_before, spec.config_json,
-                                       job.fingerprint)
+                                       job.fingerprint, evaluation_before)
     timings = []
     bar = tqdm(range(runner.step_index, spec.steps), desc=f"{runner.algorithm.name}",
                initial=runner.step_index, total=spec.steps, mininterval=1)
@@ -136,23 +82,26 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
             tokens = result.metrics["actor/response_length"] + r.max_prompt_len
             result.metrics["throughput/tokens_per_second"] = (
                 tokens * r.rows / result.timing.seconds)
+            if held_out is not None and held_out.due(step + 1):
+                actor = runner.runtimes[Role.ACTOR]
+                result.metrics.update(held_out.periodic(
+                    actor.params_on(held_out.layout), step + 1, runner.runtimes.get(Role.REWARD)))
             writer.write(step, result.metrics)
             timings.append(result.timing)
             bar.set_postfix(postfix(runner.algorithm, result.metrics))
             if step in (0, spec.steps - 1) and jax.process_index() == 0:
                 draw_timeline(result.timing, job.plan.specs,
                               str(job.workdir / f"timeline_{step}.png"))
-            stopping = stop.agreed()
-            if checkpoints.cfg.due(step + 1) or stopping:
-                save()
-            if stopping:
-                checkpoints.wait()
-                print(f"interrupted after RL step {step}: checkpoint {step + 1} saved in "
-                      f"{checkpoints.directory}; run the same command again to resume",
-                      flush=True)
+            if checkpoint.save_if_due(checkpoints, stop, step + 1, save, "RL"):
                 return LoopResult(timings, True, guard.skipped)
     save()
     return LoopResult(timings, False, guard.skipped)
+
+
+def _shown(metrics: dict[str, float]) -> str:
+    """The held-out figures of a summary line, e.g. "accuracy 0.250, reward 0.250"."""
+    shown = [f"{k} {metrics[k]:.3f}" for k in ("accuracy", "reward") if k in metrics]
+    return ", ".join(shown) or "nothing to score (no held-out rows)"
 
 
 def run(job: Job) -> dict:
@@ -163,38 +112,56 @@ def run(job: Job) -> dict:
     checkpoints = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, spec.checkpoint)
     restored = restore(job, checkpoints)
     resume = None if restored is None else restored[0]
-    if resume is not None and jax.process_index() == 0:  # the process that writes metrics
-        checkpoint.trim_metrics(workdir / "metrics.jsonl", resume.step)
+    home, gen_layout = plan.home(spec.graph, Role.ACTOR), plan.layouts["actor_gen"]
+    warm = WarmStart(job, home, data) if resume is None else None
+    # Records a killed run logged past the checkpoint this run resumes go (all of a fresh one).
+    checkpoint.trim_metrics(workdir / METRICS_FILE, 0 if resume is None else resume.step,
+                            warm.start_step if warm is not None else None)
     if resume is not None:
         print(f"resuming from checkpoint {resume.step} in {checkpoints.directory}", flush=True)
-    home, gen_layout = plan.home(spec.graph, Role.ACTOR), plan.layouts["actor_gen"]
     with MetricsWriter(workdir) as writer:
-        on_gen = greedy_accuracy(job, gen_layout, data.eval)
-        evaluate = lambda p: on_gen(build.frozen_copy(p, spec.base.config, gen_layout))
+        held_out = HeldOut(job, gen_layout, data.eval)
+        evaluate = lambda runner: held_out.greedy(
+            build.frozen_copy(runner.runtimes[Role.ACTOR].params, spec.base.config, gen_layout),
+            runner.runtimes.get(Role.REWARD))
         if resume is None:
-            params = warm_start(job, home, build.initial_actor_params(spec, home), data, writer)
-            acc_before = evaluate(params)
-        else:
-            acc_before = resume.accuracy_before
-        print(f"held-out accuracy before RL: {acc_before:.3f}", flush=True)
+            try:
+                params = warm.run(lambda: build.initial_actor_params(spec, home), writer)
+            finally:
+                warm.close()
+            if params is None:  # stopped in the warm start, its checkpoint saved
+                checkpoints.close()
+                return {"accuracy_before": None, "accuracy_after": None,
+                        "seconds": time.perf_counter() - start, "steps": spec.steps,
+                        "workdir": str(workdir), "resumed_from": None, "interrupted": True}
         prompts = datasets.EpochIterator(data.train, spec.rollout.batch_size, seed=spec.seed)
         with build.host_pools(spec) as pools:
             if resume is None:
                 runner = build.fresh_runner(job, pools, params)
+                before = evaluate(runner)  # the runner holds the reward model, if there is one
             else:
                 runner = resumed_runner(job, resume, restored[1], pools)
                 prompts.restore(resume.iterator)
+                before = dict(resume.evaluation_before) or (
+                    {} if resume.accuracy_before is None
+                    else {"accuracy": resume.accuracy_before})
+            print(f"held-out before RL: {_shown(before)}", flush=True)
             try:
-                loop = rl_loop(job, runner, prompts, writer, checkpoints, acc_before)
+                loop = rl_loop(job, runner, prompts, writer, checkpoints, before.get("accuracy"),
+                               held_out, before)
             finally:
                 runner.close()
                 checkpoints.close()  # waits for background writes
-        acc_after = None if loop.interrupted else evaluate(runner.runtimes[Role.ACTOR].params)
-    if acc_after is not None:
-        print(f"held-out accuracy after RL:  {acc_after:.3f}")
+            after = None if loop.interrupted else evaluate(runner)
+        held_out.close()
+    if after is not None:
+        print(f"held-out after RL:  {_shown(after)}")
     print(time_table(loop.timings[1:] or loop.timings, plan.specs))
-    return {"accuracy_before": acc_before, "accuracy_after": acc_after,
+    return {"accuracy_before": before.get("accuracy"),
+            "accuracy_after": None if after is None else after.get("accuracy"),
+            "reward_before": before.get("reward"),
+            "reward_after": None if after is None else after.get("reward"),
             "seconds": time.perf_counter() - start, "steps": spec.steps,
             "workdir": str(workdir), "recompiles": runner.compiles,
             "resumed_from": None if resume is None else resume.step,
-            "interrupted": loop.interrupted, "skipped_steps": loop.skipped}
+            "interrupted": loop.interrupted, "skipped_steps": loop.skipped, **loop.extra}

@@ -1,0 +1,215 @@
+"""Held-out evaluation of the actor, following the run's reward.
+
+Before and after training (and every `eval.every` steps) the actor answers the held-out prompts
+greedily on the generation layout. What is reported depends on what the data and the run have:
+
+  * `reward`: the mean reward of those responses under the run's own reward, always: its host
+    function (in a process pool of its own, with the run's timeout: a failure scores 0) or its
+    reward model (scored at each sequence's last real token, as in training);
+  * `accuracy`: only when every held-out row has an `answer`: the fraction of responses the
+    verifier accepts (score >= 1). The verifier is the reward function when the reward is a
+    function (exact match, `math`, ...), and exact match when it is a model, so a learned
+    reward is never its own judge.
+
+With `eval.samples = n > 0`, the periodic evaluation also samples n responses per prompt at the
+rollout temperature and reports `pass@1`, `pass@n` (unbiased, Chen et al. 2021) and `mean@n` of
+the verifier (see `data/evaluation.py`). Metric names carry the `eval/` prefix in metrics.jsonl
+and TensorBoard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxrlhf.data.datasets import PromptRow
+from jaxrlhf.data.encode import prompt_batch
+from jaxrlhf.data.evaluation import eval_metrics
+from jaxrlhf.data.rewards import RewardPool, exact_match
+from jaxrlhf.data.tokenizer import decode_response
+from jaxrlhf.dataflow.runtime import ModelRuntime
+from jaxrlhf.engine.generate import make_generate_fn
+from jaxrlhf.engine.inference import InferenceBatch, InferenceConfig, InferenceKind
+from jaxrlhf.engine.inference import make_inference_fn
+from jaxrlhf.mfc import Role
+from jaxrlhf.parallel.layout import Layout
+from jaxrlhf.parallel.reshard import fetch
+from jaxrlhf.run.check import Job
+
+
+def _padded_rows(rows: Sequence[PromptRow], repeat: int, multiple: int) -> list[PromptRow]:
+    """`rows` cycled until len * repeat is a multiple of `multiple` (the extra rows are
+    generated but never scored)."""
+    count = len(rows)
+    while (count * repeat) % multiple:
+        count += 1
+    return [rows[i % len(rows)] for i in range(count)]
+
+
+def accuracy(generator, params, rows, tokenizer, max_prompt_len: int, dp: int) -> float:
+    """Greedy exact-match accuracy on `rows` (padded to a multiple of the dp size)."""
+    batch = prompt_batch(_padded_rows(rows, 1, dp), tokenizer, max_prompt_len)
+    out = generator(params, batch["prompt_tokens_bp"], batch["prompt_mask_bp"],
+                    jax.random.key(0))
+    response_bn = fetch(out.response_bn)[: len(rows)]  # every process scores all rows
+    hits = [exact_match(r.prompt, decode_response(tokenizer, ids.tolist()), r.answer)
+            for r, ids in zip(rows, response_bn)]
+    return float(np.mean(hits))
+
+
+def greedy_accuracy(job: Job, layout: Layout, rows):
+    """params -> greedy exact-match accuracy of the actor on `rows`, generating on `layout`."""
+    spec = job.spec
+    r = spec.rollout
+    greedy = make_generate_fn(spec.base.config, r.generate(job.tokenizer, greedy=True), layout,
+                              prompt_buckets=(r.max_prompt_len,))
+    return lambda params: accuracy(greedy, params, rows, job.tokenizer, r.max_prompt_len,
+                                   layout.dp_size)
+
+
+@dataclasses.dataclass
+class _Responses:
+    """Generated responses of `repeat` samples per prompt, the first `len(rows)*repeat` rows.
+
+    seq_bs, mask_bs: int/bool [rows·repeat, P+N] host arrays (prompt + response, real tokens).
+    texts: decoded responses (up to the first stop id).
+    """
+
+    seq_bs: np.ndarray
+    mask_bs: np.ndarray
+    texts: list[str]
+
+
+class HeldOut:
+    """The held-out evaluation of one run (see the module docstring).
+
+    Args:
+      job: the checked job (spec, tokenizer, plan).
+      layout: the generation layout the actor's parameters are given on.
+      rows: held-out prompt rows.
+    """
+
+    def __init__(self, job: Job, layout: Layout, rows: Sequence[PromptRow]):
+        spec = job.spec
+        self._job, self.layout = job, layout
+        self._rows = list(rows[:spec.evaluation.max_prompts] if spec.evaluation.max_prompts
+                          else rows)
+        self.has_answers = bool(self._rows) and all(r.answer is not None for r in self._rows)
+        r = spec.rollout
+        gen = lambda greedy: make_generate_fn(
+            spec.base.config, r.generate(job.tokenizer, greedy=greedy), layout,
+            prompt_buckets=(r.max_prompt_len,))
+        self._greedy = gen(True)
+        self._sampling = gen(False) if spec.evaluation.samples else None
+        self._reward_spec = spec.rewards.get(Role.REWARD)  # None: a reward model
+        self._pool: RewardPool | None = None
+        self._reward_infer = None
+
+    # --- scoring ---------------------------------------------------------------------------
+
+    def _function_scores(self, rows: Sequence[PromptRow], texts: list[str]
+                         ) -> tuple[np.ndarray, int]:
+        """(float [len(texts)] rewards of the run's reward function, 0 where a call failed;
+        the number of failed calls)."""
+        if self._pool is None:
+            f = self._reward_spec
+            self._pool = RewardPool(f.function, num_workers=f.workers, timeout_s=f.timeout)
+        handle = self._pool.submit([r.prompt for r in rows], texts, [r.answer for r in rows])
+        result = handle.result()
+        return result.rewards_b.astype(np.float64), result.errors.total
+
+    def _model_scores(self, reward: ModelRuntime, responses: _Responses) -> np.ndarray:
+        """float [rows]: the reward model's score at each sequence's last real token."""
+        if self._reward_infer is None:
+            self._reward_infer = make_inference_fn(
+                reward.config, InferenceConfig(InferenceKind.SCORES), reward.home,
+                length_buckets=(self._job.spec.rollout.seq_len,))
+        seq_bs, mask_bs = responses.seq_bs, responses.mask_bs
+        rows = _padded_rows(list(range(len(seq_bs))), 1, reward.home.dp_size)
+        out = self._reward_infer(reward.params, InferenceBatch.padded(seq_bs[rows],
+                                                                      mask_bs[rows]))
+        reward.after_call()  # a frozen reward model goes back to host memory if it waits there
+        return np.asarray(fetch(out.scores_bk))[: len(seq_bs), 0].astype(np.float64)
+
+    def _verdicts(self, rows: Sequence[PromptRow], texts: list[str],
+                  rewards: np.ndarray | None) -> np.ndarray:
+        """float [len(texts)]: the verifier's score of each response (see module docstring)."""
+        if self._reward_spec is not None:
+            return rewards if rewards is not None else self._function_scores(rows, texts)[0]
+        return np.array([exact_match(r.prompt, t, r.answer) for r, t in zip(rows, texts)])
+
+    # --- generation ------------------------------------------------------------------------
+
+    def _generate(self, generator, params, repeat: int, rng) -> _Responses:
+        tokenizer, p = self._job.tokenizer, self._job.spec.rollout.max_prompt_len
+        rows = _padded_rows(self._rows, repeat, self.layout.dp_size)
+        batch = prompt_batch(rows, tokenizer, p, repeat)
+        out = generator(params, batch["prompt_tokens_bp"], batch["prompt_mask_bp"], rng)
+        n = len(self._rows) * repeat  # every process scores all rows
+        seq_bs, prompt_mask_bp, mask_bn = fetch((out.sequences_bs, out.prompt_mask_bp,
+                                                 out.response_mask_bn))
+        seq_bs, mask_bn = np.asarray(seq_bs)[:n], np.asarray(mask_bn)[:n]
+        mask_bs = np.concatenate([np.asarray(prompt_mask_bp)[:n], mask_bn], axis=1)
+        texts = [decode_response(tokenizer, row[p:].tolist()) for row in seq_bs]
+        return _Responses(seq_bs, mask_bs, texts)
+
+    # --- evaluations -----------------------------------------------------------------------
+
+    def greedy(self, params, reward: ModelRuntime | None = None) -> dict[str, float]:
+        """{"reward": mean reward, "accuracy" (only with answers)} of greedy responses, and
+        "reward_errors" (failed calls) when the reward is a function.
+
+        Args:
+          params: the actor's parameters on the generation layout.
+          reward: the reward model's runtime when the run's reward is a model; None skips
+            the model's mean reward (before the runner exists it is not loaded yet).
+        """
+        if not self._rows:
+            return {}
+        responses = self._generate(self._greedy, params, 1, jax.random.key(0))
+        metrics, rewards = {}, None
+        if self._reward_spec is not None:
+            rewards, errors = self._function_scores(self._rows, responses.texts)
+            metrics["reward_errors"] = float(errors)
+        elif reward is not None:
+            rewards = self._model_scores(reward, responses)
+        if rewards is not None:
+            metrics["reward"] = float(rewards.mean())
+        if self.has_answers:
+            verdicts = self._verdicts(self._rows, responses.texts, rewards)
+            metrics["accuracy"] = float(np.mean(verdicts >= 1.0))
+        return metrics
+
+    def periodic(self, params, step: int, reward: ModelRuntime | None = None
+                 ) -> dict[str, float]:
+        """`eval/`-prefixed metrics of step `step`: the greedy ones, and with eval.samples = n
+        and answers, pass@1, pass@n and mean@n of n sampled responses per prompt."""
+        out = {f"eval/{k}": v for k, v in self.greedy(params, reward).items()}
+        n = self._job.spec.evaluation.samples
+        if n and self.has_answers:
+            rng = jax.random.fold_in(jax.random.key(self._job.spec.seed + 1), step)
+            responses = self._generate(self._sampling, params, n, rng)
+            rows = [r for r in self._rows for _ in range(n)]
+            verdicts = self._verdicts(rows, responses.texts, None)
+            ks = tuple(sorted({1, n}))
+            out.update(eval_metrics(verdicts.reshape(len(self._rows), n), ks, prefix="eval"))
+        return out
+
+    def due(self, steps_done: int) -> bool:
+        every = self._job.spec.evaluation.every
+        return every > 0 and steps_done % every == 0 and bool(self._rows)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+def summary_value(metrics: dict[str, float]) -> float | None:
+    """The one figure the progress line shows: accuracy when there are answers, else reward."""
+    value = metrics.get("accuracy", metrics.get("reward"))
+    return None if value is None or math.isnan(value) else value
