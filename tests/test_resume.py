@@ -15,6 +15,7 @@ import os
 import pathlib
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -349,3 +350,122 @@ def test_killed_and_interrupted_train_main_resumes_exactly(tmp_path):
     assert summary["resumed_from"] == 20
     assert summary["accuracy_after"] == full_summary["accuracy_after"]
     assert len(_rl_records(work)) == 20
+
+
+# ---- the warm start inside an RL run -----------------------------------------------------------
+
+
+def _warm_config():
+    config = _config(steps=2)
+    config.warm_start.update(sft_steps=4, batch_size=16)  # checkpoints 2 and 4 of its own
+    return config
+
+
+def _warm_records(workdir: pathlib.Path) -> list[dict]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "sft/actor/loss" in r]
+
+
+def _steps(directory: pathlib.Path) -> list[int]:
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def _tensorboard_scalars(workdir: pathlib.Path) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of every scalar event in workdir/tensorboard, read from the files
+    (TFRecord framing: length, its CRC, an Event proto, its CRC)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars = []
+    for path in sorted((workdir / "tensorboard").glob("events.out.tfevents.*")):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (length,) = struct.unpack("<Q", data[i:i + 8])
+            event = Event.FromString(data[i + 12:i + 12 + length])
+            i += 12 + length + 4
+            scalars += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return scalars
+
+
+@pytest.fixture(scope="module")
+def warm_run(tmp_path_factory, compile_cache):
+    """An uninterrupted run: 4 warm-start steps (checkpoints 2, 4), then 2 RL steps."""
+    workdir = tmp_path_factory.mktemp("warm")
+    summary = rl.run(check_config(_warm_config(), str(workdir)))
+    assert _steps(workdir / "checkpoints/warm_start") == [2, 4]
+    assert _steps(workdir / "checkpoints") == [2]
+    return workdir, summary
+
+
+def _assert_same_run(work: pathlib.Path, full: pathlib.Path, got: dict, want: dict) -> None:
+    _assert_same_steps(_warm_records(work), _warm_records(full))
+    _assert_same_steps(_rl_records(work), _rl_records(full))
+    _assert_items_equal(work, 2, full, 2)
+    assert (got["accuracy_before"], got["accuracy_after"]) == (
+        want["accuracy_before"], want["accuracy_after"])
+
+
+def test_a_run_killed_in_its_warm_start_resumes_it_exactly(warm_run, tmp_path, capfd):
+    full, summary = warm_run
+    crashed = tmp_path / "crashed"
+    shutil.copytree(full, crashed)
+    # Killed during warm-start step 3: no RL checkpoint, warm-start checkpoint 4 unfinished,
+    # the metrics of steps logged after checkpoint 2 are there (one cut off mid-write).
+    shutil.rmtree(crashed / "checkpoints/2")
+    shutil.rmtree(crashed / "checkpoints/warm_start/4")
+    records = (crashed / "metrics.jsonl").read_text().splitlines()
+    (crashed / "metrics.jsonl").write_text("".join(f"{r}\n" for r in records[:3]) +
+                                           '{"step": 3, "sft/actor/lo')
+    resumed = rl.run(check_config(_warm_config(), str(crashed)))
+    assert "resuming the warm start from checkpoint 2" in capfd.readouterr().out
+    _assert_same_run(crashed, full, resumed, summary)
+
+
+def test_sigterm_in_the_warm_start_saves_and_the_rerun_resumes_it(warm_run, tmp_path,
+                                                                  monkeypatch, capfd):
+    from jaxrlhf.run import warm_start
+    from jaxrlhf.spec import ConfigError
+
+    full, summary = warm_run
+    real_batch, calls = warm_start.sft_batch, []
+
+    def batch_then_sigterm(*args):  # SIGTERM (as SLURM sends it) while warm-start step 2 runs
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_batch(*args)
+
+    monkeypatch.setattr(warm_start, "sft_batch", batch_then_sigterm)
+    work = tmp_path / "work"
+    stopped = rl.run(check_config(_warm_config(), str(work)))
+    assert stopped["interrupted"] and stopped["accuracy_before"] is None
+    assert "interrupted after warm-start step 2: checkpoint 3 saved" in capfd.readouterr().out
+    assert _steps(work / "checkpoints/warm_start") == [2, 3]
+    assert _steps(work / "checkpoints") == []
+    other = _warm_config()  # a warm-start checkpoint, too, resumes only its own run
+    other.models.actor.size = "small"
+    with pytest.raises(ConfigError, match=r"^checkpoint: .*checkpoints/warm_start/3 was written "
+                                          r"by another run \(models.actor.size"):
+        check_config(other, str(work))
+
+    monkeypatch.setattr(warm_start, "sft_batch", real_batch)
+    resumed = rl.run(check_config(_warm_config(), str(work)))
+    assert "resuming the warm start from checkpoint 3" in capfd.readouterr().out
+    _assert_same_run(work, full, resumed, summary)
+
+    # Killed in RL step 1 after the warm start: its end checkpoint skips it entirely.
+    shutil.rmtree(work / "checkpoints/2")
+    again = rl.run(check_config(_warm_config(), str(work)))
+    assert "the warm start is done: its checkpoint 4" in capfd.readouterr().out
+    _assert_same_run(work, full, again, summary)
+
+    # TensorBoard shows every step once, as metrics.jsonl has it, after three attempts.
+    scalars = _tensorboard_scalars(work)
+    assert len(scalars) == len({(tag, step) for tag, step, _ in scalars})
+    assert ({(tag, step) for tag, step, _ in scalars}
+            == {(tag, step) for tag, step, _ in _tensorboard_scalars(full)})
+    logged = {(k, r["step"]): v for r in _warm_records(work) + _rl_records(work)
+              for k, v in r.items() if k != "step" and np.isfinite(v)}
+    assert {(tag, step) for tag, step, _ in scalars} >= set(logged)
+    for tag, step, value in scalars:
+        if (tag, step) in logged:
+            assert value == np.float32(logged[tag, step]), (tag, step)
