@@ -18,6 +18,8 @@ import os
 import pathlib
 import shutil
 import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -38,6 +40,7 @@ from jaxrlhf.schema import base_config
 from test_resume import _assert_same_steps, compile_cache  # noqa: F401 - a fixture
 
 ATOL = 1e-4
+REPO = pathlib.Path(__file__).resolve().parents[1]
 # The models each algorithm's checkpoints hold (TrainState items: params and opt).
 ITEMS = {"sft": ("actor_params", "actor_opt"),
          "dpo": ("actor_params", "actor_opt", "ref_params"),
@@ -198,3 +201,31 @@ def test_shipped_offline_config_runs_its_smoke_variant(name, tmp_path, compile_c
     assert {"accuracy_before", "accuracy_after"} <= set(summary)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [
         "2"]
+
+
+def _main(module: str, *flags: str) -> str:
+    """Runs `python -m jaxrlhf.<module> FLAGS`; returns its stdout (the last line is JSON)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", f"jaxrlhf.{module}", *flags], env=env,
+                          capture_output=True, text=True, timeout=1800, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.entry
+def test_reward_model_trained_then_exported_drives_ppo(tmp_path):
+    """The RLHF chain from files: reward modelling (rw_tiny) -> export -> PPO (ppo_tiny) whose
+    reward is that model's score; held-out exact match (scored by the task's answers, not by
+    the reward model) rises by >= 0.2."""
+    rw = json.loads(_main("train", "--config=configs/rw_tiny.py",
+                          f"--workdir={tmp_path / 'rw'}").strip().splitlines()[-1])
+    assert rw["accuracy_after"] > 0.85, rw  # held-out preference accuracy of the reward model
+    exported = json.loads(_main("export", f"--workdir={tmp_path / 'rw'}",
+                                f"--out={tmp_path / 'reward'}", "--role=reward"
+                                ).strip().splitlines()[-1])
+    assert exported["role"] == "reward"
+    ppo = json.loads(_main("train", "--config=configs/ppo_tiny.py", "--config.reward.kind=model",
+                           f"--config.models.reward.path={tmp_path / 'reward'}",
+                           f"--workdir={tmp_path / 'ppo'}").strip().splitlines()[-1])
+    assert ppo["accuracy_after"] >= ppo["accuracy_before"] + 0.2, ppo
