@@ -94,10 +94,10 @@ def test_costs_count_layer_launches_and_jit_calls():
                                    + 3 * cluster.array_overhead)
 
 
-def test_default_probes_cover_data_tensor_and_fsdp_at_two_batch_sizes():
+def test_default_probes_cover_data_tensor_fsdp_and_pipeline_at_two_batch_sizes():
     probes = calibrate.default_probes(get_config(), load_cluster(CPU_8))
     assert [str(p) for p in probes] == ["d8@32", "d8@128", "d4t2@32", "d4t2@128", "f8@32",
-                                        "f8@128"]
+                                        "f8@128", "d4p2@32", "d4p2@128"]
     assert calibrate.parse_probes("d8@32, d4t2@128") == (calibrate.Probe("d8", 32),
                                                          calibrate.Probe("d4t2", 128))
     with pytest.raises(ValueError, match="STRATEGY@PROMPTS"):

@@ -73,20 +73,23 @@ def parse_probes(text: str) -> tuple[Probe, ...]:
 
 
 def _legal(strategy: Strategy, cluster: Cluster, models: Sequence[ModelConfig]) -> bool:
-    t = strategy.tensor
+    t, p = strategy.tensor, strategy.pipeline
     return cluster.devices_per_host % t == 0 and all(
-        m.num_heads % t == 0 and m.num_kv_heads % t == 0 for m in models)
+        m.num_heads % t == 0 and m.num_kv_heads % t == 0 and m.num_layers % p == 0
+        for m in models)
 
 
 def default_probes(config: ConfigDict, cluster: Cluster) -> tuple[Probe, ...]:
-    """Data, tensor and fsdp parallel on all devices, at the config's batch and 4 times it.
+    """Data, tensor, fsdp and pipeline parallel on all devices, at the config's batch and 4
+    times it.
 
     Strategies a model or the batch does not allow are left out.
     """
     n = cluster.num_devices
     candidates = [Strategy(data=n)]
     if n % 2 == 0:
-        candidates += [Strategy(data=n // 2, tensor=2), Strategy(fsdp=n)]
+        candidates += [Strategy(data=n // 2, tensor=2), Strategy(fsdp=n),
+                       Strategy(data=n // 2, pipeline=2)]
     models = [model for _, model in run_spec(config).experiment().models]
     mini_batches = config.ppo.mini_batches
     probes = []
