@@ -66,7 +66,8 @@ while ((${#live[@]} > 0)); do
   finished=""
   wait -n -p finished "${live[@]}" $timer
   code=$?
-  [[ -z "$finished" ]] && continue  # interrupted by a trap
+  # Interrupted by a trap (a forwarded Ctrl-C or SIGTERM): `wait -p` leaves `finished` unset.
+  [[ -z "${finished:-}" ]] && continue
   if [[ "$finished" == "$timer" ]]; then
     echo "local.sh: killing processes still running ${grace}s after the first failure" >&2
     kill -KILL "${live[@]}" 2>/dev/null
