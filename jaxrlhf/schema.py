@@ -36,7 +36,8 @@ def base_config() -> ConfigDict:
         "cpu_devices": 8,  # virtual devices when running on the CPU backend
         "workdir": "",  # empty: a fresh temporary directory
         "checkpoint": {  # orbax checkpoints in workdir/checkpoints; a rerun resumes the latest
-            "every": 20,  # RL steps between saves (0 = only at the end and on Ctrl-C)
+            "every": 20,  # steps between saves, also of offline runs and of the warm start (which
+            # has its own, in checkpoints/warm_start); 0 = only at the end and on Ctrl-C/SIGTERM
             "keep": 3,  # newest checkpoints kept
             "async_save": True,  # write files in the background while training goes on
             # auto: resume only checkpoints this same run wrote (fingerprint), else refuse;
