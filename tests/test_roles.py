@@ -114,3 +114,32 @@ def test_critic_from_a_causal_lm_directory_starts_with_a_zero_head(hf_dirs, tmp_
     actor_params = build.load_role(job.spec.models[Role.ACTOR], home)
     np.testing.assert_array_equal(np.asarray(params["embed_tokens"]["embedding"]),
                                   np.asarray(actor_params["embed_tokens"]["embedding"]))
+
+
+@pytest.mark.slow  # the PPO test above covers the same code path; this adds the cost role
+def test_safe_rlhf_cost_model_from_its_own_directory(hf_dirs, tmp_path):
+    actor, critic, critic_hf, cost, cost_hf = hf_dirs
+    config = base_config()
+    config.algorithm = "safe_rlhf"
+    config.steps, config.warm_start.sft_steps = 1, 0
+    config.rollout.update(batch_size=ROWS, max_prompt_len=16, max_new_tokens=8)
+    config.cost.kind = "model"
+    # The reward critic: the actor's own directory (its trunk, a new zero score head).
+    for role, path in (("actor", actor), ("critic", actor), ("cost", cost),
+                       ("cost_critic", critic)):
+        config.models[role].path = str(path)
+    job = check_config(config, str(tmp_path))
+    rows = tasks.make_reverse_task(tasks.ReverseTask(num_train=ROWS, num_eval=8, num_sft=8))
+    with build.host_pools(job.spec) as pools:
+        runner = build.fresh_runner(job, pools)
+        buf = runner.step(prompt_batch(rows.train, job.tokenizer, 16)).buffer
+        runner.close()
+    tokens_bs, mask_bs = np.asarray(buf["seq_tokens_bs"]), np.asarray(buf["seq_mask_bs"])
+    last_b = mask_bs.shape[1] - 1 - np.argmax(mask_bs[:, ::-1], axis=1)
+    want_b = hf_token_scores(cost_hf, tokens_bs, mask_bs)[np.arange(ROWS), last_b]
+    np.testing.assert_allclose(np.asarray(buf["costs_b"]), want_b, atol=1e-4, rtol=1e-4)
+    n = np.asarray(buf["response_mask_bn"]).shape[1]
+    real_bn = mask_bs[:, -n - 1:-1] == 1
+    want_bn = hf_token_scores(critic_hf, tokens_bs, mask_bs)[:, -n - 1:-1]
+    np.testing.assert_allclose(np.asarray(buf["cost_values_bn"])[real_bn], want_bn[real_bn],
+                               atol=1e-4, rtol=1e-4)
