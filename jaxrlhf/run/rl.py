@@ -22,7 +22,7 @@ from jaxrlhf.data.encode import prompt_batch
 from jaxrlhf.dataflow.timeline import draw_timeline, time_table
 from jaxrlhf.metrics import METRICS_FILE, MetricsWriter
 from jaxrlhf.mfc import Role
-from jaxrlhf.run import build
+from jaxrlhf.run import async_loop, build
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut
 from jaxrlhf.run.evaluate import greedy_accuracy as greedy_accuracy  # offline.py's import
@@ -147,7 +147,9 @@ def run(job: Job) -> dict:
                     else {"accuracy": resume.accuracy_before})
             print(f"held-out before RL: {_shown(before)}", flush=True)
             try:
-                loop = rl_loop(job, runner, prompts, writer, checkpoints, before.get("accuracy"),
+                # async_rl.max_staleness > 0: generation runs ahead (run/async_loop.py)
+                loop_fn = async_loop.rl_loop if spec.async_rl.enabled else rl_loop
+                loop = loop_fn(job, runner, prompts, writer, checkpoints, before.get("accuracy"),
                                held_out, before)
             finally:
                 runner.close()
