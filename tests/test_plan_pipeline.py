@@ -178,3 +178,18 @@ def test_real_check_prints_every_mfc_of_every_plan(capsys):
         assert f"pricing {name}" in out
     assert result["pricings"]["fit7B"]["calibration"]["source"].startswith("fit on ReaL's 7B")
     assert "70B+7B  heuristic  End2End" in out
+
+
+def test_pipelined_allocation_round_trips():
+    from jaxrlhf.plan.allocation import parse_allocation, plan_of
+    from jaxrlhf.plan.choice import ExecutionPlan
+
+    plan = ExecutionPlan.of({
+        "actor_train": CallChoice(DeviceRange(0, 127), data=4, tensor=2, micro_batches=64,
+                                  pipeline=16),
+        "actor_gen": CallChoice(DeviceRange(0, 15), data=4, tensor=2, micro_batches=2,
+                                pipeline=2),
+        "reward": CallChoice(DeviceRange(0, 7), data=4, tensor=2, micro_batches=16)})
+    text = format_allocation(plan)
+    assert "actor_train=0-127:d4p16t2@64" in text and "reward=0-7:d4t2@16" in text
+    assert plan_of(parse_allocation(text)) == plan

@@ -215,7 +215,8 @@ def test_cli_plans_70b_on_a100_16x8(tmp_path):
     for name in ("colocate", "standalone", "split", "interleave", "heuristic"):
         assert plans[name]["step_seconds"] is not None, plans[name]
         assert searched["step_seconds"] < plans[name]["step_seconds"], name
-    assert result["search_seconds"] < 60
+    # Under 60 s of this process's CPU (the wall clock of a shared machine counts others' work).
+    assert result["search_cpu_seconds"] < 60 and result["search_seconds"] > 0
     configured = plans["configured"]  # the allocation, priced: every MFC, `@N` honoured
     assert configured["allocation"] == CONFIGURED
     assert set(configured["mfc_seconds"]) == set(searched["mfcs"])

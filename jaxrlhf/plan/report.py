@@ -74,7 +74,8 @@ def summary(report: SearchReport) -> str:
             speedup = f"{seconds / searched:.2f}x"
         rows.append((name, f"{seconds:.2f}" if math.isfinite(seconds) else "does not fit",
                      speedup))
-    footer = f"search: {report.search_seconds:.1f} s, {report.evaluations} plans evaluated"
+    footer = (f"search: {report.search_seconds:.1f} s ({report.search_cpu_seconds:.1f} s CPU), "
+              f"{report.evaluations} plans evaluated")
     return _table(rows) + "\n" + footer
 
 
@@ -111,4 +112,5 @@ def to_json(report: SearchReport, cluster: Cluster) -> dict:
     search_seconds, evaluations}."""
     plans = {name: _plan_json(r, cluster) for name, r in report.plans().items()}
     return {"plans": plans, "search_seconds": report.search_seconds,
+            "search_cpu_seconds": report.search_cpu_seconds,
             "evaluations": report.evaluations, "cluster": cluster.name}
