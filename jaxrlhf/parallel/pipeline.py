@@ -35,6 +35,7 @@ the pipeline full across tokens instead; not done here).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax.linen as nn
 import jax
@@ -67,7 +68,7 @@ class Pipeline:
 
     Attributes:
       stages: S, the size of the pipeline mesh axis; must divide the number of layers.
-      micro_batches: M; must divide the batch of every call.
+      micro_batches: M; a call whose batch M does not divide streams gcd(M, batch).
       axis: the mesh axis the stage dim is sharded over (None: no sharding hints, for use
         outside a mesh).
     """
@@ -97,14 +98,13 @@ class Pipeline:
         Returns:
           (x_btd [B, t, d] after the last layer, the updated cache or None).
         """
-        num_stages, num_micro = self.stages, self.micro_batches
         batch = x_btd.shape[0]
+        # A batch the planned count does not divide (e.g. a held-out evaluation's) streams
+        # fewer micro-batches: the schedule changes, the numbers do not.
+        num_stages, num_micro = self.stages, math.gcd(self.micro_batches, batch)
         num_layers = jax.tree.leaves(params_l)[0].shape[0]
         if num_layers % num_stages:
             raise ValueError(f"{num_stages} pipeline stages do not divide {num_layers} layers")
-        if batch % num_micro:
-            raise ValueError(f"{num_micro} pipeline micro-batches do not divide a batch of "
-                             f"{batch} rows")
         per_stage = num_layers // num_stages
         params_s = jax.tree.map(
             lambda p: p.reshape(num_stages, per_stage, *p.shape[1:]), params_l)
