@@ -131,6 +131,7 @@ def run(job: Job) -> dict:
                 warm.close()
             if params is None:  # stopped in the warm start, its checkpoint saved
                 checkpoints.close()
+                held_out.close()
                 return {"accuracy_before": None, "accuracy_after": None,
                         "seconds": time.perf_counter() - start, "steps": spec.steps,
                         "workdir": str(workdir), "resumed_from": None, "interrupted": True}
