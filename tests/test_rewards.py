@@ -144,7 +144,7 @@ def test_error_counts_as_metrics():
     assert counts.as_dict() == {
         "reward_errors/exception": 1, "reward_errors/timeout": 2, "reward_errors/bad_value": 3,
     }
-    assert set(rewards.BUILTIN_REWARDS) == {"exact_match", "zero", "math"}
+    assert set(rewards.BUILTIN_REWARDS) == {"exact_match", "zero", "math", "code"}
 
 
 def test_values_outside_float32_are_bad_values():

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 from absl import logging
 
+from jaxrlhf.data.code_reward import code_reward
 from jaxrlhf.data.math_reward import math_reward
 
 RewardFn = Callable[[str, str, "str | None"], float]
@@ -59,9 +60,10 @@ def zero(prompt: str, completion: str, answer: str | None) -> float:
     return 0.0
 
 
-# `math` (data/math_reward.py): \boxed{} / #### / last number, numerically normalised.
+# `math` (data/math_reward.py): \boxed{} / #### / last number, numerically normalised;
+# `code` (data/code_reward.py): the program run against the row's tests in a sandbox.
 BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "zero": zero,
-                                         "math": math_reward}
+                                         "math": math_reward, "code": code_reward}
 
 
 def resolve_reward(spec: str) -> RewardFn:
