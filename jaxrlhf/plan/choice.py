@@ -68,12 +68,7 @@ class CallChoice:
 
     @property
     def strategy(self) -> Strategy:
-        if self.pipeline == 1:
-            return Strategy(self.data, self.fsdp, self.tensor, self.devices)
-        fields = {f.name for f in dataclasses.fields(Strategy)}
-        if "pipeline" not in fields:  # the grammar reserves `p` until the runtime has pipelines
-            raise ValueError(f"{self.spec()}: this runtime's strategies have no pipeline axis")
-        return Strategy(self.data, self.fsdp, self.tensor, self.devices, pipeline=self.pipeline)
+        return Strategy(self.data, self.fsdp, self.tensor, self.devices, self.pipeline)
 
     @property
     def param_layout(self) -> tuple[DeviceRange, int, int, int]:
@@ -82,12 +77,11 @@ class CallChoice:
 
     def axes_str(self) -> str:
         """Degrees in the strategy grammar, e.g. `d4p16t2` (sizes of 1 left out)."""
-        sizes = (("d", self.data), ("p", self.pipeline), ("f", self.fsdp), ("t", self.tensor))
-        return "".join(f"{letter}{n}" for letter, n in sizes if n > 1) or "d1"
+        return Strategy(self.data, self.fsdp, self.tensor, None, self.pipeline).axes_str()
 
     def spec(self) -> str:
         """`RANGE:STRATEGY`, as `parallel.strategy.parse_strategy` reads it."""
-        return f"{self.devices}:{self.axes_str()}"
+        return str(self.strategy)
 
     def overlaps(self, other: "CallChoice") -> bool:
         return self.devices.first <= other.devices.last and other.devices.first <= self.devices.last
