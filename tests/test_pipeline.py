@@ -77,6 +77,8 @@ def test_strategy_grammar_has_a_pipeline_axis():
     assert str(parse_strategy("t2p4")) == "p4t2" and str(strategy) == "0-7:d2p2t2"
     with pytest.raises(ValueError, match="pipeline=8 does not divide the model's num_layers=4"):
         parse_strategy("p8").check_model(MODEL)
+    # Without a count a pipelined layout streams one micro-batch per stage.
+    assert make_layout("0-3:p4").micro_batches == 4 and make_layout("d8").micro_batches == 1
 
 
 def test_pipelined_layout_puts_each_stage_on_its_own_devices(d8_params):

@@ -149,7 +149,7 @@ def make_layout(
     model: ModelConfig | None = None,
     devices: Sequence[jax.Device] | None = None,
     rules: rule_presets.Rules = rule_presets.DEFAULT,
-    micro_batches: int = 1,
+    micro_batches: int | None = None,
 ) -> Layout:
     """Builds a Layout from a strategy string such as "0-7:d2f2t2" or "0-7:d2p2t2".
 
@@ -158,7 +158,8 @@ def make_layout(
       model: when given, t must divide the head counts and non-dividing dims replicate.
       devices: the cluster's devices (default `jax.devices()`), indexed host by host.
       rules: logical->mesh rule preset from `jaxrlhf/parallel/rules.py`.
-      micro_batches: with a pipeline, the micro-batches a call streams through its stages.
+      micro_batches: with a pipeline, the micro-batches a call streams through its stages
+        (default: as many as there are stages).
     """
     strategy = parse_strategy(spec) if isinstance(spec, str) else spec
     all_devices = submesh.cluster_devices(devices)
@@ -171,6 +172,7 @@ def make_layout(
     if model is not None:
         strategy.check_model(model)
         rules = _rules_for_model(rules, mesh, model)
+    micro_batches = strategy.pipeline if micro_batches is None else micro_batches
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     return Layout(strategy=strategy, mesh=mesh, rules=rules, micro_batches=micro_batches)
