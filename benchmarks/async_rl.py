@@ -1,9 +1,10 @@
 """Asynchronous vs synchronous RL: trained tokens/s on a long-tailed response-length workload.
 
-`python benchmarks/async_rl.py [--steps=10] [--warmup=2] [--etas=2,4] [--algorithm=ppo]`
+`python benchmarks/async_rl.py [--steps=14] [--warmup=4] [--etas=2,4] [--algorithm=ppo]
+[--sync_placement=colocate]`
 
 Runs, in one process and one after the other, the synchronous loop (colocated, the default
-placement) and the asynchronous loop (`async_rl.max_staleness` = each η, placement
+placement, or `--sync_placement=disaggregate`) and the asynchronous loop (`async_rl.max_staleness` = each η, placement
 disaggregate: generation on devices 0-3, training on 4-7) of the same PPO job, and prints one
 line per run and, last, one JSON line with each run's trained tokens/s and its ratio to the
 synchronous run.
@@ -20,8 +21,9 @@ time between the ends of consecutive steps, over steps warmup..steps-1 (compiles
 warmup). The median, not the total: an asynchronous run starts the window with up to η batches
 already generated, which would flatter it over a short window.
 
-On the CPU backend each virtual device is made single-threaded (as benchmarks/overlap.py does),
-so programs on disjoint devices can run on different cores.
+The CPU backend keeps XLA's default threading: with each virtual device single-threaded (as
+benchmarks/overlap.py sets it) a synchronous run on a loaded 2-core machine once lost a device
+thread for 40 s in an all-reduce rendezvous and XLA aborted the process.
 """
 
 import argparse
@@ -33,8 +35,7 @@ import tempfile
 import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8"
-                           " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+                           + " --xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -80,7 +81,7 @@ def config(args, eta: int):
     c.checkpoint.update(every=0, async_save=False)
     c.reward.workers = 1
     c.async_rl.update(max_staleness=eta, chunk_tokens=args.chunk_tokens)
-    c.placement.kind = "disaggregate" if eta else "colocate"
+    c.placement.kind = "disaggregate" if eta else args.sync_placement
     return c
 
 
@@ -126,6 +127,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--stop_ids", type=int, default=12)
     parser.add_argument("--chunk_tokens", type=int, default=16)
+    parser.add_argument("--sync_placement", default="colocate",
+                        choices=("colocate", "disaggregate"))
     args = parser.parse_args(argv)
     if not 1 <= args.warmup < args.steps:
         sys.exit("need 1 <= --warmup < --steps")

@@ -37,6 +37,7 @@ from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
+from jaxrlhf.parallel.pipeline import layer_stack
 from jaxrlhf.parallel.reshard import fetch, transfer
 
 NO_VERSION = -1  # versions_bn where no token was sampled
@@ -176,7 +177,9 @@ class Rollout:
                  prompt_len: int):
         if model_config.head is not HeadKind.LM:
             raise ValueError(f"generate needs an LM head, got {model_config.head}")
-        self.model, self.cfg, self.layout = Transformer(model_config), gen_config, layout
+        # The layer stack of the layout, as Generator's (a pipeline keeps stages apart).
+        self.model = Transformer(model_config, layer_stack(layout))
+        self.cfg, self.layout = gen_config, layout
         self.prompt_len = prompt_len
         self.compile_cache = CompileCache("rollout")
         self._params = layout.param_shardings(abstract_params(model_config))
