@@ -227,14 +227,26 @@ class _Trainer:
 
 
 def _draw(events: list, path: str, specs: dict[str, str]) -> None:
-    """The generation and training timeline (one bar per batch and per update) as a PNG."""
+    """The generation and training timeline (one bar per batch and per update) as a PNG: a
+    row for generation and one for training, also when they share devices.
+
+    Args:
+      events: (name "gen K" or "train K", start, end) on one clock; the first two updates
+        (compiles) are left out when there are more.
+      path: the PNG.
+      specs: "gen" and "train" -> their allocation entries ("0-3:d4@1").
+    """
+    trained = sorted({int(name.split()[1]) for name, _, _ in events})
+    shown = set(trained[2:8] if len(trained) > 4 else trained[:6])
+    events = [e for e in events if int(e[0].split()[1]) in shown]
     timings = {name: MFCTiming(name, frozenset(), start=s, ready=e) for name, s, e in events}
     t0 = min(t.start for t in timings.values())
     for t in timings.values():
         t.start, t.ready = t.start - t0, t.ready - t0
     step = StepTiming(timings, {}, max(t.ready for t in timings.values()))
-    layouts = {name: specs["train" if name.startswith("train") else "gen"]
-               for name, _, _ in events}
+    # draw_timeline makes a row per device group (the entry before ':')
+    layouts = {name: f"{kind} {specs[kind]}" for name, _, _ in events
+               for kind in ["train" if name.startswith("train") else "gen"]}
     draw_timeline(step, layouts, path)
 
 
@@ -346,7 +358,7 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
     if events and jax.process_index() == 0:
         train = [m for m in spec.graph.calls_of(Role.ACTOR) if m.call is Call.TRAIN_STEP][0]
         specs = {"gen": job.plan.specs[gen.name], "train": job.plan.specs[train.name]}
-        _draw(events[:12], str(job.workdir / "timeline_async.png"), specs)
+        _draw(events, str(job.workdir / "timeline_async.png"), specs)
     seconds = sum(w for _, w in tokens_per_s)
     extra = {"staleness_max": staleness_max,
              "tokens_per_second": sum(t for t, _ in tokens_per_s) / seconds if seconds else None,
