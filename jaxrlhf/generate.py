@@ -61,7 +61,7 @@ def _run() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrlhf.data.chat import ChatTemplate, encode_chat
+    from jaxrlhf.data.chat import encode_chat
     from jaxrlhf.data.tokenizer import HFTokenizer, check_vocab, decode_response, encode_prompt
     from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
     from jaxrlhf.models import hf_io
@@ -88,7 +88,7 @@ def _run() -> dict:
     )
     generate = make_generate_fn(model_config, gen_config, layout)
     if _CHAT.value:
-        template = ChatTemplate.from_dir(_MODEL.value)
+        template = tokenizer.chat_template  # tokenizer_config.json's or chat_template.jinja
         if template is None:
             raise app.UsageError(f"--chat: {_MODEL.value} has no chat_template in "
                                  "tokenizer_config.json nor a chat_template.jinja")

@@ -226,3 +226,15 @@ def test_none_or_no_template_keeps_prompts_and_rejects_messages(tmp_path):
     with pytest.raises(ChatTemplateError, match="the tokenizer has no chat template"):
         fit_rows(rows, ByteTokenizer(), 64, LongPrompts.ERROR, "chat.jsonl")
     assert fit_rows(rows[1:], ByteTokenizer(), 64, LongPrompts.ERROR, "x") == rows[1:]
+
+
+def test_chat_template_config_value_is_checked():
+    from jaxrlhf.schema import base_config
+    from jaxrlhf.spec import ConfigError, run_spec
+    config = base_config()
+    config.data.chat_template = "none"
+    assert run_spec(config).data.chat_template.value == "none"
+    config.data.chat_template = "jinja"
+    with pytest.raises(ConfigError,
+                       match=r"^data.chat_template='jinja' is not one of: auto, none$"):
+        run_spec(config)
