@@ -88,3 +88,44 @@ def test_rows_without_answers_report_the_mean_reward(tmp_path):
         assert isinstance(summary[key], float) and 0.0 <= summary[key] <= 5.0, summary
     assert not any(k.startswith("eval/") for r in _metrics(workdir) for k in r)  # every = 0
     assert np.isfinite(summary["reward_after"])
+
+
+@pytest.mark.slow  # ~2 min of CPU: HF models, a PPO step with a reward model, two evaluations
+def test_reward_model_evaluation_equals_transformers(tmp_path):
+    """reward.kind=model and rows without answers: the before-RL evaluation is the reward
+    model's mean score of the actor's greedy chat responses, as transformers computes it."""
+    import torch
+
+    from hf_fixtures import hf_token_scores, make_tiny_hf_model
+    from test_generate_chat import _write_tokenizer
+
+    actor, hf_actor = make_tiny_hf_model(tmp_path, "llama")
+    hf_tok = _write_tokenizer(actor, hf_actor.config.vocab_size, "llama3")  # stops: 4, 1
+    reward, hf_reward = make_tiny_hf_model(tmp_path, "llama", seq_cls=True, seed=1)
+    prompts = [f"w{7 + i} w{9 + i}" for i in range(8)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    config = _config(steps=1)
+    config.tokenizer = str(actor)
+    config.models.actor.path = config.models.critic.path = str(actor)
+    config.models.reward.path = str(reward)
+    config.reward.kind = "model"
+    config.data.update(train_path=str(data), eval_path=str(data))
+    config.rollout.update(max_prompt_len=16, max_new_tokens=4)
+    summary = rl.run(check_config(config, str(tmp_path / "run")))
+
+    scores = []
+    for prompt in prompts:
+        ids = hf_tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                         add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        with torch.no_grad():
+            out = hf_actor.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                                    max_new_tokens=4, do_sample=False, eos_token_id=[4, 1],
+                                    pad_token_id=0)
+        new = out[0, len(ids):].tolist()
+        new = new[:next((i + 1 for i, t in enumerate(new) if t in (4, 1)), len(new))]
+        seq_bt = np.array([ids + new])  # scored at its last token, the EOS when it has one
+        scores.append(hf_token_scores(hf_reward, seq_bt, np.ones_like(seq_bt))[0, -1])
+    assert summary["accuracy_before"] is None
+    assert summary["reward_before"] == pytest.approx(float(np.mean(scores)), abs=1e-4)
