@@ -1,8 +1,13 @@
 """Memory of trained models: the generation copy of the actor is freed once generation is
 dispatched (not kept until the next train step), and `placement.offload_trainable` keeps the
 actor's and critic's parameters and optimizer state in host memory while other models run,
-without changing a single number of the run.
+without changing a single number of the run; the planner's memory model follows both.
 """
+
+import collections
+import contextlib
+import gc
+import math
 
 import jax
 import numpy as np
@@ -11,16 +16,21 @@ import pytest
 from jaxrlhf.data import tasks
 from jaxrlhf.data.encode import prompt_batch
 from jaxrlhf.dataflow.runtime import ModelRuntime
+from jaxrlhf.engine.generate import Generator
+from jaxrlhf.engine.inference import InferenceFn
 from jaxrlhf.engine.optimizer import OptimizerConfig
-from jaxrlhf.engine.train_step import create_train_state
+from jaxrlhf.engine.train_step import TrainStep, create_train_state
 from jaxrlhf.mfc import Role
 from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.parallel.layout import init_params, make_layout
+from jaxrlhf.plan.cluster import load_cluster
+from jaxrlhf.plan.memory import plan_memory
 from jaxrlhf.run import build
 from jaxrlhf.run.check import check_config
 from jaxrlhf.schema import base_config
 
 ROWS = 8
+CPU_8 = "meshes/cpu_8.py"
 ALLOCATION = ("actor_gen=0-7:d4t2,ref_inf=0-7:d8,critic_inf=0-7:d8,actor_train=0-7:d8,"
               "critic_train=0-7:d8")
 
@@ -51,18 +61,62 @@ def gen_copies_alive(gen_layout, model) -> int:
                and x.sharding.memory_kind == "device")
 
 
+def device_bytes(excluded: set[int]) -> int:
+    """The most bytes of live arrays in device memory on any one device (arrays in
+    `excluded`, by id, left out)."""
+    per = collections.Counter()
+    for x in jax.live_arrays():
+        if id(x) in excluded or x.is_deleted() or x.sharding.memory_kind != "device":
+            continue
+        nbytes = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for device in x.sharding.device_set:
+            per[device.id] += nbytes
+    return max(per.values(), default=0)
+
+
+@contextlib.contextmanager
+def watching_engine_calls(on_call):
+    """Calls on_call(engine) as every engine call starts (observes; the call then runs)."""
+    originals = {cls: cls.__call__ for cls in (Generator, InferenceFn, TrainStep)}
+
+    def watched(original):
+        def call(self, *args, **kwargs):
+            on_call(self)
+            return original(self, *args, **kwargs)
+        return call
+
+    try:
+        for cls, original in originals.items():
+            cls.__call__ = watched(original)
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.__call__ = original
+
+
 def run_two_steps(tmp_path, offload_trainable: bool):
-    """(metrics of 2 PPO steps, what a probe saw when ref_inf was dispatched in step 2)."""
+    """Two PPO steps; returns (metrics per step, what a probe saw as ref_inf was dispatched in
+    step 2, the most device bytes live as each MFC's engine call started, the job, runner)."""
     config = base_config()
+    for role in ("actor", "ref", "critic"):  # parameters well above the batch's activations
+        config.models[role].size = "small"
     config.rollout.update(batch_size=ROWS, max_prompt_len=8, max_new_tokens=4)
     config.placement.update(kind="manual", allocation=ALLOCATION,
                             offload_trainable=offload_trainable)
     job = check_config(config, str(tmp_path))
     rows = tasks.make_reverse_task(tasks.ReverseTask(num_train=ROWS, num_eval=8, num_sft=8))
     batch = prompt_batch(rows.train, job.tokenizer, 8)
-    seen = {}
-    with build.host_pools(job.spec) as pools:
+    seen, live, names = {}, collections.defaultdict(int), {}
+    gc.collect()
+    before = {id(x) for x in jax.live_arrays()}  # other tests' arrays
+
+    def on_call(engine):
+        name = names[id(engine)]
+        live[name] = max(live[name], device_bytes(before))
+
+    with build.host_pools(job.spec) as pools, watching_engine_calls(on_call):
         runner = build.fresh_runner(job, pools)
+        names.update({id(engine): name for name, engine in runner.engines.items()})
         ref_inf = runner.scheduler.executors["ref_inf"]
 
         def probe(buf):  # observes, then runs the real executor
@@ -76,7 +130,7 @@ def run_two_steps(tmp_path, offload_trainable: bool):
         runner.scheduler.executors["ref_inf"] = probe
         metrics = [runner.step(batch).metrics for _ in range(2)]
         runner.close()
-    return metrics, seen
+    return metrics, seen, dict(live), job, runner
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +140,12 @@ def runs(tmp_path_factory):
 
 
 def test_generation_copy_is_freed_after_generation(runs):
-    for _, seen in runs.values():
-        assert seen["gen_copies"] == 0
+    for run in runs.values():
+        assert run[1]["gen_copies"] == 0
 
 
 def test_offload_trainable_keeps_trained_models_on_host_between_their_calls(runs):
-    (plain, seen_plain), (offloaded, seen_off) = runs[False], runs[True]
+    (plain, seen_plain, *_), (offloaded, seen_off, *_) = runs[False], runs[True]
     assert seen_off["actor_on_host"] and seen_off["critic_on_host"]
     assert not (seen_plain["actor_on_host"] or seen_plain["critic_on_host"])
     for before, after in zip(plain, offloaded):
@@ -99,3 +153,20 @@ def test_offload_trainable_keeps_trained_models_on_host_between_their_calls(runs
             np.testing.assert_allclose(after[key], before[key], rtol=1e-6, atol=1e-7)
         assert after["actor/offload_bytes"] > 0 and after["critic/offload_bytes"] > 0
         assert before["actor/offload_bytes"] == 0
+
+
+@pytest.mark.parametrize("offload_trainable", [False, True])
+def test_planner_peak_follows_the_runtime(runs, offload_trainable):
+    """The planner's peak per MFC against what is live on the devices as the MFC's call starts
+    plus XLA's temporaries of its compiled call (`memory_analysis`), within 20%."""
+    _, _, live, job, runner = runs[offload_trainable]
+    predicted = plan_memory(job.spec.experiment(), job.plan.plan, load_cluster(CPU_8),
+                            offload_trainable=offload_trainable).peak
+    for name, engine in runner.engines.items():
+        temp = max(c.memory_analysis().temp_size_in_bytes
+                   for c in engine.compile_cache.executables())
+        measured = live[name] + temp
+        assert 0.8 <= predicted[name] / measured <= 1.2, (name, predicted[name], measured)
+    if offload_trainable:  # the trained models' states are off the devices at generation
+        plain = runs[False][2]
+        assert live["actor_gen"] < plain["actor_gen"] / 3

@@ -85,6 +85,7 @@ class ModelRuntime:
         self._reads: dict[Layout, int] = {}
         self.counters = MoveCounters()
         self._boxed = abstract_params(config)
+        self.after_call()  # an offloaded frozen model waits on host for its first call too
 
     @property
     def trainable(self) -> bool:
@@ -176,7 +177,8 @@ class ModelRuntime:
 
 def with_memory_policy(run: Callable, mfc: MFC, layout: Layout, runtimes: Mapping[Role, "ModelRuntime"]):
     """`run` (an MFC's executor) with the runtimes' memory policy around it: trained models
-    with `offload_trainable` that share the MFC's devices make room first; afterwards the
+    with `offload_trainable` that share the MFC's devices make room first (and the MFC's own
+    model, unless it trains: generation and inference read parameters only); afterwards the
     MFC's own model lets go of what the call read (`done_reading`, `after_call`)."""
     devices = {d.id for d in layout.devices}
     others = [rt for role, rt in runtimes.items() if role is not mfc.role
@@ -186,6 +188,8 @@ def with_memory_policy(run: Callable, mfc: MFC, layout: Layout, runtimes: Mappin
     def wrapped(buf):
         for runtime in others:
             runtime.make_room()
+        if mfc.call is not Call.TRAIN_STEP:  # its own inference reads parameters only
+            own.make_room()
         out = run(buf)
         if mfc.call is not Call.TRAIN_STEP:
             own.done_reading(layout)
