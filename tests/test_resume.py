@@ -253,8 +253,9 @@ def reward(prompt, completion, answer):
 def test_sigterm_finishes_the_step_saves_and_a_rerun_resumes(full_run, tmp_path, capfd):
     full, summary = full_run
     (tmp_path / "term.py").write_text(_SIGTERM_REWARD)
-    # One reward call per prompt, 16 per step: call 40 falls in RL step 2 (0-based).
-    (tmp_path / "sigterm.json").write_text(json.dumps({"pid": os.getpid(), "at": 40, "calls": 0}))
+    # One reward call per prompt: 16 for the held-out evaluation before RL (its mean reward),
+    # then 16 per step: call 56 falls in RL step 2 (0-based).
+    (tmp_path / "sigterm.json").write_text(json.dumps({"pid": os.getpid(), "at": 56, "calls": 0}))
     config = _config()
     config.reward.function = f"{tmp_path / 'term.py'}:reward"
     work = tmp_path / "work"
