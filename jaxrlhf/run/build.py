@@ -63,7 +63,7 @@ def load_data(spec: RunSpec, workdir: pathlib.Path, tokenizer) -> Data:
     kinds = (datasets.RowKind.PROMPT, datasets.RowKind.PROMPT, datasets.RowKind.SFT)
     train, evaluation, sft = [datasets.read_rows(p, k) if p else [] for p, k in zip(paths, kinds)]
     fit = lambda rows, path: fit_rows(rows, tokenizer, spec.rollout.max_prompt_len,
-                                      d.long_prompts, path)
+                                      d.long_prompts, path, d.chat_template)
     return Data(fit(train, paths[0]), fit(evaluation, paths[1]) if evaluation else [], sft)
 
 

@@ -88,7 +88,7 @@ def _check_data(spec: RunSpec, tokenizer: Tokenizer) -> None:
                 rows[name] = datasets.read_rows(path, kind)
                 if kind is datasets.RowKind.PROMPT:
                     rows[name] = fit_rows(rows[name], tokenizer, spec.rollout.max_prompt_len,
-                                          d.long_prompts, path)
+                                          d.long_prompts, path, d.chat_template)
     batch = spec.rollout.batch_size
     if len(rows["data.train_path"]) < batch:
         raise ConfigError(f"rollout.batch_size={batch}: more than the "
