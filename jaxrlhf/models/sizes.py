@@ -117,9 +117,11 @@ def abstract_params(config: ModelConfig):
     """
     from jaxrlhf.models.transformer import Transformer  # local: keep this module import-light
 
-    tokens = jnp.zeros((1, 1), jnp.int32)
+    # Every array is made inside the trace: a concrete one (jnp.zeros) would compile a
+    # program, and config checks that ask for shapes must compile nothing.
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     return jax.eval_shape(
-        lambda: Transformer(config).init(jax.random.key(0), tokens, tokens, tokens + 1)
+        lambda t: Transformer(config).init(jax.random.key(0), t, t, t + 1), tokens
     )["params"]
 
 
