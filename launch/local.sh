@@ -29,9 +29,11 @@ mkdir -p "$log_dir"
 # The coordinator's port stays reserved while the job runs: a port picked and released could be
 # taken meanwhile by another job's SO_REUSEPORT server and silently shared (see reserve_port in
 # jaxrlhf/distributed.py). The holder binds it with SO_REUSEPORT and never listens.
-coproc PORT_HOLDER { python3 -c 'import signal, socket
+# `exec`: the coprocess *is* the holder, so that killing it at exit frees the port (killing a
+# subshell around it would leave it running, holding the port and this script's stderr).
+coproc PORT_HOLDER { exec python3 -c 'import signal, socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-s.bind(("127.0.0.1", 0)); print(s.getsockname()[1], flush=True); signal.pause()'; }
+s.bind(("127.0.0.1", 0)); print(s.getsockname()[1], flush=True); signal.pause()' 2>/dev/null; }
 holder=$PORT_HOLDER_PID
 read -r port <&"${PORT_HOLDER[0]}"
 trap 'kill "$holder" 2>/dev/null' EXIT
