@@ -351,12 +351,26 @@ def check_resume(directory: pathlib.Path, fingerprint: dict[str, str], mode: Res
     """Refuses, before anything compiles, to resume checkpoints another run wrote.
 
     `NEVER` moves existing checkpoints aside (to `checkpoints.replaced-N`, never deleting
-    work); `FORCE` prints what differs and resumes anyway.
+    work); `FORCE` prints what differs and resumes anyway. Multi-process, every process looks
+    at the shared directory before any of them goes on to write into it: a process that saw a
+    directory another had just created would open one checkpoint manager more than the others,
+    and orbax's collective steps would then pair different operations (a job-killing mismatch).
 
     Raises:
       CheckpointError: (AUTO) the newest readable checkpoint's fingerprint differs from
         `fingerprint`, naming the keys that differ.
     """
+    _check_resume(directory, fingerprint, mode)
+    if jax.process_count() > 1:
+        from jax._src import distributed  # the coordination service (no device collective)
+
+        check_resume.calls = getattr(check_resume, "calls", 0) + 1  # a barrier id is used once
+        distributed.global_state.client.wait_at_barrier(
+            f"jaxrlhf_check_resume_{check_resume.calls}", timeout_in_ms=600_000)
+
+
+def _check_resume(directory: pathlib.Path, fingerprint: dict[str, str], mode: ResumeMode
+                  ) -> None:
     found = _newest_host(directory)
     if found is None:
         return
