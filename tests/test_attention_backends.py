@@ -48,7 +48,13 @@ def _packed_batch():
     return tokens_bt, positions_bt, seg_bt
 
 
-@pytest.mark.parametrize("impl", _AVAILABLE, ids=lambda i: i.value)
+# Pallas runs in interpret mode on the CPU (about 100 s on 2 busy cores): slow there, while
+# the kernels' own numerics stay in the default suite (tests/test_kernels.py).
+_SLOW_ON_CPU = {AttentionImpl.PALLAS} if jax.default_backend() == "cpu" else set()
+
+
+@pytest.mark.parametrize("impl", [pytest.param(i, marks=pytest.mark.slow) if i in _SLOW_ON_CPU
+                                  else i for i in _AVAILABLE], ids=lambda i: i.value)
 def test_forward_and_grads_match_xla(impl):
     tokens_bt, positions_bt, seg_bt = _packed_batch()
     real_bt = (seg_bt != 0)[..., None]

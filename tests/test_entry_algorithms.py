@@ -34,6 +34,7 @@ def series(records, key):
     return np.array([r[key] for r in records if key in r])
 
 
+@pytest.mark.slow  # ~2 minutes; GRPO steps and numerics stay in the default suite
 @pytest.mark.entry
 def test_grpo_learns(tmp_path):  # PPO's run is tests/test_entry_train.py
     summary, records = train("grpo", tmp_path, steps=30, **{"warm_start.sft_steps": 200})
@@ -63,6 +64,7 @@ def test_safe_rlhf_meets_the_cost_limit_while_reward_rises(tmp_path):
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.15, summary
 
 
+@pytest.mark.slow  # ~2 minutes; dpo_tiny's smoke run and resume stay in the default suite
 @pytest.mark.entry
 def test_dpo_learns_the_preference(tmp_path):
     summary, records = train("dpo", tmp_path, steps=40, **{"warm_start.sft_steps": 200})
