@@ -68,10 +68,7 @@ def test_big_configs_name_what_is_missing(name, cluster, devices, dirs, tmp_path
         check_config(config, str(tmp_path))
 
 
-# ppo_7b's smoke run (about 3 minutes on 2 busy cores) is slow-marked: ppo_70b's, in the default
-# suite, runs the same code path (PPO with a reward model, placement.kind=auto, required paths).
-@pytest.mark.parametrize("name,critic", [pytest.param("ppo_7b", "same", marks=pytest.mark.slow),
-                                         ("ppo_70b", "small")])
+@pytest.mark.parametrize("name,critic", [("ppo_7b", "same"), ("ppo_70b", "small")])
 def test_smoke_variant_runs_the_big_graph(name, critic, dirs, tmp_path):
     full, config = load(name), with_paths(load(name, "smoke"), dirs, critic)
     assert (config.algorithm, config.reward.kind, config.placement.kind,
