@@ -258,7 +258,8 @@ class RunSpec:
                             epochs=self.epochs)
         master = {role: opt.fp32_master for role, opt in self.optimizers.items()}
         return Experiment.of(self.graph, self.model_configs(), workload, fp32_master=master,
-                             offload_frozen=self.placement.offload_frozen)
+                             offload_frozen=self.placement.offload_frozen,
+                             offload_trainable=self.placement.offload_trainable)
 
 
 # --- config -> spec ------------------------------------------------------------------------

@@ -411,10 +411,16 @@ def _incoming(p: ModelProfile, src: CallChoice, dst: CallChoice, cluster: Cluste
     return needed, local_share
 
 
+def host_transfer_cost(nbytes: float, arrays: int, cluster: Cluster) -> CallCost:
+    """Moving `nbytes` per device in `arrays` arrays between device and host memory (either
+    way): every device streams its shards over its own host link at once."""
+    return CallCost(comm=nbytes / cluster.host_link_bandwidth, arrays=arrays)
+
+
 def offload_cost(p: ModelProfile, choice: CallChoice, cluster: Cluster) -> CallCost:
     """Moving one layout's parameter shards between device and host memory (either way)."""
     nbytes = p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline)
-    return CallCost(comm=nbytes / cluster.host_link_bandwidth, arrays=len(p.leaves))
+    return host_transfer_cost(nbytes, len(p.leaves), cluster)
 
 
 def realloc_cost(p: ModelProfile, src: CallChoice, dst: CallChoice,

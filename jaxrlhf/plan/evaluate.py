@@ -95,6 +95,14 @@ class Evaluator:
         p = self.experiment.profile(role)
         return cost_lib.offload_cost(p, choice, self.cluster).seconds(self.cluster)
 
+    def _state_seconds(self, role: Role, home: CallChoice) -> float:
+        """A trained model's parameters and optimizer state to or from host memory."""
+        p = self.experiment.profile(role)
+        nbytes = sum(memory_lib.train_state_bytes(p, home, self.experiment.master(role)))
+        moments = 3 if self.experiment.master(role) else 2  # AdamW m, v (+ fp32 master)
+        cost = cost_lib.host_transfer_cost(nbytes, (1 + moments) * len(p.leaves), self.cluster)
+        return cost.seconds(self.cluster)
+
     def own_memory(self, mfc: MFC, choice: CallChoice) -> memory_lib.MemoryBreakdown:
         key = (mfc.name, choice)
         if key not in self._own:
@@ -108,7 +116,7 @@ class Evaluator:
         """The plan's augmented graph of one step (MFCs and parameter movements)."""
         seconds = {name: self.mfc_seconds(name, choice) for name, choice in plan.items()}
         return simulator.augmented_tasks(self.skeleton, plan, seconds, self._realloc_seconds,
-                                         self._offload_seconds)
+                                         self._offload_seconds, self._state_seconds)
 
     def simulate(self, plan: ExecutionPlan) -> simulator.SimResult:
         """The simulated steps of a plan, whether or not the memory model lets it fit."""

@@ -12,10 +12,10 @@ import enum
 import functools
 from collections.abc import Mapping
 
-
 from jaxrlhf.dataflow.graph import DataflowGraph
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.parallel.strategy import DeviceRange
 from jaxrlhf.plan.profile import ModelProfile, profile_of
 
 
@@ -89,6 +89,9 @@ class Experiment:
         shared with another model's calls.
       host_seconds: host MFC name -> its duration (rule-based rewards); 0 if absent.
       decode: the runtime's pipelined decode schedule (jaxrlhf's unless pricing another).
+      offload_trainable: trained models whose devices hold other models' calls keep their
+        parameters and optimizer state in host memory between their own calls
+        (`placement.offload_trainable`, `dataflow.runtime.ModelRuntime.make_room`).
     """
 
     graph: DataflowGraph
@@ -98,17 +101,20 @@ class Experiment:
     offload_frozen: bool = False
     host_seconds: tuple[tuple[str, float], ...] = ()
     decode: DecodeSchedule = DecodeSchedule.PER_TOKEN
+    offload_trainable: bool = False
 
     @classmethod
     def of(cls, graph: DataflowGraph, models: Mapping[Role, ModelConfig], workload: Workload,
            *, fp32_master: Mapping[Role, bool] | None = None, offload_frozen: bool = False,
            host_seconds: Mapping[str, float] | None = None,
-           decode: DecodeSchedule = DecodeSchedule.PER_TOKEN) -> "Experiment":
+           decode: DecodeSchedule = DecodeSchedule.PER_TOKEN,
+           offload_trainable: bool = False) -> "Experiment":
         missing = [m.name for m in graph.mfcs if not m.host and m.role not in models]
         if missing:
             raise ValueError(f"no model config for the role of MFC(s) {missing}")
         return cls(graph, tuple(models.items()), workload, tuple((fp32_master or {}).items()),
-                   offload_frozen, tuple((host_seconds or {}).items()), decode)
+                   offload_frozen, tuple((host_seconds or {}).items()), decode,
+                   offload_trainable)
 
     def model(self, role: Role) -> ModelConfig:
         return dict(self.models)[role]
@@ -148,6 +154,16 @@ class Experiment:
     def home_mfc(self, role: Role) -> str:
         """The MFC whose layout holds the role's parameters: its train_step, else its first call."""
         return self._homes[role]
+
+    def offloads_state(self, role: Role, devices: Mapping[str, DeviceRange]) -> bool:
+        """Whether the trained `role` keeps its state in host memory between its calls, given
+        each model MFC's devices (name -> range): with `offload_trainable`, where its calls'
+        devices also run another role's calls (as `run.build.runtimes` decides)."""
+        if not (self.offload_trainable and self.trainable(role)):
+            return False
+        mine = [devices[m.name] for m in self.graph.calls_of(role) if not m.host]
+        theirs = [devices[m.name] for m in self.model_mfcs() if m.role is not role]
+        return any(a.first <= b.last and b.first <= a.last for a in mine for b in theirs)
 
     def host_mfc_seconds(self, name: str) -> float:
         return dict(self.host_seconds).get(name, 0.0)

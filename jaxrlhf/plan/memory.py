@@ -25,7 +25,8 @@ One MFC on its own (`call_memory`), per device:
 A plan (`plan_memory`) adds what other models keep on the same devices while the MFC runs,
 following the runtime (`dataflow.runtime.ModelRuntime`): a trained model's parameters and
 optimizer state stay on its home layout (its train_step's), unless `offload_trainable` sends
-them to host memory while other models run; a frozen model's parameters stay on
+them to host memory while other models run (where its devices run other models' calls; its
+own calls then hold its parameters, its train step the optimizer state too); a frozen model's parameters stay on
 the layout of its first call unless the experiment offloads frozen models; a copy on another
 layout lives from the first to the last call that uses it within a step.
 
@@ -238,13 +239,13 @@ def own_memory(experiment: Experiment, mfc: MFC, choice: CallChoice) -> MemoryBr
 
 
 def _resident(experiment: Experiment, plan: ExecutionPlan, role: Role,
-              offload_trainable: bool = False) -> tuple[CallChoice, int]:
+              offloads_state: bool = False) -> tuple[CallChoice, int]:
     """(home layout, bytes per device) a role keeps between calls; 0 bytes when offloaded (a
-    trained model with `offload_trainable` brings its state back for its own calls only)."""
+    trained model that offloads its state brings it back for its own calls only)."""
     home = plan[experiment.home_mfc(role)]
     p = experiment.profile(role)
     if experiment.trainable(role):
-        if offload_trainable:
+        if offloads_state:
             return home, 0
         return home, sum(train_state_bytes(p, home, experiment.master(role)))
     if experiment.offload_frozen:
@@ -267,21 +268,25 @@ OwnMemory = Callable[[MFC, CallChoice], MemoryBreakdown]
 
 
 def plan_memory(experiment: Experiment, plan: ExecutionPlan, cluster: Cluster,
-                own: OwnMemory | None = None, *, offload_trainable: bool = False) -> PlanMemory:
+                own: OwnMemory | None = None, *, offload_trainable: bool | None = None
+                ) -> PlanMemory:
     """Peak bytes per device of each MFC, given everything else the plan keeps on its devices.
 
     Args:
       experiment, plan, cluster: what to check.
       own: (mfc, choice) -> its `call_memory` (default `own_memory`; the search passes a cache).
-      offload_trainable: trained models wait in host memory while other models' calls run
-        (`placement.offload_trainable`, see `dataflow.runtime`).
+      offload_trainable: overrides `experiment.offload_trainable` (trained models that share
+        their devices wait in host memory while other models' calls run, `dataflow.runtime`).
     """
+    if offload_trainable is not None:
+        experiment = dataclasses.replace(experiment, offload_trainable=offload_trainable)
     own_of = own or functools.partial(own_memory, experiment)
     order = [m.name for m in experiment.model_mfcs()]
+    devices = {name: choice.devices for name, choice in plan.items()}
     base = np.zeros(cluster.num_devices)
     resident = {}
     for role in dict(experiment.models):
-        home, nbytes = _resident(experiment, plan, role, offload_trainable)
+        home, nbytes = _resident(experiment, plan, role, experiment.offloads_state(role, devices))
         resident[role] = (home, nbytes)
         base[home.devices.first:home.devices.last + 1] += nbytes
     copies = _copy_lifetimes(experiment, plan, order)

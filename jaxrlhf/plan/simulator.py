@@ -205,9 +205,13 @@ OffloadSeconds = Callable[[Role, CallChoice], float]
 
 
 def augmented_tasks(skeleton: Skeleton, plan: ExecutionPlan, mfc_seconds: Mapping[str, float],
-                    realloc_seconds: ReallocSeconds,
-                    offload_seconds: OffloadSeconds) -> list[Task]:
+                    realloc_seconds: ReallocSeconds, offload_seconds: OffloadSeconds,
+                    state_seconds: OffloadSeconds | None = None) -> list[Task]:
     """The augmented graph of one step, in dispatch order.
+
+    A trained model that offloads its state (`Experiment.offloads_state`) onloads its
+    parameters before each of its calls that reads them on its home layout (or copies them to
+    another), its whole state before its train step, and offloads the whole state after it.
 
     Args:
       skeleton: `Skeleton(experiment)`.
@@ -215,10 +219,15 @@ def augmented_tasks(skeleton: Skeleton, plan: ExecutionPlan, mfc_seconds: Mappin
       mfc_seconds: model MFC name -> its duration.
       realloc_seconds: (role, home choice, call choice) -> seconds to copy the parameters.
       offload_seconds: (role, call choice) -> seconds to move them between host and devices.
+      state_seconds: (role, home choice) -> seconds to move a trained model's parameters and
+        optimizer state between host and devices (needed when trained models offload).
     """
     experiment = skeleton.experiment
     choices = dict(plan.items())
     offloads = experiment.offload_frozen
+    devices = {name: choice.devices for name, choice in choices.items()}
+    offloaded = {s.role for s in skeleton.slots
+                 if s.trainable and experiment.offloads_state(s.role, devices)}
     copies: set = set()
     last_offload: dict[Role, str] = {}
     tasks: list[Task] = []
@@ -235,19 +244,44 @@ def augmented_tasks(skeleton: Skeleton, plan: ExecutionPlan, mfc_seconds: Mappin
             moves.append(Task(f"onload:{name}", TaskKind.ONLOAD,
                               offload_seconds(slot.role, choice), (choice.devices,),
                               after=(previous,) if previous else (), mfc=name))
-        elif (choice.param_layout != home.param_layout
-              and (slot.role, choice.param_layout) not in copies):
-            copies.add((slot.role, choice.param_layout))
-            moves.append(Task(f"realloc:{name}", TaskKind.REALLOC,
-                              realloc_seconds(slot.role, home, choice),
-                              (home.devices, choice.devices), after_previous=slot.version,
-                              mfc=name))
+        else:
+            realloc = (choice.param_layout != home.param_layout
+                       and (slot.role, choice.param_layout) not in copies)
+            if slot.role in offloaded and (realloc or name == slot.home
+                                           or choice.param_layout == home.param_layout):
+                moves.append(_trained_onload(slot, home, last_offload, offload_seconds,
+                                             state_seconds))
+            if realloc:
+                copies.add((slot.role, choice.param_layout))
+                moves.append(Task(f"realloc:{name}", TaskKind.REALLOC,
+                                  realloc_seconds(slot.role, home, choice),
+                                  (home.devices, choice.devices),
+                                  after=tuple(t.name for t in moves),
+                                  after_previous=slot.version, mfc=name))
         tasks += moves
         tasks.append(Task(name, TaskKind.MFC, mfc_seconds[name], (choice.devices,),
                           slot.parents + tuple(t.name for t in moves), slot.previous, name))
-        if not slot.trainable and offloads:
-            tasks.append(Task(f"offload:{name}", TaskKind.OFFLOAD,
-                              offload_seconds(slot.role, choice), (choice.devices,), (name,),
-                              mfc=name))
+        if (not slot.trainable and offloads) or (slot.role in offloaded and name == slot.home):
+            seconds = (state_seconds(slot.role, home) if slot.trainable
+                       else offload_seconds(slot.role, choice))
+            tasks.append(Task(f"offload:{name}", TaskKind.OFFLOAD, seconds,
+                              (choice.devices,), (name,), mfc=name))
             last_offload[slot.role] = f"offload:{name}"
     return tasks
+
+
+def _trained_onload(slot: _Slot, home: CallChoice, last_offload: Mapping[Role, str],
+                    offload_seconds: OffloadSeconds,
+                    state_seconds: OffloadSeconds | None) -> Task:
+    """A trained model waiting in host memory comes back to its home devices for a call: its
+    parameters for a call that reads them, its whole state for its train step (which
+    follows the previous step's offload after that step's train step)."""
+    train = slot.name == slot.home
+    if train and state_seconds is None:
+        raise ValueError("augmented_tasks: trained models offload; pass state_seconds")
+    seconds = state_seconds(slot.role, home) if train else offload_seconds(slot.role, home)
+    previous = last_offload.get(slot.role)
+    return Task(f"onload:{slot.name}", TaskKind.ONLOAD, seconds, (home.devices,),
+                after=(previous,) if previous else (),
+                after_previous=() if previous else tuple(f"offload:{v}" for v in slot.version),
+                mfc=slot.name)
