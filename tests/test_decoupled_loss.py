@@ -135,7 +135,7 @@ def _decoupled_actor_batch(seed):
 def test_decoupled_ppo_actor_loss_matches_loop(kl_in_reward):
     logits, batch, lp, behav, prox, ref, adv, mask = _decoupled_actor_batch(24)
     cfg = ppo.PPOConfig(policy=alg.PPOLossConfig(clip_eps=0.2), kl_in_reward=kl_in_reward)
-    loss_sum, weight, _ = decoupled.ppo_actor_loss(cfg)(logits, batch)
+    loss_sum, weight, _ = ppo.actor_loss(cfg, decoupled.PROX_KEY)(logits, batch)
     want = 0.0
     for i, length in enumerate(LENGTHS):
         for t in range(length):

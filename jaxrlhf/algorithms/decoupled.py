@@ -19,46 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
-from jaxrlhf.algorithms import grpo, losses, ppo
-from jaxrlhf.algorithms import kl as kl_lib
-from jaxrlhf.algorithms.spec import Algorithm, LossFn, response_policy
+from jaxrlhf.algorithms import grpo, ppo
+from jaxrlhf.algorithms.spec import Algorithm, LossFn
 from jaxrlhf.mfc import MFC, Call, Role
 
 PROX_KEY = "prox_logp_bn"  # [b, n] log π_prox of the response tokens
 PROX_MFC = "actor_prox"
-
-
-def ppo_actor_loss(cfg: ppo.PPOConfig) -> LossFn:
-    """PPO's actor loss with the decoupled surrogate (batch carries `prox_logp_bn`); the KL
-    term (when it is in the loss, not the reward) is unchanged."""
-
-    def loss_fn(logits_btv, batch):
-        logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.temperature)
-        loss_sum, weight, stats = losses.ppo_policy_loss(
-            logp_bn, batch["old_logp_bn"], batch["advantages_bn"], batch["mask_bn"], cfg.policy,
-            proximal_logp_bn=batch[PROX_KEY], entropy_bn=entropy_bn)
-        if not cfg.kl_in_reward:
-            kl_bn = kl_lib.kl_per_token(logp_bn, batch["ref_logp_bn"], cfg.kl_estimator)
-            kl_sum = jnp.sum(kl_bn * batch["mask_bn"] * batch["kl_coef"][:, None])
-            loss_sum = loss_sum + kl_sum
-            stats = {**stats, "kl_loss": kl_sum}
-        return loss_sum, weight, stats
-
-    return loss_fn
-
-
-def grpo_actor_loss(cfg: grpo.GRPOConfig) -> LossFn:
-    """GRPO's loss (surrogate + β·KL to the reference) with the decoupled surrogate."""
-
-    def loss_fn(logits_btv, batch):
-        logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.temperature)
-        return losses.grpo_loss(logp_bn, batch["old_logp_bn"], batch["ref_logp_bn"],
-                                batch["advantages_bn"], batch["mask_bn"], cfg.loss,
-                                proximal_logp_bn=batch[PROX_KEY], entropy_bn=entropy_bn)
-
-    return loss_fn
 
 
 def _with_prox(prepare):
@@ -75,7 +41,8 @@ def decouple(algorithm: Algorithm, actor_loss: LossFn) -> Algorithm:
     """`algorithm` (PPO-family: one actor generate and train_step) with the decoupled objective.
 
     Adds the `actor_prox` inference call before the actor's train step, makes the train step
-    read its output, and trains the actor with `actor_loss` (see `ppo_actor_loss`).
+    read its output, and trains the actor with `actor_loss` (the algorithm's own actor loss
+    given `PROX_KEY`).
     """
     (gen,) = [m for m in algorithm.mfcs if m.role is Role.ACTOR and m.call is Call.GENERATE]
     (train,) = [m for m in algorithm.mfcs if m.role is Role.ACTOR and m.call is Call.TRAIN_STEP]
@@ -95,8 +62,8 @@ def decouple(algorithm: Algorithm, actor_loss: LossFn) -> Algorithm:
 
 def decoupled_ppo(cfg: ppo.PPOConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
     return decouple(ppo.make(cfg, reward_model=reward_model, batch_size=batch_size),
-                    ppo_actor_loss(cfg))
+                    ppo.actor_loss(cfg, PROX_KEY))
 
 
 def decoupled_grpo(cfg: grpo.GRPOConfig, *, reward_model: bool) -> Algorithm:
-    return decouple(grpo.make(cfg, reward_model=reward_model), grpo_actor_loss(cfg))
+    return decouple(grpo.make(cfg, reward_model=reward_model), grpo.actor_loss(cfg, PROX_KEY))

@@ -100,11 +100,15 @@ def _train_batch(buf, controller, cfg: GRPOConfig):
     return batch, stats
 
 
-def actor_loss(cfg: GRPOConfig):
+def actor_loss(cfg: GRPOConfig, proximal_key: str | None = None):
+    """Surrogate + β·KL to the reference; with `proximal_key`, the batch's log π_prox under that
+    key makes the surrogate AReaL's decoupled one (`decoupled.py`)."""
+
     def loss_fn(logits_btv, batch):
         logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.temperature)
         return losses.grpo_loss(logp_bn, batch["old_logp_bn"], batch["ref_logp_bn"],
                                 batch["advantages_bn"], batch["mask_bn"], cfg.loss,
+                                proximal_logp_bn=batch[proximal_key] if proximal_key else None,
                                 entropy_bn=entropy_bn)
 
     return loss_fn
