@@ -8,7 +8,9 @@ one optimizer update per step: 64 x 96 = 6,144 tokens and about 258 GFLOP per st
 Variants (`configs/grpo_bench_cpu.py:ARG`, comma-separated):
   * `prompts64`: 64 prompts x 4 responses (batch scaling row);
   * `new512`: 512 new tokens (length scaling row);
-  * `dN`: colocate on the first N CPU devices (e.g. `d1`, `d2`); default all 8.
+  * `dN`: colocate on the first N CPU devices (e.g. `d1`, `d2`); default all 8;
+  * `smoke`: the same graph, model and code path for 2 steps with 4 prompts x 2 responses and
+    8 + 8 tokens, in seconds (the default test suite runs it).
 """
 
 from jaxrlhf.schema import base_config
@@ -37,9 +39,13 @@ def get_config(arg=None):
             config.rollout.batch_size = 64
         elif part == "new512":
             config.rollout.max_new_tokens = 512
+        elif part == "smoke":
+            config.steps = 2
+            config.rollout.update(batch_size=4, group_size=2, max_prompt_len=8,
+                                  max_new_tokens=8)
         elif part.startswith("d") and part[1:].isdigit():
             config.cpu_devices = int(part[1:])
         else:
             raise ValueError(f"configs/grpo_bench_cpu.py: unknown variant {part!r} "
-                             "(prompts64, new512, dN)")
+                             "(prompts64, new512, dN, smoke)")
     return config

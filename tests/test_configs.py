@@ -52,7 +52,7 @@ def test_tiny_config_plans_on_the_test_devices(name):
     assert set(plan.layouts) == {m.name for m in spec.graph.mfcs if not m.host}
 
 
-@pytest.mark.parametrize("name", [c for c in CONFIGS if c.endswith("_tiny")] + ["ppo_7b"])
+@pytest.mark.parametrize("name", CONFIGS)  # each runs in tests/test_config_runs.py and others
 def test_smoke_variant(name):
     assert load(name, "smoke").steps == 2
 
