@@ -2,6 +2,8 @@
 an inference under p2, p4, d2p2t2 and p2f2 equal d8, greedy generation under p2 equals d8 token
 for token, and parameters reshard between pipelined and non-pipelined layouts bit for bit."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from jaxrlhf.engine.microbatch import MicrobatchConfig
 from jaxrlhf.engine.train_step import create_train_state, make_train_step
 from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.parallel.layout import init_params, make_layout
-from jaxrlhf.parallel.pipeline import Pipeline, merge_rows, split_rows
+from jaxrlhf.parallel.pipeline import DecodeSchedule, Pipeline, merge_rows, split_rows
 from jaxrlhf.parallel.reshard import fetch, reshard
 from jaxrlhf.parallel.strategy import Strategy, parse_strategy
 
@@ -199,11 +201,99 @@ def _generate(name, d8_params):
 
 
 def test_greedy_generation_p2_equals_d8(d8_params):
+    """On the mesh: p2's generation (GPipe prefill, ReaL's across-token decode) equals d8's."""
+    assert make_layout("0-1:p2").micro_batches == 2  # M = S: the pipeline full every slot
     got, want = _generate("p2", d8_params), _generate("d8", d8_params)
     np.testing.assert_array_equal(got.response_bn, want.response_bn)
     assert len({tuple(row) for row in want.response_bn}) > 1  # rows differ: a real check
     np.testing.assert_array_equal(got.response_mask_bn, want.response_mask_bn)
     np.testing.assert_allclose(got.logprobs_bn, want.logprobs_bn, rtol=0, atol=1e-5)
+
+
+# ---- generation: ReaL's across-token decode schedule (engine/pipelined_decode.py) ------------
+
+
+def _plain_generate(stack, cfg, params, rng_seed=4):
+    """`generate` off any mesh with the given LayerStack (None: the model's plain scan)."""
+    from jaxrlhf.engine.generate import generate
+    from jaxrlhf.models.transformer import Transformer
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 9, size=BATCH)
+    mask_bp = np.arange(8)[None, :] >= 8 - lengths[:, None]  # left-padded
+    tokens_bp = np.where(mask_bp, rng.integers(1, MODEL.vocab_size - 1, (BATCH, 8)), 0)
+    fn = jax.jit(functools.partial(generate, Transformer(MODEL, stack), cfg))
+    return fetch(fn(params, tokens_bp.astype(np.int32), mask_bp, jax.random.key(rng_seed)))
+
+
+SAMPLED = dict(max_new_tokens=7, pad_token_id=0, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def sampled_reference(d8_params):
+    """Plain-scan sampling with two stop ids: one row 0 emits early, one row 3 emits early
+    (row 1 emits neither), so rows stop at different tokens of different micro-batches."""
+    params = fetch(d8_params)
+    forced = _plain_generate(None, GenerateConfig(eos_token_id=0, force_max_length=True,
+                                                  **SAMPLED), params).response_bn
+    early = lambda row: next(int(t) for t in forced[row][1:4] if t not in forced[1])
+    cfg = GenerateConfig(eos_token_id=(early(0), early(3)), **SAMPLED)
+    return params, cfg, _plain_generate(None, cfg, params)
+
+
+def _assert_same_generation(got, want):
+    np.testing.assert_array_equal(got.response_bn, want.response_bn)
+    np.testing.assert_array_equal(got.response_mask_bn, want.response_mask_bn)
+    np.testing.assert_allclose(got.logprobs_bn, want.logprobs_bn, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def across_4x2(sampled_reference):
+    """ReaL's across-token schedule with fewer micro-batches than stages (M=2 < S=4: a
+    micro-batch waits for its token every round)."""
+    params, cfg, _ = sampled_reference
+    return _plain_generate(Pipeline(4, 2, axis=None), cfg, params)
+
+
+def test_pipelined_decode_equals_the_plain_decode(sampled_reference, across_4x2):
+    """Sampled tokens, stop handling and log-probs, token for token."""
+    _, cfg, want = sampled_reference
+    lengths = want.response_lengths_b
+    assert lengths[0] < cfg.max_new_tokens and lengths[3] < cfg.max_new_tokens
+    assert lengths[1] == cfg.max_new_tokens  # some rows stop, at different tokens, some do not
+    _assert_same_generation(across_4x2, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages, micro, decode", [
+    (2, 4, "across_tokens"),  # M > S: every stage busy every slot after the fill
+    (2, 3, "across_tokens"),  # gcd(3, 8) = 1 micro-batch
+    (2, 4, "per_token"),  # a GPipe pass per token
+])
+def test_pipelined_decode_schedules_equal_the_plain_decode(sampled_reference, stages, micro,
+                                                           decode):
+    params, cfg, want = sampled_reference
+    stack = Pipeline(stages, micro, axis=None, decode=DecodeSchedule(decode))
+    _assert_same_generation(_plain_generate(stack, cfg, params), want)
+
+
+def test_pipelined_decode_logprobs_equal_a_forward_pass(sampled_reference, across_4x2):
+    """The across-token schedule's log-probs are the sampled tokens' log-probs under one
+    forward pass of the whole sequences (inference's)."""
+    from jaxrlhf.models.transformer import Transformer
+
+    params, _, _ = sampled_reference
+    got = across_4x2
+    mask_bs = np.asarray(got.sequence_mask_bs)
+    positions_bs = np.maximum(np.cumsum(mask_bs, axis=1) - 1, 0).astype(np.int32)
+    logits_bsv, _ = jax.jit(Transformer(MODEL).apply)(
+        {"params": params}, got.sequences_bs, positions_bs, mask_bs.astype(np.int32))
+    prompt_len = got.prompt_mask_bp.shape[1]
+    logp_bsv = jax.nn.log_softmax(np.asarray(logits_bsv)[:, prompt_len - 1:-1], axis=-1)
+    want_bn = np.take_along_axis(np.asarray(logp_bsv), got.response_bn[..., None], -1)[..., 0]
+    mask_bn = got.response_mask_bn
+    assert mask_bn.sum() > BATCH  # more than one token per row compared
+    np.testing.assert_allclose(got.logprobs_bn[mask_bn], want_bn[mask_bn], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(PIPELINED))

@@ -27,14 +27,17 @@ pipelined through the one forward.
 
 KV cache (generation): the cache [L, b, S_len, k, d] is viewed as [S, L/S, b/M, M, S_len, k, d];
 stage s reads micro-batch m's slice and writes back only the t slots it filled, and only when m
-is real, so bubble iterations never touch the cache. Decoding therefore runs one pipeline per
-token: with M micro-batches each decode step keeps M/(M+S-1) of the stages busy (ReaL keeps
-the pipeline full across tokens instead; not done here).
+is real, so bubble iterations never touch the cache. Called once per decode token, this runs
+one pipeline per token (`DecodeSchedule.PER_TOKEN`): each token keeps M/(M+S-1) of the stages
+busy. Generation on a pipelined layout instead keeps the pipeline full across tokens as ReaL
+does (`DecodeSchedule.ACROSS_TOKENS`, `engine/pipelined_decode.py`), built from the same
+pieces: `stage_params`, `stage_cache` and one `iteration` per scheduling slot.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 import flax.linen as nn
@@ -49,6 +52,20 @@ _STATE_AXES = ("stages", "batch", "length", "act_embed")  # [S, b, t, d]
 _MICRO_AXES = (None, "batch", "length", "act_embed")  # [M, b, t, d]
 # [S, L/S, b, M, S_len, k, d]
 _CACHE_AXES = ("stages", None, "batch", None, None, "act_kv_heads", "head_dim")
+
+
+class DecodeSchedule(enum.Enum):
+    """How pipelined generation schedules its decode steps.
+
+    PER_TOKEN: every new token is one GPipe pass over the M micro-batches (M + S - 1
+      iterations), so each token pays the bubble.
+    ACROSS_TOKENS: ReaL's: a micro-batch's next token enters stage 0 as soon as its last token
+      has left stage S-1, so the pipeline stays full from token to token: max(M, S) iterations
+      per token (with M < S a token waits for its micro-batch to come round).
+    """
+
+    PER_TOKEN = "per_token"
+    ACROSS_TOKENS = "across_tokens"
 
 
 def split_rows(x, num_micro: int):
@@ -71,15 +88,78 @@ class Pipeline:
       micro_batches: M; a call whose batch M does not divide streams gcd(M, batch).
       axis: the mesh axis the stage dim is sharded over (None: no sharding hints, for use
         outside a mesh).
+      decode: how generation on this pipeline schedules its decode steps.
     """
 
     stages: int
     micro_batches: int
     axis: str | None = Axis.PIPELINE.value
+    decode: DecodeSchedule = DecodeSchedule.ACROSS_TOKENS
 
     def __post_init__(self):
         if self.stages < 1 or self.micro_batches < 1:
             raise ValueError(f"pipeline needs stages and micro_batches >= 1, got {self}")
+
+    def num_micro(self, batch: int) -> int:
+        """Micro-batches a call of `batch` rows streams: a batch the planned count does not
+        divide (e.g. a held-out evaluation's) streams fewer; the numbers do not change."""
+        return math.gcd(self.micro_batches, batch)
+
+    def stage_params(self, params_l):
+        """Every layer's params [L, ...] viewed as [S, L/S, ...] (a local reshape)."""
+        num_layers = jax.tree.leaves(params_l)[0].shape[0]
+        if num_layers % self.stages:
+            raise ValueError(f"{self.stages} pipeline stages do not divide {num_layers} layers")
+        return jax.tree.map(
+            lambda p: p.reshape(self.stages, num_layers // self.stages, *p.shape[1:]), params_l)
+
+    def stage_cache(self, cache: KVCache, num_micro: int) -> KVCache:
+        """KVCache [L, B, S_len, k, d] viewed as [S, L/S, B/M, M, S_len, k, d] (micro-batch m
+        holds rows m, m+M, ...)."""
+        num_layers, batch = cache.k_lbskd.shape[:2]
+        return KVCache(*(
+            self._constrain(c.reshape(self.stages, num_layers // self.stages, batch // num_micro,
+                                      num_micro, *c.shape[2:]), _CACHE_AXES) for c in cache))
+
+    @staticmethod
+    def unstage_cache(cache_s: KVCache) -> KVCache:
+        """Inverse of `stage_cache`."""
+        return KVCache(*(c.reshape(c.shape[0] * c.shape[1], c.shape[2] * c.shape[3], *c.shape[4:])
+                         for c in cache_s))
+
+    def iteration(self, layer_fn: LayerFn, params_s, fresh_btd: jax.Array,
+                  state_sbtd: jax.Array, cache_s: KVCache | None, inputs_s: LayerInputs,
+                  micro_s: jax.Array, real_s: jax.Array, cache_index, unroll: bool
+                  ) -> tuple[jax.Array, KVCache | None]:
+        """One scheduling slot: stage s takes what stage s-1 produced last slot (stage 0
+        `fresh_btd`), then every stage runs its layers at once.
+
+        Args:
+          layer_fn: one layer (`transformer.apply_layer` with its config bound).
+          params_s: `stage_params` of the layers.
+          fresh_btd: [b, t, d] stage 0's new input.
+          state_sbtd: [S, b, t, d] every stage's output of the last slot.
+          cache_s: `stage_cache` view or None.
+          inputs_s: each stage's micro-batch's LayerInputs, stacked on a leading S dim.
+          micro_s: int [S] the micro-batch each stage works on (clipped into [0, M)).
+          real_s: bool [S] whether that work is real (bubble work never touches the cache).
+          cache_index: the cache slot of the first of the t tokens: a scalar shared by all
+            stages, or int [S], one per stage.
+          unroll: unroll each stage's loop over its layers.
+
+        Returns:
+          (out_sbtd [S, b, t, d] every stage's output, the updated cache view or None).
+        """
+        stage_ids = jnp.arange(self.stages, dtype=jnp.int32)
+        shifted_sbtd = jnp.roll(state_sbtd, 1, axis=0)  # collective-permute between stages
+        in_sbtd = jnp.where((stage_ids == 0)[:, None, None, None], fresh_btd[None], shifted_sbtd)
+        in_sbtd = self._constrain(in_sbtd, _STATE_AXES)
+        index_axis = 0 if jnp.ndim(cache_index) else None
+        run_stages = jax.vmap(_stage_fn(layer_fn, unroll), spmd_axis_name=self.axis,
+                              in_axes=(0, 0, 0, 0, 0, 0, index_axis))
+        out_sbtd, cache_s = run_stages(params_s, in_sbtd, cache_s, inputs_s, micro_s, real_s,
+                                       jnp.asarray(cache_index, jnp.int32))
+        return self._constrain(out_sbtd, _STATE_AXES), cache_s
 
     def __call__(self, layer_fn: LayerFn, params_l, x_btd: jax.Array, cache: KVCache | None,
                  inputs: LayerInputs, cache_index, unroll: bool
@@ -98,23 +178,11 @@ class Pipeline:
         Returns:
           (x_btd [B, t, d] after the last layer, the updated cache or None).
         """
-        batch = x_btd.shape[0]
-        # A batch the planned count does not divide (e.g. a held-out evaluation's) streams
-        # fewer micro-batches: the schedule changes, the numbers do not.
-        num_stages, num_micro = self.stages, math.gcd(self.micro_batches, batch)
-        num_layers = jax.tree.leaves(params_l)[0].shape[0]
-        if num_layers % num_stages:
-            raise ValueError(f"{num_stages} pipeline stages do not divide {num_layers} layers")
-        per_stage = num_layers // num_stages
-        params_s = jax.tree.map(
-            lambda p: p.reshape(num_stages, per_stage, *p.shape[1:]), params_l)
+        num_stages, num_micro = self.stages, self.num_micro(x_btd.shape[0])
+        params_s = self.stage_params(params_l)
         x_mbtd = self._constrain(split_rows(x_btd, num_micro), _MICRO_AXES)
         inputs_m = jax.tree.map(lambda a: split_rows(a, num_micro), inputs)
-        cache_s = None if cache is None else KVCache(*(
-            self._constrain(c.reshape(num_stages, per_stage, batch // num_micro, num_micro,
-                                      *c.shape[2:]), _CACHE_AXES) for c in cache))
-        stage = _stage_fn(layer_fn, jnp.asarray(cache_index, jnp.int32), unroll)
-        run_stages = jax.vmap(stage, spmd_axis_name=self.axis)
+        cache_s = None if cache is None else self.stage_cache(cache, num_micro)
         stage_ids = jnp.arange(num_stages, dtype=jnp.int32)
 
         def iteration(carry, i):
@@ -124,43 +192,40 @@ class Pipeline:
             micro_s = jnp.clip(micro_s, 0, num_micro - 1)
             fresh_btd = jax.lax.dynamic_index_in_dim(x_mbtd, jnp.minimum(i, num_micro - 1), 0,
                                                      keepdims=False)
-            # Stage s takes what stage s-1 produced last iteration; stage 0 the next micro-batch.
-            shifted_sbtd = jnp.roll(state_sbtd, 1, axis=0)
-            in_sbtd = jnp.where((stage_ids == 0)[:, None, None, None], fresh_btd[None],
-                                shifted_sbtd)
-            in_sbtd = self._constrain(in_sbtd, _STATE_AXES)
             inputs_s = jax.tree.map(lambda a: a[micro_s], inputs_m)
-            out_sbtd, cache_s = run_stages(params_s, in_sbtd, cache_s, inputs_s, micro_s,
-                                           real_s)
-            out_sbtd = self._constrain(out_sbtd, _STATE_AXES)
+            out_sbtd, cache_s = self.iteration(layer_fn, params_s, fresh_btd, state_sbtd,
+                                               cache_s, inputs_s, micro_s, real_s, cache_index,
+                                               unroll)
             # Before stage S-1 has a real output this writes filler into slot 0; micro-batch
             # 0's real output overwrites it at iteration S-1.
             done = jnp.clip(i - (num_stages - 1), 0, num_micro - 1)
             out_mbtd = jax.lax.dynamic_update_index_in_dim(out_mbtd, out_sbtd[-1], done, 0)
             return (out_sbtd, cache_s, out_mbtd), None
 
-        state_sbtd = self._constrain(
-            jnp.zeros((num_stages,) + x_mbtd.shape[1:], x_btd.dtype), _STATE_AXES)
-        init = (state_sbtd, cache_s, jnp.zeros_like(x_mbtd))
+        init = (self.empty_state(x_mbtd.shape[1:], x_btd.dtype), cache_s, jnp.zeros_like(x_mbtd))
         steps = jnp.arange(num_micro + num_stages - 1, dtype=jnp.int32)
         (_, cache_s, out_mbtd), _ = jax.lax.scan(iteration, init, steps)
-        new_cache = None if cache is None else KVCache(*(
-            c.reshape(num_layers, batch, *c.shape[4:]) for c in cache_s))
+        new_cache = None if cache is None else self.unstage_cache(cache_s)
         return merge_rows(out_mbtd), new_cache
+
+    def empty_state(self, shape_btd: tuple[int, ...], dtype) -> jax.Array:
+        """The [S, b, t, d] stage outputs before the first slot (filler)."""
+        return self._constrain(jnp.zeros((self.stages, *shape_btd), dtype), _STATE_AXES)
 
     def _constrain(self, x, names):
         return x if self.axis is None else nn.with_logical_constraint(x, names)
 
 
-def _stage_fn(layer_fn: LayerFn, cache_index: jax.Array, unroll: bool):
+def _stage_fn(layer_fn: LayerFn, unroll: bool):
     """One stage: its L/S layers on one micro-batch (vmapped over the stages by `Pipeline`).
 
     The returned function maps (params [L/S, ...], x_btd [b, t, d], cache KVCache
     [L/S, b, M, S_len, k, d] or None, LayerInputs of its micro-batch, micro index m, whether m
-    is real) -> (x_btd after its layers, cache with micro-batch m's new slots written).
+    is real, cache slot of the first of the t tokens) -> (x_btd after its layers, cache with
+    micro-batch m's new slots written).
     """
 
-    def stage(params, x_btd, cache, inputs, micro, real):
+    def stage(params, x_btd, cache, inputs, micro, real, cache_index):
         per_stage = jax.tree.leaves(params)[0].shape[0]
         cache_m = None if cache is None else KVCache(*(
             jax.lax.dynamic_index_in_dim(c, micro, 2, keepdims=False) for c in cache))
