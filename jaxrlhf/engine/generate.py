@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.engine import buckets
+from jaxrlhf.engine import buckets, pipelined_decode
 from jaxrlhf.engine.call import BucketedCall
 from jaxrlhf.engine.sampling import SamplingParams, sample, token_logprobs
 from jaxrlhf.models.config import HeadKind, ModelConfig
@@ -215,7 +215,12 @@ def generate(
     # Token 0 comes from the prefill's logits; each iteration feeds the last token and samples
     # the next, so the loop body has no `lax.cond` (whose branches would copy the KV cache).
     state = _choose(state, rng, cfg)
-    state = jax.lax.while_loop(functools.partial(_unfinished, n_new=n_new), decode_one, state)
+    if pipelined_decode.runs_across_tokens(model):  # ReaL's schedule on a pipelined layout
+        state = pipelined_decode.decode_across_tokens(
+            model, cfg, params, state, rng, prompt_lengths_b, prompt_len, kv_segment_ids_bs)
+    else:
+        state = jax.lax.while_loop(functools.partial(_unfinished, n_new=n_new), decode_one,
+                                   state)
     prompt_bp = jnp.where(prompt_mask_bp, prompt_tokens_bp, cfg.pad_token_id).astype(jnp.int32)
     return GenerateOutput(
         sequences_bs=jnp.concatenate([prompt_bp, state.response_bn], axis=1),
