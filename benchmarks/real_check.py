@@ -27,7 +27,9 @@ How ReaL's plans map to jaxrlhf's:
     splits into ReaL's micro-batch counts, and only it makes the measured seconds plausible
     (512 prompts would put the 70B actor's training at ~4% MFU, 4096 at ~30%).
   * ReaL's pipelined decoding keeps the pipeline full across tokens, so its plans are priced
-    with `DecodeSchedule.ACROSS_TOKENS` (jaxrlhf's runtime pays the bubble every token);
+    with `DecodeSchedule.ACROSS_TOKENS` (jaxrlhf's runtime schedule too, since
+    `engine/pipelined_decode.py`; set explicitly so the check prices ReaL's schedule whatever
+    the runtime's default);
   * generation is compared with the CUDA-graph figures (Tables 2-5 list those); the step with
     Table 6's End2End with CUDA graphs. The w/o-CUDA-graph figures are printed beside them.
 """

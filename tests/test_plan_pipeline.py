@@ -22,7 +22,7 @@ from jaxrlhf.plan.cluster import Cluster, load_cluster
 from jaxrlhf.plan.evaluate import Evaluator
 from jaxrlhf.plan.experiment import DecodeSchedule, Workload
 from jaxrlhf.plan.profile import profile_of
-from jaxrlhf.plan.search import SearchOptions, heuristic, search
+from jaxrlhf.plan.search import PlanResult, SearchOptions, SearchReport, heuristic, search
 from jaxrlhf.spec import run_spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -87,6 +87,29 @@ def test_decode_schedules():
     unpiped = CallChoice(DeviceRange(0, 1), tensor=2, micro_batches=4)
     assert len({cost.generate_cost(p, WORK, unpiped, COMPUTE_ONLY, schedule).compute
                 for schedule in DecodeSchedule}) == 1
+
+
+def test_the_planner_prices_the_runtimes_decode_schedule():
+    """Generation on a pipelined layout decodes across tokens (engine/pipelined_decode.py);
+    the planner prices that schedule unless told otherwise, and says so in its JSON."""
+    from jaxrlhf.engine.pipelined_decode import runs_across_tokens
+    from jaxrlhf.models.transformer import Transformer
+    from jaxrlhf.parallel.layout import make_layout
+    from jaxrlhf.parallel.pipeline import layer_stack
+    from jaxrlhf.plan import report as report_lib
+
+    stack = layer_stack(make_layout("0-1:p2", model=SMALL))
+    assert runs_across_tokens(Transformer(SMALL, stack))
+    assert stack.decode is DecodeSchedule.ACROSS_TOKENS
+    experiment = run_spec(_config("configs/ppo_tiny.py")).experiment()
+    assert experiment.decode is stack.decode
+    p = profile_of(SMALL)
+    piped = CallChoice(DeviceRange(0, 7), tensor=2, micro_batches=4, pipeline=4)
+    assert (cost.generate_cost(p, WORK, piped, COMPUTE_ONLY).compute
+            == cost.generate_cost(p, WORK, piped, COMPUTE_ONLY, stack.decode).compute)
+    nothing = SearchReport(PlanResult("searched", None, None, "not searched"), {}, 0.0, 0)
+    got = report_lib.to_json(nothing, CLUSTER, experiment.decode)
+    assert got["decode_schedule"] == "across_tokens"
 
 
 def test_stage_sends_use_the_inter_host_link_only_when_stages_span_hosts():

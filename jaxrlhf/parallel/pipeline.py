@@ -68,6 +68,10 @@ class DecodeSchedule(enum.Enum):
     ACROSS_TOKENS = "across_tokens"
 
 
+# What generation on a pipelined layout runs (and what the planner prices by default).
+DEFAULT_DECODE = DecodeSchedule.ACROSS_TOKENS
+
+
 def split_rows(x, num_micro: int):
     """[B, ...] -> [M, B/M, ...]; micro-batch m holds rows m, m+M, m+2M, ..."""
     rows = x.shape[0]
@@ -94,7 +98,7 @@ class Pipeline:
     stages: int
     micro_batches: int
     axis: str | None = Axis.PIPELINE.value
-    decode: DecodeSchedule = DecodeSchedule.ACROSS_TOKENS
+    decode: DecodeSchedule = DEFAULT_DECODE
 
     def __post_init__(self):
         if self.stages < 1 or self.micro_batches < 1:

@@ -151,12 +151,14 @@ def _search(config, cluster: Cluster) -> None:
         report = dataclasses.replace(
             report, configured=PlanResult("configured", configured, evaluation, reason))
     if _JSON.value:
-        print(json.dumps(report_lib.to_json(report, cluster), indent=1, sort_keys=True))
+        print(json.dumps(report_lib.to_json(report, cluster, experiment.decode), indent=1,
+                         sort_keys=True))
         return
     order = dispatch_order(experiment)
     for result in report.plans().values():
         print(report_lib.plan_table(result, cluster, order) + "\n")
     print(report_lib.summary(report))
+    print(f"pipelined generation priced with the {experiment.decode.value} decode schedule")
     if report.searched.plan is not None:
         print(f"\nplacement.kind=manual placement.allocation="
               f"{report_lib.allocation(report.searched)}")

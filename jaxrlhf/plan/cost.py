@@ -32,10 +32,11 @@ micro-batches stream through the stages, GPipe or 1F1B alike in k + p - 1 slots,
 is (p-1)/(k+p-1) of the time; every slot ends with a stage-to-stage send of the micro-batch's
 activations (and, training, of their gradients back), on the slowest hop's link. A pipelined
 train_step is one backward pass per update, so its gradients are reduced once per update, not
-per micro-batch. Pipelined decoding keeps every micro-batch in flight; jaxrlhf's runtime runs
-one pipeline pass per token (k + p - 1 slots, `DecodeSchedule.PER_TOKEN`), ReaL's keeps the
-pipeline full across tokens (max(k, p) slots: with k < p a token waits for its micro-batch to
-come round). A pipelined call is one jit call.
+per micro-batch. Pipelined decoding keeps every micro-batch in flight. The runtime keeps the
+pipeline full across tokens as ReaL does (`DecodeSchedule.ACROSS_TOKENS`,
+`engine/pipelined_decode.py`): max(k, p) slots per token (with k < p a token waits for its
+micro-batch to come round); `DecodeSchedule.PER_TOKEN` prices one pipeline pass per token
+(k + p - 1 slots). A pipelined call is one jit call.
 
 Parameter movements (`realloc_cost`, `offload_cost`). A layout's mesh is its device range
 reshaped to the mesh axes, and the big matrices are cut along `embed` by fsdp, along
@@ -70,7 +71,7 @@ from jaxrlhf.parallel import strategy as strategy_lib
 from jaxrlhf.parallel.strategy import Axis
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import OVERHEADS, Calibration, Cluster
-from jaxrlhf.plan.experiment import DecodeSchedule, Workload
+from jaxrlhf.plan.experiment import DEFAULT_DECODE, DecodeSchedule, Workload
 from jaxrlhf.plan.profile import ModelProfile
 
 
@@ -286,7 +287,7 @@ def decode_step_cost(p: ModelProfile, work: Workload, choice: CallChoice,
 
 
 def generate_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Cluster,
-                  decode: DecodeSchedule = DecodeSchedule.PER_TOKEN) -> CallCost:
+                  decode: DecodeSchedule = DEFAULT_DECODE) -> CallCost:
     """Prefill over the prompts, then `new_tokens` decode steps, per micro-batch."""
     rows = work.rows_per_device(Call.GENERATE, choice.dp_size, choice.micro_batches)
     prefill = (_forward(p, cluster, choice, rows * work.prompt_len, work.seq_len)
@@ -307,7 +308,7 @@ def generate_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: 
 
 def call_cost(p: ModelProfile, call: Call, work: Workload, choice: CallChoice, cluster: Cluster,
               fp32_master: bool = False,
-              decode: DecodeSchedule = DecodeSchedule.PER_TOKEN) -> CallCost:
+              decode: DecodeSchedule = DEFAULT_DECODE) -> CallCost:
     """The cost of one MFC of kind `call` (see the module docstring)."""
     match call:
         case Call.TRAIN_STEP:

@@ -8,13 +8,14 @@ workload is the maximum shapes.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 from collections.abc import Mapping
 
 from jaxrlhf.dataflow.graph import DataflowGraph
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.config import ModelConfig
+# The runtime's decode schedules (re-exported: the planner prices them).
+from jaxrlhf.parallel.pipeline import DEFAULT_DECODE, DecodeSchedule  # noqa: F401
 from jaxrlhf.parallel.strategy import DeviceRange
 from jaxrlhf.plan.profile import ModelProfile, profile_of
 
@@ -64,18 +65,6 @@ class Workload:
         return rows // ways
 
 
-class DecodeSchedule(enum.Enum):
-    """How a pipelined generation schedules its decode steps (the runtime being priced).
-
-    PER_TOKEN: jaxrlhf's (`parallel/pipeline.py`): every new token is one pipeline pass over
-      the M micro-batches, M + p - 1 slots, so each token pays the bubble.
-    ACROSS_TOKENS: ReaL's: the pipeline stays full from token to token, max(M, p) slots.
-    """
-
-    PER_TOKEN = "per_token"
-    ACROSS_TOKENS = "across_tokens"
-
-
 @dataclasses.dataclass(frozen=True)
 class Experiment:
     """Graph + models + workload.
@@ -88,7 +77,8 @@ class Experiment:
       offload_frozen: frozen models wait in host memory between calls when their devices are
         shared with another model's calls.
       host_seconds: host MFC name -> its duration (rule-based rewards); 0 if absent.
-      decode: the runtime's pipelined decode schedule (jaxrlhf's unless pricing another).
+      decode: the pipelined decode schedule priced: the runtime's (`parallel.pipeline`
+        `DEFAULT_DECODE`, ReaL's across-token schedule) unless pricing another.
       offload_trainable: trained models whose devices hold other models' calls keep their
         parameters and optimizer state in host memory between their own calls
         (`placement.offload_trainable`, `dataflow.runtime.ModelRuntime.make_room`).
@@ -100,14 +90,14 @@ class Experiment:
     fp32_master: tuple[tuple[Role, bool], ...] = ()
     offload_frozen: bool = False
     host_seconds: tuple[tuple[str, float], ...] = ()
-    decode: DecodeSchedule = DecodeSchedule.PER_TOKEN
+    decode: DecodeSchedule = DEFAULT_DECODE
     offload_trainable: bool = False
 
     @classmethod
     def of(cls, graph: DataflowGraph, models: Mapping[Role, ModelConfig], workload: Workload,
            *, fp32_master: Mapping[Role, bool] | None = None, offload_frozen: bool = False,
            host_seconds: Mapping[str, float] | None = None,
-           decode: DecodeSchedule = DecodeSchedule.PER_TOKEN,
+           decode: DecodeSchedule = DEFAULT_DECODE,
            offload_trainable: bool = False) -> "Experiment":
         missing = [m.name for m in graph.mfcs if not m.host and m.role not in models]
         if missing:

@@ -12,6 +12,7 @@ import math
 from jaxrlhf.plan.allocation import format_allocation
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import Cluster
+from jaxrlhf.plan.experiment import DEFAULT_DECODE, DecodeSchedule
 from jaxrlhf.plan.search import PlanResult, SearchReport
 
 _GIB = 1 << 30
@@ -107,10 +108,12 @@ def _plan_json(result: PlanResult, cluster: Cluster) -> dict:
             "mfc_seconds": dict(ev.mfc_seconds), "allocation": allocation(result)}
 
 
-def to_json(report: SearchReport, cluster: Cluster) -> dict:
+def to_json(report: SearchReport, cluster: Cluster,
+            decode: DecodeSchedule = DEFAULT_DECODE) -> dict:
     """{plans: {searched: {...}, colocate: {...}, ..., configured: {...} when given},
-    search_seconds, evaluations}."""
+    search_seconds, evaluations, decode_schedule: how pipelined generation was priced}."""
     plans = {name: _plan_json(r, cluster) for name, r in report.plans().items()}
     return {"plans": plans, "search_seconds": report.search_seconds,
             "search_cpu_seconds": report.search_cpu_seconds,
-            "evaluations": report.evaluations, "cluster": cluster.name}
+            "evaluations": report.evaluations, "cluster": cluster.name,
+            "decode_schedule": decode.value}
