@@ -52,6 +52,23 @@ def _init(stddev: float = 0.02):
     return nn.initializers.normal(stddev)
 
 
+def flat_matmul(x: jax.Array, kernel: jax.Array, contract: int, **dot_kwargs) -> jax.Array:
+    """x [..., *kernel.shape[:contract]] times kernel [*in, *out] -> [..., *out], as ONE 2-D dot.
+
+    The leading dims of `x` (batch, length) are merged into one row dim and the kernel into
+    [in, out] (both bitcasts), so the dot and its gradients are plain matrix products. Why: for
+    a dot whose rows span two dims, XLA:CPU computes the weight gradient (a contraction over
+    batch *and* length) by first transposing the incoming gradient in an elementwise loop
+    fusion with strided reads; on W-cpu those transposes took about a quarter of the train
+    step. With the rows merged, the backward dots read their operands as they are.
+    """
+    lead = x.shape[:x.ndim - contract]
+    in_size = math.prod(kernel.shape[:contract])
+    out_shape = kernel.shape[contract:]
+    y = jnp.dot(x.reshape(-1, in_size), kernel.reshape(in_size, -1), **dot_kwargs)
+    return y.reshape(*lead, *out_shape)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
     """Inverse frequencies [head_dim/2], with Llama-3 scaling when given (as in HF)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
@@ -115,7 +132,7 @@ class HeadProjection(nn.Module):
             "kernel", nn.with_logical_partitioning(_init(), ("embed", self.head_axis, "head_dim")),
             (cfg.hidden_size, self.heads, cfg.head_dim), cfg.param_dtype,
         )
-        out = jnp.einsum("btd,dhk->bthk", x_btd, kernel.astype(cfg.dtype))
+        out = flat_matmul(x_btd, kernel.astype(cfg.dtype), 1)
         if cfg.qkv_bias:
             bias = self.param(
                 "bias", nn.with_logical_partitioning(nn.initializers.zeros, (self.head_axis, "head_dim")),
@@ -137,7 +154,7 @@ class OutProjection(nn.Module):
             "kernel", nn.with_logical_partitioning(_init(), ("heads", "head_dim", "embed")),
             (cfg.num_heads, cfg.head_dim, cfg.hidden_size), cfg.param_dtype,
         )
-        return jnp.einsum("bthk,hkd->btd", x_bthk, kernel.astype(cfg.dtype))
+        return flat_matmul(x_bthk, kernel.astype(cfg.dtype), 2)
 
 
 class Attention(nn.Module):
@@ -201,6 +218,24 @@ def _write_cache(layer_cache, k_btkd, v_btkd, cache_index):
     return KVCache(k_lbskd, v_lbskd), k_all, v_all
 
 
+class Dense(nn.Module):
+    """x [..., in] -> [..., features], no bias; the parameter tree of `nn.Dense` ("kernel"
+    [in, features], same initialiser), computed as one 2-D dot (see `flat_matmul`)."""
+
+    config: ModelConfig
+    features: int
+    axes: tuple[str, str]  # logical names of the kernel's (in, out) axes
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        kernel = self.param(
+            "kernel", nn.with_logical_partitioning(_init(), self.axes),
+            (x.shape[-1], self.features), cfg.param_dtype,
+        )
+        return flat_matmul(x.astype(cfg.dtype), kernel.astype(cfg.dtype), 1)
+
+
 class MLP(nn.Module):
     config: ModelConfig
 
@@ -209,10 +244,7 @@ class MLP(nn.Module):
         cfg = self.config
 
         def dense(name, features, axes):
-            return nn.Dense(
-                features, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name,
-                kernel_init=nn.with_logical_partitioning(_init(), axes),
-            )
+            return Dense(cfg, features, axes, name=name)
 
         gate = dense("gate_proj", cfg.intermediate_size, ("embed", "mlp"))(x_btd)
         up = dense("up_proj", cfg.intermediate_size, ("embed", "mlp"))(x_btd)
@@ -385,9 +417,8 @@ class Transformer(nn.Module):
                     "score", nn.with_logical_partitioning(nn.initializers.zeros, ("embed", None)),
                     (cfg.hidden_size, 1), cfg.param_dtype,
                 )
-        out = jnp.einsum(
-            "btd,dv->btv", x_btd, kernel_dv.astype(cfg.dtype), preferred_element_type=jnp.float32
-        )
+        out = flat_matmul(x_btd, kernel_dv.astype(cfg.dtype), 1,
+                          preferred_element_type=jnp.float32)
         if cfg.head is HeadKind.SCALAR:
             return out[..., 0]
         return nn.with_logical_constraint(out, ("batch", "length", "act_vocab"))
