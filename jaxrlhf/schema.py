@@ -4,7 +4,25 @@ Library code reads keys directly (no `config.get(key, default)`): a key missing 
 and an unknown key on the command line is rejected because configs are locked.
 """
 
+import difflib
+
 from ml_collections import ConfigDict
+
+
+def unknown_key(path: str) -> str | None:
+    """The error line of a dotted key that is not in the schema, with the closest existing key
+    as a hint ("rollout.batchsize: unknown config key (did you mean rollout.batch_size?); ..."),
+    or None when the key exists."""
+    node, done = base_config(), []
+    for part in path.split("."):
+        if not isinstance(node, ConfigDict) or part not in node:
+            keys = list(node.keys()) if isinstance(node, ConfigDict) else []
+            close = difflib.get_close_matches(part, keys, n=1)
+            hint = f" (did you mean {'.'.join(done + close)}?)" if close else ""
+            return f"{path}: unknown config key{hint}; every key is in jaxrlhf/schema.py"
+        node = node[part]
+        done.append(part)
+    return None
 
 
 def model(size: str = "tiny") -> ConfigDict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import enum
 import functools
 import pathlib
@@ -40,7 +39,7 @@ from jaxrlhf.models import attention, hf_io
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.plan.experiment import Experiment, Workload
-from jaxrlhf.schema import base_config
+from jaxrlhf.schema import base_config, unknown_key
 
 
 class ConfigError(ValueError):
@@ -73,12 +72,13 @@ HEAD_OF_ROLE = {Role.ACTOR: HeadKind.LM, Role.REF: HeadKind.LM, Role.CRITIC: Hea
                 Role.COST_CRITIC: HeadKind.SCALAR}
 
 
-def enum_value(kind: type[enum.Enum], value: str, field: str):
-    try:
-        return kind(value)
-    except ValueError:
-        options = ", ".join(m.value for m in kind)
-        raise ValueError(f"{field}={value!r} is not one of: {options}") from None
+def enum_value(kind: type[enum.Enum] | Mapping, value: str, field: str):
+    """The member of enum `kind` (or the entry of mapping `kind`) named `value`; else a
+    ValueError naming the field and the options."""
+    options = kind if isinstance(kind, Mapping) else {m.value: m for m in kind}
+    if value not in options:
+        raise ValueError(f"{field}={value!r} is not one of: {', '.join(options)}")
+    return options[value]
 
 
 # --- the specs ---------------------------------------------------------------------------
@@ -283,14 +283,9 @@ def field(name: str):
 def _names_a_field(text: str) -> bool:
     """Whether a message starts with a config key ("ppo.epochs=0 ...", "placement.kind ...")."""
     head = re.match(r"([a-z_]+(?:\.[a-z_]+)*)(=|:| )", text)
-    if not head or (head.group(2) == " " and "." not in head.group(1)):
-        return False  # "tokenizer has 272 ids" is prose, "placement.allocation has" is not
-    node = base_config()
-    for part in head.group(1).split("."):
-        if not isinstance(node, ConfigDict) or part not in node:
-            return False
-        node = node[part]
-    return True
+    # "tokenizer has 272 ids" is prose, "placement.allocation has" is not
+    return bool(head) and (head.group(2) != " " or "." in head.group(1)) and (
+        unknown_key(head.group(1)) is None)
 
 
 def _check_keys(config: ConfigDict, base: ConfigDict, prefix: str = "") -> None:
@@ -298,9 +293,7 @@ def _check_keys(config: ConfigDict, base: ConfigDict, prefix: str = "") -> None:
     for key, value in config.items():
         name = f"{prefix}{key}"
         if key not in base:
-            close = difflib.get_close_matches(key, list(base.keys()), n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-            raise ConfigError(f"{name}: unknown config key{hint}; every key is in jaxrlhf/schema.py")
+            raise ConfigError(unknown_key(name))
         want = base[key]
         if isinstance(want, ConfigDict):
             if not isinstance(value, ConfigDict):
@@ -311,47 +304,43 @@ def _check_keys(config: ConfigDict, base: ConfigDict, prefix: str = "") -> None:
                 raise ConfigError(f"{name}={value!r}: must be a {type(want).__name__}")
 
 
-# (field, lowest allowed, whether the lowest itself is allowed)
+# (field, lowest allowed, whether the lowest itself is allowed, highest allowed)
 _RANGES = (
-    ("steps", 1, True), ("cpu_devices", 1, True), ("rollout.batch_size", 1, True),
-    ("rollout.group_size", 1, True), ("rollout.max_prompt_len", 1, True),
-    ("rollout.max_new_tokens", 1, True), ("rollout.temperature", 0.0, True),
-    ("rollout.top_k", 0, True), ("rollout.top_p", 0.0, False), ("reward.workers", 1, True),
-    ("reward.timeout", 0.0, False), ("ppo.mini_batches", 1, True), ("ppo.epochs", 1, True),
-    ("micro_batches", 1, True), ("micro_batch_tokens", 0, True), ("warm_start.sft_steps", 0, True),
-    ("warm_start.batch_size", 1, True), ("warm_start.lr", 0.0, False),
-    ("optimizer.actor.lr", 0.0, False), ("optimizer.critic.lr", 0.0, False),
-    ("reward.clip", 0.0, True),
-    ("async_rl.max_staleness", 0, True), ("async_rl.chunk_tokens", 1, True),
-    ("async_rl.behav_imp_weight_cap", 0.0, True),
-    ("eval.every", 0, True), ("eval.samples", 0, True), ("eval.max_prompts", 0, True),
+    ("steps", 1, True, None), ("cpu_devices", 1, True, None),
+    ("rollout.batch_size", 1, True, None), ("rollout.group_size", 1, True, None),
+    ("rollout.max_prompt_len", 1, True, None), ("rollout.max_new_tokens", 1, True, None),
+    ("rollout.temperature", 0.0, True, None), ("rollout.top_k", 0, True, None),
+    ("rollout.top_p", 0.0, False, 1), ("reward.workers", 1, True, None),
+    ("reward.timeout", 0.0, False, None), ("reward.max_error_rate", 0, True, 1),
+    ("cost.max_error_rate", 0, True, 1), ("ppo.mini_batches", 1, True, None),
+    ("ppo.epochs", 1, True, None), ("micro_batches", 1, True, None),
+    ("micro_batch_tokens", 0, True, None), ("warm_start.sft_steps", 0, True, None),
+    ("warm_start.batch_size", 1, True, None), ("warm_start.lr", 0.0, False, None),
+    ("optimizer.actor.lr", 0.0, False, None), ("optimizer.critic.lr", 0.0, False, None),
+    ("reward.clip", 0.0, True, None), ("async_rl.max_staleness", 0, True, None),
+    ("async_rl.chunk_tokens", 1, True, None),
+    ("async_rl.behav_imp_weight_cap", 0.0, True, None), ("eval.every", 0, True, None),
+    ("eval.samples", 0, True, None), ("eval.max_prompts", 0, True, None),
 )
 
 
 def _check_ranges(config: ConfigDict) -> None:
-    for name, low, inclusive in _RANGES:
+    for name, low, inclusive, high in _RANGES:
         value = functools.reduce(getattr, name.split("."), config)
         if value < low or (value == low and not inclusive):
-            bound = f">= {low}" if inclusive else f"> {low}"
-            raise ConfigError(f"{name}={value}: must be {bound}")
-    if config.rollout.top_p > 1:
-        raise ConfigError(f"rollout.top_p={config.rollout.top_p}: must be <= 1")
+            raise ConfigError(f"{name}={value}: must be {'>=' if inclusive else '>'} {low}")
+        if high is not None and value > high:
+            raise ConfigError(f"{name}={value}: must be <= {high}")
     batch = config.rollout.batch_size * config.rollout.group_size
     if batch % config.ppo.mini_batches:
         raise ConfigError(f"ppo.mini_batches={config.ppo.mini_batches} does not divide the "
                           f"rollout batch of {batch}")
 
 
-def _dtype(name: str, where: str):
-    if name not in _DTYPES:
-        raise ValueError(f"{where}={name!r} is not one of: {', '.join(_DTYPES)}")
-    return _DTYPES[name]
-
-
 def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
     """The ModelConfig of one role: from its HF directory, or from the size registry."""
-    dtype = _dtype(cfg.dtype, f"{where}.dtype")
-    param_dtype = _dtype(cfg.param_dtype, f"{where}.param_dtype")
+    dtype = enum_value(_DTYPES, cfg.dtype, f"{where}.dtype")
+    param_dtype = enum_value(_DTYPES, cfg.param_dtype, f"{where}.param_dtype")
     remat = enum_value(RematPolicy, cfg.remat, f"{where}.remat")
     attn = enum_value(attention.AttentionImpl, cfg.attention, f"{where}.attention")
     if (reason := attention.unavailable_reason(attn)) is not None:
@@ -377,7 +366,8 @@ def optimizer_of(cfg: ConfigDict, total_steps: int) -> OptimizerConfig:
         fp32_master=cfg.fp32_master)
 
 
-def ppo_config(config: ConfigDict) -> ppo.PPOConfig:
+def ppo_config(config: ConfigDict, cap: float | None = None) -> ppo.PPOConfig:
+    """PPO's settings; `cap`: the decoupled objective's behav_imp_weight_cap."""
     c = config.ppo
     kind = kl_lib.KLControllerKind.ADAPTIVE if c.kl_adaptive else kl_lib.KLControllerKind.FIXED
     return ppo.PPOConfig(
@@ -385,18 +375,19 @@ def ppo_config(config: ConfigDict) -> ppo.PPOConfig:
         kl=kl_lib.KLControllerConfig(kind=kind, init_kl_coef=c.kl_coef, target=c.kl_target,
                                      horizon=c.kl_horizon),
         kl_in_reward=c.kl_in_reward, whiten_advantages=c.whiten_advantages,
-        policy=losses.PPOLossConfig(clip_eps=c.clip_eps, entropy_coef=c.entropy_coef),
+        policy=losses.PPOLossConfig(clip_eps=c.clip_eps, entropy_coef=c.entropy_coef,
+                                    behav_imp_weight_cap=cap),
         value=losses.ValueLossConfig(clip_eps_value=c.value_clip or None),
         mini_batches=c.mini_batches, epochs=c.epochs, temperature=config.rollout.temperature)
 
 
-def grpo_config(config: ConfigDict) -> grpo.GRPOConfig:
+def grpo_config(config: ConfigDict, cap: float | None = None) -> grpo.GRPOConfig:
     """GRPO: its own β, estimator and normalisation; clipping and updates from `ppo`."""
     g, p = config.grpo, config.ppo
     aggregation = enum_value(losses.LossAggregation, g.aggregation, "grpo.aggregation")
     loss = losses.GRPOLossConfig(
         policy=losses.PPOLossConfig(clip_eps=p.clip_eps, entropy_coef=p.entropy_coef,
-                                    aggregation=aggregation),
+                                    aggregation=aggregation, behav_imp_weight_cap=cap),
         kl_coef=g.kl_coef,
         kl_estimator=enum_value(kl_lib.KLEstimator, g.kl_estimator, "grpo.kl_estimator"))
     return grpo.GRPOConfig(
@@ -411,13 +402,22 @@ def safe_rlhf_config(config: ConfigDict) -> safe_rlhf.SafeRLHFConfig:
     return safe_rlhf.SafeRLHFConfig(ppo=ppo_config(config), lagrange=lagrange)
 
 
-def make_algorithm(config: ConfigDict) -> Algorithm:
+def make_algorithm(config: ConfigDict, decoupled_objective: bool = False) -> Algorithm:
+    """The configured algorithm; PPO or GRPO with AReaL's decoupled objective when asked
+    (async_rl.decoupled)."""
     name = enum_value(AlgorithmName, config.algorithm, "algorithm")
-    reward_model = enum_value(RewardKind, config.reward.kind, "reward.kind") is RewardKind.MODEL
+    model = lambda key: enum_value(RewardKind, config[key].kind, f"{key}.kind") is RewardKind.MODEL
+    reward_model = model("reward")
     batch = config.rollout.batch_size * config.rollout.group_size
+    cap = (config.async_rl.behav_imp_weight_cap or None) if decoupled_objective else None
     match name:
+        case AlgorithmName.PPO if decoupled_objective:
+            return decoupled.decoupled_ppo(ppo_config(config, cap), reward_model=reward_model,
+                                           batch_size=batch)
         case AlgorithmName.PPO:
             return ppo.make(ppo_config(config), reward_model=reward_model, batch_size=batch)
+        case AlgorithmName.GRPO if decoupled_objective:
+            return decoupled.decoupled_grpo(grpo_config(config, cap), reward_model=reward_model)
         case AlgorithmName.GRPO:
             return grpo.make(grpo_config(config), reward_model=reward_model)
         case AlgorithmName.REMAX:
@@ -427,9 +427,8 @@ def make_algorithm(config: ConfigDict) -> Algorithm:
                                                 temperature=p.temperature),
                               reward_model=reward_model, batch_size=batch)
         case AlgorithmName.SAFE_RLHF:
-            cost_model = enum_value(RewardKind, config.cost.kind, "cost.kind") is RewardKind.MODEL
             return safe_rlhf.make(safe_rlhf_config(config), reward_model=reward_model,
-                                  cost_model=cost_model, batch_size=batch)
+                                  cost_model=model("cost"), batch_size=batch)
         case AlgorithmName.DPO:
             return dpo.make(dpo.DPOConfig(losses.DPOLossConfig(
                 beta=config.dpo.beta, label_smoothing=config.dpo.label_smoothing)))
@@ -444,23 +443,7 @@ def _async_rl(config: ConfigDict, name: AlgorithmName) -> AsyncRLSpec:
     if a.max_staleness and name not in (AlgorithmName.PPO, AlgorithmName.GRPO):
         raise ConfigError(f"async_rl.max_staleness={a.max_staleness}: asynchronous RL runs ppo "
                           f"and grpo, not {name.value}")
-    return AsyncRLSpec(a.max_staleness, bool(a.max_staleness and a.decoupled), a.chunk_tokens)
-
-
-def decoupled_algorithm(config: ConfigDict, name: AlgorithmName) -> Algorithm:
-    """PPO or GRPO with AReaL's decoupled objective (async_rl.decoupled)."""
-    cap = config.async_rl.behav_imp_weight_cap or None
-    reward_model = enum_value(RewardKind, config.reward.kind, "reward.kind") is RewardKind.MODEL
-    if name is AlgorithmName.PPO:
-        cfg = ppo_config(config)
-        cfg = dataclasses.replace(cfg, policy=dataclasses.replace(
-            cfg.policy, behav_imp_weight_cap=cap))
-        batch = config.rollout.batch_size * config.rollout.group_size
-        return decoupled.decoupled_ppo(cfg, reward_model=reward_model, batch_size=batch)
-    cfg = grpo_config(config)
-    policy = dataclasses.replace(cfg.loss.policy, behav_imp_weight_cap=cap)
-    cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, policy=policy))
-    return decoupled.decoupled_grpo(cfg, reward_model=reward_model)
+    return _of(AsyncRLSpec, a, decoupled=bool(a.max_staleness and a.decoupled))
 
 
 def builtin_task(t: ConfigDict) -> tasks.ArithmeticTask | tasks.ReverseTask:
@@ -474,6 +457,13 @@ def builtin_task(t: ConfigDict) -> tasks.ArithmeticTask | tasks.ReverseTask:
                                         ops=tuple(tasks.Op(c) for c in t.ops), **common)
 
 
+def _of(cls, section: ConfigDict, **typed):
+    """Spec dataclass `cls` from the section's keys of its fields' names; `typed` gives those
+    that the section holds in another form (an enum's name, a parsed value)."""
+    return cls(**{f.name: typed[f.name] if f.name in typed else section[f.name]
+                  for f in dataclasses.fields(cls)})
+
+
 def _data(d: ConfigDict) -> DataSpec:
     with field("data.task"):
         task = builtin_task(d.task)
@@ -481,25 +471,24 @@ def _data(d: ConfigDict) -> DataSpec:
         long_prompts = parse_long_prompts(d.long_prompts)
     with field("data.chat_template"):
         chat_template = enum_value(ChatTemplateMode, d.chat_template, "data.chat_template")
-    return DataSpec(d.train_path, d.eval_path, d.sft_path, d.preference_path,
-                    d.preference_eval_path, d.preference_holdout, task, long_prompts,
-                    chat_template)
+    return _of(DataSpec, d, task=task, long_prompts=long_prompts, chat_template=chat_template)
 
 
-def _rollout(r: ConfigDict) -> RolloutSpec:
-    return RolloutSpec(r.batch_size, r.group_size, r.max_prompt_len, r.max_new_tokens,
-                       r.temperature, r.top_k, r.top_p, r.force_max_length)
-
-
-def _models(config: ConfigDict, graph: DataflowGraph) -> dict[Role, ModelSpec]:
-    models = {}
-    for role in graph.roles():
-        if all(m.host for m in graph.calls_of(role)):
-            continue
-        cfg = config.models[role.value]
-        with field("models"):
-            models[role] = ModelSpec(model_config_of(cfg, role, f"models.{role.value}"), cfg.path)
-    return models
+def _models(config: ConfigDict, graph: DataflowGraph) -> tuple[dict[Role, ModelSpec], ModelSpec]:
+    """(role -> ModelSpec of every model-backed role, the actor's model (the base))."""
+    model = lambda role: ModelSpec(model_config_of(config.models[role.value], role,
+                                                   f"models.{role.value}"),
+                                   config.models[role.value].path)
+    with field("models"):
+        models = {role: model(role) for role in graph.roles()
+                  if not all(m.host for m in graph.calls_of(role))}
+        base = models.get(Role.ACTOR) or model(Role.ACTOR)
+    if Role.REF in models and not models[Role.REF].path:  # a copy of the actor: its shapes
+        ref = models[Role.REF].config
+        models[Role.REF] = ModelSpec(base.config.replace(
+            dtype=ref.dtype, param_dtype=ref.param_dtype, scan_layers=ref.scan_layers,
+            remat=ref.remat, attention=ref.attention))
+    return models, base
 
 
 def run_spec(config: ConfigDict) -> RunSpec:
@@ -510,39 +499,21 @@ def run_spec(config: ConfigDict) -> RunSpec:
     _check_ranges(config)
     async_rl = _async_rl(config, name)
     with field("algorithm"):
-        algorithm = (decoupled_algorithm(config, name) if async_rl.decoupled
-                     else make_algorithm(config))
+        algorithm = make_algorithm(config, async_rl.decoupled)
     with field("reward"):
         algorithm = with_reward_norm(algorithm, RewardNormConfig(config.reward.normalize,
                                                                  config.reward.clip))
     with field("algorithm"):
         graph = build_graph(algorithm.mfcs, roles=set(Role))
-    sections = {Role.REWARD: config.reward, Role.COST: config.cost}
-    rewards = {role: RewardSpec(sections[role].function, sections[role].workers,
-                                sections[role].timeout, sections[role].max_error_rate)
-               for role in dict.fromkeys(m.role for m in graph.mfcs if m.host)}
-    for key, section in (("reward", config.reward), ("cost", config.cost)):
-        if not 0.0 <= section.max_error_rate <= 1.0:
-            raise ConfigError(f"{key}.max_error_rate={section.max_error_rate}: must be in "
-                              "[0, 1]")
-    models = _models(config, graph)
-    with field("models"):
-        base = models.get(Role.ACTOR) or ModelSpec(
-            model_config_of(config.models.actor, Role.ACTOR, "models.actor"),
-            config.models.actor.path)
-    if Role.REF in models and not models[Role.REF].path:  # a copy of the actor: its shapes
-        ref = models[Role.REF].config
-        models[Role.REF] = ModelSpec(base.config.replace(
-            dtype=ref.dtype, param_dtype=ref.param_dtype, scan_layers=ref.scan_layers,
-            remat=ref.remat, attention=ref.attention))
+    rewards = {m.role: _of(RewardSpec, config[m.role.value]) for m in graph.mfcs if m.host}
+    models, base = _models(config, graph)
     updates = config.steps * config.ppo.epochs * config.ppo.mini_batches
     optimizers = {role: optimizer_of(config.optimizer[role.value], updates)
                   for role in models if any(m.call is Call.TRAIN_STEP for m in graph.calls_of(role))}
     micro = (MicrobatchConfig.by_token_budget(config.micro_batch_tokens)
              if config.micro_batch_tokens else MicrobatchConfig.by_count(config.micro_batches))
-    p = config.placement
     with field("placement"):
-        kind = enum_value(Placement, p.kind, "placement.kind")
+        kind = enum_value(Placement, config.placement.kind, "placement.kind")
     w = config.warm_start
     warm = WarmStartSpec(w.sft_steps, w.batch_size, OptimizerConfig(
         lr=w.lr, total_steps=w.sft_steps + 1, min_lr_ratio=0.1,
@@ -553,12 +524,10 @@ def run_spec(config: ConfigDict) -> RunSpec:
         nan_policy = enum_value(NanPolicy, config.nan_policy, "nan_policy")
     return RunSpec(
         name=name, algorithm=algorithm, graph=graph, models=models, base=base,
-        rollout=_rollout(config.rollout), micro=micro, mini_batches=config.ppo.mini_batches,
-        epochs=config.ppo.epochs, optimizers=optimizers, rewards=rewards,
-        placement=PlacementSpec(kind, p.cluster, p.strategy, p.allocation, p.offload_frozen,
-                                p.offload_trainable),
+        rollout=_of(RolloutSpec, config.rollout), micro=micro,
+        mini_batches=config.ppo.mini_batches, epochs=config.ppo.epochs, optimizers=optimizers,
+        rewards=rewards, placement=_of(PlacementSpec, config.placement, kind=kind),
         checkpoint=checkpoint, nan_policy=nan_policy, data=_data(config.data),
         warm_start=warm, tokenizer=config.tokenizer, seed=config.seed, steps=config.steps,
         config_json=config.to_json(), async_rl=async_rl,
-        require_model_paths=config.require_model_paths,
-        evaluation=EvalSpec(config.eval.every, config.eval.samples, config.eval.max_prompts))
+        require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval))

@@ -296,7 +296,7 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
                 last_end = now()
                 m = result.metrics
                 m.update(_batch_metrics(done, version - 1, eta))
-                tokens = (m["actor/response_length"] + r.max_prompt_len) * r.rows
+                tokens = (result.stats[Role.ACTOR]["response_length"] + r.max_prompt_len) * r.rows
                 m["throughput/tokens_per_second"] = tokens / window
                 gen_busy, train_busy = worker.busy_seconds, trainer.busy_seconds
                 m["async/gen_busy"] = (gen_busy - busy_marks[0]) / window
@@ -315,8 +315,7 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
                 events += [(f"gen {done.index}", *done.seconds),
                            (f"train {done.index}", t_start - clock_zero, t_end - clock_zero)]
                 bar.update(1)
-                bar.set_postfix({k.rsplit("/", 1)[-1]: f"{m[k]:.3f}"
-                                 for k in trainer_run.algorithm.shown})
+                bar.set_postfix(result.postfix(trainer_run.algorithm.shown))
                 stopping = stop.agreed()
                 if stopping:
                     _rewind(prompts, ready, worker.drop())

@@ -52,11 +52,19 @@ class RunPlan:
         return self.layouts[(train or list(calls))[0].name]
 
 
-def searched_plan(spec: RunSpec) -> ExecutionPlan:
-    """placement.kind=auto: the planner's plan for `placement.cluster`."""
-    if not spec.placement.cluster:
+def searched_plan(spec: RunSpec, devices: int | None = None) -> ExecutionPlan:
+    """placement.kind=auto: the planner's plan for `placement.cluster`, a cluster of this job's
+    `devices` (when given)."""
+    p = spec.placement
+    if not p.cluster:
         raise PlacementError("placement.kind=auto needs placement.cluster (e.g. meshes/cpu_8.py)")
-    report = search(spec.experiment(), load_cluster(spec.placement.cluster))
+    cluster = load_cluster(p.cluster)
+    if devices is not None and cluster.num_devices != devices:
+        raise PlacementError(
+            f"placement.cluster={p.cluster!r}: the plan is made for its {cluster.hosts} × "
+            f"{cluster.devices_per_host} = {cluster.num_devices} devices, but this job has "
+            f"{devices}; run on that cluster or set placement.cluster to a file for this one")
+    report = search(spec.experiment(), cluster)
     if report.searched.plan is None:
         raise PlacementError(f"placement.kind=auto: no plan fits: {report.searched.reason}")
     print(f"planner: searched plan, {report.searched.step_seconds:.2f} s/step estimated "
@@ -64,12 +72,12 @@ def searched_plan(spec: RunSpec) -> ExecutionPlan:
     return report.searched.plan
 
 
-def _entries(spec: RunSpec, graph: DataflowGraph, n: int) -> tuple[dict[str, Entry], str]:
-    """(MFC name -> Entry, the field the entries come from)."""
-    p = spec.placement
+def _entries(spec: RunSpec, n: int) -> tuple[dict[str, Entry], str]:
+    """(MFC name -> Entry, the field the entries come from) on `n` devices."""
+    p, graph = spec.placement, spec.graph
     match p.kind:
         case Placement.AUTO:
-            plan = searched_plan(spec)
+            plan = searched_plan(spec, n)
             return {k: Entry(c.spec(), c.micro_batches) for k, c in plan.items()}, "placement"
         case Placement.MANUAL:
             entries = parse_allocation(p.allocation)
@@ -112,7 +120,7 @@ def place(spec: RunSpec, devices=None) -> RunPlan:
     """Resolves and validates every model MFC's layout and micro-batches; raises naming the MFC
     and the field."""
     devices = list(devices or jax.devices())
-    entries, where = _entries(spec, spec.graph, len(devices))
+    entries, where = _entries(spec, len(devices))
     choices, layouts = {}, {}
     for name, entry in entries.items():
         mfc = spec.graph.mfc(name)
