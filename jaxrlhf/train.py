@@ -8,7 +8,6 @@ A config that cannot work (unknown key, bad strategy, missing file, ...) is repo
 `error: FIELD: problem` on stderr, exit code 2, before anything compiles.
 """
 
-import difflib
 import json
 import os
 import sys
@@ -42,58 +41,38 @@ _WAIT_TIMEOUT = flags.DEFINE_float("wait_timeout", 600.0, "seconds a cross-proce
 EXIT_CONFIG_ERROR = 2
 
 
-def _config_error(message) -> None:
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+def _config_error(message, dist: distributed.DistributedConfig | None = None) -> None:
+    """`error: message` in one line on stderr, exit 2. Multi-process: the job stops at once (no
+    exit barrier: a process whose check passed must not wait for this one)."""
+    line = f"error: {' '.join(str(message).split())}"
+    if dist is not None and dist.multi_process:
+        distributed.abort(line, EXIT_CONFIG_ERROR)
+    print(line, file=sys.stderr, flush=True)
     sys.exit(EXIT_CONFIG_ERROR)
 
 
-def _unknown_override(argv: list[str]) -> str | None:
-    """The first `--config.KEY=...` whose KEY is not in jaxrlhf/schema.py, as an error line."""
-    from ml_collections import ConfigDict
-
-    from jaxrlhf.schema import base_config
+def _bad_flag(argv: list[str]) -> str | None:
+    """`--config=FILE[:VARIANT]` naming no file, or a `--config.KEY=...` whose KEY is not in
+    jaxrlhf/schema.py, as an error line (absl's are several lines)."""
+    from jaxrlhf.schema import unknown_key
 
     for arg in argv:
-        if not arg.startswith("--config."):
-            continue
-        path = arg[len("--config."):].split("=", 1)[0]
-        node, done = base_config(), []
-        for part in path.split("."):
-            if not isinstance(node, ConfigDict) or part not in node:
-                close = difflib.get_close_matches(part, list(node.keys()), n=1) if isinstance(
-                    node, ConfigDict) else []
-                hint = f" (did you mean {'.'.join(done + close)}?)" if close else ""
-                return f"--config.{path}: unknown config key{hint}; every key is in jaxrlhf/schema.py"
-            node = node[part]
-            done.append(part)
-    return None
-
-
-def _missing_config_file(argv: list[str]) -> str | None:
-    """`--config=FILE[:VARIANT]` naming no file, as an error line (absl's is several lines)."""
-    for arg in argv:
-        if arg.startswith("--config="):
-            path = arg[len("--config="):].split(":", 1)[0]
-            if not os.path.isfile(path):
-                return f"--config={path}: no such config file"
+        name, _, value = arg.partition("=")
+        if name == "--config" and not os.path.isfile(path := value.split(":", 1)[0]):
+            return f"--config={path}: no such config file"
+        if name.startswith("--config.") and (error := unknown_key(name[len("--config."):])):
+            return f"--config.{error}"
     return None
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parsing, with bad flags and unknown config keys reported in one line."""
-    problem = _unknown_override(argv) or _missing_config_file(argv)
-    if problem:
+    if problem := _bad_flag(argv):
         _config_error(problem)
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
         _config_error(e)
-
-
-def _quiet_unless_main() -> None:
-    """Only process 0 prints progress: the others compute the same numbers silently."""
-    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
-    os.environ["TQDM_DISABLE"] = "1"
 
 
 def main(argv):
@@ -117,9 +96,13 @@ def main(argv):
         _config_error(e)
     distributed.initialize(dist)
     if dist.multi_process and not distributed.is_main_process():
-        _quiet_unless_main()  # before tqdm is imported: it reads TQDM_DISABLE then
+        # Only process 0 prints progress (the others compute the same numbers), set before
+        # tqdm is imported: it reads TQDM_DISABLE then.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+        os.environ["TQDM_DISABLE"] = "1"
     # Imported only now: JAX must not start a backend before the device flags and
     # jax.distributed are set.
+    from jaxrlhf.checkpoint import CheckpointError
     from jaxrlhf.run import offline, rl
     from jaxrlhf.run.check import prepare
     from jaxrlhf.spec import ConfigError, run_spec
@@ -127,18 +110,9 @@ def main(argv):
     workdir = _WORKDIR.value or config.workdir or tempfile.mkdtemp(prefix="jaxrlhf-")
     try:
         job = prepare(run_spec(config), workdir)
-    except ConfigError as e:
-        if dist.multi_process:  # no exit barrier: a process whose check passed must not wait
-            distributed.abort(f"error: {e}", EXIT_CONFIG_ERROR)
-        _config_error(e)
-    from jaxrlhf.checkpoint import CheckpointError
-
-    try:
         summary = (offline.run if job.spec.offline else rl.run)(job)
-    except CheckpointError as e:  # no checkpoint restores: one line, like a config error
-        if dist.multi_process:
-            distributed.abort(f"error: {e}", EXIT_CONFIG_ERROR)
-        _config_error(e)
+    except (ConfigError, CheckpointError) as e:  # no checkpoint restores: one line as well
+        _config_error(e, dist)
     except Exception as e:  # noqa: BLE001 - see below
         if not dist.multi_process:
             raise

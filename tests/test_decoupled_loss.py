@@ -179,3 +179,19 @@ def test_async_rejects_other_algorithms():
     config.algorithm, config.async_rl.max_staleness = "ppo", -1
     with pytest.raises(ConfigError, match="async_rl.max_staleness=-1: must be >= 0"):
         run_spec(config)
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_greedy_rollouts_train_at_temperature_one(algorithm):
+    """rollout.temperature=0 is greedy generation, whose log-probs the engine records at
+    temperature 1; the actor loss reads the policy the same way (it divided logits by 0)."""
+    logits, batch, *_ = _decoupled_actor_batch(5)
+    loss = {}
+    for temperature in (0.0, 1.0):
+        config = base_config()
+        config.algorithm, config.rollout.temperature = algorithm, temperature
+        if algorithm == "grpo":
+            config.rollout.update(batch_size=8, group_size=4)
+        loss_fn = run_spec(config).algorithm.train[Role.ACTOR].loss_fn
+        loss[temperature] = float(loss_fn(logits, batch)[0])
+    assert np.isfinite(loss[0.0]) and loss[0.0] == loss[1.0]

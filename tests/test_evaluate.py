@@ -11,7 +11,7 @@ from tensorboardX.proto.event_pb2 import Event
 
 from jaxrlhf.run import rl
 from jaxrlhf.run.check import check_config
-from jaxrlhf.run.evaluate import _padded_rows
+from jaxrlhf.run.evaluate import HeldOut, _padded_rows
 from jaxrlhf.schema import base_config
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -129,3 +129,17 @@ def test_reward_model_evaluation_equals_transformers(tmp_path):
         scores.append(hf_token_scores(hf_reward, seq_bt, np.ones_like(seq_bt))[0, -1])
     assert summary["accuracy_before"] is None
     assert summary["reward_before"] == pytest.approx(float(np.mean(scores)), abs=1e-4)
+
+
+def test_the_evaluation_reward_pool_closes_when_the_run_raises(tmp_path):
+    """The held-out reward pool's worker processes never outlive a failed run (rl.run holds the
+    evaluation in a `with`); this used to leak them when the RL loop raised."""
+    job = check_config(_config(), str(tmp_path))
+    with pytest.raises(RuntimeError, match="the RL loop failed"):
+        with HeldOut(job, job.plan.layouts["actor_gen"], job.data.eval) as held_out:
+            rows = job.data.eval[:2]
+            scores, errors = held_out._function_scores(rows, [r.answer for r in rows])
+            workers = [w.process for w in held_out._pool._workers]
+            raise RuntimeError("the RL loop failed")
+    assert list(scores) == [1.0, 1.0] and errors == 0  # the pool did run
+    assert held_out._pool is None and workers and not any(p.is_alive() for p in workers)

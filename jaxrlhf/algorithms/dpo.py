@@ -19,7 +19,7 @@ from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.logprob import sequence_logprobs
 from jaxrlhf.algorithms.pairs import split_pairs
 from jaxrlhf.algorithms.spec import (
-    Algorithm, BatchKind, Evaluation, TrainSpec, model_inputs, response_logprobs,
+    Algorithm, BatchKind, Evaluation, Metric, TrainSpec, model_inputs, response_logprobs,
 )
 from jaxrlhf.mfc import MFC, Call, Role
 
@@ -70,4 +70,5 @@ def make(cfg: DPOConfig) -> Algorithm:
     return Algorithm(name="dpo", mfcs=mfcs(),
                      train={Role.ACTOR: TrainSpec(_train_batch, actor_loss(cfg))},
                      batches=BatchKind.PAIRS, evaluation=Evaluation.PREFERENCE_LOGP,
-                     shown=("actor/loss", "actor/reward_accuracy"))
+                     shown=(Metric("loss", Role.ACTOR),
+                            Metric("reward_accuracy", Role.ACTOR)))

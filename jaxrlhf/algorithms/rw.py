@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.pairs import last_token_scores, split_pairs
-from jaxrlhf.algorithms.spec import Algorithm, BatchKind, Evaluation, TrainSpec, model_inputs
+from jaxrlhf.algorithms.spec import (
+    Algorithm, BatchKind, Evaluation, Metric, TrainSpec, model_inputs,
+)
 from jaxrlhf.mfc import MFC, Call, Role
 
 PAIR_KEYS = ("seq_tokens_bs", "seq_mask_bs", "response_mask_bn")
@@ -37,4 +39,5 @@ def make() -> Algorithm:
     return Algorithm(name="rw", mfcs=mfcs(),
                      train={Role.REWARD: TrainSpec(_train_batch, reward_loss)},
                      batches=BatchKind.PAIRS, evaluation=Evaluation.PREFERENCE_SCORE,
-                     trained_role=Role.REWARD, shown=("reward/loss", "reward/accuracy"))
+                     trained_role=Role.REWARD,
+                     shown=(Metric("loss", Role.REWARD), Metric("accuracy", Role.REWARD)))

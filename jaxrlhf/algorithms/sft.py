@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.spec import (
-    Algorithm, BatchKind, Evaluation, TrainSpec, model_inputs, response_logprobs,
+    Algorithm, BatchKind, Evaluation, Metric, TrainSpec, model_inputs, response_logprobs,
 )
 from jaxrlhf.mfc import MFC, Call, Role
 
@@ -34,5 +34,6 @@ def make() -> Algorithm:
         name="sft",
         mfcs=(MFC("actor_train", Role.ACTOR, Call.TRAIN_STEP, SFT_KEYS, ("actor_stats",)),),
         train={Role.ACTOR: TrainSpec(_prepare, _loss)},
-        batches=BatchKind.SFT_ROWS, evaluation=Evaluation.SFT, shown=("actor/loss",),
+        batches=BatchKind.SFT_ROWS, evaluation=Evaluation.SFT,
+        shown=(Metric("loss", Role.ACTOR),),
     )

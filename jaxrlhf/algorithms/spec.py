@@ -61,6 +61,15 @@ class Evaluation(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class Metric:
+    """A figure of one step, typed: statistic `name` of `role`'s train step, or with no role
+    the step's mean reward. Loops look figures up by it; names are only made for output."""
+
+    name: str
+    role: Role | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Algorithm:
     """An algorithm: the MFC list, train specs per trained role, and controller updates.
 
@@ -74,7 +83,7 @@ class Algorithm:
       batches: what a step is fed.
       evaluation: what the held-out accuracy measures.
       trained_role: the model the job evaluates and reports.
-      shown: metric keys of the progress bar.
+      shown: the progress bar's figures.
     """
 
     name: str
@@ -86,7 +95,7 @@ class Algorithm:
     batches: BatchKind = BatchKind.PROMPTS
     evaluation: Evaluation = Evaluation.EXACT_MATCH
     trained_role: Role = Role.ACTOR
-    shown: tuple[str, ...] = ("reward", "actor/kl")
+    shown: tuple[Metric, ...] = (Metric("reward"), Metric("kl", Role.ACTOR))
 
     @property
     def offline(self) -> bool:
@@ -104,16 +113,21 @@ def model_inputs(tokens_bt: jax.Array, mask_bt: jax.Array) -> Batch:
 
 def response_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array, num_response: int,
                       temperature: float) -> jax.Array:
-    """[b, n] log-probs of the last `num_response` tokens, each predicted by the position before."""
+    """[b, n] log-probs of the last `num_response` tokens, each predicted by the position before.
+
+    Temperature 0 (greedy generation) reads as 1: the engine records greedy samples' log-probs
+    at temperature 1 (`engine/sampling.py`), and the loss must see the same distribution.
+    """
     logits_bnv = logits_btv[:, -num_response - 1:-1]
-    return logprobs_from_logits(logits_bnv, tokens_bt[:, -num_response:], temperature)
+    return logprobs_from_logits(logits_bnv, tokens_bt[:, -num_response:], temperature or 1.0)
 
 
 def response_policy(logits_btv: jax.Array, batch: Batch, temperature: float):
-    """([b, n] log-probs, [b, n] entropies) of the response tokens; n = batch["mask_bn"] width."""
+    """([b, n] log-probs, [b, n] entropies) of the response tokens; n = batch["mask_bn"] width
+    (temperature 0, greedy, reads as 1 as in `response_logprobs`)."""
     n = batch["mask_bn"].shape[1]
     logp_bn = response_logprobs(logits_btv, batch["tokens_bt"], n, temperature)
-    return logp_bn, entropy_from_logits(logits_btv[:, -n - 1:-1], temperature)
+    return logp_bn, entropy_from_logits(logits_btv[:, -n - 1:-1], temperature or 1.0)
 
 
 def response_values(values_bt: jax.Array, num_response: int) -> jax.Array:

@@ -5,16 +5,12 @@ the runner. The only place these are written out (train, bench, calibration and 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import pathlib
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxrlhf.algorithms.spec import Algorithm
-from jaxrlhf.data import datasets, tasks
-from jaxrlhf.data.long_prompts import fit_rows
 from jaxrlhf.data.rewards import RewardPool
 from jaxrlhf.dataflow.executors import HostFunction
 from jaxrlhf.dataflow.runtime import ModelRuntime, readers_per_layout
@@ -31,60 +27,11 @@ from jaxrlhf.parallel.layout import Layout, init_params
 from jaxrlhf.parallel.reshard import reshard
 from jaxrlhf.run import roles
 from jaxrlhf.run.check import Job
+from jaxrlhf.run.check import load_data as load_data  # bench and calibration read data here
+from jaxrlhf.run.check import load_preferences as load_preferences
 from jaxrlhf.run.layouts import RunPlan
 from jaxrlhf.run.runner import Runner
 from jaxrlhf.spec import ModelSpec, RolloutSpec, RunSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class Data:
-    train: list
-    eval: list
-    sft: list
-
-
-def task_dir(workdir: pathlib.Path) -> pathlib.Path:
-    """Where the built-in task's files go: one directory per process, so that processes sharing
-    a workdir never read a file another one is still writing."""
-    if jax.process_count() == 1:
-        return workdir / "data"
-    return workdir / "data" / f"process_{jax.process_index()}"
-
-
-def load_data(spec: RunSpec, workdir: pathlib.Path, tokenizer) -> Data:
-    """User files when given, else the built-in task written to workdir/data (same reader);
-    prompts longer than rollout.max_prompt_len go by `data.long_prompts`."""
-    d = spec.data
-    if not d.train_path:
-        files = tasks.write_task(d.task, task_dir(workdir))
-        paths = (files.train, files.eval, files.sft)
-    else:
-        paths = (d.train_path, d.eval_path or d.train_path, d.sft_path)
-    kinds = (datasets.RowKind.PROMPT, datasets.RowKind.PROMPT, datasets.RowKind.SFT)
-    train, evaluation, sft = [datasets.read_rows(p, k) if p else [] for p, k in zip(paths, kinds)]
-    fit = lambda rows, path: fit_rows(rows, tokenizer, spec.rollout.max_prompt_len,
-                                      d.long_prompts, path, d.chat_template)
-    return Data(fit(train, paths[0]), fit(evaluation, paths[1]) if evaluation else [], sft)
-
-
-def load_preferences(spec: RunSpec, workdir: pathlib.Path):
-    """(train pairs, held-out pairs): user files, or the built-in task's pairs."""
-    d = spec.data
-    if d.preference_path:
-        path = d.preference_path
-    elif d.train_path:
-        raise ValueError(f"algorithm={spec.name.value} with user data needs "
-                         "data.preference_path")
-    else:  # writing the deterministic task again yields the same files, and their paths
-        path = tasks.write_task(d.task, task_dir(workdir)).preference
-    rows = datasets.read_rows(path, datasets.RowKind.PREFERENCE)
-    if d.preference_eval_path:
-        return rows, datasets.read_rows(d.preference_eval_path, datasets.RowKind.PREFERENCE)
-    holdout = d.preference_holdout
-    if not 0 < holdout < len(rows) - spec.rollout.batch_size:
-        raise ValueError(f"data.preference_holdout={holdout} must leave at least one batch of "
-                         f"the {len(rows)} pairs in {path} for training")
-    return rows[:-holdout], rows[-holdout:]
 
 
 # --- engine calls --------------------------------------------------------------------------
@@ -102,23 +49,11 @@ def engine_call(mfc: MFC, model: ModelConfig, layout: Layout, micro_batches: int
             kind = (InferenceKind.LOGPROBS if model.head is HeadKind.LM
                     else InferenceKind.VALUES if mfc.role in (Role.CRITIC, Role.COST_CRITIC)
                     else InferenceKind.SCORES)
-            cfg = InferenceConfig(kind, temperature=algorithm.temperature or 1.0)
+            cfg = InferenceConfig(kind, temperature=algorithm.temperature)
             return make_inference_fn(model, cfg, layout, length_buckets=(rollout.seq_len,))
         case Call.TRAIN_STEP:
             return make_train_step(model, layout, algorithm.train[mfc.role].loss_fn, opt,
                                    MicrobatchConfig.by_count(micro_batches))
-
-
-def engines(spec: RunSpec, algorithm: Algorithm, plan: RunPlan, tokenizer,
-            optimizers: dict[Role, OptimizerConfig]) -> dict:
-    """MFC name -> engine call, every model MFC of `algorithm` on `plan`."""
-    out = {}
-    for mfc in algorithm.mfcs:
-        if not mfc.host:
-            out[mfc.name] = engine_call(mfc, spec.models[mfc.role].config, plan.layouts[mfc.name],
-                                        plan.micro_batches(mfc.name), spec.rollout, tokenizer,
-                                        algorithm, optimizers.get(mfc.role))
-    return out
 
 
 # --- model states --------------------------------------------------------------------------
@@ -182,12 +117,10 @@ def initial_params(spec: RunSpec, role: Role, start: roles.Start, layout: Layout
     """One role's first parameters on `layout` (see `run.roles`)."""
     model = spec.models[role]
     match start:
-        case roles.Start.LOAD if role is Role.ACTOR:
-            return actor_params  # loaded (and maybe warm-started) by the caller
+        case _ if role is Role.ACTOR:
+            return actor_params  # loaded or initialised (and maybe warm-started) by the caller
         case roles.Start.LOAD:
             return load_role(model, layout)
-        case roles.Start.INIT if role is Role.ACTOR:
-            return actor_params
         case roles.Start.INIT:  # its own stream: not the actor's initialisation again
             key = jax.random.fold_in(jax.random.key(spec.seed), list(Role).index(role) + 1)
             return init_params(model.config, layout, key)
@@ -242,12 +175,19 @@ def host_pools(spec: RunSpec):
                for role, r in spec.rewards.items()}
 
 
-def runner(job: Job, states: dict, pools) -> Runner:
-    """The job's runner around `states` (see `initial_states`, or a checkpoint's)."""
-    spec = job.spec
-    calls = engines(spec, spec.algorithm, job.plan, job.tokenizer, dict(spec.optimizers))
-    return Runner(spec.algorithm, spec.graph, job.plan, runtimes(spec, job.plan, states), calls,
-                  job.tokenizer, pools, spec.seed)
+def runner(job: Job, states: dict, pools, host: dict | None = None) -> Runner:
+    """The job's runner around `states` (see `initial_states`, or a checkpoint's), continuing
+    `host` (a checkpoint's `Runner.state()`) when given."""
+    spec, plan = job.spec, job.plan
+    calls = {m.name: engine_call(m, spec.models[m.role].config, plan.layouts[m.name],
+                                 plan.micro_batches(m.name), spec.rollout, job.tokenizer,
+                                 spec.algorithm, spec.optimizers.get(m.role))
+             for m in spec.algorithm.mfcs if not m.host}
+    out = Runner(spec.algorithm, spec.graph, plan, runtimes(spec, plan, states), calls,
+                 job.tokenizer, pools, spec.seed)
+    if host is not None:
+        out.restore(host)
+    return out
 
 
 def fresh_runner(job: Job, pools, actor_params=None) -> Runner:

@@ -208,6 +208,12 @@ class HeldOut:
             self._pool.close()
             self._pool = None
 
+    def __enter__(self) -> HeldOut:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # also when the run raises: no reward worker outlives it
+
 
 def summary_value(metrics: dict[str, float]) -> float | None:
     """The one figure the progress line shows: accuracy when there are answers, else reward."""

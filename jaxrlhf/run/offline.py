@@ -24,10 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
-from jaxrlhf import checkpoint
-from jaxrlhf.algorithms.pairs import check_pair_split
 from jaxrlhf.algorithms.spec import BatchKind, Evaluation
 from jaxrlhf.data import datasets
 from jaxrlhf.data.encode import sequence_batch, sft_batch
@@ -35,14 +32,11 @@ from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine.inference import (
     InferenceBatch, InferenceConfig, InferenceKind, make_inference_fn,
 )
-from jaxrlhf.metrics import METRICS_FILE, MetricsWriter
-from jaxrlhf.mfc import MFC, Call
+from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.parallel.reshard import fetch
-from jaxrlhf.run import build
+from jaxrlhf.run import rl
 from jaxrlhf.run.check import Job
-from jaxrlhf.run.rl import greedy_accuracy, postfix, restore, resumed_runner
-from jaxrlhf.run.runner import Runner
-from jaxrlhf.run.warm_start import WarmStart
+from jaxrlhf.run.evaluate import _padded_rows, greedy_accuracy
 from jaxrlhf.spec import RolloutSpec
 
 Evaluator = Callable[[], dict[str, float]]
@@ -54,11 +48,6 @@ def preference_batch(rows: Sequence[datasets.PreferenceRow], tokenizer, max_prom
     prompts = [r.prompt for r in rows]
     responses = [r.chosen for r in rows] + [r.rejected for r in rows]
     return sequence_batch(prompts + prompts, responses, tokenizer, max_prompt_len, max_new_tokens)
-
-
-def _pad_to(items: list, multiple: int) -> list:
-    """`items` extended by repeats of its head to a multiple of `multiple` (the dp size)."""
-    return items + items[: (-len(items)) % multiple]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +62,9 @@ class Scorer:
     def __call__(self, params, prompts: list[str], responses: list[str]):
         """(output, response_mask_bn) of the model on the rows (padding rows cut off)."""
         r = self.rollout
-        batch = sequence_batch(_pad_to(prompts, self.dp), _pad_to(responses, self.dp),
-                               self.tokenizer, r.max_prompt_len, r.max_new_tokens)
+        batch = sequence_batch(_padded_rows(prompts, 1, self.dp),
+                               _padded_rows(responses, 1, self.dp), self.tokenizer,
+                               r.max_prompt_len, r.max_new_tokens)
         out = self.infer(params, InferenceBatch.padded(batch["seq_tokens_bs"],
                                                         batch["seq_mask_bs"]))
         return out, batch["response_mask_bn"][: len(prompts)]
@@ -97,10 +87,11 @@ def make_scorer(runtime: ModelRuntime, kind: InferenceKind, job: Job) -> Scorer:
     return Scorer(infer, runtime.home.dp_size, job.tokenizer, r)
 
 
-def make_evaluator(job: Job, runtime: ModelRuntime, data: build.Data, eval_pairs) -> Evaluator:
+def make_evaluator(job: Job, runtime: ModelRuntime) -> Evaluator:
     """Held-out metrics of the trained model; "accuracy" as the module docstring defines."""
-    prompts = [p.prompt for p in eval_pairs]
-    chosen, rejected = [p.chosen for p in eval_pairs], [p.rejected for p in eval_pairs]
+    pairs = job.data.eval_pairs
+    prompts = [p.prompt for p in pairs]
+    chosen, rejected = [p.chosen for p in pairs], [p.rejected for p in pairs]
     params = lambda: runtime.params
     match job.spec.algorithm.evaluation:
         case Evaluation.PREFERENCE_SCORE:
@@ -110,8 +101,8 @@ def make_evaluator(job: Job, runtime: ModelRuntime, data: build.Data, eval_pairs
                 > scorer.scores(params(), prompts, rejected)))}
         case Evaluation.SFT:
             scorer = make_scorer(runtime, InferenceKind.LOGPROBS, job)
-            exact_match = greedy_accuracy(job, runtime.home, data.eval)
-            answered = [row for row in data.eval if row.answer is not None]
+            exact_match = greedy_accuracy(job, runtime.home, job.data.eval)
+            answered = [row for row in job.data.eval if row.answer is not None]
 
             def sft_metrics():
                 logp_b, count_b = scorer.response_logprobs(
@@ -122,7 +113,7 @@ def make_evaluator(job: Job, runtime: ModelRuntime, data: build.Data, eval_pairs
             return sft_metrics
         case Evaluation.PREFERENCE_LOGP:
             scorer = make_scorer(runtime, InferenceKind.LOGPROBS, job)
-            exact_match = greedy_accuracy(job, runtime.home, data.eval)
+            exact_match = greedy_accuracy(job, runtime.home, job.data.eval)
 
             def dpo_metrics():
                 logp_chosen_b, _ = scorer.response_logprobs(params(), prompts, chosen)
@@ -135,50 +126,12 @@ def make_evaluator(job: Job, runtime: ModelRuntime, data: build.Data, eval_pairs
                      f"{job.spec.algorithm.evaluation}")
 
 
-def training_rows(job: Job, data: build.Data, pairs) -> datasets.EpochIterator:
-    """Endless batches of training rows (SFT rows or preference pairs); a checkpoint holds its
-    position."""
-    spec = job.spec
-    paired = spec.algorithm.batches is BatchKind.PAIRS
-    return datasets.EpochIterator(pairs if paired else data.sft, spec.rollout.batch_size,
-                                  seed=spec.seed)
-
-
 def encode(job: Job, rows: list) -> dict[str, np.ndarray]:
     """One batch of training rows in the runner's keys."""
     r = job.spec.rollout
     paired = job.spec.algorithm.batches is BatchKind.PAIRS
     return (preference_batch if paired else sft_batch)(rows, job.tokenizer, r.max_prompt_len,
                                                       r.max_new_tokens)
-
-
-def _train_mfc(job: Job) -> MFC:
-    return next(m for m in job.spec.graph.mfcs if m.call is Call.TRAIN_STEP
-                and m.role is job.spec.algorithm.trained_role)
-
-
-def train_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
-               checkpoints: checkpoint.Checkpointer, before: dict[str, float]) -> bool:
-    """Steps from the runner's step index to spec.steps, with checkpoints (on the cadence, on
-    Ctrl-C/SIGTERM, at the end) and the NaN policy; returns whether it was stopped."""
-    spec = job.spec
-    guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
-    save = lambda: checkpoint.save_run(checkpoints, runner, rows, before.get("accuracy"),
-                                       spec.config_json, job.fingerprint, before)
-    bar = tqdm(range(runner.step_index, spec.steps), desc=spec.name.value,
-               initial=runner.step_index, total=spec.steps, mininterval=1)
-    with checkpoint.StopRequest() as stop:
-        for step in bar:
-            saved = guard.before_step(runner)
-            result = runner.step(encode(job, next(rows)))
-            if guard.after_step(runner, result.metrics, step, saved):
-                result.metrics["nan_skipped"] = 1.0
-            writer.write(step, result.metrics)
-            bar.set_postfix(postfix(spec.algorithm, result.metrics))
-            if checkpoint.save_if_due(checkpoints, stop, step + 1, save, spec.name.value):
-                return True
-    save()
-    return False
 
 
 def run(job: Job) -> dict:
@@ -188,60 +141,30 @@ def run(job: Job) -> dict:
     start, no 'before' evaluation: both are in it) and repeats the uninterrupted run exactly;
     one with only warm-start checkpoints resumes the warm start.
     """
-    start = time.perf_counter()
-    spec, workdir = job.spec, job.workdir
-    role = spec.algorithm.trained_role
-    home = job.plan.home(spec.graph, role)
-    data = build.load_data(spec, workdir, job.tokenizer)
-    pairs, eval_pairs = [], []
-    if spec.algorithm.batches is BatchKind.PAIRS:
-        pairs, eval_pairs = build.load_preferences(spec, workdir)
-        # Micro-batches must keep each chosen row with its rejected row.
-        check_pair_split(spec.rollout.batch_size, job.plan.micro_batches(_train_mfc(job).name),
-                         "the number of micro-batches")
-    checkpoints = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, spec.checkpoint)
-    restored = restore(job, checkpoints)
-    resume = None if restored is None else restored[0]
-    # The warm start trains the actor on the trained model's layout (reward modelling then
-    # starts its reward model from the actor's trunk).
-    warm = WarmStart(job, home, data) if resume is None else None
-    checkpoint.trim_metrics(workdir / METRICS_FILE, 0 if resume is None else resume.step,
-                            warm.start_step if warm is not None else None)
-    summary = {"steps": spec.steps, "workdir": str(workdir),
-               "resumed_from": None if resume is None else resume.step}
-    with MetricsWriter(workdir) as writer:
-        if resume is None:
-            try:
-                params = warm.run(lambda: build.initial_actor_params(spec, home), writer)
-            finally:
-                warm.close()
-            if params is None:  # stopped in the warm start, its checkpoint saved
-                checkpoints.close()
-                return {**summary, "seconds": time.perf_counter() - start, "interrupted": True}
-            runner = build.fresh_runner(job, {}, params)  # offline graphs have no host MFCs
-        else:
-            print(f"resuming from checkpoint {resume.step} in {checkpoints.directory}",
-                  flush=True)
-            runner = resumed_runner(job, resume, restored[1], {})
-        evaluate = make_evaluator(job, runner.runtimes[role], data, eval_pairs)
-        before = evaluate() if resume is None else resume.evaluation_before
-        print(f"held-out before {spec.name.value}: {before}", flush=True)
-        rows = training_rows(job, data, pairs)
-        if resume is not None:
-            rows.restore(resume.iterator)
-        try:
-            interrupted = train_loop(job, runner, rows, writer, checkpoints, before)
-        finally:
-            runner.close()
-            checkpoints.close()  # waits for background writes
-        after = None if interrupted else evaluate()
+    t0 = time.perf_counter()
+    spec, name = job.spec, job.spec.name.value
+    paired = spec.algorithm.batches is BatchKind.PAIRS
+    with rl.begin(job) as start, MetricsWriter(job.workdir) as writer:
+        summary = {"steps": spec.steps, "workdir": str(job.workdir),
+                   "resumed_from": None if start.resume is None else start.resume.step}
+        runner = start.runner(job, writer, {})  # offline graphs have no host MFCs
+        if runner is None:  # stopped in the warm start, its checkpoint saved
+            return {**summary, "seconds": time.perf_counter() - t0, "interrupted": True}
+        evaluate = make_evaluator(job, runner.runtimes[spec.algorithm.trained_role])
+        with runner:
+            before = evaluate() if start.resume is None else start.before()
+            print(f"held-out before {name}: {before}", flush=True)
+            rows = start.rows(job.data.pairs if paired else job.data.sft, job)
+            loop = rl.train_loop(job, runner, rows, lambda batch: encode(job, batch), writer,
+                                 start.checkpoints, before.get("accuracy"), before, name)
+        after = None if loop.interrupted else evaluate()
         if after is not None:
-            print(f"held-out after {spec.name.value}:  {after}")
+            print(f"held-out after {name}:  {after}")
             writer.write(spec.steps, {f"eval/{k}_{when}": v for when, m in
                                       (("before", before), ("after", after))
                                       for k, v in m.items()})
     for key in before:
         summary[f"{key}_before"] = before[key]
         summary[f"{key}_after"] = None if after is None else after[key]
-    return {**summary, "seconds": time.perf_counter() - start, "recompiles": runner.compiles,
-            "interrupted": interrupted}
+    return {**summary, "seconds": time.perf_counter() - t0, "recompiles": runner.compiles,
+            "interrupted": loop.interrupted}

@@ -1,4 +1,5 @@
-"""The RL job: data, optional supervised warm start, evaluation, the RL loop, reports.
+"""The RL job: data, optional supervised warm start, evaluation, the RL loop, reports; and the
+beginning and the step loop it shares with the offline job (`run/offline.py`).
 
 `run(job)` prints a progress bar, writes metrics.jsonl, TensorBoard events and per-step
 timelines to the workdir, and returns a summary (accuracy before/after, seconds) that the entry
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 from tqdm import tqdm
@@ -25,39 +27,112 @@ from jaxrlhf.mfc import Role
 from jaxrlhf.run import async_loop, build
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut
-from jaxrlhf.run.evaluate import greedy_accuracy as greedy_accuracy  # offline.py's import
-from jaxrlhf.run.runner import Runner
+from jaxrlhf.run.runner import Runner, StepResult
 from jaxrlhf.run.warm_start import WarmStart
 
 
-def restore(job: Job, checkpoints: checkpoint.Checkpointer):
-    """The newest intact checkpoint (host state, model states on this run's layouts, which may
-    differ from the layouts it was saved from), or None; damaged newer ones are skipped."""
+@dataclasses.dataclass
+class Start:
+    """Where a run begins (`begin`): its checkpoints, and the newest intact checkpoint (`resume`
+    its host state, `states` its model states on this run's layouts) or else the warm start.
+    Leaving it as a context closes the checkpoints (waits for background writes)."""
+
+    checkpoints: checkpoint.Checkpointer
+    resume: checkpoint.HostState | None
+    states: dict | None
+    warm: WarmStart | None
+
+    def runner(self, job: Job, writer, pools) -> Runner | None:
+        """The run's runner: continuing the checkpoint, else fresh from the (warm-started)
+        actor; None when the warm start was stopped (its own checkpoint saved)."""
+        if self.resume is not None:
+            return build.runner(job, self.states, pools, self.resume.runner)
+        params = self.warm.run(writer)
+        return None if params is None else build.fresh_runner(job, pools, params)
+
+    def before(self) -> dict[str, float]:
+        """The checkpoint's held-out figures from before training."""
+        accuracy = self.resume.accuracy_before  # checkpoints that hold only the accuracy
+        return dict(self.resume.evaluation_before) or ({} if accuracy is None
+                                                       else {"accuracy": accuracy})
+
+    def rows(self, rows: list, job: Job) -> datasets.EpochIterator:
+        """Endless batches of `rows` from where the checkpoint left them."""
+        out = datasets.EpochIterator(rows, job.spec.rollout.batch_size, seed=job.spec.seed)
+        if self.resume is not None:
+            out.restore(self.resume.iterator)
+        return out
+
+    def __enter__(self) -> Start:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.checkpoints.close()
+
+
+def begin(job: Job) -> Start:
+    """Opens the run's checkpoints and restores the newest intact one (damaged newer ones are
+    skipped; its layouts may differ from this run's), else prepares the warm start; drops the
+    records of metrics.jsonl that the run writes again (all of them when it starts afresh)."""
     spec = job.spec
-    targets = {role: checkpoint.abstract_state(model, job.plan.home(spec.graph, role),
-                                               spec.optimizers.get(role))
-               for role, model in spec.model_configs().items()}
-    return checkpoints.restore_intact(targets)
-
-
-def resumed_runner(job: Job, host: checkpoint.HostState, states: dict, pools) -> Runner:
-    """The runner continuing checkpoint `host.step` from its restored model `states`."""
-    runner = build.runner(job, states, pools)
-    runner.restore(host.runner)
-    return runner
+    checkpoints = checkpoint.Checkpointer(job.workdir / checkpoint.CHECKPOINT_DIR,
+                                          spec.checkpoint)
+    restored = checkpoints.restore_intact({
+        role: checkpoint.abstract_state(model, job.plan.home(spec.graph, role),
+                                        spec.optimizers.get(role))
+        for role, model in spec.model_configs().items()})
+    if restored is not None:
+        print(f"resuming from checkpoint {restored[0].step} in {checkpoints.directory}",
+              flush=True)
+        checkpoint.trim_metrics(job.workdir / METRICS_FILE, restored[0].step)
+        return Start(checkpoints, *restored, None)
+    # The warm start trains the actor on the trained model's layout (reward modelling then
+    # starts its reward model from the actor's trunk).
+    warm = WarmStart(job, job.plan.home(spec.graph, spec.algorithm.trained_role))
+    checkpoint.trim_metrics(job.workdir / METRICS_FILE, 0, warm.start_step)
+    return Start(checkpoints, None, None, warm)
 
 
 @dataclasses.dataclass
 class LoopResult:
     timings: list
-    interrupted: bool  # stopped by Ctrl-C (after saving a checkpoint)
+    interrupted: bool  # stopped by Ctrl-C/SIGTERM (after saving a checkpoint)
     skipped: int  # steps discarded by nan_policy=skip
     extra: dict = dataclasses.field(default_factory=dict)  # more figures for the summary line
 
 
-def postfix(algorithm, metrics: dict) -> dict[str, str]:
-    """The progress bar's figures: the algorithm's shown metrics, by their last name part."""
-    return {key.rsplit("/", 1)[-1]: f"{metrics[key]:.3f}" for key in algorithm.shown}
+def train_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, encode: Callable,
+               writer, checkpoints: checkpoint.Checkpointer, accuracy_before: float | None,
+               evaluation_before: dict[str, float] | None, what: str,
+               on_step: Callable[[int, StepResult, dict], None] | None = None) -> LoopResult:
+    """Steps from the runner's step index to spec.steps on `encode(next(rows))`, with the NaN
+    policy and checkpoints (on the cadence, on Ctrl-C/SIGTERM: the loop `what` stops, and at
+    the end); `on_step(step, result, record)` adds figures to a step's record before it is
+    written."""
+    spec = job.spec
+    guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
+    save = lambda: checkpoint.save_run(checkpoints, runner, rows, accuracy_before,
+                                       spec.config_json, job.fingerprint, evaluation_before)
+    timings = []
+    bar = tqdm(range(runner.step_index, spec.steps), desc=runner.algorithm.name,
+               initial=runner.step_index, total=spec.steps, mininterval=1)
+    with checkpoint.StopRequest() as stop:
+        for step in bar:
+            batch = encode(next(rows))
+            saved = guard.before_step(runner)
+            result = runner.step(batch)
+            record = result.metrics
+            if guard.after_step(runner, record, step, saved):
+                record["nan_skipped"] = 1.0
+            if on_step is not None:
+                on_step(step, result, record)
+            writer.write(step, record)
+            timings.append(result.timing)
+            bar.set_postfix(result.postfix(runner.algorithm.shown))
+            if checkpoint.save_if_due(checkpoints, stop, step + 1, save, what):
+                return LoopResult(timings, True, guard.skipped)
+    save()
+    return LoopResult(timings, False, guard.skipped)
 
 
 def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
@@ -66,36 +141,20 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
     """RL steps from the runner's step index to spec.steps, with checkpoints and guards, and
     the held-out evaluation every `eval.every` steps (its eval/* metrics join the step's)."""
     spec, r = job.spec, job.spec.rollout
-    guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
-    save = lambda: checkpoint.save_run(checkpoints, runner, prompts, acc_before, spec.config_json,
-                                       job.fingerprint, evaluation_before)
-    timings = []
-    bar = tqdm(range(runner.step_index, spec.steps), desc=f"{runner.algorithm.name}",
-               initial=runner.step_index, total=spec.steps, mininterval=1)
-    with checkpoint.StopRequest() as stop:
-        for step in bar:
-            batch = prompt_batch(next(prompts), job.tokenizer, r.max_prompt_len, r.group_size)
-            before = guard.before_step(runner)
-            result = runner.step(batch)
-            if guard.after_step(runner, result.metrics, step, before):
-                result.metrics["nan_skipped"] = 1.0
-            tokens = result.metrics["actor/response_length"] + r.max_prompt_len
-            result.metrics["throughput/tokens_per_second"] = (
-                tokens * r.rows / result.timing.seconds)
-            if held_out is not None and held_out.due(step + 1):
-                actor = runner.runtimes[Role.ACTOR]
-                result.metrics.update(held_out.periodic(
-                    actor.params_on(held_out.layout), step + 1, runner.runtimes.get(Role.REWARD)))
-            writer.write(step, result.metrics)
-            timings.append(result.timing)
-            bar.set_postfix(postfix(runner.algorithm, result.metrics))
-            if step in (0, spec.steps - 1) and jax.process_index() == 0:
-                draw_timeline(result.timing, job.plan.specs,
-                              str(job.workdir / f"timeline_{step}.png"))
-            if checkpoint.save_if_due(checkpoints, stop, step + 1, save, "RL"):
-                return LoopResult(timings, True, guard.skipped)
-    save()
-    return LoopResult(timings, False, guard.skipped)
+
+    def on_step(step: int, result: StepResult, record: dict) -> None:
+        tokens = result.stats[Role.ACTOR]["response_length"] + r.max_prompt_len
+        record["throughput/tokens_per_second"] = tokens * r.rows / result.timing.seconds
+        if held_out is not None and held_out.due(step + 1):
+            actor = runner.runtimes[Role.ACTOR]
+            record.update(held_out.periodic(actor.params_on(held_out.layout), step + 1,
+                                            runner.runtimes.get(Role.REWARD)))
+        if step in (0, spec.steps - 1) and jax.process_index() == 0:
+            draw_timeline(result.timing, job.plan.specs, str(job.workdir / f"timeline_{step}.png"))
+
+    encode = lambda rows: prompt_batch(rows, job.tokenizer, r.max_prompt_len, r.group_size)
+    return train_loop(job, runner, prompts, encode, writer, checkpoints, acc_before,
+                      evaluation_before, "RL", on_step)
 
 
 def _shown(metrics: dict[str, float]) -> str:
@@ -106,65 +165,36 @@ def _shown(metrics: dict[str, float]) -> str:
 
 def run(job: Job) -> dict:
     """The whole RL job; returns the summary dict printed as the last line."""
-    start = time.perf_counter()
-    spec, plan, workdir = job.spec, job.plan, job.workdir
-    data = build.load_data(spec, workdir, job.tokenizer)
-    checkpoints = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, spec.checkpoint)
-    restored = restore(job, checkpoints)
-    resume = None if restored is None else restored[0]
-    home, gen_layout = plan.home(spec.graph, Role.ACTOR), plan.layouts["actor_gen"]
-    warm = WarmStart(job, home, data) if resume is None else None
-    # Records a killed run logged past the checkpoint this run resumes go (all of a fresh one).
-    checkpoint.trim_metrics(workdir / METRICS_FILE, 0 if resume is None else resume.step,
-                            warm.start_step if warm is not None else None)
-    if resume is not None:
-        print(f"resuming from checkpoint {resume.step} in {checkpoints.directory}", flush=True)
-    with MetricsWriter(workdir) as writer:
-        held_out = HeldOut(job, gen_layout, data.eval)
-        evaluate = lambda runner: held_out.greedy(
-            build.frozen_copy(runner.runtimes[Role.ACTOR].params, spec.base.config, gen_layout),
+    t0 = time.perf_counter()
+    spec, workdir, gen_layout = job.spec, job.workdir, job.plan.layouts["actor_gen"]
+    with (begin(job) as start, MetricsWriter(workdir) as writer,
+          HeldOut(job, gen_layout, job.data.eval) as held_out,
+          build.host_pools(spec) as pools):
+        runner = start.runner(job, writer, pools)
+        if runner is None:  # stopped in the warm start, its checkpoint saved
+            return {"accuracy_before": None, "accuracy_after": None,
+                    "seconds": time.perf_counter() - t0, "steps": spec.steps,
+                    "workdir": str(workdir), "resumed_from": None, "interrupted": True}
+        # The runner holds the reward model, if there is one.
+        evaluate = lambda: held_out.greedy(build.frozen_copy(
+            runner.runtimes[Role.ACTOR].params, spec.base.config, gen_layout),
             runner.runtimes.get(Role.REWARD))
-        if resume is None:
-            try:
-                params = warm.run(lambda: build.initial_actor_params(spec, home), writer)
-            finally:
-                warm.close()
-            if params is None:  # stopped in the warm start, its checkpoint saved
-                checkpoints.close()
-                held_out.close()
-                return {"accuracy_before": None, "accuracy_after": None,
-                        "seconds": time.perf_counter() - start, "steps": spec.steps,
-                        "workdir": str(workdir), "resumed_from": None, "interrupted": True}
-        prompts = datasets.EpochIterator(data.train, spec.rollout.batch_size, seed=spec.seed)
-        with build.host_pools(spec) as pools:
-            if resume is None:
-                runner = build.fresh_runner(job, pools, params)
-                before = evaluate(runner)  # the runner holds the reward model, if there is one
-            else:
-                runner = resumed_runner(job, resume, restored[1], pools)
-                prompts.restore(resume.iterator)
-                before = dict(resume.evaluation_before) or (
-                    {} if resume.accuracy_before is None
-                    else {"accuracy": resume.accuracy_before})
+        with runner:
+            before = evaluate() if start.resume is None else start.before()
             print(f"held-out before RL: {_shown(before)}", flush=True)
-            try:
-                # async_rl.max_staleness > 0: generation runs ahead (run/async_loop.py)
-                loop_fn = async_loop.rl_loop if spec.async_rl.enabled else rl_loop
-                loop = loop_fn(job, runner, prompts, writer, checkpoints, before.get("accuracy"),
-                               held_out, before)
-            finally:
-                runner.close()
-                checkpoints.close()  # waits for background writes
-            after = None if loop.interrupted else evaluate(runner)
-        held_out.close()
+            # async_rl.max_staleness > 0: generation runs ahead (run/async_loop.py)
+            loop_fn = async_loop.rl_loop if spec.async_rl.enabled else rl_loop
+            loop = loop_fn(job, runner, start.rows(job.data.train, job), writer,
+                           start.checkpoints, before.get("accuracy"), held_out, before)
+        after = None if loop.interrupted else evaluate()
     if after is not None:
         print(f"held-out after RL:  {_shown(after)}")
-    print(time_table(loop.timings[1:] or loop.timings, plan.specs))
+    print(time_table(loop.timings[1:] or loop.timings, job.plan.specs))
     return {"accuracy_before": before.get("accuracy"),
             "accuracy_after": None if after is None else after.get("accuracy"),
             "reward_before": before.get("reward"),
             "reward_after": None if after is None else after.get("reward"),
-            "seconds": time.perf_counter() - start, "steps": spec.steps,
+            "seconds": time.perf_counter() - t0, "steps": spec.steps,
             "workdir": str(workdir), "recompiles": runner.compiles,
-            "resumed_from": None if resume is None else resume.step,
+            "resumed_from": None if start.resume is None else start.resume.step,
             "interrupted": loop.interrupted, "skipped_steps": loop.skipped, **loop.extra}

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
-from jaxrlhf.algorithms.spec import Algorithm
+from jaxrlhf.algorithms.spec import Algorithm, Metric
 from jaxrlhf.dataflow import executors as ex
 from jaxrlhf.dataflow.graph import DataflowGraph
 from jaxrlhf.dataflow.runtime import ModelRuntime, with_memory_policy
@@ -26,9 +26,51 @@ from jaxrlhf.run.layouts import RunPlan
 
 @dataclasses.dataclass
 class StepResult:
-    metrics: dict[str, float]
+    """One step's figures on the host, typed (read back at the step's sync point).
+
+    Attributes:
+      stats: role -> the statistics of its train step (loss, grad_norm, kl, ...).
+      reward: the step's mean sequence score; None when it scores no sequences.
+      controller: the controller state after the step (kl_coef, ...).
+      counters: role -> its runtime's transfer counters so far (realloc_bytes, ...).
+      reward_errors: failed host reward calls so far; compiles: engine compiles so far.
+      timing: the step's schedule; buffer: its step buffer.
+    """
+
+    stats: dict[Role, dict[str, float]]
+    reward: float | None
+    controller: dict[str, float]
+    counters: dict[Role, dict[str, float]]
+    reward_errors: int
+    compiles: int
     timing: StepTiming
     buffer: dict
+
+    def __getitem__(self, metric: Metric) -> float:
+        return self.reward if metric.role is None else self.stats[metric.role][metric.name]
+
+    def postfix(self, shown: tuple[Metric, ...]) -> dict[str, str]:
+        """The progress bar's figures of `shown` (an algorithm's), by name."""
+        return {m.name: f"{self[m]:.3f}" for m in shown}
+
+    def of_role(self, role: Role) -> dict[str, float]:
+        """`role`'s statistics and counters under their output names ("actor/loss", ...)."""
+        figures = {**self.stats.get(role, {}), **self.counters.get(role, {})}
+        return {f"{role.value}/{k}": v for k, v in figures.items()}
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Every figure under its output name, as metrics.jsonl and TensorBoard show it."""
+        t = self.timing
+        out = {f"{r.value}/{k}": v for r, stats in self.stats.items() for k, v in stats.items()}
+        out.update({} if self.reward is None else {"reward": self.reward})
+        out.update({f"controller/{k}": v for k, v in self.controller.items()})
+        out.update({"time/step_seconds": t.seconds, "time/host_blocked_seconds":
+                    t.host_blocked_seconds, "reward_errors": float(self.reward_errors),
+                    "recompiles": float(self.compiles)})
+        out.update({f"time/{name}": m.seconds for name, m in t.mfcs.items()})
+        out.update({f"{r.value}/{k}": v for r, c in self.counters.items() for k, v in c.items()})
+        return out
 
 
 class Runner:
@@ -96,35 +138,23 @@ class Runner:
         return sum(engine.compiles for engine in self.engines.values())
 
     def step(self, batch: dict) -> StepResult:
-        """Runs every MFC once on `batch`; returns host metrics (the step's sync point)."""
+        """Runs every MFC once on `batch`; returns host figures (the step's sync point)."""
         with watchdog.label(step=self.step_index):  # names the step in a stuck wait's message
             buffer, timing = self.scheduler.run_step(batch)
-            metrics: dict[str, float] = {}
-            for mfc in self.graph.mfcs:
-                if mfc.call is Call.TRAIN_STEP:
-                    stats = fetch(buffer[mfc.outputs[0]])  # every process: same metrics
-                    metrics.update({f"{mfc.role.value}/{k}": float(v) for k, v in stats.items()})
-            if "scores_b" in buffer:
-                metrics["reward"] = float(np.mean(fetch(buffer["scores_b"])))
+            stats = {m.role: {k: float(v) for k, v in fetch(buffer[m.outputs[0]]).items()}
+                     for m in self.graph.mfcs if m.call is Call.TRAIN_STEP}  # every process
+            reward = (float(np.mean(fetch(buffer["scores_b"]))) if "scores_b" in buffer
+                      else None)
         if self.algorithm.controller_update is not None:
-            shared = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("actor/")}
             # Host-side controller math at the step's sync point: transfers are expected here.
             with jax.transfer_guard("allow"):
-                self.controller = self.algorithm.controller_update(self.controller, shared)
-        metrics.update({f"controller/{k}": float(v) for k, v in self.controller.items()})
-        metrics.update(self._system_metrics(timing))
+                self.controller = self.algorithm.controller_update(self.controller,
+                                                                   stats.get(Role.ACTOR, {}))
+        counters = {role: {k: float(v) for k, v in rt.counters.as_dict().items()}
+                    for role, rt in self.runtimes.items()}
         self.step_index += 1
-        return StepResult(metrics, timing, buffer)
-
-    def _system_metrics(self, timing: StepTiming) -> dict[str, float]:
-        out = {"time/step_seconds": timing.seconds,
-               "time/host_blocked_seconds": timing.host_blocked_seconds,
-               "reward_errors": float(self._reward_errors), "recompiles": float(self.compiles)}
-        out.update({f"time/{name}": t.seconds for name, t in timing.mfcs.items()})
-        for role, runtime in self.runtimes.items():
-            for key, value in runtime.counters.as_dict().items():
-                out[f"{role.value}/{key}"] = float(value)
-        return out
+        return StepResult(stats, reward, {k: float(v) for k, v in self.controller.items()},
+                          counters, self._reward_errors, self.compiles, timing, buffer)
 
     def state(self) -> dict:
         """What a checkpoint needs to continue this runner (JSON-serialisable): the step index
@@ -140,3 +170,9 @@ class Runner:
 
     def close(self) -> None:
         self._waiter.shutdown(wait=False)
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

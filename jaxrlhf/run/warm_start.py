@@ -11,8 +11,6 @@ goes on exactly as the uninterrupted run did.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from tqdm import tqdm
 
 from jaxrlhf import checkpoint
@@ -36,13 +34,13 @@ class WarmStart:
 
     Construction restores the newest intact warm-start checkpoint, if any (a run that has a
     checkpoint of its own never builds one), so that `start_step` is known before the run opens
-    its metrics (`checkpoint.trim_metrics`). `run` then trains; `close` waits for saves.
+    its metrics (`checkpoint.trim_metrics`). `run` then trains and waits for its saves.
     """
 
-    def __init__(self, job: Job, layout: Layout, data: build.Data):
-        self.job, self.layout, self.rows = job, layout, data.sft
+    def __init__(self, job: Job, layout: Layout):
+        self.job, self.layout, self.rows = job, layout, job.data.sft
         w = job.spec.warm_start
-        self.steps = w.steps if data.sft else 0
+        self.steps = w.steps if self.rows else 0
         self.checkpoints = None
         self.restored = None
         if self.steps:
@@ -55,15 +53,21 @@ class WarmStart:
         # The warm-start step this run begins at (0 unless a checkpoint was restored).
         self.start_step = 0 if self.restored is None else self.restored[0].step
 
-    def run(self, initial_params: Callable[[], object], writer):
+    def run(self, writer):
         """The actor's parameters after the warm start, or None when it was stopped (a
-        checkpoint saved: the rerun goes on from it).
+        checkpoint saved: the rerun goes on from it); waits for its checkpoint saves.
 
         Args:
-          initial_params: the actor's parameters on the layout before any warm start (called
-            only when no checkpoint was restored).
           writer: the run's MetricsWriter (records `sft/...` at warm-start steps).
         """
+        try:
+            return self._run(writer)
+        finally:
+            if self.checkpoints is not None:
+                self.checkpoints.close()
+
+    def _run(self, writer):
+        initial_params = lambda: build.initial_actor_params(self.job.spec, self.layout)
         if not self.steps:
             return initial_params()
         job, spec = self.job, self.job.spec
@@ -86,8 +90,8 @@ class WarmStart:
                     batch = sft_batch(next(rows), job.tokenizer, r.max_prompt_len,
                                       r.max_new_tokens)
                     result = runner.step(batch)
-                    writer.write(step, {f"sft/{k}": v for k, v in result.metrics.items()
-                                        if k.startswith("actor/")})
+                    writer.write(step, {f"sft/{k}": v
+                                        for k, v in result.of_role(Role.ACTOR).items()})
                     if checkpoint.save_if_due(self.checkpoints, stop, step + 1, save,
                                               "warm-start"):
                         return None
@@ -120,8 +124,3 @@ class WarmStart:
             runner.restore(self.restored[0].runner)
         self.restored = None  # its arrays now belong to the runner (donated by its steps)
         return runner, rows
-
-    def close(self) -> None:
-        """Waits for background saves."""
-        if self.checkpoints is not None:
-            self.checkpoints.close()
