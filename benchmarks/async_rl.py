@@ -30,12 +30,17 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
+import subprocess
 import sys
 import tempfile
 import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
+DEVICES = 8
+WORKER = "--mp_worker"  # this script as one process of the multi-process run
+if WORKER not in sys.argv:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={DEVICES}")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -43,7 +48,7 @@ import numpy as np  # noqa: E402
 from jaxrlhf import checkpoint  # noqa: E402
 from jaxrlhf.data import datasets  # noqa: E402
 from jaxrlhf.data.tokenizer import ByteTokenizer  # noqa: E402
-from jaxrlhf.run import async_loop, build, rl  # noqa: E402
+from jaxrlhf.run import async_procs, build, rl  # noqa: E402
 from jaxrlhf.run.check import check_config  # noqa: E402
 from jaxrlhf.schema import base_config  # noqa: E402
 
@@ -69,7 +74,7 @@ class Clocked:
         self.steps[step] = (time.perf_counter(), dict(metrics))
 
 
-def config(args, eta: int):
+def config(args, eta: int, gen_replicas: int = 1):
     c = base_config()
     c.algorithm = args.algorithm
     c.steps = args.steps
@@ -82,11 +87,12 @@ def config(args, eta: int):
     c.reward.workers = 1
     c.async_rl.update(max_staleness=eta, chunk_tokens=args.chunk_tokens)
     c.placement.kind = "disaggregate" if eta else args.sync_placement
+    c.placement.gen_replicas = gen_replicas
     return c
 
 
-def run(args, eta: int, workdir: str) -> dict:
-    job = check_config(config(args, eta), workdir)
+def run(args, eta: int, workdir: str, gen_replicas: int = 1) -> dict:
+    job = check_config(config(args, eta, gen_replicas), workdir)
     stops = tuple(range(ord("a"), ord("a") + args.stop_ids - 1))
     job = dataclasses.replace(job, tokenizer=LongTailTokenizer(extra_stops=stops))
     spec = job.spec
@@ -94,18 +100,20 @@ def run(args, eta: int, workdir: str) -> dict:
     prompts = datasets.EpochIterator(data.train, spec.rollout.batch_size, seed=spec.seed)
     sink = Clocked()
     checkpoints = checkpoint.Checkpointer(job.workdir / "ckpt", spec.checkpoint)
-    loop = async_loop.rl_loop if eta else rl.rl_loop
+    loop = async_procs.rl_loop if eta else rl.rl_loop
     with build.host_pools(spec) as pools:
         runner = build.fresh_runner(job, pools)
         loop(job, runner, prompts, sink, checkpoints, 0.0)
         runner.close()
     checkpoints.close()
+    if jax.process_index():  # a generation replica: the trainer (process 0) measures
+        return {}
     times = [sink.steps[s][0] for s in range(args.steps)]
     measured = range(args.warmup, args.steps)
     lengths = [sink.steps[s][1]["actor/response_length"] for s in measured]
     tokens = (np.mean(lengths) + spec.rollout.max_prompt_len) * spec.rollout.rows
     period = float(np.median(np.diff(times[args.warmup - 1:])))
-    out = {"eta": eta, "placement": spec.placement.kind.value,
+    out = {"eta": eta, "placement": spec.placement.kind.value, "processes": jax.process_count(),
            "tokens_per_second": tokens / period, "step_seconds": period,
            "mean_response_length": float(np.mean(lengths)),
            "staleness_max": max(sink.steps[s][1].get("async/staleness_max", 0.0)
@@ -117,7 +125,50 @@ def run(args, eta: int, workdir: str) -> dict:
     return out
 
 
-def main(argv=None) -> None:
+def multi_process(args, eta: int, argv: list[str]) -> dict:
+    """The asynchronous run as 1 + R processes (trainer + generation replicas), each with an
+    equal share of the devices; process 0's figures."""
+    from jaxrlhf.distributed import reserve_port
+
+    processes = 1 + args.gen_replicas
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    with reserve_port() as sock, tempfile.TemporaryDirectory(prefix="async-bench-mp-") as work:
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+        procs = [subprocess.Popen(
+            [sys.executable, __file__, WORKER, address, str(i), str(eta), work, *argv],
+            env=env, stdout=subprocess.PIPE if i else None, stderr=subprocess.STDOUT if i
+            else None, text=True) for i in range(processes)]
+        try:
+            for i, p in enumerate(procs):
+                out, _ = p.communicate(timeout=args.timeout)
+                if p.returncode:
+                    sys.exit(f"process {i} of the multi-process run failed ({p.returncode}): "
+                             f"{(out or '')[-3000:]}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        return json.loads(pathlib.Path(work, "result.json").read_text())
+
+
+def worker(argv: list[str]) -> None:
+    """One process of `multi_process`: ADDRESS PROCESS_ID ETA WORKDIR ARGS..."""
+    from jaxrlhf import distributed
+    from jaxrlhf.backend import use_cpu_devices
+
+    address, index, eta, work = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    args = parse(argv[4:])
+    processes = 1 + args.gen_replicas
+    cfg = distributed.from_flags(address, processes, index, wait_timeout_s=args.timeout)
+    use_cpu_devices(distributed.cpu_devices_per_process(DEVICES - DEVICES % processes, cfg))
+    distributed.initialize(cfg)
+    out = run(args, eta, str(pathlib.Path(work) / "run"), args.gen_replicas)  # one job
+    if index == 0:
+        pathlib.Path(work, "result.json").write_text(json.dumps(out))
+
+
+def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4)
@@ -129,18 +180,39 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk_tokens", type=int, default=16)
     parser.add_argument("--sync_placement", default="colocate",
                         choices=("colocate", "disaggregate"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--mp_etas", default="2",
+                        help="η of the multi-process runs (trainer + replicas); empty: none")
+    parser.add_argument("--gen_replicas", type=int, default=1)
+    parser.add_argument("--single_process", type=int, default=1,
+                        help="0: skip the single-process asynchronous runs")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds a multi-process run (and any wait in it) may take")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == WORKER:
+        worker(argv[1:])
+        return
+    args = parse(argv)
     if not 1 <= args.warmup < args.steps:
         sys.exit("need 1 <= --warmup < --steps")
+    etas = [int(e) for e in args.etas.split(",") if e] if args.single_process else []
     results = []
-    for eta in [0] + [int(e) for e in args.etas.split(",")]:
+    for eta in [0] + etas:
         with tempfile.TemporaryDirectory(prefix="async-bench-") as workdir:
             results.append(run(args, eta, workdir))
         print(results[-1], flush=True)
+    for eta in [int(e) for e in args.mp_etas.split(",") if e]:
+        results.append(multi_process(args, eta, argv))
+        print(results[-1], flush=True)
     sync = results[0]["tokens_per_second"]
+    name = lambda r: f"eta={r['eta']}" + (f",processes={r['processes']}"
+                                          if r["processes"] > 1 else "")
     print(json.dumps({"device": jax.devices()[0].platform, "algorithm": args.algorithm,
                       "runs": results,
-                      "ratio_vs_sync": {f"eta={r['eta']}": r["tokens_per_second"] / sync
+                      "ratio_vs_sync": {name(r): r["tokens_per_second"] / sync
                                         for r in results[1:]}}))
 
 

@@ -167,6 +167,10 @@ def base_config() -> ConfigDict:
             # Trained models (actor, critic) move their parameters and optimizer state to host
             # memory while other models' calls run on their devices, and back for their own.
             "offload_trainable": False,
+            # disaggregate: generation replicas (FlexRLHF's shadow actors), each on a device
+            # block of its own with its own weights copy; > 1 runs one process per replica
+            # plus the trainer's (launch/local.sh 1+R ...) with async_rl.max_staleness > 0.
+            "gen_replicas": 1,
         },
         "async_rl": {  # asynchronous RL (AReaL): generation runs ahead of training
             # η: a batch is trained only if its oldest token was sampled at most η policy

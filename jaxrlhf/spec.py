@@ -178,6 +178,7 @@ class PlacementSpec:
     allocation: str  # manual: NAME=RANGE:STRATEGY[@MICRO_BATCHES],...
     offload_frozen: bool
     offload_trainable: bool = False  # trained models wait in host memory while others run
+    gen_replicas: int = 1  # disaggregate: generation replicas, one device block each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +319,7 @@ _RANGES = (
     ("warm_start.batch_size", 1, True, None), ("warm_start.lr", 0.0, False, None),
     ("optimizer.actor.lr", 0.0, False, None), ("optimizer.critic.lr", 0.0, False, None),
     ("reward.clip", 0.0, True, None), ("async_rl.max_staleness", 0, True, None),
-    ("async_rl.chunk_tokens", 1, True, None),
+    ("async_rl.chunk_tokens", 1, True, None), ("placement.gen_replicas", 1, True, None),
     ("async_rl.behav_imp_weight_cap", 0.0, True, None), ("eval.every", 0, True, None),
     ("eval.samples", 0, True, None), ("eval.max_prompts", 0, True, None),
 )
@@ -446,6 +447,15 @@ def _async_rl(config: ConfigDict, name: AlgorithmName) -> AsyncRLSpec:
     return _of(AsyncRLSpec, a, decoupled=bool(a.max_staleness and a.decoupled))
 
 
+def _gen_replicas(config: ConfigDict, kind: Placement) -> int:
+    replicas = config.placement.gen_replicas
+    if replicas > 1 and (kind is not Placement.DISAGGREGATE
+                         or not config.async_rl.max_staleness):
+        raise ConfigError(f"placement.gen_replicas={replicas}: generation replicas need "
+                          "placement.kind=disaggregate and async_rl.max_staleness > 0")
+    return replicas
+
+
 def builtin_task(t: ConfigDict) -> tasks.ArithmeticTask | tasks.ReverseTask:
     common = dict(num_digits=t.num_digits, num_train=t.num_train, num_eval=t.num_eval,
                   num_sft=t.num_sft, sft_noise=t.sft_noise, seed=t.seed)
@@ -526,7 +536,8 @@ def run_spec(config: ConfigDict) -> RunSpec:
         name=name, algorithm=algorithm, graph=graph, models=models, base=base,
         rollout=_of(RolloutSpec, config.rollout), micro=micro,
         mini_batches=config.ppo.mini_batches, epochs=config.ppo.epochs, optimizers=optimizers,
-        rewards=rewards, placement=_of(PlacementSpec, config.placement, kind=kind),
+        rewards=rewards, placement=_of(PlacementSpec, config.placement, kind=kind,
+                                       gen_replicas=_gen_replicas(config, kind)),
         checkpoint=checkpoint, nan_policy=nan_policy, data=_data(config.data),
         warm_start=warm, tokenizer=config.tokenizer, seed=config.seed, steps=config.steps,
         config_json=config.to_json(), async_rl=async_rl,

@@ -16,7 +16,7 @@ from jaxrlhf.data import datasets, tasks
 from jaxrlhf.data.encode import prompt_batch
 from jaxrlhf.mfc import Role
 from jaxrlhf.parallel.layout import init_params
-from jaxrlhf.run import async_loop, build
+from jaxrlhf.run import async_loop, async_steps, build, rollout_worker
 from jaxrlhf.run.check import check_config
 from jaxrlhf.schema import base_config
 
@@ -124,10 +124,10 @@ def test_staleness_bounded_and_generation_runs_ahead(algorithm, rows, tmp_path):
 
 def test_checkpoints_drain_the_pipeline():
     # Generation may not start a batch at or past the next checkpoint step (or the run's end).
-    assert async_loop._limit(trained=3, steps=40, every=4) == 4
-    assert async_loop._limit(trained=4, steps=40, every=4) == 8
-    assert async_loop._limit(trained=38, steps=40, every=4) == 40
-    assert async_loop._limit(trained=3, steps=40, every=0) == 40
+    assert async_steps.drain_limit(trained=3, steps=40, every=4) == 4
+    assert async_steps.drain_limit(trained=4, steps=40, every=4) == 8
+    assert async_steps.drain_limit(trained=38, steps=40, every=4) == 40
+    assert async_steps.drain_limit(trained=3, steps=40, every=0) == 40
 
 
 def test_stop_rewinds_to_the_first_untrained_batch(rows):
@@ -137,7 +137,7 @@ def test_stop_rewinds_to_the_first_untrained_batch(rows):
         states.append(prompts.state())
         batches.append(next(prompts))
     # batch 0 trained; 1 and 2 generated, waiting; 3 in flight: a stop drops 1..3.
-    ready = [async_loop.Generated(k, {}, np.zeros((1, 1), np.int32), 0, states[k], (0.0, 0.0))
+    ready = [rollout_worker.Generated(k, {}, np.zeros((1, 1), np.int32), 0, states[k], (0.0, 0.0))
              for k in (1, 2)]
     async_loop._rewind(prompts, ready, states[3])
     assert not ready and prompts.state() == states[1]
@@ -148,8 +148,8 @@ def test_stop_rewinds_to_the_first_untrained_batch(rows):
 
 def test_batch_metrics_from_token_versions():
     versions_bn = np.array([[3, 3, 4, 4, -1], [5, 5, -1, -1, -1], [4, 4, 4, 4, 4]], np.int32)
-    done = async_loop.Generated(7, {}, versions_bn, 2, None, (0.0, 1.0))
-    m = async_loop._batch_metrics(done, version=5, eta=2)
+    done = rollout_worker.Generated(7, {}, versions_bn, 2, None, (0.0, 1.0))
+    m = async_steps.batch_metrics(done, version=5, eta=2)
     # staleness per token: [2 2 1 1], [0 0], [1 1 1 1 1]
     assert m["async/staleness_max"] == 2 and m["async/staleness_mean"] == 1.0
     assert m["async/interrupted_sequences"] == 1  # row 0 switched from version 3 to 4
@@ -180,12 +180,188 @@ def test_disaggregate_puts_generation_on_its_own_devices():
     from jaxrlhf.dataflow.placement import Placement, PlacementError, resolve_placement
     from jaxrlhf.spec import run_spec
 
+    # The trainer's block first (multi-process: process 0), then replica 1's.
     specs = resolve_placement(run_spec(_config()).graph, Placement.DISAGGREGATE, 8)
-    assert specs == {"actor_gen": "0-3:d4", "ref_inf": "4-7:d4", "critic_inf": "4-7:d4",
-                     "actor_train": "4-7:d4", "critic_train": "4-7:d4"}
+    assert specs == {"actor_gen": "4-7:d4", "ref_inf": "0-3:d4", "critic_inf": "0-3:d4",
+                     "actor_train": "0-3:d4", "critic_train": "0-3:d4"}
     grpo = run_spec(_config("grpo", 2, kind="disaggregate"))  # with the decoupled objective
-    assert resolve_placement(grpo.graph, Placement.DISAGGREGATE, 6)["actor_prox"] == "3-5:d3"
+    assert resolve_placement(grpo.graph, Placement.DISAGGREGATE, 6)["actor_prox"] == "0-2:d3"
+    # Two replicas: three equal blocks; replica 2's (4-5) is implied.
+    three = resolve_placement(grpo.graph, Placement.DISAGGREGATE, 6, gen_replicas=2)
+    assert three["actor_gen"] == "2-3:d2" and three["actor_train"] == "0-1:d2"
+    with pytest.raises(PlacementError, match="gen_replicas=2: 8 devices do not split into 3"):
+        resolve_placement(grpo.graph, Placement.DISAGGREGATE, 8, gen_replicas=2)
     sft = base_config()
     sft.algorithm = "sft"
     with pytest.raises(PlacementError, match="disaggregate separates generation"):
         resolve_placement(run_spec(sft).graph, Placement.DISAGGREGATE, 8)
+
+
+@pytest.mark.parametrize("update, message", [
+    ({"placement.gen_replicas": 0}, "placement.gen_replicas=0: must be >= 1"),
+    ({"placement.gen_replicas": 2}, "placement.gen_replicas=2: generation replicas need "
+                                    "placement.kind=disaggregate and async_rl.max_staleness > 0"),
+    ({"placement.gen_replicas": 2, "placement.kind": "disaggregate"},
+     "placement.gen_replicas=2: generation replicas need"),
+])
+def test_bad_gen_replicas_is_one_line(update, message):
+    from jaxrlhf.spec import ConfigError, run_spec
+
+    config = _config("ppo", 0)
+    for key, value in update.items():
+        section, name = key.split(".")
+        config[section][name] = value
+    with pytest.raises(ConfigError) as error:
+        run_spec(config)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_schedule_keeps_every_batch_within_its_deadline():
+    """Batches may arrive in any order; training one first is allowed only if every other
+    outstanding batch can still be trained by its deadline (issue version + η)."""
+    from jaxrlhf.run.async_procs import schedulable
+
+    assert schedulable([], 5)
+    assert schedulable([5, 6, 7], 5) and not schedulable([5, 5], 5)
+    assert schedulable([7, 5, 6], 5)  # order does not matter
+    assert not schedulable([4], 5)  # already too old
+    # η = 1, two replicas: batches 0 and 1 issued at version 0 (deadlines 1, 1)? Not
+    # schedulable from update 0 with a third at deadline 1; the issuer stops at two.
+    assert schedulable([1, 1], 0) and not schedulable([1, 1, 1], 0)
+    # Brute force: any arrival order trained by the rule keeps staleness <= η.
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        eta = int(rng.integers(0, 4))
+        version, issued, outstanding, arrived = 0, 0, {}, []
+        while version < 30:
+            while issued < 40 and len(outstanding) < 6 and schedulable(
+                    list(outstanding.values()) + [version + eta], version):
+                outstanding[issued] = version + eta
+                issued += 1
+            not_arrived = [k for k in outstanding if k not in arrived]
+            if not_arrived and rng.random() < 0.6:
+                arrived.append(int(rng.choice(not_arrived)))
+            pick = next((k for k in arrived if schedulable(
+                [d for j, d in outstanding.items() if j != k], version + 1)), None)
+            if pick is None:
+                continue
+            assert version <= outstanding.pop(pick), "trained past its deadline"
+            arrived.remove(pick)
+            version += 1
+
+
+# --- multi-process (trainer process + generation replica processes) ---------------------------
+
+WAIT_S = 3
+
+
+def _channel_worker(address: str, process_id: int) -> None:
+    """One process of `test_a_batch_that_never_comes_stops_the_trainer_naming_it`."""
+    from jaxrlhf import distributed
+    from jaxrlhf.backend import use_cpu_devices
+
+    cfg = distributed.from_flags(address, 2, process_id, heartbeat_timeout_s=5)
+    use_cpu_devices(1)
+    distributed.initialize(cfg)
+    from jaxrlhf.run.async_procs import waiting_for
+    from jaxrlhf.run.channel import Channel, Deadline
+
+    chan = Channel("test")
+    if process_id == 1:  # a replica that sends batch 4, then hangs before batch 5
+        chan.put_arrays("batch/4", {"versions_bn": np.arange(6, dtype=np.int32).reshape(2, 3)},
+                        {"replica": 1})
+        import time
+
+        time.sleep(300)
+        return
+    deadline = Deadline(WAIT_S, 0)
+    got = None
+    while got is None:
+        got = chan.take_arrays("batch/4")
+    arrays, meta = got
+    assert meta == {"replica": 1} and arrays["versions_bn"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert chan.take_arrays("batch/4") is None  # taken: deleted
+    print("got batch 4", flush=True)
+    deadline.progress()
+    while chan.take_arrays("batch/5") is None:
+        deadline.check(lambda: waiting_for(2, {5: 1}))
+
+
+def test_a_batch_that_never_comes_stops_the_trainer_naming_it(tmp_path):
+    """Two real processes under jax.distributed (no model, seconds): a batch crosses the
+    coordination service intact, and a wait for one that never comes ends the trainer within
+    the deadline with one line naming the step, the batch, the replica and the process."""
+    import os
+    import time
+
+    from jaxrlhf.distributed import reserve_port
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(pathlib.Path(__file__).parent.parent))
+    with reserve_port() as sock:
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+        procs = [subprocess.Popen([sys.executable, __file__, "channel", address, str(i)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for i in range(2)]
+        try:
+            first = procs[0].stdout.readline()  # after both started JAX and joined the job
+            start = time.monotonic()
+            out, err = procs[0].communicate(timeout=120)
+            out, seconds = first + out, time.monotonic() - start
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    assert "got batch 4" in out, err[-2000:]
+    assert procs[0].returncode == 1, err[-2000:]
+    line = ("jaxrlhf: process 0: step 2: finished batch(es) [5] from generation replica(s) [1] "
+            f"(processes [1]) did not arrive within {WAIT_S} s; stopping the job")
+    assert line in err, err[-2000:]
+    assert seconds < WAIT_S + 30, seconds
+
+
+def _two_process_train(workdir: pathlib.Path, extra: list[str]) -> subprocess.Popen:
+    import os
+
+    repo = pathlib.Path(__file__).parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", LOG_DIR=str(workdir.parent / f"{workdir.name}-logs"))
+    command = [str(repo / "launch/local.sh"), "2", sys.executable, "-m", "jaxrlhf.train",
+               "--config=configs/ppo_tiny.py", f"--workdir={workdir}", "--config.steps=6",
+               "--config.warm_start.sft_steps=2", "--config.data.task.num_eval=8",
+               "--config.reward.workers=1", "--config.async_rl.max_staleness=2",
+               "--config.placement.kind=disaggregate", "--wait_timeout=300", *extra]
+    return subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.slow
+@pytest.mark.entry
+def test_two_processes_trainer_and_generation_replica(tmp_path):
+    """`launch/local.sh 2 python -m jaxrlhf.train ... max_staleness=2, disaggregate`: process 0
+    trains, process 1 generates; staleness stays within η (the trainer asserts it from the
+    per-token versions before every update), every step is written once, checkpoints drain."""
+    proc = _two_process_train(tmp_path / "run", ["--config.checkpoint.every=3"])
+    try:
+        out, _ = proc.communicate(timeout=1800)
+    finally:
+        if proc.poll() is None:
+            import os
+            import signal
+
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["gen_replicas"] == 1 and 0 < summary["staleness_max"] <= 2, summary
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    rl_rows = [r for r in rows if "async/staleness_max" in r]
+    assert [r["step"] for r in rl_rows] == list(range(6))
+    assert all(r["async/staleness_max"] <= 2 and r["async/replica"] == 1 for r in rl_rows)
+    saved = sorted(int(p.name) for p in (tmp_path / "run/checkpoints").iterdir()
+                   if p.name.isdigit())
+    assert saved == [3, 6], saved
+
+
+if __name__ == "__main__":
+    _channel_worker(sys.argv[2], int(sys.argv[3]))

@@ -9,9 +9,13 @@ A layout spec is the strategy grammar's string, a device range plus parallel deg
   interleave  actor and critics on all devices; ref on the first half and reward/cost on the
               second, so the frozen models' inference runs side by side (FlexRLHF).
   disaggregate  generation on its own devices, disjoint from everything else (FlexRLHF's
-              shadow actors, AReaL's rollout workers): the actor's generate calls on the first
-              half, every other call on the second. The trainer feeds generation new weights
-              through `parallel.reshard`; with `async_rl.max_staleness` > 0 the two overlap.
+              shadow actors, AReaL's rollout workers): the devices split into 1 + R equal
+              blocks (R = `placement.gen_replicas`); every call but generation on the first
+              (the trainer's), the actor's generate calls on the second (replica 1; replicas
+              2..R run the same layout on blocks 3..R+1, jaxrlhf/run/async_procs.py). The
+              trainer comes first so that, multi-process, it is process 0 (which writes the
+              metrics and the summary). The trainer feeds generation new weights through
+              `parallel.reshard`; with `async_rl.max_staleness` > 0 the two overlap.
   manual      one spec per MFC, given in the config.
   auto        the planner (jaxrlhf.plan) searches the plan for a cluster; the run stack
               (jaxrlhf.run.layouts) runs that ExecutionPlan as is, without coming here.
@@ -88,12 +92,18 @@ def _role_blocks(kind: Placement, roles: list[Role], n: int) -> dict[Role, tuple
     raise PlacementError(f"placement.kind={kind.value} has no role blocks")
 
 
-def _disaggregated(model_mfcs, num_devices: int) -> dict[str, str]:
-    """Generate calls on the first half of the devices, all other calls on the second."""
+def _disaggregated(model_mfcs, num_devices: int, gen_replicas: int) -> dict[str, str]:
+    """Training calls on the first of 1 + gen_replicas equal device blocks, generate calls on
+    the second (the first replica's)."""
     if not any(m.call is Call.GENERATE for m in model_mfcs):
         raise PlacementError("placement.kind=disaggregate separates generation from training; "
                              "this algorithm does not generate")
-    gen, train = _halves(num_devices)
+    blocks = 1 + gen_replicas
+    if num_devices < blocks or num_devices % blocks:
+        raise PlacementError(f"placement.gen_replicas={gen_replicas}: {num_devices} devices do "
+                             f"not split into {blocks} equal blocks (trainer + replicas)")
+    size = num_devices // blocks
+    train, gen = (0, size), (size, size)
     return {m.name: f"{_span(*block)}:d{block[1]}"
             for m in model_mfcs for block in [gen if m.call is Call.GENERATE else train]}
 
@@ -104,6 +114,7 @@ def resolve_placement(
     num_devices: int,
     strategy: str = "",
     allocation: Mapping[str, str] | None = None,
+    gen_replicas: int = 1,
 ) -> dict[str, str]:
     """One layout spec per model-backed MFC.
 
@@ -113,6 +124,7 @@ def resolve_placement(
       num_devices: devices in the cluster.
       strategy: parallel degrees for colocate (e.g. "d2f2t2"); default pure data parallel.
       allocation: for manual placement, MFC name -> layout spec.
+      gen_replicas: for disaggregate, the generation replicas (each a device block).
 
     Returns:
       MFC name -> layout spec such as "0-7:d8". Specs are validated later against the model
@@ -131,7 +143,7 @@ def resolve_placement(
             raise PlacementError(f"placement.allocation has no layout for MFC(s) {missing}")
         return {m.name: allocation[m.name] for m in model_mfcs}
     if kind is Placement.DISAGGREGATE:
-        return _disaggregated(model_mfcs, num_devices)
+        return _disaggregated(model_mfcs, num_devices, gen_replicas)
     roles = [r for r in _ROLE_PRIORITY if any(m.role is r for m in model_mfcs)]
     blocks = _role_blocks(kind, roles, num_devices)
     specs = {}

@@ -52,6 +52,7 @@ chunk (times the replica factor of GATHER_THEN_COPY).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -489,17 +490,44 @@ def spanning(sharding: Sharding) -> NamedSharding:
                                            PartitionSpec()))
 
 
+_PROCESS_LOCAL_ON = False  # process-wide: the host reward pool's threads fetch too
+
+
+@contextlib.contextmanager
+def process_local(enabled: bool = True):
+    """Inside, `fetch` (in every thread of this process) is its own device-to-host copy.
+
+    For multi-process jobs whose processes run different programs on their own devices (the
+    asynchronous loop's trainer and generation processes, jaxrlhf/run/async_procs.py): their
+    values never span processes, and a job-wide `fetch` would wait for processes that are
+    busy elsewhere. `process_local(False)` inside: job-wide again (a section every process
+    runs, such as a checkpoint save).
+    """
+    global _PROCESS_LOCAL_ON
+    before, _PROCESS_LOCAL_ON = _PROCESS_LOCAL_ON, enabled
+    try:
+        yield
+    finally:
+        _PROCESS_LOCAL_ON = before
+
+
 def fetch(tree):
     """The whole value of every leaf as numpy, on every process (a sync point).
 
     Single process: a plain device-to-host copy. Multi-process: each leaf is first made fully
     replicated over all devices of the job (through the same routes as `reshard`, including the
     cross-process one), then each process copies its local replica, so metrics and host reward
-    functions see the same full arrays everywhere.
+    functions see the same full arrays everywhere. Under `process_local()`: a plain copy of
+    this process's arrays.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     on_device = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-    if on_device and jax.process_count() > 1:
+    if _PROCESS_LOCAL_ON:
+        leaves_away = [i for i in on_device if not leaves[i].is_fully_addressable]
+        if leaves_away:
+            raise ValueError(f"process_local fetch of {len(leaves_away)} array(s) held partly "
+                             "by other processes")
+    elif on_device and jax.process_count() > 1:
         everywhere = NamedSharding(Mesh(np.asarray(jax.devices()), ("_all",)), PartitionSpec())
         moved, _ = _move_chunk([leaves[i] for i in on_device], [everywhere] * len(on_device))
         for i, x in zip(on_device, moved):

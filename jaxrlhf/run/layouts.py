@@ -84,7 +84,7 @@ def _entries(spec: RunSpec, n: int) -> tuple[dict[str, Entry], str]:
             specs = resolve_placement(graph, p.kind, n, allocation={
                 k: e.spec for k, e in entries.items()})
             return {k: entries[k] for k in specs}, "placement.allocation"
-    specs = resolve_placement(graph, p.kind, n, p.strategy)
+    specs = resolve_placement(graph, p.kind, n, p.strategy, gen_replicas=p.gen_replicas)
     return {k: Entry(s) for k, s in specs.items()}, "placement.strategy"
 
 

@@ -1,0 +1,394 @@
+"""Asynchronous RL across processes: a trainer process and R generation replica processes.
+
+XLA's CPU client runs one program at a time per process, so on a CPU machine generation and
+training overlap only when they live in different processes. With `placement.kind=disaggregate`
+and a multi-process launch (`launch/local.sh 1+R ...`, `placement.gen_replicas=R`), process 0
+is the trainer (every MFC but generation, on its own devices; it writes metrics and the summary)
+and process r = 1..R is generation replica r (FlexRLHF's shadow actors): the actor's generate
+layout on its own devices, its own copy of the weights, decoding batches with
+`RolloutWorker` (chunks, interruptions, per-token versions, `actor_gen@k`
+micro-batches). Up to the loop the job is the usual SPMD program (build, warm start,
+evaluation); inside it the processes run different programs and meet only here:
+
+  weights     after each update every process takes part in `parallel.reshard` of the actor's
+              parameters onto each replica's layout (a cross-process transfer; the trainer
+              announces version v first, a replica joins between two chunks). A replica
+              starts a batch only with the newest version: the publish is a rendezvous the
+              trainer completes before it issues more work.
+  work        the trainer draws the prompts (its iterator is the checkpointed one) and sends
+              a replica the batch index and the iterator state to draw the same rows from.
+  batches     a replica sends the generated arrays and per-token versions back through the
+              coordination service (`run/channel.py`); the trainer trains batches in the order
+              they arrive, within the staleness bound.
+  checkpoints every process takes part in the save (orbax is collective); replicas receive
+              the trainer's runner and iterator state for it.
+
+Staleness with several replicas: batch k issued at trainer version v must be trained by update
+v + η (its deadline). Work is issued only while the outstanding deadlines stay schedulable
+(earliest deadline first: the i-th smallest ≥ next update + i), and an arrived batch is trained
+before an older one only if the rest stay schedulable afterwards; so staleness ≤ η always
+(asserted from the per-token versions before every update), whatever order batches arrive in.
+
+Checkpoints and stops drain: no work is issued past the next checkpoint step, and a stop
+(Ctrl-C / SIGTERM to the processes) stops issuing and trains every batch already issued before
+saving; so at every save all issued batches are trained and the prompt iterator stands after
+them: no prompt is lost, none is trained twice.
+
+Every cross-process wait is deadline-bound (`distributed`'s wait timeout): transfers by
+`parallel.watchdog` (labelled with the step and the transfer), message waits by
+`channel.Deadline`; either ends the job with one line naming the step, the wait and the process.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from jaxrlhf import checkpoint
+from jaxrlhf.data.encode import prompt_batch
+from jaxrlhf.mfc import Call, Role
+from jaxrlhf.models.sizes import abstract_params
+from jaxrlhf.parallel import watchdog
+from jaxrlhf.parallel.layout import Layout
+from jaxrlhf.parallel.reshard import process_local, reshard
+from jaxrlhf.run.async_steps import (
+    AsyncLoopResult, batch_metrics, drain_limit, draw_async_timeline, trainer_runner,
+)
+from jaxrlhf.run.rollout_worker import Generated, RolloutWorker
+from jaxrlhf.run.channel import Channel, Deadline
+from jaxrlhf.run.check import Job
+from jaxrlhf.run.runner import Runner
+from jaxrlhf.engine.rollout import Rollout
+
+_POLL_S = 0.002
+_QUEUE = 2  # work orders a replica holds beyond the batch it decodes
+
+
+class TopologyError(ValueError):
+    """A multi-process asynchronous run whose processes and placement do not fit."""
+
+
+def schedulable(deadlines: list[int], next_update: int) -> bool:
+    """Whether every batch can still be trained by its deadline (the last update number it
+    may be trained at), one per update from `next_update` on: earliest deadline first."""
+    return all(d >= next_update + i for i, d in enumerate(sorted(deadlines)))
+
+
+def replica_layouts(job: Job, gen_name: str) -> list[Layout]:
+    """Replica r's generation layout (r = 1..R): the plan's generate layout, which must cover
+    process 1's devices, moved onto process r's; every other MFC must sit on process 0's."""
+    replicas, processes = job.spec.placement.gen_replicas, jax.process_count()
+    if processes != 1 + replicas:
+        raise TopologyError(f"placement.gen_replicas={replicas}: a multi-process asynchronous "
+                            f"run needs 1 + {replicas} processes (the trainer's and one per "
+                            f"replica), have {processes}")
+    gen = job.plan.layouts[gen_name]
+    local = {p: sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+             for p in range(processes)}
+    if sorted(gen.devices, key=lambda d: d.id) != local[1]:
+        raise TopologyError(f"{gen_name} must use exactly process 1's devices in a multi-process "
+                            "asynchronous run (placement.kind=disaggregate does)")
+    for name, layout in job.plan.layouts.items():
+        if name != gen_name and any(d.process_index != 0 for d in layout.devices):
+            raise TopologyError(f"{name} must run on process 0's devices (the trainer's) in a "
+                                "multi-process asynchronous run")
+    position = {d: i for i, d in enumerate(local[1])}
+    out = []
+    for r in range(1, processes):
+        devices_ = np.vectorize(lambda d, r=r: local[r][position[d]], otypes=[object])(
+            gen.mesh.devices)
+        out.append(dataclasses.replace(gen, mesh=jax.sharding.Mesh(devices_,
+                                                                   gen.mesh.axis_names)))
+    return out
+
+
+def _publish(params, shardings: list, version: int, mine: int):
+    """Every process: the actor's parameters onto each replica's layout (collective). Returns
+    replica `mine`'s copy (None on the trainer, mine = 0) and the bytes moved."""
+    kept, moved_bytes = None, 0
+    for r, target in enumerate(shardings, 1):
+        with watchdog.label(step=version, transfer=f"weights v{version} -> replica {r}"):
+            moved, stats = reshard(params, target)
+        moved_bytes += stats.bytes_moved
+        if r == mine:
+            kept = moved
+    return kept, moved_bytes
+
+
+def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
+            acc_before: float | None, held_out=None,
+            evaluation_before: dict[str, float] | None = None) -> AsyncLoopResult:
+    """The asynchronous loop of a multi-process job (module docstring): the trainer's part in
+    process 0, a replica's in the others. Arguments as `async_loop.rl_loop`'s; the periodic
+    held-out evaluation (`held_out`) is not run inside this loop."""
+    del held_out  # between updates only the trainer runs: no job-wide evaluation there
+    (gen,) = [m for m in job.spec.graph.mfcs if m.role is Role.ACTOR and m.call is Call.GENERATE]
+    layouts = replica_layouts(job, gen.name)
+    shardings = [lay.param_shardings(abstract_params(job.spec.base.config)) for lay in layouts]
+    chan = Channel(f"jaxrlhf/async/{runner.step_index}")
+    kept = {} if evaluation_before is None else {"evaluation_before": evaluation_before}
+
+    def save(run: Runner) -> None:  # every process, as one SPMD section (orbax is collective)
+        with process_local(False):
+            checkpoint.save_run(checkpoints, run, prompts, acc_before, job.spec.config_json,
+                                job.fingerprint, **kept)
+
+    for runtime in runner.runtimes.values():
+        runtime.drop_copies()  # from here the processes hold different parameter versions
+    with process_local():
+        if jax.process_index() == 0:
+            result = _Trainer(job, runner, gen, shardings, chan, save).run(prompts, writer,
+                                                                          checkpoints)
+        else:
+            result = _serve(job, runner, gen, layouts, shardings, chan, save, prompts)
+    for runtime in runner.runtimes.values():
+        runtime.drop_copies()  # the SPMD program resumes: nobody keeps a stale copy
+    return result
+
+
+def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list, chan: Channel,
+           save, prompts) -> AsyncLoopResult:
+    """Generation replica r = this process: publishes, work orders, batches until "stop"."""
+    spec, r = job.spec, jax.process_index()
+    layout = layouts[r - 1]
+    rollout = Rollout(spec.base.config, spec.rollout.generate(job.tokenizer), layout,
+                      spec.rollout.max_prompt_len)
+    worker = RolloutWorker(gen, rollout, layout, spec.base.config, spec.seed,
+                                      spec.async_rl.chunk_tokens, job.plan.micro_batches(gen.name))
+    actor = runner.runtimes[Role.ACTOR]
+    version = runner.step_index
+    worker.install(_publish(actor.params, shardings, version, r)[0], version)
+    orders, queue = 0, collections.deque()
+    deadline = Deadline(watchdog.timeout_s() or 600.0, r)
+    interrupted = False
+    with checkpoint.StopRequest():  # a signal to every process: the trainer decides
+        while True:
+            if chan.peek(f"pub/{version + 1}"):
+                version += 1
+                worker.install(_publish(actor.params, shardings, version, r)[0], version)
+                deadline.progress()
+                continue
+            order = chan.take(f"order/{r}/{orders}")
+            if order is not None:
+                orders += 1
+                deadline.progress()
+                match order["kind"]:
+                    case "gen":
+                        queue.append(order)
+                    case "save":
+                        runner.restore(order["runner"])
+                        prompts.restore(order["iterator"])
+                        save(runner)
+                    case "stop":
+                        interrupted = order["interrupted"]
+                        break
+                continue
+            if worker.inflight is not None:
+                done = worker.step(time.time)
+                if done is not None:
+                    _send(chan, gen, done, r, worker.busy_seconds)
+                    deadline.progress()
+            elif queue:
+                order = queue.popleft()
+                prompts.restore(order["iterator"])
+                batch = prompt_batch(next(prompts), job.tokenizer, spec.rollout.max_prompt_len,
+                                     spec.rollout.group_size)
+                worker.start(order["index"], batch, None, time.time())
+            else:
+                deadline.check(lambda: f"replica {r} (step {version}): weights or work from the "
+                                       "trainer (process 0)")
+                time.sleep(_POLL_S)
+    return AsyncLoopResult([], interrupted, 0, {})
+
+
+def _send(chan: Channel, gen, done: Generated, replica: int, busy: float) -> None:
+    arrays = {k: np.asarray(jax.device_get(done.buffer[k])) for k in gen.outputs}
+    arrays["versions_bn"] = done.versions_bn
+    chan.put_arrays(f"batch/{done.index}", arrays,
+                    {"interruptions": done.interruptions, "seconds": list(done.seconds),
+                     "replica": replica, "busy": busy})
+
+
+def waiting_for(step: int, replica_of: dict[int, int]) -> str:
+    """What the trainer waits for at `step`: batch index -> the replica (= process) making it."""
+    replicas = sorted(set(replica_of.values()))
+    return (f"step {step}: finished batch(es) {sorted(replica_of)} from generation replica(s) "
+            f"{replicas} (processes {replicas})")
+
+
+@dataclasses.dataclass
+class _Order:
+    index: int
+    replica: int
+    deadline: int  # the last update number that may train it (issue version + η)
+    batch: dict
+    arrived: tuple | None = None  # (Generated, meta) once back
+
+
+class _Trainer:
+    """Process 0: issues work, trains arrived batches, publishes weights, saves."""
+
+    def __init__(self, job: Job, runner: Runner, gen, shardings: list, chan: Channel, save):
+        self.job, self.spec, self.gen = job, job.spec, gen
+        self.runner = trainer_runner(runner, gen.name)
+        self.actor = runner.runtimes[Role.ACTOR]
+        self.shardings, self.chan, self.save = shardings, chan, save
+        self.eta = job.spec.async_rl.max_staleness
+        self.replicas = len(shardings)
+        self.outstanding: dict[int, _Order] = {}
+        self.arrivals: list[int] = []  # indices, in order of arrival
+        self.orders = [0] * self.replicas
+        self.queued = [0] * self.replicas
+        self.gen_busy = [0.0] * self.replicas
+        self.published_bytes = 0
+        self.deadline = Deadline(watchdog.timeout_s() or 600.0, 0)
+
+    def _order(self, replica: int, message: dict) -> None:
+        self.chan.put(f"order/{replica}/{self.orders[replica - 1]}", message)
+        self.orders[replica - 1] += 1
+
+    def _publish(self, version: int) -> None:
+        self.chan.put(f"pub/{version}", {})
+        self.published_bytes += _publish(self.actor.params, self.shardings, version, 0)[1]
+
+    def _issue(self, prompts, index: int, version: int) -> None:
+        """Batch `index` to the replica with the fewest orders."""
+        replica = 1 + int(np.argmin(self.queued))
+        before = prompts.state()
+        r = self.spec.rollout
+        batch = prompt_batch(next(prompts), self.job.tokenizer, r.max_prompt_len, r.group_size)
+        self._order(replica, {"kind": "gen", "index": index, "iterator": before.to_dict()})
+        self.queued[replica - 1] += 1
+        self.outstanding[index] = _Order(index, replica, version + self.eta, batch)
+
+    def _receive(self) -> None:
+        for index, order in self.outstanding.items():
+            if order.arrived is None:
+                got = self.chan.take_arrays(f"batch/{index}")
+                if got is not None:
+                    arrays, meta = got
+                    versions_bn = arrays.pop("versions_bn")
+                    done = Generated(index, {**order.batch, **arrays}, versions_bn,
+                                                meta["interruptions"], None,
+                                                tuple(meta["seconds"]))
+                    order.arrived = (done, meta)
+                    self.arrivals.append(index)
+                    self.queued[order.replica - 1] -= 1
+                    self.gen_busy[order.replica - 1] = meta["busy"]
+                    self.deadline.progress()
+
+    def _choose(self, version: int) -> _Order | None:
+        """The first arrived batch whose training leaves the rest schedulable."""
+        for index in self.arrivals:
+            rest = [o.deadline for k, o in self.outstanding.items() if k != index]
+            if schedulable(rest, version + 1):
+                return self.outstanding[index]
+        return None
+
+    def run(self, prompts, writer, checkpoints) -> AsyncLoopResult:
+        spec, eta, r = self.spec, self.eta, self.spec.rollout
+        version = trained = next_index = self.runner.step_index
+        self._publish(version)
+        guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
+        timings, events, tokens_per_s, staleness_max = [], [], [], 0.0
+        last_end, train_busy, marks = time.time(), 0.0, (0.0, 0.0)
+        stopping = interrupted = False
+        with checkpoint.StopRequest() as stop:
+            while trained < spec.steps:
+                stopping = stopping or stop.requested
+                limit = (next_index if stopping
+                         else drain_limit(trained, spec.steps, checkpoints.cfg.every))
+                while (next_index < limit and min(self.queued) <= _QUEUE and schedulable(
+                        [o.deadline for o in self.outstanding.values()] + [version + eta],
+                        version)):
+                    self._issue(prompts, next_index, version)
+                    next_index += 1
+                self._receive()
+                order = self._choose(version)
+                if order is None:
+                    if not self.outstanding and stopping:
+                        interrupted = self._stop(prompts, checkpoints, trained)
+                        break
+                    self.deadline.check(lambda: waiting_for(trained, {
+                        k: o.replica for k, o in self.outstanding.items()}))
+                    time.sleep(_POLL_S)
+                    continue
+                done, meta = order.arrived
+                stale = done.staleness_bn(version).max()
+                if stale > eta:  # the schedule's invariant (module docstring)
+                    raise AssertionError(f"batch {done.index}: a token {stale} versions old "
+                                         f"(async_rl.max_staleness={eta})")
+                del self.outstanding[order.index]
+                self.arrivals.remove(order.index)
+                t0 = time.time()
+                before = guard.before_step(self.runner)
+                result = self.runner.step(done.buffer)
+                skipped = guard.after_step(self.runner, result.metrics, done.index, before)
+                t1 = time.time()
+                train_busy += t1 - t0
+                trained = version = version + 1
+                self._publish(version)
+                self.deadline.progress()
+                window = max(time.time() - last_end, 1e-9)
+                last_end = time.time()
+                m = result.metrics
+                m.update(batch_metrics(done, version - 1, eta))
+                tokens = (result.stats[Role.ACTOR]["response_length"] + r.max_prompt_len) * r.rows
+                m["throughput/tokens_per_second"] = tokens / window
+                m["async/gen_busy"] = (sum(self.gen_busy) - marks[0]) / window / self.replicas
+                m["async/train_busy"] = (train_busy - marks[1]) / window
+                m["async/replica"] = float(meta["replica"])
+                marks = (sum(self.gen_busy), train_busy)
+                if skipped:
+                    m["nan_skipped"] = 1.0
+                staleness_max = max(staleness_max, m["async/staleness_max"])
+                if trained > 1:
+                    tokens_per_s.append((tokens, window))
+                writer.write(done.index, m)
+                timings.append(result.timing)
+                events += [(f"gen {done.index}", *done.seconds), (f"train {done.index}", t0, t1)]
+                if stopping and not self.outstanding:
+                    interrupted = self._stop(prompts, checkpoints, trained)
+                    break
+                if not self.outstanding and checkpoints.cfg.due(trained):
+                    self._save(prompts)
+        if not interrupted:
+            self._save(prompts)
+        for replica in range(1, self.replicas + 1):
+            self._order(replica, {"kind": "stop", "interrupted": interrupted})
+        self._draw(events)
+        seconds = sum(w for _, w in tokens_per_s)
+        extra = {"staleness_max": staleness_max,
+                 "tokens_per_second": sum(t for t, _ in tokens_per_s) / seconds if seconds
+                 else None,
+                 "weights_published_bytes": self.published_bytes,
+                 "gen_replicas": self.replicas}
+        return AsyncLoopResult(timings, interrupted, guard.skipped, extra)
+
+    def _stop(self, prompts, checkpoints, trained: int) -> bool:
+        """A stop, drained: every issued batch is trained; save, say so."""
+        self._save(prompts)
+        checkpoints.wait()
+        print(f"interrupted after RL step {trained - 1}: checkpoint {trained} saved in "
+              f"{checkpoints.directory}; run the same command again to resume", flush=True)
+        return True
+
+    def _save(self, prompts) -> None:
+        """Collective: every replica saves with this runner's state and prompt position."""
+        for replica in range(1, self.replicas + 1):
+            self._order(replica, {"kind": "save", "runner": self.runner.state(),
+                                  "iterator": prompts.state().to_dict()})
+        self.save(self.runner)
+
+    def _draw(self, events) -> None:
+        if not events:
+            return
+        train = [m for m in self.spec.graph.calls_of(Role.ACTOR) if m.call is Call.TRAIN_STEP][0]
+        plan = self.job.plan
+        specs = {"gen": f"{plan.specs[self.gen.name]} x{self.replicas} replicas",
+                 "train": plan.specs[train.name]}
+        draw_async_timeline(events, str(self.job.workdir / "timeline_async.png"), specs)

@@ -1,0 +1,85 @@
+"""What both asynchronous loops do around a training step (one process: async_loop.py;
+trainer and replica processes: async_procs.py): the trainer's part of the graph, the
+checkpoint drain, a batch's staleness metrics, the generation/training timeline, the result.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+
+from jaxrlhf.dataflow.graph import build_graph
+from jaxrlhf.dataflow.scheduler import MFCTiming, Scheduler, StepTiming
+from jaxrlhf.dataflow.timeline import draw_timeline
+from jaxrlhf.run.rollout_worker import Generated
+from jaxrlhf.run.runner import Runner
+
+
+def trainer_runner(runner: Runner, gen_name: str) -> Runner:
+    """`runner` without its generate call: the trainer's part of the graph, fed finished
+    batches. Shares the runner's runtimes, engines and executors."""
+    mfcs = [m for m in runner.graph.mfcs if m.name != gen_name]
+    graph = build_graph(mfcs)
+    trainer = copy.copy(runner)
+    trainer.graph = graph
+    sched = runner.scheduler
+    trainer.scheduler = Scheduler(graph, {n: sched.executors[n] for n in graph.order},
+                                  {n: sched.devices[n] for n in graph.order if n in sched.devices})
+    return trainer
+
+@dataclasses.dataclass
+class AsyncLoopResult:
+    """As the synchronous loop's result, plus `extra` for the job's summary line."""
+
+    timings: list
+    interrupted: bool
+    skipped: int
+    extra: dict
+
+def drain_limit(trained: int, steps: int, every: int) -> int:
+    """The first batch index generation may not start yet: the end of the run or the next
+    checkpoint (checkpoints drain the pipeline)."""
+    if every <= 0:
+        return steps
+    return min(steps, (trained // every + 1) * every)
+
+def batch_metrics(done: Generated, version: int, eta: int) -> dict[str, float]:
+    """Staleness distribution and interruptions of the batch trained at `version`."""
+    staleness_bn = done.staleness_bn(version)
+    valid = staleness_bn >= 0
+    tokens = max(int(valid.sum()), 1)
+    versions_bn = np.where(valid, done.versions_bn, np.iinfo(np.int32).max)
+    newest_bn = np.where(valid, done.versions_bn, -1)
+    switched_b = valid.any(1) & (versions_bn.min(1) != newest_bn.max(1))
+    out = {"async/staleness_mean": float(staleness_bn[valid].mean()) if valid.any() else 0.0,
+           "async/staleness_max": float(staleness_bn[valid].max()) if valid.any() else 0.0,
+           "async/interrupted_sequences": float(switched_b.sum()),
+           "async/interruptions": float(done.interruptions)}
+    for s in range(eta + 1):
+        out[f"async/staleness_frac_{s}"] = float((staleness_bn == s).sum()) / tokens
+    return out
+
+def draw_async_timeline(events: list, path: str, specs: dict[str, str]) -> None:
+    """The generation and training timeline (one bar per batch and per update) as a PNG: a
+    row for generation and one for training, also when they share devices.
+
+    Args:
+      events: (name "gen K" or "train K", start, end) on one clock; the first two updates
+        (compiles) are left out when there are more.
+      path: the PNG.
+      specs: "gen" and "train" -> their allocation entries ("0-3:d4@1").
+    """
+    trained = sorted({int(name.split()[1]) for name, _, _ in events})
+    shown = set(trained[2:8] if len(trained) > 4 else trained[:6])
+    events = [e for e in events if int(e[0].split()[1]) in shown]
+    timings = {name: MFCTiming(name, frozenset(), start=s, ready=e) for name, s, e in events}
+    t0 = min(t.start for t in timings.values())
+    for t in timings.values():
+        t.start, t.ready = t.start - t0, t.ready - t0
+    step = StepTiming(timings, {}, max(t.ready for t in timings.values()))
+    # draw_timeline makes a row per device group (the entry before ':')
+    layouts = {name: f"{kind} {specs[kind]}" for name, _, _ in events
+               for kind in ["train" if name.startswith("train") else "gen"]}
+    draw_timeline(step, layouts, path)
