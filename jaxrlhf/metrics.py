@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 import shutil
 from collections.abc import Mapping
 
@@ -20,6 +21,9 @@ from tensorboardX import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+# TensorBoard tags hold letters, digits and _ - / . only (TF's node-name rule, which
+# tensorboardX applies with a log line per write): "eval/pass@3" is the tag "eval/pass_3".
+_NOT_IN_TAGS = re.compile(r"[^-/\w.]")
 
 
 def read_records(path: pathlib.Path) -> list[dict]:
@@ -60,7 +64,7 @@ class MetricsWriter:
     def _scalars(self, record: Mapping[str, float]) -> None:
         for key, value in record.items():
             if key != "step" and math.isfinite(value):
-                self._tb.add_scalar(key, value, record["step"])
+                self._tb.add_scalar(_NOT_IN_TAGS.sub("_", key), value, record["step"])
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.enabled:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto.event_pb2 import Event
 
+from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.run import rl
 from jaxrlhf.run.check import check_config
 from jaxrlhf.run.evaluate import HeldOut, _padded_rows
@@ -143,3 +144,14 @@ def test_the_evaluation_reward_pool_closes_when_the_run_raises(tmp_path):
             raise RuntimeError("the RL loop failed")
     assert list(scores) == [1.0, 1.0] and errors == 0  # the pool did run
     assert held_out._pool is None and workers and not any(p.is_alive() for p in workers)
+
+
+def test_tensorboard_tags_name_at_signs_as_underscores(tmp_path):
+    """metrics.jsonl keeps "eval/pass@3"; its TensorBoard tag is "eval/pass_3" (tags hold no
+    '@'), named by MetricsWriter itself, and both come back the same on reopening."""
+    with MetricsWriter(tmp_path) as writer:
+        writer.write(0, {"eval/pass@3": 0.5, "actor/loss": 1.0})
+    with MetricsWriter(tmp_path):  # rewrites the events from metrics.jsonl
+        pass
+    assert _metrics(tmp_path) == [{"step": 0, "eval/pass@3": 0.5, "actor/loss": 1.0}]
+    assert _tensorboard_tags(tmp_path) == {"eval/pass_3", "actor/loss"}
