@@ -283,5 +283,6 @@ def _trained_onload(slot: _Slot, home: CallChoice, last_offload: Mapping[Role, s
     previous = last_offload.get(slot.role)
     return Task(f"onload:{slot.name}", TaskKind.ONLOAD, seconds, (home.devices,),
                 after=(previous,) if previous else (),
-                after_previous=() if previous else tuple(f"offload:{v}" for v in slot.version),
+                # The state went to host after the previous step's train step (the home).
+                after_previous=() if previous or not slot.version else (f"offload:{slot.home}",),
                 mfc=slot.name)
