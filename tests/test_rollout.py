@@ -91,3 +91,38 @@ def test_interruption_switches_weights_mid_sequence(setup):
     np.testing.assert_allclose(np.asarray(out.logprobs_bn), expected, rtol=1e-5, atol=1e-5)
     # ...and the two policies really differ on the tokens after the switch.
     assert np.abs(logp_a - logp_b)[:, 4:].max() > 1e-2
+
+
+@pytest.mark.slow  # two more compiles (a generate call and a rollout for 2-row micro-batches)
+def test_micro_batches_decode_in_turn_like_the_synchronous_generate_call(setup):
+    """`actor_gen@2` in the asynchronous loop: rows j::2 decoded one micro-batch after the
+    other, micro-batch j sampling with fold_in(the batch's key, j), merged back: exactly what
+    the synchronous generate executor computes (one `generate` call per micro-batch)."""
+    from jaxrlhf.mfc import MFC, Call, Role
+    from jaxrlhf.run.rollout_worker import RolloutWorker
+
+    config, layout, params, _, tokens, mask = setup
+    cfg = _gen_config()
+    outputs = ("seq_bs", "seq_mask_bs", "response_mask_bn", "logp_bn")
+    mfc = MFC("actor_gen", Role.ACTOR, Call.GENERATE, ("prompt_tokens_bp", "prompt_mask_bp"),
+              outputs)
+    worker = RolloutWorker(mfc, Rollout(config, cfg, layout, P), layout, config, seed=5,
+                           chunk_tokens=4, micro_batches=2)
+    worker.install(params, 0)
+    worker.start(3, {"prompt_tokens_bp": tokens, "prompt_mask_bp": mask}, None, 0.0)
+    done = None
+    while done is None:
+        done = worker.step(lambda: 1.0)
+    rng = jax.random.fold_in(jax.random.key(5), np.uint32(3))
+    generate = make_generate_fn(config, cfg, layout, prompt_buckets=(P,))
+    parts = [generate(params, tokens[j::2], mask[j::2], jax.random.fold_in(rng, j))
+             for j in range(2)]
+    want = {"seq_bs": "sequences_bs", "seq_mask_bs": "sequence_mask_bs",
+            "response_mask_bn": "response_mask_bn", "logp_bn": "logprobs_bn"}
+    for key, name in want.items():
+        expected = np.zeros(np.shape(done.buffer[key]), np.asarray(done.buffer[key]).dtype)
+        for j, part in enumerate(parts):
+            expected[j::2] = np.asarray(getattr(part, name))
+        np.testing.assert_array_equal(np.asarray(done.buffer[key]), expected, err_msg=key)
+    mask_bn = np.asarray(done.buffer["response_mask_bn"])
+    np.testing.assert_array_equal(done.versions_bn, np.where(mask_bn, 0, NO_VERSION))
