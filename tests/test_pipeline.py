@@ -118,6 +118,52 @@ def test_pipeline_schedule_equals_the_plain_scan(d8_params, stages, micro):
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # ~30 s CPU: two compiles of a pipelined value_and_grad
+def test_stage_remat_equals_gpipe_and_keeps_what_the_planner_says():
+    """`Pipeline.remat_stages` checkpoints each stage per iteration: loss and gradients equal
+    GPipe's, and the compiled program's temporaries shrink by about what the planner's memory
+    model prices (off any mesh one device runs every stage, so the per-stage saving counts S
+    times; the estimate was 0.69 of XLA's saving when written: 79 MB -> 20 MB)."""
+    import dataclasses
+
+    from jaxrlhf.mfc import Call
+    from jaxrlhf.models.config import RematPolicy
+    from jaxrlhf.models.transformer import Transformer
+    from jaxrlhf.parallel.strategy import DeviceRange
+    from jaxrlhf.plan.choice import CallChoice
+    from jaxrlhf.plan.experiment import Workload
+    from jaxrlhf.plan.memory import call_memory
+    from jaxrlhf.plan.profile import profile_of
+
+    model = dataclasses.replace(get_size("tiny", num_layers=4, dtype=jnp.float32),
+                                remat=RematPolicy.NONE)
+    params = fetch(init_params(model, layout_of("d8"), jax.random.key(0)))
+    stages, micro, rows, length = 2, 4, 16, 64
+    tokens_bt = jax.random.randint(jax.random.key(1), (rows, length), 0, model.vocab_size)
+    positions_bt = jnp.broadcast_to(jnp.arange(length), (rows, length))
+    results, temps = [], []
+    for remat in (False, True):
+        stack = Pipeline(stages, micro, axis=None, remat_stages=remat)
+
+        def loss(p, stack=stack):
+            logits_btv, _ = Transformer(model, stack).apply(
+                {"params": p}, tokens_bt, positions_bt, jnp.ones_like(tokens_bt))
+            return jnp.mean(jax.nn.log_softmax(logits_btv)[..., 0])
+
+        compiled = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+        results.append(compiled(params))
+        temps.append(compiled.memory_analysis().temp_size_in_bytes)
+    for got, want in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+    choice = CallChoice(DeviceRange(0, stages - 1), micro_batches=micro, pipeline=stages)
+    work = Workload(batch_size=rows, prompt_len=length // 2, new_tokens=length // 2)
+    gpipe, staged = (call_memory(profile_of(model), Call.TRAIN_STEP, work, choice,
+                                 remat_stages=remat).activations for remat in (False, True))
+    saved = temps[0] - temps[1]
+    assert saved > temps[0] / 2  # most of GPipe's temporaries were saved activations
+    assert 0.6 < (gpipe - staged) * stages / saved < 1.4
+
+
 def test_split_rows_is_strided_and_merge_inverts_it():
     x = np.arange(8 * 3).reshape(8, 3)
     split = np.asarray(split_rows(jnp.asarray(x), 2))

@@ -89,6 +89,28 @@ def test_decode_schedules():
                 for schedule in DecodeSchedule}) == 1
 
 
+def test_stage_remat_prices_one_more_forward_for_the_stage_inputs_only():
+    """`Pipeline.remat_stages`: a stage keeps each iteration's input instead of its layers'
+    saved activations, and recomputes its forward once more in the backward pass."""
+    p = profile_of(SMALL)
+    piped = CallChoice(DeviceRange(0, 7), tensor=2, micro_batches=4, pipeline=4)
+    gpipe, staged = (memory.call_memory(p, Call.TRAIN_STEP, WORK, piped, remat_stages=r)
+                     for r in (False, True))
+    rows = WORK.rows_per_device(Call.TRAIN_STEP, piped.dp_size, piped.micro_batches)
+    tokens = rows * WORK.seq_len
+    per_stage = memory.saved_activation_bytes(p, tokens, WORK.seq_len, piped.tensor) / 4
+    inputs = (4 + 3) * tokens * SMALL.hidden_size * p.act_itemsize
+    assert gpipe.activations - staged.activations == pytest.approx(
+        per_stage * 7 - (inputs + per_stage), abs=2)
+    assert staged.activations < gpipe.activations
+    flat = CallChoice(DeviceRange(0, 7), data=4, tensor=2, micro_batches=4)  # no stages: same
+    assert (memory.call_memory(p, Call.TRAIN_STEP, WORK, flat, remat_stages=True)
+            == memory.call_memory(p, Call.TRAIN_STEP, WORK, flat))
+    plain, again = (cost.train_cost(p, WORK, piped, COMPUTE_ONLY, False, remat_stages=r).compute
+                    for r in (False, True))
+    assert again > plain and again - plain < plain / 3  # one forward of ~3 (+ the head's)
+
+
 def test_the_planner_prices_the_runtimes_decode_schedule():
     """Generation on a pipelined layout decodes across tokens (engine/pipelined_decode.py);
     the planner prices that schedule unless told otherwise, and says so in its JSON."""

@@ -93,12 +93,16 @@ class Pipeline:
       axis: the mesh axis the stage dim is sharded over (None: no sharding hints, for use
         outside a mesh).
       decode: how generation on this pipeline schedules its decode steps.
+      remat_stages: checkpoint each stage's forward per iteration, so the backward pass keeps
+        only every iteration's stage input [b, t, d] (what a 1F1B schedule saves over GPipe)
+        and recomputes one stage's forward at a time from it; results equal GPipe's.
     """
 
     stages: int
     micro_batches: int
     axis: str | None = Axis.PIPELINE.value
     decode: DecodeSchedule = DEFAULT_DECODE
+    remat_stages: bool = False
 
     def __post_init__(self):
         if self.stages < 1 or self.micro_batches < 1:
@@ -159,7 +163,11 @@ class Pipeline:
         in_sbtd = jnp.where((stage_ids == 0)[:, None, None, None], fresh_btd[None], shifted_sbtd)
         in_sbtd = self._constrain(in_sbtd, _STATE_AXES)
         index_axis = 0 if jnp.ndim(cache_index) else None
-        run_stages = jax.vmap(_stage_fn(layer_fn, unroll), spmd_axis_name=self.axis,
+        stage = _stage_fn(layer_fn, unroll)
+        if self.remat_stages:  # the backward pass recomputes the stage from its input
+            stage = jax.checkpoint(stage, policy=jax.checkpoint_policies.nothing_saveable,
+                                   prevent_cse=False)
+        run_stages = jax.vmap(stage, spmd_axis_name=self.axis,
                               in_axes=(0, 0, 0, 0, 0, 0, index_axis))
         out_sbtd, cache_s = run_stages(params_s, in_sbtd, cache_s, inputs_s, micro_s, real_s,
                                        jnp.asarray(cache_index, jnp.int32))
@@ -258,9 +266,12 @@ def _stage_fn(layer_fn: LayerFn, unroll: bool):
     return stage
 
 
-def layer_stack(layout: Layout, micro_batches: int | None = None) -> Pipeline | None:
+def layer_stack(layout: Layout, micro_batches: int | None = None, *,
+                remat_stages: bool = False) -> Pipeline | None:
     """The LayerStack a call on `layout` uses: a Pipeline when the layout has p > 1 (with
-    `micro_batches`, default the layout's own), else None (the model's plain scan)."""
+    `micro_batches`, default the layout's own, and `remat_stages`), else None (the model's
+    plain scan)."""
     if layout.pipeline == 1:
         return None
-    return Pipeline(layout.pipeline, micro_batches or layout.micro_batches)
+    return Pipeline(layout.pipeline, micro_batches or layout.micro_batches,
+                    remat_stages=remat_stages)

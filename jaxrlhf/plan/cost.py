@@ -239,15 +239,17 @@ def bubble_fraction(choice: CallChoice) -> float:
 
 
 def train_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Cluster,
-               fp32_master: bool) -> CallCost:
-    """One train_step MFC: `work.updates` optimizer updates."""
+               fp32_master: bool, remat_stages: bool = False) -> CallCost:
+    """One train_step MFC: `work.updates` optimizer updates (`remat_stages`: a pipeline that
+    recomputes each stage's forward in the backward pass, one more forward)."""
     rows = work.rows_per_device(Call.TRAIN_STEP, choice.dp_size, choice.micro_batches)
     s = work.seq_len
     full = p.config.remat is RematPolicy.FULL
+    again = int(remat_stages and choice.pipeline > 1)
     # Backward = 2 forwards of FLOPs but one pass through the layers' all-reduces.
-    micro = _forward(p, cluster, choice, rows * s, s, flop_passes=3 + _remat_passes(p, s),
-                     layer_passes=2 + full)
-    micro = micro + _gather_weights(p, cluster, choice).times(2 + full + 1)  # + grad scatter
+    micro = _forward(p, cluster, choice, rows * s, s,
+                     flop_passes=3 + again + _remat_passes(p, s), layer_passes=2 + full + again)
+    micro = micro + _gather_weights(p, cluster, choice).times(2 + full + again + 1)  # + scatter
     d_link = axis_link(cluster, choice, Axis.DATA)
     grads = all_reduce(p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline), choice.data,
                        d_link)

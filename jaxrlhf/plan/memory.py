@@ -18,7 +18,8 @@ One MFC on its own (`call_memory`), per device:
   * pipelines (p > 1): a stage holds 1/p of the layers' parameters, state and gradients (the
     embedding and head whole, `ModelProfile.shard_bytes`) and of what they save for the
     backward pass, but for every iteration of the schedule: the runtime's GPipe loop keeps
-    them for all M + p - 1 (bubble iterations compute on filler); every stage also holds all
+    them for all M + p - 1 (bubble iterations compute on filler), or with stage
+    rematerialisation only every iteration's stage input; every stage also holds all
     micro-batches' inputs and outputs, and pipelined decoding keeps all M micro-batches'
     caches (`parallel/pipeline.py`).
 
@@ -164,9 +165,26 @@ def _stage_buffers(p: ModelProfile, choice: CallChoice, tokens: int) -> float:
     return 2 * choice.micro_batches * tokens * p.config.hidden_size * p.act_itemsize
 
 
+def _pipelined_saved_bytes(p: ModelProfile, choice: CallChoice, tokens: int, context: int,
+                           remat_stages: bool) -> float:
+    """What a stage keeps for its backward pass over the schedule's M + p - 1 iterations
+    (bubble ones included): GPipe keeps every iteration's saved activations of its L/p layers;
+    with `remat_stages` (`parallel.pipeline.Pipeline.remat_stages`) only every iteration's
+    stage input, plus one stage's saved activations while it recomputes one micro-batch."""
+    stages = choice.pipeline
+    per_stage = saved_activation_bytes(p, tokens, context, choice.tensor) / stages
+    if stages == 1:
+        return per_stage
+    iterations = choice.micro_batches + stages - 1
+    if not remat_stages:
+        return per_stage * iterations
+    return iterations * tokens * p.config.hidden_size * p.act_itemsize + per_stage
+
+
 def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
-                fp32_master: bool = False) -> MemoryBreakdown:
-    """Bytes per device of one MFC on its own (its own model's parameters included)."""
+                fp32_master: bool = False, remat_stages: bool = False) -> MemoryBreakdown:
+    """Bytes per device of one MFC on its own (its own model's parameters included);
+    `remat_stages` prices a pipeline that checkpoints each stage (train_step only)."""
     rows = work.rows_per_device(call, choice.dp_size, choice.micro_batches)
     s, t, stages = work.seq_len, choice.tensor, choice.pipeline
     params = p.shard_bytes(t, choice.fsdp, stages)
@@ -176,9 +194,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             tokens = rows * s
             params, optimizer = train_state_bytes(p, choice, fp32_master)
             elements = p.shard_elements(t, choice.fsdp, stages)
-            # GPipe: every iteration's activations, bubble ones included (none without stages).
-            in_flight = choice.micro_batches + stages - 1 if stages > 1 else 1
-            activations = (saved_activation_bytes(p, tokens, s, t) * in_flight / stages
+            activations = (_pipelined_saved_bytes(p, choice, tokens, s, remat_stages)
                            + layer_working_bytes(p, tokens, s, t)
                            + _stage_buffers(p, choice, tokens))
             return MemoryBreakdown(
