@@ -135,20 +135,37 @@ def multi_process(args, eta: int, argv: list[str]) -> dict:
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
     with reserve_port() as sock, tempfile.TemporaryDirectory(prefix="async-bench-mp-") as work:
         address = f"127.0.0.1:{sock.getsockname()[1]}"
+        # Process 0 writes here; the replicas to files (read back if one fails).
+        logs = [None] + [open(pathlib.Path(work, f"process_{i}.log"), "w")
+                         for i in range(1, processes)]
         procs = [subprocess.Popen(
             [sys.executable, __file__, WORKER, address, str(i), str(eta), work, *argv],
-            env=env, stdout=subprocess.PIPE if i else None, stderr=subprocess.STDOUT if i
-            else None, text=True) for i in range(processes)]
+            env=env, stdout=logs[i], stderr=subprocess.STDOUT if i else None, text=True)
+            for i in range(processes)]
+        tail = lambda i: (pathlib.Path(work, f"process_{i}.log").read_text()[-3000:] if i
+                          else "(its output is above)")
         try:
+            deadline = time.monotonic() + args.timeout
+            while any(p.poll() is None for p in procs):  # the first failure ends them all
+                failed = [i for i, p in enumerate(procs) if p.poll()]
+                if failed or time.monotonic() > deadline:
+                    i = failed[0] if failed else 0
+                    for p in procs:
+                        if p.poll() is None:
+                            p.kill()
+                    sys.exit(f"process {i} of the multi-process run failed "
+                             f"({procs[i].returncode}): {tail(i)}")
+                time.sleep(1.0)
             for i, p in enumerate(procs):
-                out, _ = p.communicate(timeout=args.timeout)
                 if p.returncode:
                     sys.exit(f"process {i} of the multi-process run failed ({p.returncode}): "
-                             f"{(out or '')[-3000:]}")
+                             f"{tail(i)}")
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
+            for log in logs[1:]:
+                log.close()
         return json.loads(pathlib.Path(work, "result.json").read_text())
 
 
