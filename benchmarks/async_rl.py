@@ -171,6 +171,10 @@ def multi_process(args, eta: int, argv: list[str]) -> dict:
 
 def worker(argv: list[str]) -> None:
     """One process of `multi_process`: ADDRESS PROCESS_ID ETA WORKDIR ARGS..."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it waits
     from jaxrlhf import distributed
     from jaxrlhf.backend import use_cpu_devices
 

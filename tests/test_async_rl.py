@@ -363,5 +363,43 @@ def test_two_processes_trainer_and_generation_replica(tmp_path):
     assert saved == [3, 6], saved
 
 
+@pytest.mark.slow
+@pytest.mark.entry
+def test_sigterm_to_two_process_async_job_drains_saves_and_resumes(tmp_path):
+    """SIGTERM to both processes: the trainer stops issuing work, trains every batch already
+    issued, saves (the replica takes part), both exit 0; the same command resumes there and
+    ends with every step trained exactly once (no prompt lost, none trained twice)."""
+    import os
+    import signal
+    import time
+
+    work = tmp_path / "run"
+    extra = ["--config.checkpoint.every=100"]  # only the stop saves before the end
+    proc = _two_process_train(work, extra)
+    try:
+        deadline = time.monotonic() + 1200
+        while not (work / "metrics.jsonl").exists() or '"async/staleness_max"' not in (
+                work / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # local.sh passes it to both processes
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["interrupted"], summary
+    saved = [int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(saved) == 1 and 1 <= saved[0] < 6, saved
+    assert f"interrupted after RL step {saved[0] - 1}" in out
+    resumed = _two_process_train(work, extra)
+    out, _ = resumed.communicate(timeout=1800)
+    assert resumed.returncode == 0, out[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["resumed_from"] == saved[0]
+    rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "async/staleness_max" in r] == list(range(6))
+
+
 if __name__ == "__main__":
     _channel_worker(sys.argv[2], int(sys.argv[3]))
