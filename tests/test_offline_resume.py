@@ -34,7 +34,7 @@ from jaxrlhf.engine.inference import InferenceKind
 from jaxrlhf.metrics import read_records
 from jaxrlhf.mfc import Role
 from jaxrlhf.models.transformer import Transformer
-from jaxrlhf.run import build, offline
+from jaxrlhf.run import build, evaluate, offline
 from jaxrlhf.run.check import check_config
 from jaxrlhf.schema import base_config
 from test_resume import _assert_same_steps, compile_cache  # noqa: F401 - a fixture
@@ -176,7 +176,7 @@ def test_the_trained_model_exports_to_transformers(full_run, tmp_path):
     prompts = [p.prompt for p in eval_pairs] * 2
     responses = [p.chosen for p in eval_pairs] + [p.rejected for p in eval_pairs]
     runtime = build.runtimes(job.spec, job.plan, {role: restored})[role]
-    scorer = offline.make_scorer(runtime, InferenceKind.SCORES, job)
+    scorer = evaluate.make_scorer(runtime, InferenceKind.SCORES, job)
     ours_b = scorer.scores(restored, prompts, responses)
     batch = sequence_batch(prompts, responses, job.tokenizer, 8, 6)
     mask_bs = batch["seq_mask_bs"]

@@ -15,19 +15,30 @@ With `eval.samples = n > 0`, the periodic evaluation also samples n responses pe
 rollout temperature and reports `pass@1`, `pass@n` (unbiased, Chen et al. 2021) and `mean@n` of
 the verifier (see `data/evaluation.py`). Metric names carry the `eval/` prefix in metrics.jsonl
 and TensorBoard.
+
+Offline runs evaluate their trained model before and after training (`offline_evaluator`);
+the job's summary `accuracy` means what the algorithm's `Evaluation` says:
+
+  SFT               greedy exact-match accuracy on the held-out prompts (also `eval_loss`:
+                    token NLL of their reference answers);
+  PREFERENCE_LOGP   (DPO) held-out preference accuracy of the policy: log π(chosen) >
+                    log π(rejected), summed over the response tokens (also `exact_match`);
+  PREFERENCE_SCORE  (RW) held-out preference accuracy of the reward model: r(chosen) >
+                    r(rejected).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
+from jaxrlhf.algorithms.spec import Evaluation
 from jaxrlhf.data.datasets import PromptRow
-from jaxrlhf.data.encode import prompt_batch
+from jaxrlhf.data.encode import prompt_batch, sequence_batch
 from jaxrlhf.data.evaluation import eval_metrics
 from jaxrlhf.data.rewards import RewardPool, exact_match
 from jaxrlhf.data.tokenizer import decode_response
@@ -39,6 +50,7 @@ from jaxrlhf.mfc import Role
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.reshard import fetch
 from jaxrlhf.run.check import Job
+from jaxrlhf.spec import RolloutSpec
 
 
 def _padded_rows(rows: Sequence[PromptRow], repeat: int, multiple: int) -> list[PromptRow]:
@@ -213,6 +225,88 @@ class HeldOut:
 
     def __exit__(self, *exc) -> None:
         self.close()  # also when the run raises: no reward worker outlives it
+
+
+# --- offline runs (SFT, DPO, reward modelling) -----------------------------------------
+
+Evaluator = Callable[[], dict[str, float]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scorer:
+    """Forward passes of one model over held-out (prompt, response) rows, on one layout."""
+
+    infer: Callable
+    dp: int
+    tokenizer: object
+    rollout: RolloutSpec
+
+    def __call__(self, params, prompts: list[str], responses: list[str]):
+        """(output, response_mask_bn) of the model on the rows (padding rows cut off)."""
+        r = self.rollout
+        batch = sequence_batch(_padded_rows(prompts, 1, self.dp),
+                               _padded_rows(responses, 1, self.dp), self.tokenizer,
+                               r.max_prompt_len, r.max_new_tokens)
+        out = self.infer(params, InferenceBatch.padded(batch["seq_tokens_bs"],
+                                                        batch["seq_mask_bs"]))
+        return out, batch["response_mask_bn"][: len(prompts)]
+
+    def response_logprobs(self, params, prompts, responses) -> tuple[np.ndarray, np.ndarray]:
+        """([b] Σ log p of each response incl. EOS, [b] its token count)."""
+        out, mask_bn = self(params, prompts, responses)
+        logp_bn = fetch(out.logprobs_bt)[: len(prompts), -mask_bn.shape[1]:]  # any process
+        return np.sum(logp_bn * mask_bn, axis=1), np.sum(mask_bn, axis=1)
+
+    def scores(self, params, prompts, responses) -> np.ndarray:
+        out, _ = self(params, prompts, responses)
+        return fetch(out.scores_bk)[: len(prompts), 0]
+
+
+def make_scorer(runtime: ModelRuntime, kind: InferenceKind, job: Job) -> Scorer:
+    r = job.spec.rollout
+    infer = make_inference_fn(runtime.config, InferenceConfig(kind), runtime.home,
+                              length_buckets=(r.seq_len,))
+    return Scorer(infer, runtime.home.dp_size, job.tokenizer, r)
+
+
+def offline_evaluator(job: Job, runtime: ModelRuntime) -> Evaluator:
+    """Held-out metrics of an offline run's trained model; "accuracy" as the module docstring
+    defines."""
+    pairs = job.data.eval_pairs
+    prompts = [p.prompt for p in pairs]
+    chosen, rejected = [p.chosen for p in pairs], [p.rejected for p in pairs]
+    params = lambda: runtime.params
+    match job.spec.algorithm.evaluation:
+        case Evaluation.PREFERENCE_SCORE:
+            scorer = make_scorer(runtime, InferenceKind.SCORES, job)
+            return lambda: {"accuracy": float(np.mean(
+                scorer.scores(params(), prompts, chosen)
+                > scorer.scores(params(), prompts, rejected)))}
+        case Evaluation.SFT:
+            scorer = make_scorer(runtime, InferenceKind.LOGPROBS, job)
+            greedy_match = greedy_accuracy(job, runtime.home, job.data.eval)
+            answered = [row for row in job.data.eval if row.answer is not None]
+
+            def sft_metrics():
+                logp_b, count_b = scorer.response_logprobs(
+                    params(), [r.prompt for r in answered], [r.answer for r in answered])
+                return {"accuracy": greedy_match(params()),
+                        "eval_loss": float(-logp_b.sum() / count_b.sum())}
+
+            return sft_metrics
+        case Evaluation.PREFERENCE_LOGP:
+            scorer = make_scorer(runtime, InferenceKind.LOGPROBS, job)
+            greedy_match = greedy_accuracy(job, runtime.home, job.data.eval)
+
+            def dpo_metrics():
+                logp_chosen_b, _ = scorer.response_logprobs(params(), prompts, chosen)
+                logp_rejected_b, _ = scorer.response_logprobs(params(), prompts, rejected)
+                return {"accuracy": float(np.mean(logp_chosen_b > logp_rejected_b)),
+                        "exact_match": greedy_match(params())}
+
+            return dpo_metrics
+    raise ValueError(f"algorithm={job.spec.name.value}: no offline evaluation "
+                     f"{job.spec.algorithm.evaluation}")
 
 
 def summary_value(metrics: dict[str, float]) -> float | None:

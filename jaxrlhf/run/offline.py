@@ -5,42 +5,25 @@ warm start of the actor, held-out evaluation before and after, one runner step p
 progress bar, metrics.jsonl and TensorBoard events, checkpoints (`checkpoint.every`, Ctrl-C and
 SIGTERM save and stop, a rerun resumes exactly; `python -m jaxrlhf.export` writes the trained
 model as a Hugging Face directory), and a summary whose `accuracy_before` / `accuracy_after`
-mean what the algorithm's `Evaluation` says:
-
-  SFT               greedy exact-match accuracy on the held-out prompts (also `eval_loss_*`:
-                    token NLL of their reference answers);
-  PREFERENCE_LOGP   (DPO) held-out preference accuracy of the policy: log π(chosen) >
-                    log π(rejected), summed over the response tokens (also `exact_match_*`);
-  PREFERENCE_SCORE  (RW) held-out preference accuracy of the reward model: r(chosen) >
-                    r(rejected).
+mean what the algorithm's `Evaluation` says (`run/evaluate.py`, `offline_evaluator`).
 
 Preference pairs are batched as chosen rows then rejected rows (`algorithms.pairs`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from jaxrlhf.algorithms.spec import BatchKind, Evaluation
+from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.data import datasets
 from jaxrlhf.data.encode import sequence_batch, sft_batch
-from jaxrlhf.dataflow.runtime import ModelRuntime
-from jaxrlhf.engine.inference import (
-    InferenceBatch, InferenceConfig, InferenceKind, make_inference_fn,
-)
 from jaxrlhf.metrics import MetricsWriter
-from jaxrlhf.parallel.reshard import fetch
 from jaxrlhf.run import rl
 from jaxrlhf.run.check import Job
-from jaxrlhf.run.evaluate import _padded_rows, greedy_accuracy
-from jaxrlhf.spec import RolloutSpec
-
-Evaluator = Callable[[], dict[str, float]]
-
+from jaxrlhf.run.evaluate import offline_evaluator
 
 def preference_batch(rows: Sequence[datasets.PreferenceRow], tokenizer, max_prompt_len: int,
                      max_new_tokens: int) -> dict[str, np.ndarray]:
@@ -48,82 +31,6 @@ def preference_batch(rows: Sequence[datasets.PreferenceRow], tokenizer, max_prom
     prompts = [r.prompt for r in rows]
     responses = [r.chosen for r in rows] + [r.rejected for r in rows]
     return sequence_batch(prompts + prompts, responses, tokenizer, max_prompt_len, max_new_tokens)
-
-
-@dataclasses.dataclass(frozen=True)
-class Scorer:
-    """Forward passes of one model over held-out (prompt, response) rows, on one layout."""
-
-    infer: Callable
-    dp: int
-    tokenizer: object
-    rollout: RolloutSpec
-
-    def __call__(self, params, prompts: list[str], responses: list[str]):
-        """(output, response_mask_bn) of the model on the rows (padding rows cut off)."""
-        r = self.rollout
-        batch = sequence_batch(_padded_rows(prompts, 1, self.dp),
-                               _padded_rows(responses, 1, self.dp), self.tokenizer,
-                               r.max_prompt_len, r.max_new_tokens)
-        out = self.infer(params, InferenceBatch.padded(batch["seq_tokens_bs"],
-                                                        batch["seq_mask_bs"]))
-        return out, batch["response_mask_bn"][: len(prompts)]
-
-    def response_logprobs(self, params, prompts, responses) -> tuple[np.ndarray, np.ndarray]:
-        """([b] Σ log p of each response incl. EOS, [b] its token count)."""
-        out, mask_bn = self(params, prompts, responses)
-        logp_bn = fetch(out.logprobs_bt)[: len(prompts), -mask_bn.shape[1]:]  # any process
-        return np.sum(logp_bn * mask_bn, axis=1), np.sum(mask_bn, axis=1)
-
-    def scores(self, params, prompts, responses) -> np.ndarray:
-        out, _ = self(params, prompts, responses)
-        return fetch(out.scores_bk)[: len(prompts), 0]
-
-
-def make_scorer(runtime: ModelRuntime, kind: InferenceKind, job: Job) -> Scorer:
-    r = job.spec.rollout
-    infer = make_inference_fn(runtime.config, InferenceConfig(kind), runtime.home,
-                              length_buckets=(r.seq_len,))
-    return Scorer(infer, runtime.home.dp_size, job.tokenizer, r)
-
-
-def make_evaluator(job: Job, runtime: ModelRuntime) -> Evaluator:
-    """Held-out metrics of the trained model; "accuracy" as the module docstring defines."""
-    pairs = job.data.eval_pairs
-    prompts = [p.prompt for p in pairs]
-    chosen, rejected = [p.chosen for p in pairs], [p.rejected for p in pairs]
-    params = lambda: runtime.params
-    match job.spec.algorithm.evaluation:
-        case Evaluation.PREFERENCE_SCORE:
-            scorer = make_scorer(runtime, InferenceKind.SCORES, job)
-            return lambda: {"accuracy": float(np.mean(
-                scorer.scores(params(), prompts, chosen)
-                > scorer.scores(params(), prompts, rejected)))}
-        case Evaluation.SFT:
-            scorer = make_scorer(runtime, InferenceKind.LOGPROBS, job)
-            exact_match = greedy_accuracy(job, runtime.home, job.data.eval)
-            answered = [row for row in job.data.eval if row.answer is not None]
-
-            def sft_metrics():
-                logp_b, count_b = scorer.response_logprobs(
-                    params(), [r.prompt for r in answered], [r.answer for r in answered])
-                return {"accuracy": exact_match(params()),
-                        "eval_loss": float(-logp_b.sum() / count_b.sum())}
-
-            return sft_metrics
-        case Evaluation.PREFERENCE_LOGP:
-            scorer = make_scorer(runtime, InferenceKind.LOGPROBS, job)
-            exact_match = greedy_accuracy(job, runtime.home, job.data.eval)
-
-            def dpo_metrics():
-                logp_chosen_b, _ = scorer.response_logprobs(params(), prompts, chosen)
-                logp_rejected_b, _ = scorer.response_logprobs(params(), prompts, rejected)
-                return {"accuracy": float(np.mean(logp_chosen_b > logp_rejected_b)),
-                        "exact_match": exact_match(params())}
-
-            return dpo_metrics
-    raise ValueError(f"algorithm={job.spec.name.value}: no offline evaluation "
-                     f"{job.spec.algorithm.evaluation}")
 
 
 def encode(job: Job, rows: list) -> dict[str, np.ndarray]:
@@ -150,7 +57,7 @@ def run(job: Job) -> dict:
         runner = start.runner(job, writer, {})  # offline graphs have no host MFCs
         if runner is None:  # stopped in the warm start, its checkpoint saved
             return {**summary, "seconds": time.perf_counter() - t0, "interrupted": True}
-        evaluate = make_evaluator(job, runner.runtimes[spec.algorithm.trained_role])
+        evaluate = offline_evaluator(job, runner.runtimes[spec.algorithm.trained_role])
         with runner:
             before = evaluate() if start.resume is None else start.before()
             print(f"held-out before {name}: {before}", flush=True)
