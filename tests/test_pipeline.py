@@ -277,14 +277,27 @@ SAMPLED = dict(max_new_tokens=7, pad_token_id=0, temperature=1.0)
 
 @pytest.fixture(scope="module")
 def sampled_reference(d8_params):
-    """Plain-scan sampling with two stop ids: one row 0 emits early, one row 3 emits early
-    (row 1 emits neither), so rows stop at different tokens of different micro-batches."""
+    """Plain-scan sampling forced to full length, and what a run with two stop ids must give:
+    the same tokens up to each row's first stop id (row r's token i has its own key whatever
+    the other rows do, as test_generate checks), then padding. One stop id row 0 emits early,
+    one row 3 emits early, none that row 1 emits, so rows of different micro-batches stop at
+    different tokens and some never stop."""
+    import types
+
     params = fetch(d8_params)
     forced = _plain_generate(None, GenerateConfig(eos_token_id=0, force_max_length=True,
-                                                  **SAMPLED), params).response_bn
-    early = lambda row: next(int(t) for t in forced[row][1:4] if t not in forced[1])
-    cfg = GenerateConfig(eos_token_id=(early(0), early(3)), **SAMPLED)
-    return params, cfg, _plain_generate(None, cfg, params)
+                                                  **SAMPLED), params)
+    early = lambda row: next(int(t) for t in forced.response_bn[row][1:4]
+                             if t not in forced.response_bn[1])
+    stops = (early(0), early(3))
+    first = [next((i for i, t in enumerate(row) if t in stops), len(row))
+             for row in forced.response_bn]
+    mask_bn = np.arange(SAMPLED["max_new_tokens"])[None] <= np.asarray(first)[:, None]
+    want = types.SimpleNamespace(
+        response_bn=np.where(mask_bn, forced.response_bn, 0), response_mask_bn=mask_bn,
+        logprobs_bn=np.where(mask_bn, forced.logprobs_bn, 0.0),
+        response_lengths_b=mask_bn.sum(axis=1))
+    return params, GenerateConfig(eos_token_id=stops, **SAMPLED), want
 
 
 def _assert_same_generation(got, want):
