@@ -31,21 +31,6 @@ from jaxrlhf.run.layouts import RunPlan, place
 from jaxrlhf.spec import ConfigError, RunSpec, field, run_spec
 
 
-def _check_workdir(workdir: str) -> None:
-    path = pathlib.Path(workdir)
-    path.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
-        pass
-
-
-def _check_model_files(spec: RunSpec, role: Role) -> None:
-    path = spec.models[role].path
-    if path and not any((pathlib.Path(path) / f).is_file()
-                        for f in (hf_io.SINGLE_FILE, hf_io.INDEX_FILE)):
-        raise ConfigError(f"models.{role.value}.path={path!r}: no {hf_io.SINGLE_FILE} or "
-                          f"{hf_io.INDEX_FILE} (a Hugging Face model directory has its weights)")
-
-
 @dataclasses.dataclass(frozen=True)
 class Data:
     """The run's rows: prompts (train, held-out; fitted to rollout.max_prompt_len), SFT rows,
@@ -134,8 +119,10 @@ def prepare(spec: RunSpec, workdir: str, devices=None) -> Job:
     Raises:
       ConfigError: one line naming the field and the problem.
     """
-    with field("workdir"):
-        _check_workdir(workdir)
+    workdir = pathlib.Path(workdir)
+    with field("workdir"):  # it exists and takes files
+        workdir.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=workdir, prefix=".write-check-").close()
     with field("tokenizer"):
         if not spec.tokenizer:  # "" would read the current directory
             raise ConfigError('tokenizer: empty; set it to "byte" or to the Hugging Face '
@@ -145,7 +132,11 @@ def prepare(spec: RunSpec, workdir: str, devices=None) -> Job:
         with field(f"{'reward' if role is Role.REWARD else 'cost'}.function"):
             resolve_reward(reward.function)
     for role, model in spec.models.items():
-        _check_model_files(spec, role)
+        if model.path and not any((pathlib.Path(model.path) / f).is_file()
+                                  for f in (hf_io.SINGLE_FILE, hf_io.INDEX_FILE)):
+            raise ConfigError(f"models.{role.value}.path={model.path!r}: no {hf_io.SINGLE_FILE} "
+                              f"or {hf_io.INDEX_FILE} (a Hugging Face model directory has its "
+                              "weights)")
         with field(f"models.{role.value}"):  # one tokenizer serves every role
             check_vocab(tokenizer, model.config.vocab_size)
     roles.starts(spec)  # every role has weights to start from
@@ -160,7 +151,7 @@ def prepare(spec: RunSpec, workdir: str, devices=None) -> Job:
         # The warm start micro-batches its batches the same way.
         with field(f"micro_batches: warm start (warm_start.batch_size={w.batch_size})"):
             num_microbatches(spec.micro, w.batch_size, spec.rollout.seq_len, home.dp_size)
-    data = load_data(spec, pathlib.Path(workdir), tokenizer)
+    data = load_data(spec, workdir, tokenizer)
     if spec.data.train_path and len(data.train) < spec.rollout.batch_size:
         raise ConfigError(f"rollout.batch_size={spec.rollout.batch_size}: more than the "
                           f"{len(data.train)} rows of {spec.data.train_path}")
@@ -171,10 +162,10 @@ def prepare(spec: RunSpec, workdir: str, devices=None) -> Job:
                                  "the number of micro-batches")
     fingerprint = run_fingerprint(spec.config_json)
     try:
-        check_resume(pathlib.Path(workdir) / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
+        check_resume(workdir / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
     except CheckpointError as error:
         raise ConfigError(str(error)) from None
-    return Job(spec, tokenizer, plan, pathlib.Path(workdir), fingerprint, data)
+    return Job(spec, tokenizer, plan, workdir, fingerprint, data)
 
 
 def check_config(config: ConfigDict, workdir: str, devices=None) -> Job:
