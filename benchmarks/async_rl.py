@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 from jaxrlhf import checkpoint  # noqa: E402
 from jaxrlhf.data import datasets  # noqa: E402
 from jaxrlhf.data.tokenizer import ByteTokenizer  # noqa: E402
-from jaxrlhf.run import async_procs, build, rl  # noqa: E402
+from jaxrlhf.run import async_loop, build, rl  # noqa: E402
 from jaxrlhf.run.check import check_config  # noqa: E402
 from jaxrlhf.schema import base_config  # noqa: E402
 
@@ -100,7 +100,7 @@ def run(args, eta: int, workdir: str, gen_replicas: int = 1) -> dict:
     prompts = datasets.EpochIterator(data.train, spec.rollout.batch_size, seed=spec.seed)
     sink = Clocked()
     checkpoints = checkpoint.Checkpointer(job.workdir / "ckpt", spec.checkpoint)
-    loop = async_procs.rl_loop if eta else rl.rl_loop
+    loop = async_loop.rl_loop if eta else rl.rl_loop  # multi-process: async_procs inside
     with build.host_pools(spec) as pools:
         runner = build.fresh_runner(job, pools)
         loop(job, runner, prompts, sink, checkpoints, 0.0)
