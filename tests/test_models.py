@@ -108,3 +108,26 @@ def test_cached_decoding_equals_full_forward():
                            kv_segment_ids_bs=kv_segments)
         steps.append(out)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), want, rtol=1e-5, atol=1e-5)
+
+
+def test_flat_matmul_and_dense_match_einsum_and_nn_dense():
+    """The 2-D dots the model uses (for XLA:CPU's backward) equal the einsums they replace,
+    and `Dense` keeps nn.Dense's parameter tree and initial values (checkpoints stay valid)."""
+    import flax.linen as nn
+
+    from jaxrlhf.models.transformer import Dense, flat_matmul
+
+    x_bthk = jax.random.normal(jax.random.key(0), (2, 3, 4, 5))
+    kernel_hkd = jax.random.normal(jax.random.key(1), (4, 5, 6))
+    np.testing.assert_allclose(flat_matmul(x_bthk, kernel_hkd, 2),
+                               jnp.einsum("bthk,hkd->btd", x_bthk, kernel_hkd),
+                               rtol=1e-6, atol=1e-6)
+    config = get_size("tiny", dtype=jnp.float32)
+    x_btd = jax.random.normal(jax.random.key(2), (2, 3, config.hidden_size))
+    ours = Dense(config, 8, ("embed", "mlp"))
+    theirs = nn.Dense(8, use_bias=False, kernel_init=nn.initializers.normal(0.02))
+    params = nn.unbox(ours.init(jax.random.key(3), x_btd))
+    np.testing.assert_array_equal(params["params"]["kernel"],
+                                  theirs.init(jax.random.key(3), x_btd)["params"]["kernel"])
+    np.testing.assert_allclose(ours.apply(params, x_btd), theirs.apply(params, x_btd),
+                               rtol=1e-6, atol=1e-6)
