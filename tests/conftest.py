@@ -1,13 +1,35 @@
-"""Test setup: 8 fake CPU devices and fp32 matmuls, before JAX is imported anywhere."""
+"""Test setup: 8 fake CPU devices, fp32 matmuls and one compilation cache, before JAX is
+imported anywhere."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One persistent compilation cache for the whole test session, shared by both pytest workers
+# and by every job a test starts in a subprocess (they inherit the environment): many tests
+# compile the same tiny models and plans, and XLA's compiles are most of the suite's time.
+# The controller process imports this file first and the workers inherit its variables, so
+# they all use the controller's directory; it is removed when the session ends. The size
+# bound makes JAX lock the directory (filelock), so two processes never read a half-written
+# entry.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrlhf-test-xla-cache-")
+    os.environ["JAXRLHF_TEST_CACHE_OWNER"] = str(os.getpid())
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+
 import jax  # noqa: E402
 
 # Reference comparisons need full-precision matmuls, not the default bf16-pass on some backends.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("JAXRLHF_TEST_CACHE_OWNER") == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
