@@ -5,9 +5,9 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from jaxrlhf.backend import use_cpu_devices  # sets flags only; imports no JAX
+
+use_cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent compilation cache for the whole test session, shared by both pytest workers
