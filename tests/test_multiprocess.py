@@ -72,6 +72,9 @@ def run_steps(allocation: str, workdir: pathlib.Path) -> list[dict]:
     return metrics
 
 
+READY = "jaxrlhf-test-worker-ready"  # what a worker prints once it is in its loop
+
+
 def _worker(mode: str, address: str, process_id: int, out: str, allocation: str) -> None:
     import faulthandler
 
@@ -101,7 +104,7 @@ def _worker(mode: str, address: str, process_id: int, out: str, allocation: str)
         src = NamedSharding(Mesh(devices[:4], ("d",)), PartitionSpec("d"))
         dst = NamedSharding(Mesh(devices[4:], ("d",)), PartitionSpec("d"))
         x = jax.make_array_from_callback((8,), src, lambda i: np.ones(8, np.float32)[i])
-        print("ready", flush=True)
+        print(READY, flush=True)
         if process_id == 1:
             time.sleep(300)
         with watchdog.label(step=7, mfc="actor_train"):
@@ -111,7 +114,7 @@ def _worker(mode: str, address: str, process_id: int, out: str, allocation: str)
     mesh = Mesh(np.asarray(jax.devices()), ("d",))
     total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, PartitionSpec()))
     x = jax.device_put(np.ones(8, np.float32), NamedSharding(mesh, PartitionSpec("d")))
-    print("ready", flush=True)
+    print(READY, flush=True)
     while True:
         total(x).block_until_ready()
 
@@ -180,12 +183,13 @@ def test_two_processes_match_one_with_generation_and_training_in_different_proce
 
 
 def _wait_ready(proc, timeout: float) -> None:
-    """Reads the worker's stdout up to its "ready" line (gloo prints lines of its own first).
+    """Reads the worker's stdout until its READY token has come.
 
-    Raw reads of the pipe, never the buffered `proc.stdout.readline()`: that one can pull gloo's
-    line and "ready" into Python's buffer in one read and return only the first, after which
-    `select` on the drained pipe waits for output that never comes (the "worker not ready after
-    300 s" with both workers busy in their loop that this test used to hit under load).
+    Gloo's threads print "[Gloo] Rank r is connected ..." lines to the same stdout while the
+    worker prints READY, in pieces that can land mid-line around it, so READY is looked for as
+    a substring of the raw bytes (one small write, so never split), not as a line of its own:
+    matching whole lines lost the token under load ("worker not ready after 300 s" with both
+    workers busy in their loop).
     """
     fd, seen = proc.stdout.fileno(), b""
     deadline = time.monotonic() + timeout
@@ -194,7 +198,7 @@ def _wait_ready(proc, timeout: float) -> None:
             chunk = os.read(fd, 1 << 16)
             assert chunk, f"the worker ended before it was ready: {proc.stderr.read()[-2000:]}"
             seen += chunk
-            if "ready" in seen.decode(errors="replace").splitlines():
+            if READY.encode() in seen:
                 return
     raise TimeoutError(f"the worker was not ready after {timeout} s")
 
