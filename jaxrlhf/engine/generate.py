@@ -25,7 +25,7 @@ from jaxrlhf.engine.call import BucketedCall
 from jaxrlhf.engine.sampling import SamplingParams, sample, token_logprobs
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
-from jaxrlhf.models.transformer import KVCache, Transformer, slice_layers
+from jaxrlhf.models.transformer import KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
 from jaxrlhf.parallel.pipeline import layer_stack
 from jaxrlhf.parallel.reshard import transfer
@@ -192,13 +192,6 @@ def generate(
     batch, prompt_len = prompt_tokens_bp.shape
     n_new = cfg.max_new_tokens
     apply = functools.partial(model.apply, {"params": params})
-    decode_apply = apply
-    if model.layer_stack is None and jax.default_backend() == "cpu":
-        # Per-layer weights sliced once here, not on every token inside the loop (see
-        # SlicedLayers). CPU only: it holds a second copy of the layer weights during the call,
-        # which accelerators' memory cannot spare.
-        decode_apply = functools.partial(
-            Transformer(model.config, slice_layers(params)).apply, {"params": params})
     prompt_mask_bp = prompt_mask_bp.astype(bool)
     prompt_lengths_b = jnp.sum(prompt_mask_bp, axis=1, dtype=jnp.int32)
     # Response slots are marked real up front; causality hides the not-yet-written ones.
@@ -210,7 +203,7 @@ def generate(
 
     def feed_last(s: _DecodeState) -> _DecodeState:
         fed = s.step - 1  # index of the response token being fed
-        logits_b1v, cache = decode_apply(
+        logits_b1v, cache = apply(
             s.last_token_b[:, None], (prompt_lengths_b + fed)[:, None],
             jnp.ones((batch, 1), jnp.int32), s.cache, prompt_len + fed, kv_segment_ids_bs,
         )

@@ -342,35 +342,6 @@ def apply_layer(cfg: ModelConfig, params, carry, layer, inputs: LayerInputs, cac
     return run(params, carry)
 
 
-class SlicedLayers:
-    """A `LayerStack` that runs the layers unrolled on parameters sliced per layer beforehand.
-
-    For decoding: the token loop runs the whole layer stack once per token, and slicing layer
-    i's weights out of the stacked [L, ...] parameters inside that loop copies every weight
-    matrix on every token (XLA:CPU neither hoists the slices out of the token loop nor reads
-    the slice in place; on W-cpu's 8-device decode the copies cost about a third as much as
-    the matmuls). `slice_layers` outside the loop makes the slices once per call.
-    """
-
-    def __init__(self, params_per_layer: list):
-        self.params_per_layer = params_per_layer
-
-    def __call__(self, layer_fn: LayerFn, params_l, x_btd, cache, inputs: LayerInputs,
-                 cache_index, unroll: bool):
-        del params_l, unroll  # the same parameters, already sliced; always unrolled
-        carry = (x_btd, cache)
-        for layer, params in enumerate(self.params_per_layer):
-            carry = layer_fn(params, carry, layer, inputs, cache_index)
-        return carry
-
-
-def slice_layers(params) -> SlicedLayers:
-    """The decoder layers of `params` (a Transformer's unboxed parameter tree), one tree each."""
-    layers = params["layers"]
-    count = jax.tree.leaves(layers)[0].shape[0]
-    return SlicedLayers([jax.tree.map(lambda x, i=i: x[i], layers) for i in range(count)])
-
-
 class Transformer(nn.Module):
     """Token ids -> logits [b, t, vocab] (HeadKind.LM) or values [b, t] (HeadKind.SCALAR).
 
