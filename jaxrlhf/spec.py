@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import operator
 import pathlib
 import re
 from collections.abc import Mapping
@@ -74,10 +75,10 @@ HEAD_OF_ROLE = {Role.ACTOR: HeadKind.LM, Role.REF: HeadKind.LM, Role.CRITIC: Hea
 
 def enum_value(kind: type[enum.Enum] | Mapping, value: str, field: str):
     """The member of enum `kind` (or the entry of mapping `kind`) named `value`; else a
-    ValueError naming the field and the options."""
+    ConfigError naming the field and the options."""
     options = kind if isinstance(kind, Mapping) else {m.value: m for m in kind}
     if value not in options:
-        raise ValueError(f"{field}={value!r} is not one of: {', '.join(options)}")
+        raise ConfigError(f"{field}={value!r} is not one of: {', '.join(options)}")
     return options[value]
 
 
@@ -214,7 +215,6 @@ class RunSpec:
       config_json: the config as JSON, for checkpoints (export rebuilds specs from it).
     """
 
-    name: AlgorithmName
     algorithm: Algorithm
     graph: DataflowGraph
     models: Mapping[Role, ModelSpec]
@@ -305,33 +305,29 @@ def _check_keys(config: ConfigDict, base: ConfigDict, prefix: str = "") -> None:
                 raise ConfigError(f"{name}={value!r}: must be a {type(want).__name__}")
 
 
-# (field, lowest allowed, whether the lowest itself is allowed, highest allowed)
-_RANGES = (
-    ("steps", 1, True, None), ("cpu_devices", 1, True, None),
-    ("rollout.batch_size", 1, True, None), ("rollout.group_size", 1, True, None),
-    ("rollout.max_prompt_len", 1, True, None), ("rollout.max_new_tokens", 1, True, None),
-    ("rollout.temperature", 0.0, True, None), ("rollout.top_k", 0, True, None),
-    ("rollout.top_p", 0.0, False, 1), ("reward.workers", 1, True, None),
-    ("reward.timeout", 0.0, False, None), ("reward.max_error_rate", 0, True, 1),
-    ("cost.max_error_rate", 0, True, 1), ("ppo.mini_batches", 1, True, None),
-    ("ppo.epochs", 1, True, None), ("micro_batches", 1, True, None),
-    ("micro_batch_tokens", 0, True, None), ("warm_start.sft_steps", 0, True, None),
-    ("warm_start.batch_size", 1, True, None), ("warm_start.lr", 0.0, False, None),
-    ("optimizer.actor.lr", 0.0, False, None), ("optimizer.critic.lr", 0.0, False, None),
-    ("reward.clip", 0.0, True, None), ("async_rl.max_staleness", 0, True, None),
-    ("async_rl.chunk_tokens", 1, True, None), ("placement.gen_replicas", 1, True, None),
-    ("async_rl.behav_imp_weight_cap", 0.0, True, None), ("eval.every", 0, True, None),
-    ("eval.samples", 0, True, None), ("eval.max_prompts", 0, True, None),
+# (relation every key must satisfy, its bound, the keys)
+_BOUNDS = (
+    (">=", 1, ("steps", "cpu_devices", "rollout.batch_size", "rollout.group_size",
+               "rollout.max_prompt_len", "rollout.max_new_tokens", "reward.workers",
+               "ppo.mini_batches", "ppo.epochs", "micro_batches", "warm_start.batch_size",
+               "async_rl.chunk_tokens", "placement.gen_replicas")),
+    (">=", 0, ("rollout.temperature", "rollout.top_k", "reward.max_error_rate",
+               "cost.max_error_rate", "micro_batch_tokens", "warm_start.sft_steps", "reward.clip",
+               "async_rl.max_staleness", "async_rl.behav_imp_weight_cap", "eval.every",
+               "eval.samples", "eval.max_prompts")),
+    (">", 0, ("rollout.top_p", "reward.timeout", "warm_start.lr", "optimizer.actor.lr",
+              "optimizer.critic.lr")),
+    ("<=", 1, ("rollout.top_p", "reward.max_error_rate", "cost.max_error_rate")),
 )
+_RELATIONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
 
 def _check_ranges(config: ConfigDict) -> None:
-    for name, low, inclusive, high in _RANGES:
-        value = functools.reduce(getattr, name.split("."), config)
-        if value < low or (value == low and not inclusive):
-            raise ConfigError(f"{name}={value}: must be {'>=' if inclusive else '>'} {low}")
-        if high is not None and value > high:
-            raise ConfigError(f"{name}={value}: must be <= {high}")
+    for relation, bound, names in _BOUNDS:
+        for name in names:
+            value = functools.reduce(getattr, name.split("."), config)
+            if not _RELATIONS[relation](value, bound):
+                raise ConfigError(f"{name}={value}: must be {relation} {bound}")
     batch = config.rollout.batch_size * config.rollout.group_size
     if batch % config.ppo.mini_batches:
         raise ConfigError(f"ppo.mini_batches={config.ppo.mini_batches} does not divide the "
@@ -357,14 +353,6 @@ def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
         except ValueError as e:
             raise ValueError(f"{where}.size: {e}") from None
     return base.replace(scan_layers=cfg.scan_layers, remat=remat, attention=attn)
-
-
-def optimizer_of(cfg: ConfigDict, total_steps: int) -> OptimizerConfig:
-    return OptimizerConfig(
-        lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=max(total_steps, cfg.warmup_steps + 1),
-        min_lr_ratio=cfg.min_lr_ratio, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-        fp32_master=cfg.fp32_master)
 
 
 def ppo_config(config: ConfigDict, cap: float | None = None) -> ppo.PPOConfig:
@@ -457,14 +445,11 @@ def _gen_replicas(config: ConfigDict, kind: Placement) -> int:
 
 
 def builtin_task(t: ConfigDict) -> tasks.ArithmeticTask | tasks.ReverseTask:
-    common = dict(num_digits=t.num_digits, num_train=t.num_train, num_eval=t.num_eval,
-                  num_sft=t.num_sft, sft_noise=t.sft_noise, seed=t.seed)
     match enum_value(TaskKind, t.kind, "data.task.kind"):
         case TaskKind.REVERSE:
-            return tasks.ReverseTask(**common)
+            return _of(tasks.ReverseTask, t)
         case TaskKind.ARITHMETIC:
-            return tasks.ArithmeticTask(num_operands=t.num_operands,
-                                        ops=tuple(tasks.Op(c) for c in t.ops), **common)
+            return _of(tasks.ArithmeticTask, t, ops=tuple(tasks.Op(c) for c in t.ops))
 
 
 def _of(cls, section: ConfigDict, **typed):
@@ -479,8 +464,7 @@ def _data(d: ConfigDict) -> DataSpec:
         task = builtin_task(d.task)
     with field("data.long_prompts"):
         long_prompts = parse_long_prompts(d.long_prompts)
-    with field("data.chat_template"):
-        chat_template = enum_value(ChatTemplateMode, d.chat_template, "data.chat_template")
+    chat_template = enum_value(ChatTemplateMode, d.chat_template, "data.chat_template")
     return _of(DataSpec, d, task=task, long_prompts=long_prompts, chat_template=chat_template)
 
 
@@ -504,8 +488,7 @@ def _models(config: ConfigDict, graph: DataflowGraph) -> tuple[dict[Role, ModelS
 def run_spec(config: ConfigDict) -> RunSpec:
     """The typed, checked spec of `config`; raises ConfigError naming the field."""
     _check_keys(config, base_config())
-    with field("algorithm"):
-        name = enum_value(AlgorithmName, config.algorithm, "algorithm")
+    name = enum_value(AlgorithmName, config.algorithm, "algorithm")
     _check_ranges(config)
     async_rl = _async_rl(config, name)
     with field("algorithm"):
@@ -518,27 +501,25 @@ def run_spec(config: ConfigDict) -> RunSpec:
     rewards = {m.role: _of(RewardSpec, config[m.role.value]) for m in graph.mfcs if m.host}
     models, base = _models(config, graph)
     updates = config.steps * config.ppo.epochs * config.ppo.mini_batches
-    optimizers = {role: optimizer_of(config.optimizer[role.value], updates)
+    optimizer = lambda c: _of(OptimizerConfig, c, total_steps=max(updates, c.warmup_steps + 1))
+    optimizers = {role: optimizer(config.optimizer[role.value])
                   for role in models if any(m.call is Call.TRAIN_STEP for m in graph.calls_of(role))}
     micro = (MicrobatchConfig.by_token_budget(config.micro_batch_tokens)
              if config.micro_batch_tokens else MicrobatchConfig.by_count(config.micro_batches))
-    with field("placement"):
-        kind = enum_value(Placement, config.placement.kind, "placement.kind")
+    kind = enum_value(Placement, config.placement.kind, "placement.kind")
     w = config.warm_start
     warm = WarmStartSpec(w.sft_steps, w.batch_size, OptimizerConfig(
         lr=w.lr, total_steps=w.sft_steps + 1, min_lr_ratio=0.1,
         max_grad_norm=config.optimizer.actor.max_grad_norm))
     with field("checkpoint"):
         checkpoint = CheckpointConfig.of(config)
-    with field("nan_policy"):
-        nan_policy = enum_value(NanPolicy, config.nan_policy, "nan_policy")
     return RunSpec(
-        name=name, algorithm=algorithm, graph=graph, models=models, base=base,
+        algorithm=algorithm, graph=graph, models=models, base=base,
         rollout=_of(RolloutSpec, config.rollout), micro=micro,
         mini_batches=config.ppo.mini_batches, epochs=config.ppo.epochs, optimizers=optimizers,
         rewards=rewards, placement=_of(PlacementSpec, config.placement, kind=kind,
                                        gen_replicas=_gen_replicas(config, kind)),
-        checkpoint=checkpoint, nan_policy=nan_policy, data=_data(config.data),
-        warm_start=warm, tokenizer=config.tokenizer, seed=config.seed, steps=config.steps,
+        checkpoint=checkpoint, nan_policy=enum_value(NanPolicy, config.nan_policy, "nan_policy"),
+        data=_data(config.data), warm_start=warm, tokenizer=config.tokenizer, seed=config.seed, steps=config.steps,
         config_json=config.to_json(), async_rl=async_rl,
         require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval))

@@ -99,7 +99,7 @@ def load_preferences(spec: RunSpec, workdir: pathlib.Path) -> tuple[list, list]:
     if d.preference_path:
         path = d.preference_path
     elif d.train_path:
-        raise ConfigError(f"algorithm={spec.name.value} with user data needs "
+        raise ConfigError(f"algorithm={spec.algorithm.name} with user data needs "
                           "data.preference_path")
     else:  # writing the deterministic task again yields the same files, and their paths
         path = tasks.write_task(d.task, task_dir(pathlib.Path(workdir))).preference

@@ -305,7 +305,7 @@ def offline_evaluator(job: Job, runtime: ModelRuntime) -> Evaluator:
                         "exact_match": greedy_match(params())}
 
             return dpo_metrics
-    raise ValueError(f"algorithm={job.spec.name.value}: no offline evaluation "
+    raise ValueError(f"algorithm={job.spec.algorithm.name}: no offline evaluation "
                      f"{job.spec.algorithm.evaluation}")
 
 

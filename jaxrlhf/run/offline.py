@@ -49,7 +49,7 @@ def run(job: Job) -> dict:
     one with only warm-start checkpoints resumes the warm start.
     """
     t0 = time.perf_counter()
-    spec, name = job.spec, job.spec.name.value
+    spec, name = job.spec, job.spec.algorithm.name
     paired = spec.algorithm.batches is BatchKind.PAIRS
     with rl.begin(job) as start, MetricsWriter(job.workdir) as writer:
         summary = {"steps": spec.steps, "workdir": str(job.workdir),
