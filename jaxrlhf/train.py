@@ -19,6 +19,7 @@ from ml_collections import config_flags
 
 from jaxrlhf import distributed
 from jaxrlhf.backend import use_cpu_devices
+from jaxrlhf.schema import unknown_key
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
                                           lock_config=True)
@@ -51,24 +52,15 @@ def _config_error(message, dist: distributed.DistributedConfig | None = None) ->
     sys.exit(EXIT_CONFIG_ERROR)
 
 
-def _bad_flag(argv: list[str]) -> str | None:
-    """`--config=FILE[:VARIANT]` naming no file, or a `--config.KEY=...` whose KEY is not in
-    jaxrlhf/schema.py, as an error line (absl's are several lines)."""
-    from jaxrlhf.schema import unknown_key
-
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, with a `--config=FILE[:VARIANT]` naming no file, a `--config.KEY=...`
+    whose KEY is not in jaxrlhf/schema.py, and absl's own errors reported in one line."""
     for arg in argv:
         name, _, value = arg.partition("=")
         if name == "--config" and not os.path.isfile(path := value.split(":", 1)[0]):
-            return f"--config={path}: no such config file"
+            _config_error(f"--config={path}: no such config file")
         if name.startswith("--config.") and (error := unknown_key(name[len("--config."):])):
-            return f"--config.{error}"
-    return None
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parsing, with bad flags and unknown config keys reported in one line."""
-    if problem := _bad_flag(argv):
-        _config_error(problem)
+            _config_error(f"--config.{error}")
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
