@@ -76,12 +76,6 @@ def initial_actor_params(spec: RunSpec, layout: Layout):
     return init_params(spec.base.config, layout, jax.random.key(spec.seed))
 
 
-def _cast_like(params, abstract):
-    """`params` in the dtypes of `abstract` (a role may store its copy in another dtype)."""
-    return jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype),
-                        params, abstract)
-
-
 def independent_copy(params, shardings):
     """`params` on `shardings` in buffers of their own.
 
@@ -92,25 +86,18 @@ def independent_copy(params, shardings):
     return jax.tree.map(lambda new, old: jnp.copy(new) if new is old else new, moved, params)
 
 
-def frozen_copy(params, model: ModelConfig, layout: Layout):
-    """A copy of `params` on `layout`, independent of the source, in `model`'s dtypes."""
+def actor_copy(actor_params, model: ModelConfig, layout: Layout):
+    """The actor's parameters that `model` has (all of them for the ref, the trunk for a
+    critic), on `layout` in buffers of their own and in `model`'s dtypes (a role may store its
+    copy in another dtype); a head the actor lacks (a critic's score) starts at zero."""
     boxed = abstract_params(model)
-    copy = independent_copy(params, layout.param_shardings(boxed))
-    return _cast_like(copy, nn.meta.unbox(boxed))
-
-
-def critic_from_actor(actor_params, critic_model: ModelConfig, layout: Layout):
-    """The critic (or reward model) starts from the actor's trunk with a zero value head."""
-    trunk = {k: v for k, v in actor_params.items() if k != "lm_head"}
-    boxed = abstract_params(critic_model)
-    shardings = layout.param_shardings(boxed)
-    score_sharding = shardings.pop("score")
-    abstract = nn.meta.unbox(boxed)
-    abstract.pop("score")
-    params = _cast_like(independent_copy(trunk, shardings), abstract)
-    params["score"] = jax.device_put(
-        jnp.zeros((critic_model.hidden_size, 1), critic_model.param_dtype), score_sharding)
-    return params
+    shardings, abstract = layout.param_shardings(boxed), nn.meta.unbox(boxed)
+    copy = independent_copy({k: v for k, v in actor_params.items() if k in abstract},
+                            {k: shardings[k] for k in abstract if k in actor_params})
+    params = jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype),
+                          copy, {k: abstract[k] for k in copy})
+    return {**params, **{k: jax.device_put(jnp.zeros(a.shape, a.dtype), shardings[k])
+                         for k, a in abstract.items() if k not in params}}
 
 
 def initial_params(spec: RunSpec, role: Role, start: roles.Start, layout: Layout, actor_params):
@@ -124,10 +111,8 @@ def initial_params(spec: RunSpec, role: Role, start: roles.Start, layout: Layout
         case roles.Start.INIT:  # its own stream: not the actor's initialisation again
             key = jax.random.fold_in(jax.random.key(spec.seed), list(Role).index(role) + 1)
             return init_params(model.config, layout, key)
-        case roles.Start.ACTOR_COPY:
-            return frozen_copy(actor_params, model.config, layout)
-        case roles.Start.ACTOR_TRUNK:
-            return critic_from_actor(actor_params, model.config, layout)
+        case roles.Start.ACTOR_COPY | roles.Start.ACTOR_TRUNK:
+            return actor_copy(actor_params, model.config, layout)
 
 
 def initial_states(spec: RunSpec, plan: RunPlan, params) -> dict:
@@ -153,16 +138,12 @@ def runtimes(spec: RunSpec, plan: RunPlan, states: dict) -> dict[Role, ModelRunt
     shares = lambda role: any(devices_of[role] & ds for r, ds in devices_of.items() if r != role)
     out = {}
     for role, model in spec.model_configs().items():
-        home = plan.home(graph, role)
-        readers = readers_per_layout(graph.calls_of(role), plan.layouts)
-        if isinstance(states[role], TrainState):
-            offload = spec.placement.offload_trainable and shares(role)
-            out[role] = ModelRuntime(role, model, home, state=states[role], readers=readers,
-                                     offload_trainable=offload)
-        else:
-            offload = spec.placement.offload_frozen and shares(role)
-            out[role] = ModelRuntime(role, model, home, offload=offload, params=states[role],
-                                     readers=readers)
+        state, p = states[role], spec.placement
+        held = (dict(state=state, offload_trainable=p.offload_trainable and shares(role))
+                if isinstance(state, TrainState)
+                else dict(params=state, offload=p.offload_frozen and shares(role)))
+        out[role] = ModelRuntime(role, model, plan.home(graph, role), **held,
+                                 readers=readers_per_layout(graph.calls_of(role), plan.layouts))
     return out
 
 
