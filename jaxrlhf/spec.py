@@ -400,15 +400,12 @@ def make_algorithm(config: ConfigDict, decoupled_objective: bool = False) -> Alg
     batch = config.rollout.batch_size * config.rollout.group_size
     cap = (config.async_rl.behav_imp_weight_cap or None) if decoupled_objective else None
     match name:
-        case AlgorithmName.PPO if decoupled_objective:
-            return decoupled.decoupled_ppo(ppo_config(config, cap), reward_model=reward_model,
-                                           batch_size=batch)
         case AlgorithmName.PPO:
-            return ppo.make(ppo_config(config), reward_model=reward_model, batch_size=batch)
-        case AlgorithmName.GRPO if decoupled_objective:
-            return decoupled.decoupled_grpo(grpo_config(config, cap), reward_model=reward_model)
+            make = decoupled.decoupled_ppo if decoupled_objective else ppo.make
+            return make(ppo_config(config, cap), reward_model=reward_model, batch_size=batch)
         case AlgorithmName.GRPO:
-            return grpo.make(grpo_config(config), reward_model=reward_model)
+            make = decoupled.decoupled_grpo if decoupled_objective else grpo.make
+            return make(grpo_config(config, cap), reward_model=reward_model)
         case AlgorithmName.REMAX:
             p = ppo_config(config)
             return remax.make(remax.ReMaxConfig(kl=p.kl, policy=p.policy,
