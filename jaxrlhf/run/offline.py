@@ -52,11 +52,9 @@ def run(job: Job) -> dict:
     spec, name = job.spec, job.spec.algorithm.name
     paired = spec.algorithm.batches is BatchKind.PAIRS
     with rl.begin(job) as start, MetricsWriter(job.workdir) as writer:
-        summary = {"steps": spec.steps, "workdir": str(job.workdir),
-                   "resumed_from": None if start.resume is None else start.resume.step}
         runner = start.runner(job, writer, {})  # offline graphs have no host MFCs
         if runner is None:  # stopped in the warm start, its checkpoint saved
-            return {**summary, "seconds": time.perf_counter() - t0, "interrupted": True}
+            return rl.summary(job, t0, start, None, None, {}, None)
         evaluate = offline_evaluator(job, runner.runtimes[spec.algorithm.trained_role])
         with runner:
             before = evaluate() if start.resume is None else start.before()
@@ -70,8 +68,4 @@ def run(job: Job) -> dict:
             writer.write(spec.steps, {f"eval/{k}_{when}": v for when, m in
                                       (("before", before), ("after", after))
                                       for k, v in m.items()})
-    for key in before:
-        summary[f"{key}_before"] = before[key]
-        summary[f"{key}_after"] = None if after is None else after[key]
-    return {**summary, "seconds": time.perf_counter() - t0, "recompiles": runner.compiles,
-            "interrupted": loop.interrupted}
+    return rl.summary(job, t0, start, runner, loop, before, after)

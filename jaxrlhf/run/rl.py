@@ -157,6 +157,21 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
                       evaluation_before, "RL", on_step)
 
 
+def summary(job: Job, t0: float, start: Start, runner: Runner | None,
+            loop: LoopResult | None, before: dict, after: dict | None) -> dict:
+    """The job's last line: each held-out figure (accuracy and reward at least) before and
+    after training (None where not measured) and how the run went; no runner or loop when the
+    warm start was stopped."""
+    figures = dict.fromkeys(("accuracy", "reward", *before))
+    return {**{f"{k}_{when}": None if m is None else m.get(k)
+               for k in figures for when, m in (("before", before), ("after", after))},
+            "seconds": time.perf_counter() - t0, "steps": job.spec.steps,
+            "workdir": str(job.workdir), "recompiles": runner and runner.compiles,
+            "resumed_from": None if start.resume is None else start.resume.step,
+            "interrupted": loop is None or loop.interrupted,
+            "skipped_steps": loop and loop.skipped, **(loop and loop.extra or {})}
+
+
 def _shown(metrics: dict[str, float]) -> str:
     """The held-out figures of a summary line, e.g. "accuracy 0.250, reward 0.250"."""
     shown = [f"{k} {metrics[k]:.3f}" for k in ("accuracy", "reward") if k in metrics]
@@ -172,11 +187,9 @@ def run(job: Job) -> dict:
           build.host_pools(spec) as pools):
         runner = start.runner(job, writer, pools)
         if runner is None:  # stopped in the warm start, its checkpoint saved
-            return {"accuracy_before": None, "accuracy_after": None,
-                    "seconds": time.perf_counter() - t0, "steps": spec.steps,
-                    "workdir": str(workdir), "resumed_from": None, "interrupted": True}
+            return summary(job, t0, start, None, None, {}, None)
         # The runner holds the reward model, if there is one.
-        evaluate = lambda: held_out.greedy(build.frozen_copy(
+        evaluate = lambda: held_out.greedy(build.actor_copy(
             runner.runtimes[Role.ACTOR].params, spec.base.config, gen_layout),
             runner.runtimes.get(Role.REWARD))
         with runner:
@@ -190,11 +203,4 @@ def run(job: Job) -> dict:
     if after is not None:
         print(f"held-out after RL:  {_shown(after)}")
     print(time_table(loop.timings[1:] or loop.timings, job.plan.specs))
-    return {"accuracy_before": before.get("accuracy"),
-            "accuracy_after": None if after is None else after.get("accuracy"),
-            "reward_before": before.get("reward"),
-            "reward_after": None if after is None else after.get("reward"),
-            "seconds": time.perf_counter() - t0, "steps": spec.steps,
-            "workdir": str(workdir), "recompiles": runner.compiles,
-            "resumed_from": None if start.resume is None else start.resume.step,
-            "interrupted": loop.interrupted, "skipped_steps": loop.skipped, **loop.extra}
+    return summary(job, t0, start, runner, loop, before, after)
