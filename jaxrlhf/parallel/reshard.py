@@ -23,9 +23,10 @@ these routes (chosen per leaf from its shardings):
               source mesh into the destination's layout on its first |dst| devices, which then
               cross. |src| < |dst|: the source's layout crosses onto each consecutive block of
               |src| destination devices, then the destination reshards locally. A crossing is
-              one cross-host `device_put` between two meshes of the same shape with every shard
+              cross-host `device_put` between two meshes of the same shape with every shard
               changing process (the only kind JAX supports; a block in the source's own
-              processes is a local COPY instead). See "Multi-process" below.
+              processes is a local COPY instead), one call per pair of device lists (`_send`
+              says why). See "Multi-process" below.
 Legal sub-meshes (submesh.py) are powers of two inside a host or whole hosts, so one of the last
 three applies unless two host counts do not divide each other (e.g. 3 hosts vs 2): that raises.
 
@@ -261,6 +262,35 @@ def _same_process(x: jax.Array, group: NamedSharding) -> bool:
     return all(a.process_index == b.process_index for a, b in pairs)
 
 
+def _device_ids(sharding: Sharding) -> tuple[int, ...]:
+    return tuple(d.id for d in np.asarray(_as_named(sharding).mesh.devices).flat)
+
+
+def _send(xs: list[jax.Array], remote: list[tuple[int, NamedSharding]]) -> list[jax.Array]:
+    """The cross-host `device_put`s of `_cross`: one per (source devices, destination devices)
+    pair, in the order the pairs first occur in `remote`, which every process computes alike.
+
+    Not one `device_put` of everything: the runtime pairs a sender with its receiver by a
+    per-process transfer-key counter, and a batched copy with several device-list pairs takes
+    its keys group by group in hash-map order, which differs between processes. With two or
+    more destination processes (a checkpoint of a sub-mesh model in a 3-process job: one block
+    on each other process) sender and receivers then disagree about the keys and the receivers
+    wait forever. One pair per call makes every process count the keys in the same order.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for j, (i, block) in enumerate(remote):
+        key = (_device_ids(xs[i].sharding), xs[i].sharding.memory_kind, _device_ids(block),
+               block.memory_kind)
+        groups.setdefault(key, []).append(j)
+    pieces: list = [None] * len(remote)
+    for js in groups.values():
+        moved = jax.device_put([xs[remote[j][0]] for j in js], [remote[j][1] for j in js],
+                               may_alias=False)
+        for j, piece in zip(js, moved):
+            pieces[j] = piece
+    return pieces
+
+
 def _cross(xs: list[jax.Array], dsts: list[NamedSharding]) -> list[jax.Array]:
     """Cross-process hop: `x` onto every block of its target, then a barrier.
 
@@ -277,8 +307,7 @@ def _cross(xs: list[jax.Array], dsts: list[NamedSharding]) -> list[jax.Array]:
                 raise ValueError(f"cross-process hop needs equal mesh shapes: {x.sharding} -> {dst}")
             (local if _same_process(x, block) else remote).append((i, block))
     pieces = _copy([xs[i] for i, _ in local], [block for _, block in local]) if local else []
-    pieces += jax.device_put([xs[i] for i, _ in remote], [block for _, block in remote],
-                             may_alias=False)
+    pieces += _send(xs, remote)
     with watchdog.guard(lambda: f"cross-process transfer of {len(remote)} array(s) "
                                 f"({_processes(xs)} -> {_processes([b for _, b in remote])})"):
         jax.block_until_ready(pieces)
