@@ -113,7 +113,7 @@ def load_preferences(spec: RunSpec, workdir: pathlib.Path) -> tuple[list, list]:
     return rows[:-holdout], rows[-holdout:]
 
 
-def prepare(spec: RunSpec, workdir: str, devices=None) -> Job:
+def prepare(spec: RunSpec, workdir: str) -> Job:
     """Every check that needs no compile, roughly in the order a user would fix them.
 
     Raises:
@@ -141,7 +141,7 @@ def prepare(spec: RunSpec, workdir: str, devices=None) -> Job:
             check_vocab(tokenizer, model.config.vocab_size)
     roles.starts(spec)  # every role has weights to start from
     with field("placement"):
-        plan = place(spec, devices)
+        plan = place(spec)
     w = spec.warm_start
     if Role.ACTOR in spec.models and w.steps:
         home = plan.home(spec.graph, Role.ACTOR)
@@ -168,6 +168,6 @@ def prepare(spec: RunSpec, workdir: str, devices=None) -> Job:
     return Job(spec, tokenizer, plan, workdir, fingerprint, data)
 
 
-def check_config(config: ConfigDict, workdir: str, devices=None) -> Job:
+def check_config(config: ConfigDict, workdir: str) -> Job:
     """`prepare(run_spec(config), ...)`: the config checked end to end, as the entry point does."""
-    return prepare(run_spec(config), workdir, devices)
+    return prepare(run_spec(config), workdir)

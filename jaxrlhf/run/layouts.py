@@ -116,10 +116,10 @@ def _pipeline_default(layout: Layout, rows: int) -> int:
     return max(valid)
 
 
-def place(spec: RunSpec, devices=None) -> RunPlan:
+def place(spec: RunSpec) -> RunPlan:
     """Resolves and validates every model MFC's layout and micro-batches; raises naming the MFC
     and the field."""
-    devices = list(devices or jax.devices())
+    devices = jax.devices()
     entries, where = _entries(spec, len(devices))
     choices, layouts = {}, {}
     for name, entry in entries.items():

@@ -12,6 +12,7 @@ Preference pairs are batched as chosen rows then rejected rows (`algorithms.pair
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -56,7 +57,7 @@ def run(job: Job) -> dict:
         if runner is None:  # stopped in the warm start, its checkpoint saved
             return rl.summary(job, t0, start, None, None, {}, None)
         evaluate = offline_evaluator(job, runner.runtimes[spec.algorithm.trained_role])
-        with runner:
+        with contextlib.closing(runner):
             before = evaluate() if start.resume is None else start.before()
             print(f"held-out before {name}: {before}", flush=True)
             rows = start.rows(job.data.pairs if paired else job.data.sft, job)

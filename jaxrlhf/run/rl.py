@@ -11,6 +11,7 @@ steps exactly; one that holds only warm-start checkpoints resumes the warm start
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -34,8 +35,7 @@ from jaxrlhf.run.warm_start import WarmStart
 @dataclasses.dataclass
 class Start:
     """Where a run begins (`begin`): its checkpoints, and the newest intact checkpoint (`resume`
-    its host state, `states` its model states on this run's layouts) or else the warm start.
-    Leaving it as a context closes the checkpoints (waits for background writes)."""
+    its host state, `states` its model states on this run's layouts) or else the warm start."""
 
     checkpoints: checkpoint.Checkpointer
     resume: checkpoint.HostState | None
@@ -63,34 +63,32 @@ class Start:
             out.restore(self.resume.iterator)
         return out
 
-    def __enter__(self) -> Start:
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.checkpoints.close()
-
-
-def begin(job: Job) -> Start:
-    """Opens the run's checkpoints and restores the newest intact one (damaged newer ones are
-    skipped; its layouts may differ from this run's), else prepares the warm start; drops the
-    records of metrics.jsonl that the run writes again (all of them when it starts afresh)."""
+@contextlib.contextmanager
+def begin(job: Job):
+    """The run's `Start`: opens its checkpoints and restores the newest intact one (damaged
+    newer ones are skipped; its layouts may differ from this run's), else prepares the warm
+    start; drops the records of metrics.jsonl that the run writes again (all of them when it
+    starts afresh). Leaving the context closes the checkpoints (waits for background writes)."""
     spec = job.spec
     checkpoints = checkpoint.Checkpointer(job.workdir / checkpoint.CHECKPOINT_DIR,
                                           spec.checkpoint)
-    restored = checkpoints.restore_intact({
-        role: checkpoint.abstract_state(model, job.plan.home(spec.graph, role),
-                                        spec.optimizers.get(role))
-        for role, model in spec.model_configs().items()})
-    if restored is not None:
-        print(f"resuming from checkpoint {restored[0].step} in {checkpoints.directory}",
-              flush=True)
-        checkpoint.trim_metrics(job.workdir / METRICS_FILE, restored[0].step)
-        return Start(checkpoints, *restored, None)
-    # The warm start trains the actor on the trained model's layout (reward modelling then
-    # starts its reward model from the actor's trunk).
-    warm = WarmStart(job, job.plan.home(spec.graph, spec.algorithm.trained_role))
-    checkpoint.trim_metrics(job.workdir / METRICS_FILE, 0, warm.start_step)
-    return Start(checkpoints, None, None, warm)
+    with contextlib.closing(checkpoints):
+        restored = checkpoints.restore_intact({
+            role: checkpoint.abstract_state(model, job.plan.home(spec.graph, role),
+                                            spec.optimizers.get(role))
+            for role, model in spec.model_configs().items()})
+        if restored is None:
+            # The warm start trains the actor on the trained model's layout (reward modelling
+            # then starts its reward model from the actor's trunk).
+            warm = WarmStart(job, job.plan.home(spec.graph, spec.algorithm.trained_role))
+            checkpoint.trim_metrics(job.workdir / METRICS_FILE, 0, warm.start_step)
+            yield Start(checkpoints, None, None, warm)
+        else:
+            print(f"resuming from checkpoint {restored[0].step} in {checkpoints.directory}",
+                  flush=True)
+            checkpoint.trim_metrics(job.workdir / METRICS_FILE, restored[0].step)
+            yield Start(checkpoints, *restored, None)
 
 
 @dataclasses.dataclass
@@ -192,7 +190,7 @@ def run(job: Job) -> dict:
         evaluate = lambda: held_out.greedy(build.actor_copy(
             runner.runtimes[Role.ACTOR].params, spec.base.config, gen_layout),
             runner.runtimes.get(Role.REWARD))
-        with runner:
+        with contextlib.closing(runner):
             before = evaluate() if start.resume is None else start.before()
             print(f"held-out before RL: {_shown(before)}", flush=True)
             # async_rl.max_staleness > 0: generation runs ahead (run/async_loop.py)

@@ -170,9 +170,3 @@ class Runner:
 
     def close(self) -> None:
         self._waiter.shutdown(wait=False)
-
-    def __enter__(self) -> Runner:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
