@@ -68,9 +68,6 @@ class TaskKind(enum.Enum):
 
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-HEAD_OF_ROLE = {Role.ACTOR: HeadKind.LM, Role.REF: HeadKind.LM, Role.CRITIC: HeadKind.SCALAR,
-                Role.REWARD: HeadKind.SCALAR, Role.COST: HeadKind.SCALAR,
-                Role.COST_CRITIC: HeadKind.SCALAR}
 
 
 def enum_value(kind: type[enum.Enum] | Mapping, value: str, field: str):
@@ -342,16 +339,14 @@ def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
     attn = enum_value(attention.AttentionImpl, cfg.attention, f"{where}.attention")
     if (reason := attention.unavailable_reason(attn)) is not None:
         raise ValueError(f"{where}.attention={cfg.attention!r}: {reason}")
-    head = HEAD_OF_ROLE[role]
+    head = HeadKind.LM if role in (Role.ACTOR, Role.REF) else HeadKind.SCALAR  # policies
     if cfg.path:
         if not (pathlib.Path(cfg.path) / "config.json").is_file():
             raise FileNotFoundError(f"{where}.path={cfg.path!r} has no config.json")
         base = hf_io.load_hf_config(cfg.path, dtype=dtype, param_dtype=param_dtype, head=head)
     else:
-        try:
+        with field(f"{where}.size"):
             base = get_size(cfg.size, dtype=dtype, param_dtype=param_dtype, head=head)
-        except ValueError as e:
-            raise ValueError(f"{where}.size: {e}") from None
     return base.replace(scan_layers=cfg.scan_layers, remat=remat, attention=attn)
 
 
@@ -490,11 +485,10 @@ def run_spec(config: ConfigDict) -> RunSpec:
     async_rl = _async_rl(config, name)
     with field("algorithm"):
         algorithm = make_algorithm(config, async_rl.decoupled)
-    with field("reward"):
+        graph = build_graph(algorithm.mfcs, roles=set(Role))
+    with field("reward"):  # the same graph: normalisation changes how models train
         algorithm = with_reward_norm(algorithm, RewardNormConfig(config.reward.normalize,
                                                                  config.reward.clip))
-    with field("algorithm"):
-        graph = build_graph(algorithm.mfcs, roles=set(Role))
     rewards = {m.role: _of(RewardSpec, config[m.role.value]) for m in graph.mfcs if m.host}
     models, base = _models(config, graph)
     updates = config.steps * config.ppo.epochs * config.ppo.mini_batches
