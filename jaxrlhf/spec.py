@@ -62,12 +62,8 @@ class RewardKind(enum.Enum):
     MODEL = "model"
 
 
-class TaskKind(enum.Enum):
-    REVERSE = "reverse"
-    ARITHMETIC = "arithmetic"
-
-
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_TASKS = {"reverse": tasks.ReverseTask, "arithmetic": tasks.ArithmeticTask}  # data.task.kind
 
 
 def enum_value(kind: type[enum.Enum] | Mapping, value: str, field: str):
@@ -437,16 +433,15 @@ def _gen_replicas(config: ConfigDict, kind: Placement) -> int:
 
 
 def builtin_task(t: ConfigDict) -> tasks.ArithmeticTask | tasks.ReverseTask:
-    match enum_value(TaskKind, t.kind, "data.task.kind"):
-        case TaskKind.REVERSE:
-            return _of(tasks.ReverseTask, t)
-        case TaskKind.ARITHMETIC:
-            return _of(tasks.ArithmeticTask, t, ops=tuple(tasks.Op(c) for c in t.ops))
+    """The task of `data.task.kind`, from the section's keys of its fields' names."""
+    task = enum_value(_TASKS, t.kind, "data.task.kind")
+    return _of(task, t, ops=tuple(tasks.Op(c) for c in t.ops))  # ops: arithmetic only
 
 
 def _of(cls, section: ConfigDict, **typed):
     """Spec dataclass `cls` from the section's keys of its fields' names; `typed` gives those
-    that the section holds in another form (an enum's name, a parsed value)."""
+    that the section holds in another form (an enum's name, a parsed value; those that are not
+    fields of `cls` are ignored)."""
     return cls(**{f.name: typed[f.name] if f.name in typed else section[f.name]
                   for f in dataclasses.fields(cls)})
 
