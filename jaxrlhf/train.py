@@ -96,12 +96,12 @@ def main(argv):
     # jax.distributed are set.
     from jaxrlhf.checkpoint import CheckpointError
     from jaxrlhf.run import offline, rl
-    from jaxrlhf.run.check import prepare
-    from jaxrlhf.spec import ConfigError, run_spec
+    from jaxrlhf.run.check import check_config
+    from jaxrlhf.spec import ConfigError
 
     workdir = _WORKDIR.value or config.workdir or tempfile.mkdtemp(prefix="jaxrlhf-")
     try:
-        job = prepare(run_spec(config), workdir)
+        job = check_config(config, workdir)
         summary = (offline.run if job.spec.offline else rl.run)(job)
     except (ConfigError, CheckpointError) as e:  # no checkpoint restores: one line as well
         _config_error(e, dist)
