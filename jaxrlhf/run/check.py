@@ -58,9 +58,7 @@ class Job:
 def task_dir(workdir: pathlib.Path) -> pathlib.Path:
     """Where the built-in task's files go: one directory per process, so that processes sharing
     a workdir never read a file another one is still writing."""
-    if jax.process_count() == 1:
-        return workdir / "data"
-    return workdir / "data" / f"process_{jax.process_index()}"
+    return workdir / "data" / (f"process_{jax.process_index()}" if jax.process_count() > 1 else "")
 
 
 def _read(spec: RunSpec, name: str, path, kind: datasets.RowKind, tokenizer) -> list:
