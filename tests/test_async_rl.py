@@ -321,13 +321,20 @@ def test_a_batch_that_never_comes_stops_the_trainer_naming_it(tmp_path):
     assert seconds < WAIT_S + 30, seconds
 
 
-def _two_process_train(workdir: pathlib.Path, extra: list[str]) -> subprocess.Popen:
+def _two_process_train(workdir: pathlib.Path, extra: list[str],
+                       replicas: int = 1) -> subprocess.Popen:
+    """`launch/local.sh 1+replicas python -m jaxrlhf.train ...` (2 CPU devices per process with
+    two replicas: 8 devices do not split in three)."""
     import os
 
     repo = pathlib.Path(__file__).parent.parent
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", LOG_DIR=str(workdir.parent / f"{workdir.name}-logs"))
-    command = [str(repo / "launch/local.sh"), "2", sys.executable, "-m", "jaxrlhf.train",
+    if replicas > 1:
+        extra = [f"--config.placement.gen_replicas={replicas}",
+                 f"--config.cpu_devices={2 * (1 + replicas)}", *extra]
+    command = [str(repo / "launch/local.sh"), str(1 + replicas), sys.executable, "-m",
+               "jaxrlhf.train",
                "--config=configs/ppo_tiny.py", f"--workdir={workdir}", "--config.steps=6",
                "--config.warm_start.sft_steps=2", "--config.data.task.num_eval=8",
                "--config.reward.workers=1", "--config.async_rl.max_staleness=2",
@@ -338,11 +345,16 @@ def _two_process_train(workdir: pathlib.Path, extra: list[str]) -> subprocess.Po
 
 @pytest.mark.slow
 @pytest.mark.entry
-def test_two_processes_trainer_and_generation_replica(tmp_path):
-    """`launch/local.sh 2 python -m jaxrlhf.train ... max_staleness=2, disaggregate`: process 0
-    trains, process 1 generates; staleness stays within η (the trainer asserts it from the
-    per-token versions before every update), every step is written once, checkpoints drain."""
-    proc = _two_process_train(tmp_path / "run", ["--config.checkpoint.every=3"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_two_processes_trainer_and_generation_replica(tmp_path, replicas):
+    """`launch/local.sh 1+R python -m jaxrlhf.train ... max_staleness=2, disaggregate,
+    gen_replicas=R`: process 0 trains, processes 1..R generate; staleness stays within η (the
+    trainer asserts it from the per-token versions before every update), every step is written
+    once, checkpoints drain and save with every process taking part (R = 2: the save's
+    cross-process hop onto two other processes, which hung before reshard._send), and the
+    held-out evaluation runs every eval.every = 3 updates."""
+    proc = _two_process_train(tmp_path / "run", ["--config.checkpoint.every=3",
+                                                 "--config.eval.every=3"], replicas)
     try:
         out, _ = proc.communicate(timeout=1800)
     finally:
@@ -353,11 +365,16 @@ def test_two_processes_trainer_and_generation_replica(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["gen_replicas"] == 1 and 0 < summary["staleness_max"] <= 2, summary
+    assert summary["gen_replicas"] == replicas and 0 < summary["staleness_max"] <= 2, summary
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     rl_rows = [r for r in rows if "async/staleness_max" in r]
-    assert [r["step"] for r in rl_rows] == list(range(6))
-    assert all(r["async/staleness_max"] <= 2 and r["async/replica"] == 1 for r in rl_rows)
+    assert [r["step"] for r in rl_rows] == list(range(6))  # one row per update, in order
+    assert sorted(r["async/batch"] for r in rl_rows) == list(range(6))  # each batch once
+    assert all(r["async/staleness_max"] <= 2 for r in rl_rows)
+    assert {r["async/replica"] for r in rl_rows} == set(range(1, replicas + 1))
+    evaluated = [r["step"] for r in rl_rows if "eval/accuracy" in r]
+    assert evaluated == [2, 5], evaluated  # after updates 3 and 6, as the one-process loops
+    assert all(0 <= r["eval/accuracy"] <= 1 for r in rl_rows if "eval/accuracy" in r)
     saved = sorted(int(p.name) for p in (tmp_path / "run/checkpoints").iterdir()
                    if p.name.isdigit())
     assert saved == [3, 6], saved
@@ -398,7 +415,9 @@ def test_sigterm_to_two_process_async_job_drains_saves_and_resumes(tmp_path):
     assert resumed.returncode == 0, out[-3000:]
     assert json.loads(out.strip().splitlines()[-1])["resumed_from"] == saved[0]
     rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "async/staleness_max" in r] == list(range(6))
+    rl_rows = [r for r in rows if "async/staleness_max" in r]
+    assert [r["step"] for r in rl_rows] == list(range(6))
+    assert sorted(r["async/batch"] for r in rl_rows) == list(range(6))  # none lost or repeated
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ and process r = 1..R is generation replica r (FlexRLHF's shadow actors): the act
 layout on its own devices, its own copy of the weights, decoding batches with
 `RolloutWorker` (chunks, interruptions, per-token versions, `actor_gen@k`
 micro-batches). Up to the loop the job is the usual SPMD program (build, warm start,
-evaluation); inside it the processes run different programs and meet only here:
+evaluation); inside it the processes run different programs and meet only here (the periodic
+held-out evaluation, `eval.every`, runs on the trainer alone, on its own devices):
 
   weights     after each update every process takes part in `parallel.reshard` of the actor's
               parameters onto each replica's layout (a cross-process transfer; the trainer
@@ -42,6 +43,7 @@ Every cross-process wait is deadline-bound (`distributed`'s wait timeout): trans
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 
@@ -61,6 +63,7 @@ from jaxrlhf.run.async_steps import (
 from jaxrlhf.run.rollout_worker import Generated, RolloutWorker
 from jaxrlhf.run.channel import Channel, Deadline
 from jaxrlhf.run.check import Job
+from jaxrlhf.run.evaluate import HeldOut
 from jaxrlhf.run.runner import Runner
 from jaxrlhf.engine.rollout import Rollout
 
@@ -87,23 +90,25 @@ def replica_layouts(job: Job, gen_name: str) -> list[Layout]:
                             f"run needs 1 + {replicas} processes (the trainer's and one per "
                             f"replica), have {processes}")
     gen = job.plan.layouts[gen_name]
-    local = {p: sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-             for p in range(processes)}
-    if sorted(gen.devices, key=lambda d: d.id) != local[1]:
+    if set(gen.devices) != {d for d in jax.devices() if d.process_index == 1}:
         raise TopologyError(f"{gen_name} must use exactly process 1's devices in a multi-process "
                             "asynchronous run (placement.kind=disaggregate does)")
     for name, layout in job.plan.layouts.items():
         if name != gen_name and any(d.process_index != 0 for d in layout.devices):
             raise TopologyError(f"{name} must run on process 0's devices (the trainer's) in a "
                                 "multi-process asynchronous run")
+    return [on_process(gen, r) for r in range(1, processes)]
+
+
+def on_process(layout: Layout, process: int) -> Layout:
+    """`layout`, which sits on process 1's devices, moved device for device (in id order) onto
+    `process`'s: a replica's generation layout, or the trainer's for held-out evaluation."""
+    local = {p: sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+             for p in (1, process)}
     position = {d: i for i, d in enumerate(local[1])}
-    out = []
-    for r in range(1, processes):
-        devices_ = np.vectorize(lambda d, r=r: local[r][position[d]], otypes=[object])(
-            gen.mesh.devices)
-        out.append(dataclasses.replace(gen, mesh=jax.sharding.Mesh(devices_,
-                                                                   gen.mesh.axis_names)))
-    return out
+    devices_ = np.vectorize(lambda d: local[process][position[d]], otypes=[object])(
+        layout.mesh.devices)
+    return dataclasses.replace(layout, mesh=jax.sharding.Mesh(devices_, layout.mesh.axis_names))
 
 
 def _publish(params, shardings: list, version: int, mine: int):
@@ -123,9 +128,10 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
             acc_before: float | None, held_out=None,
             evaluation_before: dict[str, float] | None = None) -> AsyncLoopResult:
     """The asynchronous loop of a multi-process job (module docstring): the trainer's part in
-    process 0, a replica's in the others. Arguments as `async_loop.rl_loop`'s; the periodic
-    held-out evaluation (`held_out`) is not run inside this loop."""
-    del held_out  # between updates only the trainer runs: no job-wide evaluation there
+    process 0, a replica's in the others. Arguments as `async_loop.rl_loop`'s. The periodic
+    held-out evaluation (`held_out`, every `eval.every` updates) runs on the trainer alone, on
+    the generation layout moved onto its own devices: between updates only the trainer holds
+    the newest weights and runs, so a job-wide evaluation would wait for busy replicas."""
     (gen,) = [m for m in job.spec.graph.mfcs if m.role is Role.ACTOR and m.call is Call.GENERATE]
     layouts = replica_layouts(job, gen.name)
     shardings = [lay.param_shardings(abstract_params(job.spec.base.config)) for lay in layouts]
@@ -141,8 +147,11 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
         runtime.drop_copies()  # from here the processes hold different parameter versions
     with process_local():
         if jax.process_index() == 0:
-            result = _Trainer(job, runner, gen, shardings, chan, save).run(prompts, writer,
-                                                                          checkpoints)
+            periodic = held_out is not None and job.spec.evaluation.every > 0
+            with (held_out.on(on_process(held_out.layout, 0)) if periodic
+                  else contextlib.nullcontext()) as evaluation:
+                result = _Trainer(job, runner, gen, shardings, chan, save, evaluation).run(
+                    prompts, writer, checkpoints)
         else:
             result = _serve(job, runner, gen, layouts, shardings, chan, save, prompts)
     for runtime in runner.runtimes.values():
@@ -232,8 +241,9 @@ class _Order:
 class _Trainer:
     """Process 0: issues work, trains arrived batches, publishes weights, saves."""
 
-    def __init__(self, job: Job, runner: Runner, gen, shardings: list, chan: Channel, save):
-        self.job, self.spec, self.gen = job, job.spec, gen
+    def __init__(self, job: Job, runner: Runner, gen, shardings: list, chan: Channel, save,
+                 held_out: HeldOut | None = None):
+        self.job, self.spec, self.gen, self.held_out = job, job.spec, gen, held_out
         self.runner = trainer_runner(runner, gen.name)
         self.actor = runner.runtimes[Role.ACTOR]
         self.shardings, self.chan, self.save = shardings, chan, save
@@ -342,13 +352,19 @@ class _Trainer:
                 m["async/gen_busy"] = (sum(self.gen_busy) - marks[0]) / window / self.replicas
                 m["async/train_busy"] = (train_busy - marks[1]) / window
                 m["async/replica"] = float(meta["replica"])
+                m["async/batch"] = float(done.index)  # batches arrive (and train) in any order
                 marks = (sum(self.gen_busy), train_busy)
                 if skipped:
                     m["nan_skipped"] = 1.0
+                if self.held_out is not None and self.held_out.due(trained):
+                    m.update(self.held_out.periodic(
+                        self.actor.params_on(self.held_out.layout), trained,
+                        self.runner.runtimes.get(Role.REWARD)))
+                    self.deadline.progress()  # evaluating is not waiting for the replicas
                 staleness_max = max(staleness_max, m["async/staleness_max"])
                 if trained > 1:
                     tokens_per_s.append((tokens, window))
-                writer.write(done.index, m)
+                writer.write(trained - 1, m)  # the update's number: rows stay in order
                 timings.append(result.timing)
                 events += [(f"gen {done.index}", *done.seconds), (f"train {done.index}", t0, t1)]
                 if stopping and not self.outstanding:
