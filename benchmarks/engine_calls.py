@@ -1,9 +1,10 @@
 """Times the three engine calls of W-cpu in isolation, A/B interleaved, against the matmul floor.
 
 `python benchmarks/engine_calls.py [--devices=1] [--repeats=5] [--calls=generate,inference,train]
-[--variants=scan,unroll]`
+[--variants=scan,unroll] [--layouts=0-7:d8,0-7:d4t2]`
 
 Each call kind is compiled once per variant (scanned / unrolled layer stack), then the variants
+(and per layout, when `--layouts` names several strategies on the `--devices` CPU devices)
 are timed round-robin `repeats` times (so that load from other processes on the shared cores
 hits every variant alike) and the medians printed with the fraction of the floor
 (`jaxrlhf.perf`). Not a test: a tool to find where engine time goes.
@@ -12,6 +13,7 @@ hits every variant alike) and the medians printed with the fraction of the floor
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
@@ -23,6 +25,8 @@ def _args():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--calls", default="generate,inference,train")
     p.add_argument("--variants", default="scan,unroll")
+    p.add_argument("--layouts", default="", help="strategies to compare, e.g. 0-7:d8,0-7:d4t2 "
+                   "(default: all --devices data parallel)")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=64)
@@ -56,9 +60,12 @@ def main():
     seq_bs = rng.integers(1, 250, (rows, context)).astype(np.int32)
     batch = InferenceBatch.padded(seq_bs, np.ones_like(seq_bs))
     calls = {}
-    for variant in args.variants.split(","):
+    specs = args.layouts.split(",") if args.layouts else [f"0-{args.devices - 1}:d{args.devices}"]
+    for variant, spec in itertools.product(args.variants.split(","), specs):
         cfg = get_size("bench", dtype=jnp.float32, scan_layers=variant == "scan")
-        layout = make_layout(f"0-{args.devices - 1}:d{args.devices}", model=cfg)
+        layout = make_layout(spec, model=cfg)
+        if len(specs) > 1:
+            variant = f"{variant}/{spec}"
         params = init_params(cfg, layout, jax.random.key(0))
         if "generate" in args.calls:
             gen = make_generate_fn(cfg, GenerateConfig(args.new, 0, 0, 0.9,
@@ -100,7 +107,7 @@ def main():
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     for name, (_, flops) in calls.items():
         med = statistics.median(times[name])
-        print(f"{name:<22} {med:8.3f} s  floor {flops / peak:7.3f} s  "
+        print(f"{name:<32} {med:8.3f} s  floor {flops / peak:7.3f} s  "
               f"{flops / peak / med:6.1%} of floor  (min {min(times[name]):.3f}, "
               f"cpu {statistics.median(cpu[name]):.3f} s)")
 

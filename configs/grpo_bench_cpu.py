@@ -8,12 +8,25 @@ one optimizer update per step: 64 x 96 = 6,144 tokens and about 258 GFLOP per st
 Variants (`configs/grpo_bench_cpu.py:ARG`, comma-separated):
   * `prompts64`: 64 prompts x 4 responses (batch scaling row);
   * `new512`: 512 new tokens (length scaling row);
-  * `dN`: colocate on the first N CPU devices (e.g. `d1`, `d2`); default all 8;
+  * `dN`: colocate on the first N CPU devices (e.g. `d1`, `d2`), every MFC data parallel;
   * `smoke`: the same graph, model and code path for 2 steps with 4 prompts x 2 responses and
     8 + 8 tokens, in seconds (the default test suite runs it).
+
+Default placement: every MFC on all 8 CPU devices (colocated), each with its own strategy as in
+ReaL: ref_inf and actor_train data parallel (d8), actor_gen d4t2. Why not d8 for generation:
+the 8 virtual devices share the host's 2 cores and memory bus, and a decode step is bound by
+reading the weights; at d8 each device reads all of them for its 8 rows, 8x the bytes of one
+device. With the weights split over tensor pairs (t2) each device reads half of them for 16
+rows, and W-cpu's generation took 4.7 and 4.3 s where d8 took 15.2 and 7.9 s (`jaxrlhf.bench`,
+default vs `:d8`, two interleaved pairs, load 10-20). ref_inf and actor_train were slower at
+d4t2 than at d8 (benchmarks/engine_calls.py --layouts=0-7:d8,0-7:d4t2), so they stay d8.
+`:d8` is the all-d8 colocation.
 """
 
 from jaxrlhf.schema import base_config
+
+# The default placement (see above): all three MFCs on all 8 devices.
+GEN_TENSOR_PAIRS = "actor_gen=0-7:d4t2,ref_inf=0-7:d8,actor_train=0-7:d8"
 
 
 def get_config(arg=None):
@@ -34,6 +47,8 @@ def get_config(arg=None):
     config.ppo.mini_batches = 1
     config.ppo.epochs = 1
     config.reward.function = "zero"
+    config.placement.kind = "manual"
+    config.placement.allocation = GEN_TENSOR_PAIRS
     for part in filter(None, (arg or "").split(",")):
         if part == "prompts64":
             config.rollout.batch_size = 64
@@ -45,6 +60,7 @@ def get_config(arg=None):
                                   max_new_tokens=8)
         elif part.startswith("d") and part[1:].isdigit():
             config.cpu_devices = int(part[1:])
+            config.placement.kind, config.placement.allocation = "colocate", ""
         else:
             raise ValueError(f"configs/grpo_bench_cpu.py: unknown variant {part!r} "
                              "(prompts64, new512, dN, smoke)")
