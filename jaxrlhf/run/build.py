@@ -76,26 +76,18 @@ def initial_actor_params(spec: RunSpec, layout: Layout):
     return init_params(spec.base.config, layout, jax.random.key(spec.seed))
 
 
-def independent_copy(params, shardings):
-    """`params` on `shardings` in buffers of their own.
-
-    reshard returns a leaf as is when its sharding does not change; a model that must outlive
-    the source's donation (ref and critic start from the actor) needs its own buffers.
-    """
-    moved, _ = reshard(params, shardings)
-    return jax.tree.map(lambda new, old: jnp.copy(new) if new is old else new, moved, params)
-
-
 def actor_copy(actor_params, model: ModelConfig, layout: Layout):
     """The actor's parameters that `model` has (all of them for the ref, the trunk for a
     critic), on `layout` in buffers of their own and in `model`'s dtypes (a role may store its
     copy in another dtype); a head the actor lacks (a critic's score) starts at zero."""
     boxed = abstract_params(model)
     shardings, abstract = layout.param_shardings(boxed), nn.meta.unbox(boxed)
-    copy = independent_copy({k: v for k, v in actor_params.items() if k in abstract},
-                            {k: shardings[k] for k in abstract if k in actor_params})
-    params = jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype),
-                          copy, {k: abstract[k] for k in copy})
+    shared = {k: v for k, v in actor_params.items() if k in abstract}
+    moved, _ = reshard(shared, {k: shardings[k] for k in shared})
+    # reshard returns a leaf as is when its sharding does not change; the copy must outlive
+    # the actor's buffers, which its train step donates.
+    own = lambda new, old, a: (jnp.copy(new) if new is old else new).astype(a.dtype)
+    params = jax.tree.map(own, moved, shared, {k: abstract[k] for k in shared})
     return {**params, **{k: jax.device_put(jnp.zeros(a.shape, a.dtype), shardings[k])
                          for k, a in abstract.items() if k not in params}}
 
