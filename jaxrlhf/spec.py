@@ -432,12 +432,6 @@ def _gen_replicas(config: ConfigDict, kind: Placement) -> int:
     return replicas
 
 
-def builtin_task(t: ConfigDict) -> tasks.ArithmeticTask | tasks.ReverseTask:
-    """The task of `data.task.kind`, from the section's keys of its fields' names."""
-    task = enum_value(_TASKS, t.kind, "data.task.kind")
-    return _of(task, t, ops=tuple(tasks.Op(c) for c in t.ops))  # ops: arithmetic only
-
-
 def _of(cls, section: ConfigDict, **typed):
     """Spec dataclass `cls` from the section's keys of its fields' names; `typed` gives those
     that the section holds in another form (an enum's name, a parsed value; those that are not
@@ -447,8 +441,9 @@ def _of(cls, section: ConfigDict, **typed):
 
 
 def _data(d: ConfigDict) -> DataSpec:
-    with field("data.task"):
-        task = builtin_task(d.task)
+    with field("data.task"):  # the task class of `kind`; ops: arithmetic only
+        task = _of(enum_value(_TASKS, d.task.kind, "data.task.kind"), d.task,
+                   ops=tuple(tasks.Op(c) for c in d.task.ops))
     with field("data.long_prompts"):
         long_prompts = parse_long_prompts(d.long_prompts)
     chat_template = enum_value(ChatTemplateMode, d.chat_template, "data.chat_template")
