@@ -12,15 +12,16 @@ Variants (`configs/grpo_bench_cpu.py:ARG`, comma-separated):
   * `smoke`: the same graph, model and code path for 2 steps with 4 prompts x 2 responses and
     8 + 8 tokens, in seconds (the default test suite runs it).
 
-Default placement: every MFC on all 8 CPU devices (colocated), each with its own strategy as in
-ReaL: ref_inf and actor_train data parallel (d8), actor_gen d4t2. Why not d8 for generation:
-the 8 virtual devices share the host's 2 cores and memory bus, and a decode step is bound by
-reading the weights; at d8 each device reads all of them for its 8 rows, 8x the bytes of one
-device. With the weights split over tensor pairs (t2) each device reads half of them for 16
-rows, and W-cpu's generation took 4.7 and 4.3 s where d8 took 15.2 and 7.9 s (`jaxrlhf.bench`,
-default vs `:d8`, two interleaved pairs, load 10-20). ref_inf and actor_train were slower at
-d4t2 than at d8 (benchmarks/engine_calls.py --layouts=0-7:d8,0-7:d4t2), so they stay d8.
-`:d8` is the all-d8 colocation.
+Default placement: every MFC on all 8 CPU devices (colocated), each with its own strategy as
+ReaL allows: ref_inf and actor_train data parallel (d8), actor_gen d4t2. A decode step is bound
+by reading the weights; at d8 each of the 8 virtual devices (sharing the host's cores and memory
+bus) reads all of them for its 8 rows, at d4t2 each reads half of them for 16 rows. Measured on
+W-cpu's generation: quiet (load 3.6), d4t2 1.40 s and d8 1.51 s (benchmarks/engine_calls.py
+--devices=8 --calls=generate --layouts=0-7:d8,0-7:d4t2, 5 interleaved repeats); under other
+processes' load (2-20) d8 suffers far more: in 7 interleaved `jaxrlhf.bench` pairs (default vs
+`:d8`) generation took a median 2.67 s vs 5.64 s, d4t2 faster in 6 of 7. ref_inf and
+actor_train were slower at d4t2 than at d8 (engine_calls, load ~12), so they stay d8. `:d8` is
+the all-d8 colocation.
 """
 
 from jaxrlhf.schema import base_config
