@@ -73,7 +73,8 @@ def test_forward_and_grads_match_xla(impl):
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, **_TOL), got_grads, want_grads)
 
 
-@pytest.mark.parametrize("impl", _AVAILABLE, ids=lambda i: i.value)
+@pytest.mark.parametrize("impl", [pytest.param(i, marks=pytest.mark.slow) if i in _SLOW_ON_CPU
+                                  else i for i in _AVAILABLE], ids=lambda i: i.value)
 def test_generation_matches_xla(impl):
     """Sampled tokens identical, log-probs within fp32 tolerance, after ragged left-padded
     prompts (the decode steps run the cache kernel with a traced cache index)."""

@@ -29,7 +29,10 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+# grpo_bench_cpu runs the same GRPO graph as grpo_tiny, at the benchmark's larger shapes (and
+# `jaxrlhf.bench` runs it): slow, for the default suite's time.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n == "grpo_bench_cpu" else n for n in RUNS])
 def test_shipped_config_runs_its_smoke_variant(name, tmp_path, compile_cache):  # noqa: F811
     config = importlib.import_module(f"configs.{name}").get_config("smoke")
     summary = rl.run(check_config(config, str(tmp_path)))

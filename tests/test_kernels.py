@@ -23,7 +23,7 @@ def _qkv(rng, batch, q_len, k_len, heads, kv_heads, head_dim=8):
 _SEG_20 = np.array([[0] * 3 + [1] * 10 + [2] * 7, [1] * 15 + [0] * 5, [0] * 20], np.int32)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(1, 1), (3, 1)])
+@pytest.mark.parametrize("heads,kv_heads", [(1, 1), pytest.param(3, 1, marks=pytest.mark.slow)])
 def test_flash_values_and_grads_match_reference(heads, kv_heads):
     """Causal + packing + padding, 20 tokens in blocks of 8 (not a divisor), GQA 1 and 2."""
     rng = np.random.default_rng(heads)
@@ -59,7 +59,8 @@ def test_flash_rejects_bad_head_ratio():
         flash_attention(q, k, v, seg, seg, FlashConfig(interpret=True))
 
 
-@pytest.mark.parametrize("q_len,heads,kv_heads", [(1, 4, 1), (2, 2, 2)])
+@pytest.mark.parametrize("q_len,heads,kv_heads", [pytest.param(1, 4, 1, marks=pytest.mark.slow),
+                                                  (2, 2, 2)])
 def test_decode_ragged_matches_reference(q_len, heads, kv_heads):
     """Ragged prefixes over a 19-slot cache in blocks of 4 (the last one overhangs)."""
     rng = np.random.default_rng(q_len)

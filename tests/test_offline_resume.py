@@ -191,7 +191,9 @@ def test_the_trained_model_exports_to_transformers(full_run, tmp_path):
     np.testing.assert_allclose(hf_b, ours_b, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["sft_tiny", "dpo_tiny", "rw_tiny"])
+# The sft and dpo jobs run above (full_run); their shipped configs are slow for the suite's time.
+@pytest.mark.parametrize("name", [pytest.param("sft_tiny", marks=pytest.mark.slow),
+                                  pytest.param("dpo_tiny", marks=pytest.mark.slow), "rw_tiny"])
 def test_shipped_offline_config_runs_its_smoke_variant(name, tmp_path, compile_cache):  # noqa: F811
     """The shipped config's own job, two steps (`--config=configs/NAME.py:smoke`)."""
     config = importlib.import_module(f"configs.{name}").get_config("smoke")

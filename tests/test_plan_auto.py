@@ -56,6 +56,7 @@ def test_auto_placement_runs_the_searched_plan(tmp_path):
     assert check_config(config, str(tmp_path)).plan.plan == searched
 
 
+@pytest.mark.slow  # the suite's time; test_placement_equivalence runs @2 micro-batches by default
 def test_manual_micro_batches_reach_every_call_kind(tmp_path):
     config = get_config()
     config.rollout.batch_size = ROWS
