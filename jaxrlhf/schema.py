@@ -1,12 +1,58 @@
-"""Every key an experiment config has, with its default. Experiment configs start from here.
+"""Every key an experiment config has, with its default, type and range; and the error that
+names a key. Experiment configs start from here.
 
 Library code reads keys directly (no `config.get(key, default)`): a key missing here is a bug,
-and an unknown key on the command line is rejected because configs are locked.
+and an unknown key on the command line is rejected because configs are locked. `check_keys`
+and `check_ranges` hold a config to this schema (jaxrlhf/spec.py runs them, then builds the
+typed specs); a problem is a `ConfigError`: one line naming the field (`field: problem`).
 """
 
+import contextlib
 import difflib
+import enum
+import functools
+import operator
+import re
+from collections.abc import Mapping
 
 from ml_collections import ConfigDict
+
+
+class ConfigError(ValueError):
+    """A config that cannot work, reported as one line naming the field (no traceback)."""
+
+
+# What library validation raises for bad input; anything else is a bug and keeps its traceback.
+_EXPECTED = (ValueError, TypeError, KeyError, LookupError, OSError, ImportError)
+
+
+@contextlib.contextmanager
+def field(name: str):
+    """Re-raises an expected error while checking `name` as one ConfigError line naming it."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except _EXPECTED as e:
+        text = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
+        raise ConfigError(text if _names_a_field(text) else f"{name}: {text}") from None
+
+
+def _names_a_field(text: str) -> bool:
+    """Whether a message starts with a config key ("ppo.epochs=0 ...", "placement.kind ...")."""
+    head = re.match(r"([a-z_]+(?:\.[a-z_]+)*)(=|:| )", text)
+    # "tokenizer has 272 ids" is prose, "placement.allocation has" is not
+    return bool(head) and (head.group(2) != " " or "." in head.group(1)) and (
+        unknown_key(head.group(1)) is None)
+
+
+def enum_value(kind: type[enum.Enum] | Mapping, value: str, field: str):
+    """The member of enum `kind` (or the entry of mapping `kind`) named `value`; else a
+    ConfigError naming the field and the options."""
+    options = kind if isinstance(kind, Mapping) else {m.value: m for m in kind}
+    if value not in options:
+        raise ConfigError(f"{field}={value!r} is not one of: {', '.join(options)}")
+    return options[value]
 
 
 def unknown_key(path: str) -> str | None:
@@ -182,3 +228,50 @@ def base_config() -> ConfigDict:
             "chunk_tokens": 8,  # tokens decoded between checks for new weights (interruptions)
         },
     })
+
+
+def check_keys(config: ConfigDict, base: ConfigDict | None = None, prefix: str = "") -> None:
+    """Every key exists in the schema (`base_config()`), with a value of the same type."""
+    base = base_config() if base is None else base
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if key not in base:
+            raise ConfigError(unknown_key(name))
+        want = base[key]
+        if isinstance(want, ConfigDict):
+            if not isinstance(value, ConfigDict):
+                raise ConfigError(f"{name}: must be a section, got {value!r}")
+            check_keys(value, want, f"{name}.")
+        elif not isinstance(value, type(want)) or isinstance(value, bool) != isinstance(want, bool):
+            if not (isinstance(want, float) and isinstance(value, int) and not isinstance(value, bool)):
+                raise ConfigError(f"{name}={value!r}: must be a {type(want).__name__}")
+
+
+# (relation every key must satisfy, its bound, the keys)
+_BOUNDS = (
+    (">=", 1, ("steps", "cpu_devices", "rollout.batch_size", "rollout.group_size",
+               "rollout.max_prompt_len", "rollout.max_new_tokens", "reward.workers",
+               "ppo.mini_batches", "ppo.epochs", "micro_batches", "warm_start.batch_size",
+               "async_rl.chunk_tokens", "placement.gen_replicas")),
+    (">=", 0, ("rollout.temperature", "rollout.top_k", "reward.max_error_rate",
+               "cost.max_error_rate", "micro_batch_tokens", "warm_start.sft_steps", "reward.clip",
+               "async_rl.max_staleness", "async_rl.behav_imp_weight_cap", "eval.every",
+               "eval.samples", "eval.max_prompts")),
+    (">", 0, ("rollout.top_p", "reward.timeout", "warm_start.lr", "optimizer.actor.lr",
+              "optimizer.critic.lr")),
+    ("<=", 1, ("rollout.top_p", "reward.max_error_rate", "cost.max_error_rate")),
+)
+_RELATIONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
+
+
+def check_ranges(config: ConfigDict) -> None:
+    """Every number is in its range (`_BOUNDS`); the mini-batches divide the rollout batch."""
+    for relation, bound, names in _BOUNDS:
+        for name in names:
+            value = functools.reduce(getattr, name.split("."), config)
+            if not _RELATIONS[relation](value, bound):
+                raise ConfigError(f"{name}={value}: must be {relation} {bound}")
+    batch = config.rollout.batch_size * config.rollout.group_size
+    if batch % config.ppo.mini_batches:
+        raise ConfigError(f"ppo.mini_batches={config.ppo.mini_batches} does not divide the "
+                          f"rollout batch of {batch}")

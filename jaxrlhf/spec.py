@@ -1,7 +1,7 @@
 """The run spec: an experiment config turned, once, into frozen typed specs.
 
 `run_spec(config)` is the last place a `ConfigDict` exists. It checks every key against
-`jaxrlhf/schema.py` (names and types), every range, and every enum, builds the algorithm, its
+`jaxrlhf/schema.py` (names, types and ranges), and every enum, builds the algorithm, its
 graph and each role's `ModelConfig`, and returns a `RunSpec`; everything below takes the parts
 it needs. A problem is a `ConfigError`: one line naming the field (`field: problem`).
 The checks that need files, devices or the planner run on the spec (`jaxrlhf.run.check`).
@@ -9,13 +9,9 @@ The checks that need files, devices or the planner run on the spec (`jaxrlhf.run
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
-import functools
-import operator
 import pathlib
-import re
 from collections.abc import Mapping
 
 import jax.numpy as jnp
@@ -29,7 +25,8 @@ from jaxrlhf.algorithms.spec import Algorithm, BatchKind
 from jaxrlhf.checkpoint import CheckpointConfig, NanPolicy
 from jaxrlhf.data import tasks
 from jaxrlhf.data.chat import ChatTemplateMode
-from jaxrlhf.data.long_prompts import LongPrompts, parse_long_prompts
+from jaxrlhf.data.long_prompts import parse_long_prompts
+from jaxrlhf.data.sources import DataSpec
 from jaxrlhf.dataflow.graph import DataflowGraph, build_graph
 from jaxrlhf.dataflow.placement import Placement
 from jaxrlhf.engine.generate import GenerateConfig
@@ -40,11 +37,7 @@ from jaxrlhf.models import attention, hf_io
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.plan.experiment import Experiment, Workload
-from jaxrlhf.schema import base_config, unknown_key
-
-
-class ConfigError(ValueError):
-    """A config that cannot work, reported as one line naming the field (no traceback)."""
+from jaxrlhf.schema import ConfigError, check_keys, check_ranges, enum_value, field
 
 
 class AlgorithmName(enum.Enum):
@@ -64,15 +57,6 @@ class RewardKind(enum.Enum):
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _TASKS = {"reverse": tasks.ReverseTask, "arithmetic": tasks.ArithmeticTask}  # data.task.kind
-
-
-def enum_value(kind: type[enum.Enum] | Mapping, value: str, field: str):
-    """The member of enum `kind` (or the entry of mapping `kind`) named `value`; else a
-    ConfigError naming the field and the options."""
-    options = kind if isinstance(kind, Mapping) else {m.value: m for m in kind}
-    if value not in options:
-        raise ConfigError(f"{field}={value!r} is not one of: {', '.join(options)}")
-    return options[value]
 
 
 # --- the specs ---------------------------------------------------------------------------
@@ -124,21 +108,6 @@ class RewardSpec:
     workers: int
     timeout: float
     max_error_rate: float  # a step with a larger fraction of failed calls stops the run
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSpec:
-    """Where rows come from: user files, else the built-in `task` (see jaxrlhf.data)."""
-
-    train_path: str
-    eval_path: str
-    sft_path: str
-    preference_path: str
-    preference_eval_path: str
-    preference_holdout: int
-    task: tasks.ArithmeticTask | tasks.ReverseTask
-    long_prompts: LongPrompts  # prompts longer than rollout.max_prompt_len
-    chat_template: ChatTemplateMode  # render prompts with the tokenizer's chat template
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,75 +226,6 @@ class RunSpec:
 
 
 # --- config -> spec ------------------------------------------------------------------------
-
-# What library validation raises for bad input; anything else is a bug and keeps its traceback.
-_EXPECTED = (ValueError, TypeError, KeyError, LookupError, OSError, ImportError)
-
-
-@contextlib.contextmanager
-def field(name: str):
-    """Re-raises an expected error while checking `name` as one ConfigError line naming it."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except _EXPECTED as e:
-        text = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
-        raise ConfigError(text if _names_a_field(text) else f"{name}: {text}") from None
-
-
-def _names_a_field(text: str) -> bool:
-    """Whether a message starts with a config key ("ppo.epochs=0 ...", "placement.kind ...")."""
-    head = re.match(r"([a-z_]+(?:\.[a-z_]+)*)(=|:| )", text)
-    # "tokenizer has 272 ids" is prose, "placement.allocation has" is not
-    return bool(head) and (head.group(2) != " " or "." in head.group(1)) and (
-        unknown_key(head.group(1)) is None)
-
-
-def _check_keys(config: ConfigDict, base: ConfigDict, prefix: str = "") -> None:
-    """Every key exists in jaxrlhf/schema.py, with a value of the same type."""
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if key not in base:
-            raise ConfigError(unknown_key(name))
-        want = base[key]
-        if isinstance(want, ConfigDict):
-            if not isinstance(value, ConfigDict):
-                raise ConfigError(f"{name}: must be a section, got {value!r}")
-            _check_keys(value, want, f"{name}.")
-        elif not isinstance(value, type(want)) or isinstance(value, bool) != isinstance(want, bool):
-            if not (isinstance(want, float) and isinstance(value, int) and not isinstance(value, bool)):
-                raise ConfigError(f"{name}={value!r}: must be a {type(want).__name__}")
-
-
-# (relation every key must satisfy, its bound, the keys)
-_BOUNDS = (
-    (">=", 1, ("steps", "cpu_devices", "rollout.batch_size", "rollout.group_size",
-               "rollout.max_prompt_len", "rollout.max_new_tokens", "reward.workers",
-               "ppo.mini_batches", "ppo.epochs", "micro_batches", "warm_start.batch_size",
-               "async_rl.chunk_tokens", "placement.gen_replicas")),
-    (">=", 0, ("rollout.temperature", "rollout.top_k", "reward.max_error_rate",
-               "cost.max_error_rate", "micro_batch_tokens", "warm_start.sft_steps", "reward.clip",
-               "async_rl.max_staleness", "async_rl.behav_imp_weight_cap", "eval.every",
-               "eval.samples", "eval.max_prompts")),
-    (">", 0, ("rollout.top_p", "reward.timeout", "warm_start.lr", "optimizer.actor.lr",
-              "optimizer.critic.lr")),
-    ("<=", 1, ("rollout.top_p", "reward.max_error_rate", "cost.max_error_rate")),
-)
-_RELATIONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
-
-
-def _check_ranges(config: ConfigDict) -> None:
-    for relation, bound, names in _BOUNDS:
-        for name in names:
-            value = functools.reduce(getattr, name.split("."), config)
-            if not _RELATIONS[relation](value, bound):
-                raise ConfigError(f"{name}={value}: must be {relation} {bound}")
-    batch = config.rollout.batch_size * config.rollout.group_size
-    if batch % config.ppo.mini_batches:
-        raise ConfigError(f"ppo.mini_batches={config.ppo.mini_batches} does not divide the "
-                          f"rollout batch of {batch}")
-
 
 def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
     """The ModelConfig of one role: from its HF directory, or from the size registry."""
@@ -469,9 +369,9 @@ def _models(config: ConfigDict, graph: DataflowGraph) -> tuple[dict[Role, ModelS
 
 def run_spec(config: ConfigDict) -> RunSpec:
     """The typed, checked spec of `config`; raises ConfigError naming the field."""
-    _check_keys(config, base_config())
+    check_keys(config)
     name = enum_value(AlgorithmName, config.algorithm, "algorithm")
-    _check_ranges(config)
+    check_ranges(config)
     async_rl = _async_rl(config, name)
     with field("algorithm"):
         algorithm = make_algorithm(config, async_rl.decoupled)

@@ -12,7 +12,7 @@ from jaxrlhf.run import build, offline
 from jaxrlhf.run.layouts import place
 from jaxrlhf.algorithms import dpo, grpo, pairs, remax, rw, safe_rlhf
 from jaxrlhf.algorithms import losses
-from jaxrlhf.data import costs
+from jaxrlhf.data import costs, sources
 from jaxrlhf.data.datasets import PreferenceRow
 from jaxrlhf.data.tokenizer import load_tokenizer
 from jaxrlhf.engine.microbatch import split
@@ -312,7 +312,8 @@ def test_preference_batch_is_chosen_then_rejected():
 def test_built_in_preferences_hold_out_unseen_pairs(tmp_path):
     config = tiny_config("dpo")
     config.data.preference_holdout = 50
-    train, held_out = build.load_preferences(spec_lib.run_spec(config), tmp_path)
+    spec = spec_lib.run_spec(config)
+    train, held_out = sources.read_pairs(spec.data, tmp_path, spec.rollout.batch_size, "dpo")
     assert len(held_out) == 50 and len(train) == config.data.task.num_train - 50
     assert not {r.prompt for r in held_out} & {r.prompt for r in train}
     assert all(r.chosen == r.prompt[:-1][::-1] for r in held_out)

@@ -172,7 +172,7 @@ def test_the_trained_model_exports_to_transformers(full_run, tmp_path):
         tmp_path / "hf", attn_implementation="eager", dtype=torch.float32).eval()
     # The run's held-out scorer: chosen and rejected answers of held-out pairs, each scored at
     # its last real token (EOS), left-padded prompts and right-padded responses.
-    _, eval_pairs = build.load_preferences(job.spec, job.workdir)
+    eval_pairs = job.data.eval_pairs
     prompts = [p.prompt for p in eval_pairs] * 2
     responses = [p.chosen for p in eval_pairs] + [p.rejected for p in eval_pairs]
     runtime = build.runtimes(job.spec, job.plan, {role: restored})[role]

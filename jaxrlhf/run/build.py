@@ -28,7 +28,6 @@ from jaxrlhf.parallel.reshard import reshard
 from jaxrlhf.run import roles
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.check import load_data as load_data  # bench and calibration read data here
-from jaxrlhf.run.check import load_preferences as load_preferences
 from jaxrlhf.run.layouts import RunPlan
 from jaxrlhf.run.runner import Runner
 from jaxrlhf.spec import ModelSpec, RolloutSpec, RunSpec

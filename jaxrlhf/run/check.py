@@ -12,15 +12,13 @@ import dataclasses
 import pathlib
 import tempfile
 
-import jax
 from ml_collections import ConfigDict
 
 from jaxrlhf.algorithms.pairs import check_pair_split
 from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.checkpoint import CHECKPOINT_DIR, CheckpointError, check_resume
-from jaxrlhf.data import datasets, tasks
-from jaxrlhf.data.long_prompts import fit_rows
 from jaxrlhf.data.rewards import resolve_reward
+from jaxrlhf.data.sources import Data, read_data, read_pairs
 from jaxrlhf.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 from jaxrlhf.engine.microbatch import num_microbatches
 from jaxrlhf.fingerprint import run_fingerprint
@@ -28,19 +26,8 @@ from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models import hf_io
 from jaxrlhf.run import roles
 from jaxrlhf.run.layouts import RunPlan, place
-from jaxrlhf.spec import ConfigError, RunSpec, field, run_spec
-
-
-@dataclasses.dataclass(frozen=True)
-class Data:
-    """The run's rows: prompts (train, held-out; fitted to rollout.max_prompt_len), SFT rows,
-    and for pair algorithms the preference pairs (train, held-out)."""
-
-    train: list
-    eval: list
-    sft: list
-    pairs: list = dataclasses.field(default_factory=list)
-    eval_pairs: list = dataclasses.field(default_factory=list)
+from jaxrlhf.schema import ConfigError, field
+from jaxrlhf.spec import RunSpec, run_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,60 +42,12 @@ class Job:
     data: Data  # its rows, read (and the built-in task written) once
 
 
-def task_dir(workdir: pathlib.Path) -> pathlib.Path:
-    """Where the built-in task's files go: one directory per process, so that processes sharing
-    a workdir never read a file another one is still writing."""
-    return workdir / "data" / (f"process_{jax.process_index()}" if jax.process_count() > 1 else "")
-
-
-def _read(spec: RunSpec, name: str, path, kind: datasets.RowKind, tokenizer) -> list:
-    """The rows of `path` (none when empty), prompts fitted; a problem names the field `name`."""
-    if not path:
-        return []
-    with field(name):
-        rows = datasets.read_rows(path, kind)
-        if kind is not datasets.RowKind.PROMPT:
-            return rows
-        d = spec.data
-        return fit_rows(rows, tokenizer, spec.rollout.max_prompt_len, d.long_prompts, path,
-                        d.chat_template)
-
-
 def load_data(spec: RunSpec, workdir: pathlib.Path, tokenizer) -> Data:
-    """User files when given, else the built-in task written to workdir/data (same reader);
-    prompts longer than rollout.max_prompt_len go by `data.long_prompts`."""
-    d, kind = spec.data, datasets.RowKind
-    if d.train_path:
-        paths = (d.train_path, d.eval_path or d.train_path, d.sft_path)
-    else:
-        files = tasks.write_task(d.task, task_dir(pathlib.Path(workdir)))
-        paths = (files.train, files.eval, files.sft)
-    names = ("data.train_path", "data.eval_path", "data.sft_path")
-    kinds = (kind.PROMPT, kind.PROMPT, kind.SFT)
+    """The run's rows (`data.sources`): pair algorithms read their preference pairs too."""
     paired = spec.algorithm.batches is BatchKind.PAIRS
-    pairs = load_preferences(spec, workdir) if paired else ([], [])
-    return Data(*(_read(spec, n, p, k, tokenizer) for n, p, k in zip(names, paths, kinds)),
-                *pairs)
-
-
-def load_preferences(spec: RunSpec, workdir: pathlib.Path) -> tuple[list, list]:
-    """(train pairs, held-out pairs): user files, or the built-in task's pairs."""
-    d, pairs = spec.data, datasets.RowKind.PREFERENCE
-    if d.preference_path:
-        path = d.preference_path
-    elif d.train_path:
-        raise ConfigError(f"algorithm={spec.algorithm.name} with user data needs "
-                          "data.preference_path")
-    else:  # writing the deterministic task again yields the same files, and their paths
-        path = tasks.write_task(d.task, task_dir(pathlib.Path(workdir))).preference
-    rows = _read(spec, "data.preference_path", path, pairs, None)
-    if d.preference_eval_path:
-        return rows, _read(spec, "data.preference_eval_path", d.preference_eval_path, pairs, None)
-    holdout = d.preference_holdout
-    if not 0 < holdout < len(rows) - spec.rollout.batch_size:
-        raise ConfigError(f"data.preference_holdout={holdout} must leave at least one batch of "
-                          f"the {len(rows)} pairs in {path} for training")
-    return rows[:-holdout], rows[-holdout:]
+    pairs = (read_pairs(spec.data, workdir, spec.rollout.batch_size, spec.algorithm.name)
+             if paired else ([], []))
+    return read_data(spec.data, workdir, tokenizer, spec.rollout.max_prompt_len, pairs)
 
 
 def prepare(spec: RunSpec, workdir: str) -> Job:
