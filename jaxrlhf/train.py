@@ -95,14 +95,14 @@ def main(argv):
     # Imported only now: JAX must not start a backend before the device flags and
     # jax.distributed are set.
     from jaxrlhf.checkpoint import CheckpointError
-    from jaxrlhf.run import offline, rl
+    from jaxrlhf.run import rl
     from jaxrlhf.run.check import check_config
     from jaxrlhf.spec import ConfigError
 
     workdir = _WORKDIR.value or config.workdir or tempfile.mkdtemp(prefix="jaxrlhf-")
     try:
         job = check_config(config, workdir)
-        summary = (offline.run if job.spec.offline else rl.run)(job)
+        summary = rl.run(job)
     except (ConfigError, CheckpointError) as e:  # no checkpoint restores: one line as well
         _config_error(e, dist)
     except Exception as e:  # noqa: BLE001 - see below

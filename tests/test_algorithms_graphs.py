@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from jaxrlhf import spec as spec_lib
-from jaxrlhf.run import build, offline
+from jaxrlhf.run import build
 from jaxrlhf.run.layouts import place
 from jaxrlhf.algorithms import dpo, grpo, pairs, remax, rw, safe_rlhf
 from jaxrlhf.algorithms import losses
-from jaxrlhf.data import costs, sources
+from jaxrlhf.data import costs, encode, sources
 from jaxrlhf.data.datasets import PreferenceRow
 from jaxrlhf.data.tokenizer import load_tokenizer
 from jaxrlhf.engine.microbatch import split
@@ -300,7 +300,7 @@ def test_splits_that_would_separate_pairs_are_rejected():
 def test_preference_batch_is_chosen_then_rejected():
     tokenizer = load_tokenizer("byte")
     rows = [PreferenceRow("12>", "21", "12"), PreferenceRow("345>", "543", "3x5")]
-    batch = offline.preference_batch(rows, tokenizer, 6, 5)
+    batch = encode.preference_batch(rows, tokenizer, 6, 5)
     decode = lambda i: tokenizer.decode(
         [t for t, m in zip(batch["seq_tokens_bs"][i], batch["seq_mask_bs"][i]) if m])
     texts = [decode(i) for i in range(4)]

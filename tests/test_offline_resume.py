@@ -1,5 +1,5 @@
 """Offline runs (SFT, DPO, reward modelling) are first-class: they checkpoint, resume exactly
-and export, through the real offline job (`run.offline.run`) on tiny shapes.
+and export, through the real offline job (`run.rl.run`) on tiny shapes.
 
 For each algorithm, an uninterrupted run with checkpoints 2 and 4 is the reference; a run that
 "died" after checkpoint 2 (checkpoint 4 gone, a record cut off mid-write) is rerun and must log
@@ -34,7 +34,7 @@ from jaxrlhf.engine.inference import InferenceKind
 from jaxrlhf.metrics import read_records
 from jaxrlhf.mfc import Role
 from jaxrlhf.models.transformer import Transformer
-from jaxrlhf.run import build, evaluate, offline
+from jaxrlhf.run import build, evaluate, rl
 from jaxrlhf.run.check import check_config
 from jaxrlhf.schema import base_config
 from test_resume import _assert_same_steps, compile_cache  # noqa: F401 - a fixture
@@ -90,7 +90,7 @@ def full_run(request, tmp_path_factory, compile_cache):  # noqa: F811 - the fixt
     """An uninterrupted 4-step run of one algorithm with checkpoints 2 and 4."""
     algorithm = request.param
     workdir = tmp_path_factory.mktemp(f"full_{algorithm}")
-    summary = offline.run(check_config(_config(algorithm), str(workdir)))
+    summary = rl.run(check_config(_config(algorithm), str(workdir)))
     assert summary["resumed_from"] is None and not summary["interrupted"]
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()
                   if p.name.isdigit()) == [2, 4]
@@ -106,7 +106,7 @@ def test_a_killed_offline_run_resumes_exactly(full_run, tmp_path):
     with (crashed / "metrics.jsonl").open("a") as f:
         f.write('{"step": 3, "actor/loss": 0.')  # a record cut off mid-write
 
-    resumed = offline.run(check_config(_config(algorithm), str(crashed)))
+    resumed = rl.run(check_config(_config(algorithm), str(crashed)))
     assert resumed["resumed_from"] == 2
     assert _without_system(resumed) == _without_system(summary)  # before: from the checkpoint
     _assert_same_steps(_records(crashed), _records(full))
@@ -116,7 +116,7 @@ def test_a_killed_offline_run_resumes_exactly(full_run, tmp_path):
 def test_sigterm_stops_an_offline_run_and_the_rerun_repeats_it(full_run, tmp_path, monkeypatch,
                                                                capfd):
     algorithm, full, summary = full_run
-    real_encode, calls = offline.encode, []
+    real_encode, calls = rl.encode, []
 
     def encode_then_sigterm(job, rows):  # SIGTERM (as SLURM sends) while step 1 runs
         calls.append(1)
@@ -124,16 +124,16 @@ def test_sigterm_stops_an_offline_run_and_the_rerun_repeats_it(full_run, tmp_pat
             os.kill(os.getpid(), signal.SIGTERM)
         return real_encode(job, rows)
 
-    monkeypatch.setattr(offline, "encode", encode_then_sigterm)
+    monkeypatch.setattr(rl, "encode", encode_then_sigterm)
     work = tmp_path / "work"
     config = _config(algorithm)
-    stopped = offline.run(check_config(config, str(work)))
+    stopped = rl.run(check_config(config, str(work)))
     assert stopped["interrupted"] and stopped["accuracy_after"] is None
     assert f"interrupted after {algorithm} step 1: checkpoint 2 saved" in capfd.readouterr().out
     assert sorted(p.name for p in (work / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
 
-    monkeypatch.setattr(offline, "encode", real_encode)
-    resumed = offline.run(check_config(config, str(work)))
+    monkeypatch.setattr(rl, "encode", real_encode)
+    resumed = rl.run(check_config(config, str(work)))
     assert resumed["resumed_from"] == 2
     assert _without_system(resumed) == _without_system(summary)
     _assert_same_steps(_records(work), _records(full))
@@ -197,7 +197,7 @@ def test_the_trained_model_exports_to_transformers(full_run, tmp_path):
 def test_shipped_offline_config_runs_its_smoke_variant(name, tmp_path, compile_cache):  # noqa: F811
     """The shipped config's own job, two steps (`--config=configs/NAME.py:smoke`)."""
     config = importlib.import_module(f"configs.{name}").get_config("smoke")
-    summary = offline.run(check_config(config, str(tmp_path)))
+    summary = rl.run(check_config(config, str(tmp_path)))
     assert summary["steps"] == 2 and not summary["interrupted"]
     assert [r["step"] for r in _records(tmp_path)] == [0, 1, 2]  # 2: the evaluation
     assert {"accuracy_before", "accuracy_after"} <= set(summary)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxrlhf.data.datasets import PromptRow, SFTRow
+from jaxrlhf.data.datasets import PreferenceRow, PromptRow, SFTRow
 from jaxrlhf.data.tokenizer import Tokenizer, encode_prompt
 
 
@@ -69,3 +69,11 @@ def sft_batch(rows: Sequence[SFTRow], tokenizer: Tokenizer, max_prompt_len: int,
               max_new_tokens: int) -> dict[str, np.ndarray]:
     return sequence_batch([r.prompt for r in rows], [r.response for r in rows], tokenizer,
                           max_prompt_len, max_new_tokens)
+
+
+def preference_batch(rows: Sequence[PreferenceRow], tokenizer: Tokenizer, max_prompt_len: int,
+                     max_new_tokens: int) -> dict[str, np.ndarray]:
+    """The B pairs as 2B sequence rows: chosen responses, then rejected ones (same prompts)."""
+    prompts = [r.prompt for r in rows]
+    responses = [r.chosen for r in rows] + [r.rejected for r in rows]
+    return sequence_batch(prompts + prompts, responses, tokenizer, max_prompt_len, max_new_tokens)

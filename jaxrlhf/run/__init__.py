@@ -4,7 +4,6 @@
   layouts.py  the placement resolved into a `RunPlan` (the planner's plan object, run as is)
   build.py    engine calls, model states, runtimes, reward pools, the runner
   runner.py   one algorithm's graph run one step at a time (typed StepResult)
-  rl.py       the RL job; the beginning (checkpoints, warm start) and step loop both jobs share
-  offline.py  the offline job (SFT, reward modelling, DPO)
+  rl.py       the job, RL or offline (SFT, reward modelling, DPO): beginning, step loop, summary
   evaluate.py held-out evaluation of RL and offline runs
 """

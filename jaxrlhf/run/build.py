@@ -91,31 +91,25 @@ def actor_copy(actor_params, model: ModelConfig, layout: Layout):
                          for k, a in abstract.items() if k not in params}}
 
 
-def initial_params(spec: RunSpec, role: Role, start: roles.Start, layout: Layout, actor_params):
-    """One role's first parameters on `layout` (see `run.roles`)."""
-    model = spec.models[role]
-    match start:
-        case _ if role is Role.ACTOR:
-            return actor_params  # loaded or initialised (and maybe warm-started) by the caller
-        case roles.Start.LOAD:
-            return load_role(model, layout)
-        case roles.Start.INIT:  # its own stream: not the actor's initialisation again
-            key = jax.random.fold_in(jax.random.key(spec.seed), list(Role).index(role) + 1)
-            return init_params(model.config, layout, key)
-        case roles.Start.ACTOR_COPY | roles.Start.ACTOR_TRUNK:
-            return actor_copy(actor_params, model.config, layout)
-
-
 def initial_states(spec: RunSpec, plan: RunPlan, params) -> dict:
-    """Every model's state at the start of training: TrainStates of trained models, parameters
-    of frozen ones. `params` are the (warm-started) actor's parameters on its home layout."""
+    """Every model's state at the start of training (each role's start: `run.roles`):
+    TrainStates of trained models, parameters of frozen ones, on their home layouts. `params`
+    are the (warm-started) actor's parameters on its home layout."""
     states = {}
     for role, start in roles.starts(spec).items():
-        home = plan.home(spec.graph, role)
-        first = initial_params(spec, role, start, home, params)
+        home, model = plan.home(spec.graph, role), spec.models[role]
+        match start:
+            case _ if role is Role.ACTOR:
+                first = params  # loaded or initialised (and maybe warm-started) by the caller
+            case roles.Start.LOAD:
+                first = load_role(model, home)
+            case roles.Start.INIT:  # its own stream: not the actor's initialisation again
+                key = jax.random.fold_in(jax.random.key(spec.seed), list(Role).index(role) + 1)
+                first = init_params(model.config, home, key)
+            case roles.Start.ACTOR_COPY | roles.Start.ACTOR_TRUNK:
+                first = actor_copy(params, model.config, home)
         opt = spec.optimizers.get(role)
-        states[role] = (first if opt is None
-                        else create_train_state(first, spec.models[role].config, home, opt))
+        states[role] = first if opt is None else create_train_state(first, model.config, home, opt)
     return states
 
 

@@ -1,12 +1,16 @@
-"""The RL job: data, optional supervised warm start, evaluation, the RL loop, reports; and the
-beginning and the step loop it shares with the offline job (`run/offline.py`).
+"""The training job, RL or offline: data, optional supervised warm start, held-out evaluation,
+the step loop, reports.
 
-`run(job)` prints a progress bar, writes metrics.jsonl, TensorBoard events and per-step
-timelines to the workdir, and returns a summary (accuracy before/after, seconds) that the entry
-point prints as its last line. A workdir that holds checkpoints resumes from the latest (no warm
-start, no 'before' evaluation: both are in the checkpoint) and repeats the uninterrupted run's
-steps exactly; one that holds only warm-start checkpoints resumes the warm start
-(`run/warm_start.py`).
+`run(job)` prints a progress bar, writes metrics.jsonl, TensorBoard events and (RL) per-step
+timelines to the workdir, and returns a summary (held-out figures before/after, seconds) that
+the entry point prints as its last line. RL steps generate from prompts; offline steps (SFT,
+reward modelling, DPO) train on a fixed dataset, preference pairs batched as chosen rows then
+rejected rows (`algorithms.pairs`), and report what the algorithm's `Evaluation` says
+(`run/evaluate.py`, `offline_evaluator`). A workdir that holds checkpoints resumes from the
+latest (no warm start, no 'before' evaluation: both are in the checkpoint) and repeats the
+uninterrupted run's steps exactly; one that holds only warm-start checkpoints resumes the warm
+start (`run/warm_start.py`); `python -m jaxrlhf.export` writes the trained model as a Hugging
+Face directory.
 """
 
 from __future__ import annotations
@@ -14,20 +18,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from jaxrlhf import checkpoint
+from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.data import datasets
-from jaxrlhf.data.encode import prompt_batch
+from jaxrlhf.data.encode import preference_batch, prompt_batch, sft_batch
 from jaxrlhf.dataflow.timeline import draw_timeline, time_table
 from jaxrlhf.metrics import METRICS_FILE, MetricsWriter
 from jaxrlhf.mfc import Role
 from jaxrlhf.run import async_loop, build
 from jaxrlhf.run.check import Job
-from jaxrlhf.run.evaluate import HeldOut
+from jaxrlhf.run.evaluate import HeldOut, offline_evaluator
 from jaxrlhf.run.runner import Runner, StepResult
 from jaxrlhf.run.warm_start import WarmStart
 
@@ -99,31 +104,58 @@ class LoopResult:
     extra: dict = dataclasses.field(default_factory=dict)  # more figures for the summary line
 
 
-def train_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, encode: Callable,
-               writer, checkpoints: checkpoint.Checkpointer, accuracy_before: float | None,
-               evaluation_before: dict[str, float] | None, what: str,
-               on_step: Callable[[int, StepResult, dict], None] | None = None) -> LoopResult:
-    """Steps from the runner's step index to spec.steps on `encode(next(rows))`, with the NaN
-    policy and checkpoints (on the cadence, on Ctrl-C/SIGTERM: the loop `what` stops, and at
-    the end); `on_step(step, result, record)` adds figures to a step's record before it is
-    written."""
+def encode(job: Job, rows: list) -> dict[str, np.ndarray]:
+    """One batch of training rows in the runner's keys, by what the algorithm's steps are fed."""
+    r, tokenizer = job.spec.rollout, job.tokenizer
+    match job.spec.algorithm.batches:
+        case BatchKind.PROMPTS:
+            return prompt_batch(rows, tokenizer, r.max_prompt_len, r.group_size)
+        case BatchKind.SFT_ROWS:
+            return sft_batch(rows, tokenizer, r.max_prompt_len, r.max_new_tokens)
+        case BatchKind.PAIRS:
+            return preference_batch(rows, tokenizer, r.max_prompt_len, r.max_new_tokens)
+
+
+def _rl_figures(job: Job, runner: Runner, held_out: HeldOut | None, step: int,
+                result: StepResult, record: dict) -> None:
+    """An RL step's own figures in its record: throughput, the held-out evaluation every
+    `eval.every` steps (eval/*); and the first and last steps' timelines."""
+    r = job.spec.rollout
+    tokens = result.stats[Role.ACTOR]["response_length"] + r.max_prompt_len
+    record["throughput/tokens_per_second"] = tokens * r.rows / result.timing.seconds
+    if held_out is not None and held_out.due(step + 1):
+        actor = runner.runtimes[Role.ACTOR]
+        record.update(held_out.periodic(actor.params_on(held_out.layout), step + 1,
+                                        runner.runtimes.get(Role.REWARD)))
+    if step in (0, job.spec.steps - 1) and jax.process_index() == 0:
+        draw_timeline(result.timing, job.plan.specs, str(job.workdir / f"timeline_{step}.png"))
+
+
+def rl_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
+            checkpoints: checkpoint.Checkpointer, accuracy_before: float | None,
+            held_out: HeldOut | None = None,
+            evaluation_before: dict[str, float] | None = None) -> LoopResult:
+    """The synchronous loop (RL or offline): steps from the runner's step index to spec.steps
+    on `encode(job, next(rows))`, with the NaN policy and checkpoints (on the cadence, on
+    Ctrl-C/SIGTERM: the loop stops, and at the end); RL steps add `_rl_figures`."""
     spec = job.spec
     guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
     save = lambda: checkpoint.save_run(checkpoints, runner, rows, accuracy_before,
                                        spec.config_json, job.fingerprint, evaluation_before)
+    what = spec.algorithm.name if spec.offline else "RL"  # names the loop in the stop message
     timings = []
     bar = tqdm(range(runner.step_index, spec.steps), desc=runner.algorithm.name,
                initial=runner.step_index, total=spec.steps, mininterval=1)
     with checkpoint.StopRequest() as stop:
         for step in bar:
-            batch = encode(next(rows))
+            batch = encode(job, next(rows))
             saved = guard.before_step(runner)
             result = runner.step(batch)
             record = result.metrics
             if guard.after_step(runner, record, step, saved):
                 record["nan_skipped"] = 1.0
-            if on_step is not None:
-                on_step(step, result, record)
+            if not spec.offline:
+                _rl_figures(job, runner, held_out, step, result, record)
             writer.write(step, record)
             timings.append(result.timing)
             bar.set_postfix(result.postfix(runner.algorithm.shown))
@@ -131,28 +163,6 @@ def train_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, encode: C
                 return LoopResult(timings, True, guard.skipped)
     save()
     return LoopResult(timings, False, guard.skipped)
-
-
-def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
-            acc_before: float | None, held_out: HeldOut | None = None,
-            evaluation_before: dict[str, float] | None = None) -> LoopResult:
-    """RL steps from the runner's step index to spec.steps, with checkpoints and guards, and
-    the held-out evaluation every `eval.every` steps (its eval/* metrics join the step's)."""
-    spec, r = job.spec, job.spec.rollout
-
-    def on_step(step: int, result: StepResult, record: dict) -> None:
-        tokens = result.stats[Role.ACTOR]["response_length"] + r.max_prompt_len
-        record["throughput/tokens_per_second"] = tokens * r.rows / result.timing.seconds
-        if held_out is not None and held_out.due(step + 1):
-            actor = runner.runtimes[Role.ACTOR]
-            record.update(held_out.periodic(actor.params_on(held_out.layout), step + 1,
-                                            runner.runtimes.get(Role.REWARD)))
-        if step in (0, spec.steps - 1) and jax.process_index() == 0:
-            draw_timeline(result.timing, job.plan.specs, str(job.workdir / f"timeline_{step}.png"))
-
-    encode = lambda rows: prompt_batch(rows, job.tokenizer, r.max_prompt_len, r.group_size)
-    return train_loop(job, runner, prompts, encode, writer, checkpoints, acc_before,
-                      evaluation_before, "RL", on_step)
 
 
 def summary(job: Job, t0: float, start: Start, runner: Runner | None,
@@ -177,28 +187,39 @@ def _shown(metrics: dict[str, float]) -> str:
 
 
 def run(job: Job) -> dict:
-    """The whole RL job; returns the summary dict printed as the last line."""
+    """The whole job; returns the summary dict printed as the last line."""
     t0 = time.perf_counter()
-    spec, workdir, gen_layout = job.spec, job.workdir, job.plan.layouts["actor_gen"]
+    spec, workdir, offline = job.spec, job.workdir, job.spec.offline
+    what, show = (spec.algorithm.name, str) if offline else ("RL", _shown)
     with (begin(job) as start, MetricsWriter(workdir) as writer,
-          HeldOut(job, gen_layout, job.data.eval) as held_out,
-          build.host_pools(spec) as pools):
+          contextlib.nullcontext() if offline else HeldOut(
+              job, job.plan.layouts["actor_gen"], job.data.eval) as held_out,
+          build.host_pools(spec) as pools):  # offline graphs have no host MFCs
         runner = start.runner(job, writer, pools)
         if runner is None:  # stopped in the warm start, its checkpoint saved
             return summary(job, t0, start, None, None, {}, None)
-        # The runner holds the reward model, if there is one.
-        evaluate = lambda: held_out.greedy(build.actor_copy(
-            runner.runtimes[Role.ACTOR].params, spec.base.config, gen_layout),
-            runner.runtimes.get(Role.REWARD))
+        if offline:
+            evaluate = offline_evaluator(job, runner.runtimes[spec.algorithm.trained_role])
+        else:  # the runner holds the reward model, if there is one
+            evaluate = lambda: held_out.greedy(build.actor_copy(
+                runner.runtimes[Role.ACTOR].params, spec.base.config, held_out.layout),
+                runner.runtimes.get(Role.REWARD))
         with contextlib.closing(runner):
             before = evaluate() if start.resume is None else start.before()
-            print(f"held-out before RL: {_shown(before)}", flush=True)
+            print(f"held-out before {what}: {show(before)}", flush=True)
+            rows = {BatchKind.PROMPTS: job.data.train, BatchKind.SFT_ROWS: job.data.sft,
+                    BatchKind.PAIRS: job.data.pairs}[spec.algorithm.batches]
             # async_rl.max_staleness > 0: generation runs ahead (run/async_loop.py)
             loop_fn = async_loop.rl_loop if spec.async_rl.enabled else rl_loop
-            loop = loop_fn(job, runner, start.rows(job.data.train, job), writer,
-                           start.checkpoints, before.get("accuracy"), held_out, before)
+            loop = loop_fn(job, runner, start.rows(rows, job), writer, start.checkpoints,
+                           before.get("accuracy"), held_out, before)
         after = None if loop.interrupted else evaluate()
+        if after is not None and offline:
+            writer.write(spec.steps, {f"eval/{k}_{when}": v for when, m in
+                                      (("before", before), ("after", after))
+                                      for k, v in m.items()})
     if after is not None:
-        print(f"held-out after RL:  {_shown(after)}")
-    print(time_table(loop.timings[1:] or loop.timings, job.plan.specs))
+        print(f"held-out after {what}:  {show(after)}")
+    if not offline:
+        print(time_table(loop.timings[1:] or loop.timings, job.plan.specs))
     return summary(job, t0, start, runner, loop, before, after)
