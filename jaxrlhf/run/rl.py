@@ -132,7 +132,7 @@ def _rl_figures(job: Job, runner: Runner, held_out: HeldOut | None, step: int,
 
 
 def rl_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
-            checkpoints: checkpoint.Checkpointer, accuracy_before: float | None,
+            checkpoints: checkpoint.Checkpointer, acc_before: float | None,
             held_out: HeldOut | None = None,
             evaluation_before: dict[str, float] | None = None) -> LoopResult:
     """The synchronous loop (RL or offline): steps from the runner's step index to spec.steps
@@ -140,7 +140,7 @@ def rl_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
     Ctrl-C/SIGTERM: the loop stops, and at the end); RL steps add `_rl_figures`."""
     spec = job.spec
     guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
-    save = lambda: checkpoint.save_run(checkpoints, runner, rows, accuracy_before,
+    save = lambda: checkpoint.save_run(checkpoints, runner, rows, acc_before,
                                        spec.config_json, job.fingerprint, evaluation_before)
     what = spec.algorithm.name if spec.offline else "RL"  # names the loop in the stop message
     timings = []
