@@ -6,8 +6,9 @@ graph, placement and code path as the full config, 2 steps) through the run stac
 Where the other configs run: ppo_tiny's full run in tests/test_entry_train.py, ppo_7b:smoke and
 ppo_70b:smoke in tests/test_big_configs.py, sft_tiny, dpo_tiny and rw_tiny's smoke runs in
 tests/test_offline_resume.py. The learning runs of these algorithms are slow-marked
-(tests/test_entry_algorithms.py). The runs share a persistent compilation cache (programs
-such as the warm start's and the evaluation's are the same across the tiny configs).
+(tests/test_entry_algorithms.py). The runs share the test session's persistent compilation cache
+(tests/conftest.py): programs such as the warm start's and the evaluation's are the same across
+the tiny configs.
 """
 
 import importlib
@@ -18,7 +19,6 @@ import pytest
 
 from jaxrlhf.run import rl
 from jaxrlhf.run.check import check_config
-from test_resume import compile_cache  # noqa: F401 - a fixture
 
 # config, the per-step metrics its algorithm must log (beyond the reward)
 RUNS = {
@@ -29,11 +29,8 @@ RUNS = {
 }
 
 
-# grpo_bench_cpu runs the same GRPO graph as grpo_tiny, at the benchmark's larger shapes (and
-# `jaxrlhf.bench` runs it): slow, for the default suite's time.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
-                                  if n == "grpo_bench_cpu" else n for n in RUNS])
-def test_shipped_config_runs_its_smoke_variant(name, tmp_path, compile_cache):  # noqa: F811
+@pytest.mark.parametrize("name", RUNS)
+def test_shipped_config_runs_its_smoke_variant(name, tmp_path):
     config = importlib.import_module(f"configs.{name}").get_config("smoke")
     summary = rl.run(check_config(config, str(tmp_path)))
     assert summary["steps"] == 2 and not summary["interrupted"], summary

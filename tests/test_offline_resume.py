@@ -9,7 +9,7 @@ transformers and computes what jaxrlhf computes (fp32, ≤1e-4): the actor of SF
 `*ForCausalLM` logits, the reward model of reward modelling as `*ForSequenceClassification`
 scores pooled at each sequence's last token, as the run's own held-out scorer gives them.
 
-The runs share a persistent compilation cache (see tests/test_resume.py).
+The runs share the test session's persistent compilation cache (tests/conftest.py).
 """
 
 import importlib
@@ -37,7 +37,7 @@ from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.run import build, evaluate, rl
 from jaxrlhf.run.check import check_config
 from jaxrlhf.schema import base_config
-from test_resume import _assert_same_steps, compile_cache  # noqa: F401 - a fixture
+from test_resume import _assert_same_steps
 
 ATOL = 1e-4
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def _without_system(summary: dict) -> dict:
 
 
 @pytest.fixture(scope="module", params=["sft", "dpo", "rw"])
-def full_run(request, tmp_path_factory, compile_cache):  # noqa: F811 - the fixture
+def full_run(request, tmp_path_factory):
     """An uninterrupted 4-step run of one algorithm with checkpoints 2 and 4."""
     algorithm = request.param
     workdir = tmp_path_factory.mktemp(f"full_{algorithm}")
@@ -191,10 +191,8 @@ def test_the_trained_model_exports_to_transformers(full_run, tmp_path):
     np.testing.assert_allclose(hf_b, ours_b, atol=ATOL, rtol=0)
 
 
-# The sft and dpo jobs run above (full_run); their shipped configs are slow for the suite's time.
-@pytest.mark.parametrize("name", [pytest.param("sft_tiny", marks=pytest.mark.slow),
-                                  pytest.param("dpo_tiny", marks=pytest.mark.slow), "rw_tiny"])
-def test_shipped_offline_config_runs_its_smoke_variant(name, tmp_path, compile_cache):  # noqa: F811
+@pytest.mark.parametrize("name", ["sft_tiny", "dpo_tiny", "rw_tiny"])
+def test_shipped_offline_config_runs_its_smoke_variant(name, tmp_path):
     """The shipped config's own job, two steps (`--config=configs/NAME.py:smoke`)."""
     config = importlib.import_module(f"configs.{name}").get_config("smoke")
     summary = rl.run(check_config(config, str(tmp_path)))

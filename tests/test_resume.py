@@ -6,8 +6,8 @@ PPO config; the slow one kills the real `python -m jaxrlhf.train` (SIGKILL, then
 reruns the same command.
 
 The runs of this module compile the same programs again and again (every run builds new
-engines), so they share a persistent compilation cache: the second run of a program loads the
-first's executable instead of compiling it. Outputs do not depend on it.
+engines); the test session's persistent compilation cache (tests/conftest.py) serves the second
+run of a program the first's executable. Outputs do not depend on it.
 """
 
 import json
@@ -24,7 +24,6 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from jaxrlhf.schema import base_config
 from jaxrlhf import checkpoint
@@ -34,19 +33,6 @@ from jaxrlhf.run.check import check_config
 REWARD = f"{pathlib.Path(__file__).parent / 'fixtures/reward_fns.py'}:digit_count"
 # Metrics that measure the machine or count since process start, not the training.
 _SYSTEM_SUFFIXES = ("_seconds", "_bytes", "recompiles", "tokens_per_second")
-
-
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    compilation_cache.reset_cache()
-    old = (jax.config.jax_compilation_cache_dir,
-           jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    yield
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-    compilation_cache.reset_cache()
 
 
 def _config(steps=4):
@@ -91,7 +77,7 @@ def _assert_items_equal(a: pathlib.Path, step_a: int, b: pathlib.Path, step_b: i
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory, compile_cache):
+def full_run(tmp_path_factory):
     """An uninterrupted 4-step run with checkpoints 2 and 4."""
     workdir = tmp_path_factory.mktemp("full")
     summary = rl.run(check_config(_config(), str(workdir)))
@@ -388,7 +374,7 @@ def _tensorboard_scalars(workdir: pathlib.Path) -> list[tuple[str, int, float]]:
 
 
 @pytest.fixture(scope="module")
-def warm_run(tmp_path_factory, compile_cache):
+def warm_run(tmp_path_factory):
     """An uninterrupted run: 4 warm-start steps (checkpoints 2, 4), then 2 RL steps."""
     workdir = tmp_path_factory.mktemp("warm")
     summary = rl.run(check_config(_warm_config(), str(workdir)))
