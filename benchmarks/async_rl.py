@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere
 DEVICES = 8
 WORKER = "--mp_worker"  # this script as one process of the multi-process run
 if WORKER not in sys.argv:
@@ -112,16 +113,31 @@ def run(args, eta: int, workdir: str, gen_replicas: int = 1) -> dict:
     measured = range(args.warmup, args.steps)
     lengths = [sink.steps[s][1]["actor/response_length"] for s in measured]
     tokens = (np.mean(lengths) + spec.rollout.max_prompt_len) * spec.rollout.rows
-    period = float(np.median(np.diff(times[args.warmup - 1:])))
+    windows = np.diff(times[args.warmup - 1:])
+    period = float(np.median(windows))
+    metric = lambda key: np.array([sink.steps[s][1][key] for s in measured])
     out = {"eta": eta, "placement": spec.placement.kind.value, "processes": jax.process_count(),
            "tokens_per_second": tokens / period, "step_seconds": period,
            "mean_response_length": float(np.mean(lengths)),
            "staleness_max": max(sink.steps[s][1].get("async/staleness_max", 0.0)
-                                for s in measured)}
+                                for s in measured),
+           # Every trained row is [P + N] long whatever its response: the padding it pays.
+           "train_padding_frac": 1 - (np.mean(lengths) + spec.rollout.max_prompt_len)
+           / spec.rollout.seq_len}
     if eta:
-        out["gen_busy"] = float(np.mean([sink.steps[s][1]["async/gen_busy"] for s in measured]))
-        out["train_busy"] = float(np.mean([sink.steps[s][1]["async/train_busy"]
-                                           for s in measured]))
+        # Busy fractions over the whole window (total busy / total time): a replica reports its
+        # busy seconds when it sends a batch, so one step's window can read above 1.
+        for side in ("gen", "train"):
+            busy = metric(f"async/{side}_busy") * windows
+            out[f"{side}_busy"] = float(busy.sum() / windows.sum())
+        out["gen_seconds"] = float(np.median(metric("async/gen_seconds")))  # a batch, wall
+        out["train_seconds"] = float(np.median(metric("time/step_seconds")))  # an update
+        out["decode_padding_frac"] = float(np.mean(metric("async/decode_padding_frac")))
+        out["longest_response"] = float(np.mean(metric("async/response_length_longest")))
+    else:
+        gen = metric("time/actor_gen")
+        out["gen_seconds"] = float(np.median(gen))
+        out["train_seconds"] = float(np.median(metric("time/step_seconds") - gen))  # the rest
     return out
 
 

@@ -155,6 +155,8 @@ def test_batch_metrics_from_token_versions():
     assert m["async/interrupted_sequences"] == 1  # row 0 switched from version 3 to 4
     assert m["async/interruptions"] == 2
     assert [m[f"async/staleness_frac_{k}"] for k in range(3)] == [2 / 11, 7 / 11, 2 / 11]
+    assert m["async/gen_seconds"] == 1.0 and m["async/response_length_longest"] == 5
+    assert m["async/decode_padding_frac"] == 1 - 11 / 15  # 3 rows decoded to the longest, 5
 
 
 @pytest.mark.slow

@@ -46,7 +46,10 @@ def drain_limit(trained: int, steps: int, every: int) -> int:
     return min(steps, (trained // every + 1) * every)
 
 def batch_metrics(done: Generated, version: int, eta: int) -> dict[str, float]:
-    """Staleness distribution and interruptions of the batch trained at `version`."""
+    """Staleness distribution and interruptions of the batch trained at `version`, with its
+    generation seconds and how much of its decoding was padding: a batch decodes until its
+    longest row stops (`async/response_length_longest`), every row as long
+    (`async/decode_padding_frac` = 1 - real response tokens / (rows x longest))."""
     staleness_bn = done.staleness_bn(version)
     valid = staleness_bn >= 0
     tokens = max(int(valid.sum()), 1)
@@ -59,6 +62,10 @@ def batch_metrics(done: Generated, version: int, eta: int) -> dict[str, float]:
            "async/interruptions": float(done.interruptions)}
     for s in range(eta + 1):
         out[f"async/staleness_frac_{s}"] = float((staleness_bn == s).sum()) / tokens
+    longest = int(valid.sum(1).max(initial=0))
+    out["async/gen_seconds"] = done.seconds[1] - done.seconds[0]
+    out["async/response_length_longest"] = float(longest)
+    out["async/decode_padding_frac"] = 1.0 - float(valid.sum()) / max(valid.shape[0] * longest, 1)
     return out
 
 def draw_async_timeline(events: list, path: str, specs: dict[str, str]) -> None:
