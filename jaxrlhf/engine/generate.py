@@ -232,6 +232,22 @@ def generate(
     )
 
 
+def decode_model(model_config: ModelConfig, layout: Layout) -> Transformer:
+    """The model a generate call runs on `layout`: its layout's layer stack (a pipeline keeps
+    stages apart), and on XLA:CPU the scanned layer stack whatever `scan_layers` says (the
+    parameter tree is the same).
+
+    Why: unrolled layers inside the token loop decoded slower on CPU than the scan, at d8 and
+    at d4t2 (W-cpu generation 8.2 vs 5.4 s and 3.1 vs 2.7 s, `benchmarks/engine_calls.py
+    --variants=scan,unroll`), while the train step runs faster unrolled; so a model trained
+    unrolled on CPU (`scan_layers=False`) still decodes scanned.
+    """
+    stack = layer_stack(layout)
+    if stack is None and layout.mesh.devices.flat[0].platform == "cpu":
+        model_config = model_config.replace(scan_layers=True)
+    return Transformer(model_config, stack)
+
+
 class Generator(BucketedCall):
     """The generate call kind of one model on one layout (use `make_generate_fn`).
 
@@ -249,7 +265,7 @@ class Generator(BucketedCall):
         row, rows = layout.batch_sharding(1), layout.batch_sharding(2)
         self._rows, self._rng_sharding = rows, layout.replicated()
         self._jitted = jax.jit(
-            functools.partial(generate, Transformer(model_config, layer_stack(layout)),
+            functools.partial(generate, decode_model(model_config, layout),
                               gen_config),
             in_shardings=(
                 layout.param_shardings(abstract_params(model_config)), rows, rows,

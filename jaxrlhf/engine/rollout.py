@@ -31,13 +31,12 @@ import numpy as np
 from jaxrlhf.engine.buckets import CompileCache
 from jaxrlhf.engine.generate import (
     _CACHE_AXES, GenerateConfig, GenerateOutput, _choose, _constrain_cache, _DecodeState,
-    _prefill, _unfinished,
+    _prefill, _unfinished, decode_model,
 )
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
-from jaxrlhf.parallel.pipeline import layer_stack
 from jaxrlhf.parallel.reshard import fetch, transfer
 
 NO_VERSION = -1  # versions_bn where no token was sampled
@@ -177,8 +176,7 @@ class Rollout:
                  prompt_len: int):
         if model_config.head is not HeadKind.LM:
             raise ValueError(f"generate needs an LM head, got {model_config.head}")
-        # The layer stack of the layout, as Generator's (a pipeline keeps stages apart).
-        self.model = Transformer(model_config, layer_stack(layout))
+        self.model = decode_model(model_config, layout)  # as Generator's
         self.cfg, self.layout = gen_config, layout
         self.prompt_len = prompt_len
         self.compile_cache = CompileCache("rollout")

@@ -140,17 +140,18 @@ def _logit_bytes(p: ModelProfile, tokens: int, tensor: int, copies: int) -> floa
     return tokens * width * 4 * copies
 
 
-def _gathered_bytes(p: ModelProfile, choice: CallChoice) -> float:
+def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float:
     """Weights materialised beside the parameters while a layer runs.
 
-    A layer's weight matrix is copied out of the scanned layer stack (XLA materialises the
-    dynamic slice) or all-gathered over fsdp just before its matmul and freed after it, so at
-    the peak one matrix is live: the largest, an MLP projection (and its cast to the compute
-    dtype). With fsdp the LM head's table is gathered too, early, and held through the layers.
+    A layer's weight matrix is copied out of the scanned layer stack (`scanned`: XLA
+    materialises the dynamic slice) or all-gathered over fsdp just before its matmul and freed
+    after it, so at the peak one matrix is live: the largest, an MLP projection (and its cast
+    to the compute dtype). With fsdp the LM head's table is gathered too, early, and held
+    through the layers.
     """
     c = p.config
     matrix = c.hidden_size * _sharded(c.intermediate_size, choice.tensor)
-    live = matrix * p.param_itemsize if (c.scan_layers or choice.fsdp > 1) else 0
+    live = matrix * p.param_itemsize if (scanned or choice.fsdp > 1) else 0
     cast = matrix * p.act_itemsize if p.act_itemsize != p.param_itemsize else 0
     head = 0
     if choice.fsdp > 1 and c.head is HeadKind.LM:
@@ -188,7 +189,10 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
     rows = work.rows_per_device(call, choice.dp_size, choice.micro_batches)
     s, t, stages = work.seq_len, choice.tensor, choice.pipeline
     params = p.shard_bytes(t, choice.fsdp, stages)
-    gathered = int(_gathered_bytes(p, choice))
+    # Generation on XLA:CPU decodes with the scanned stack whatever the config says
+    # (`engine.generate.decode_model`).
+    scanned = p.config.scan_layers or call is Call.GENERATE
+    gathered = int(_gathered_bytes(p, choice, scanned))
     match call:
         case Call.TRAIN_STEP:
             tokens = rows * s
