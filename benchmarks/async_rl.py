@@ -31,7 +31,10 @@ padding) and, async, `decode_padding_frac` (a batch decodes until its longest ro
 `gen_busy`/`train_busy` (total busy seconds / total window). Asynchrony can only hide the
 smaller of generation and training behind the larger: with gen 0.14 s and train 0.44 s of a
 0.61 s synchronous step (session 6, default workload), perfect overlap gives at most 1.38x,
-before the two sides contend for the same 2 cores.
+before the two sides contend for the same 2 cores. Fewer devices per program is itself faster
+on 2 cores (8 virtual devices share them), so also compare against the synchronous loop on the
+asynchronous run's own device split, `--sync_placement=disaggregate`: in session 6 it gave the
+synchronous loop 1314 tokens/s against 1027 colocated, and the one-process η=2 run 0.67x of it.
 
 The CPU backend keeps XLA's default threading: with each virtual device single-threaded (as
 benchmarks/overlap.py sets it) a synchronous run on a loaded 2-core machine once lost a device
