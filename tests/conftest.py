@@ -1,4 +1,4 @@
-"""Test setup: 8 fake CPU devices, fp32 matmuls and one compilation cache, before JAX is
+"""Test setup: 8 fake CPU devices, fp32 matmuls, fast compiles and one compilation cache, before JAX is
 imported anywhere."""
 
 import os
@@ -8,6 +8,12 @@ import tempfile
 from jaxrlhf.backend import use_cpu_devices  # sets flags only; imports no JAX
 
 use_cpu_devices(8)
+# The suite checks behaviour and numerics (against references, with tolerances), not speed, and
+# compiles hundreds of small programs once each: LLVM's optimisation is most of a tiny
+# program's compile time on XLA:CPU (a GRPO smoke job: 64 -> 40 CPU s at level 0). The jobs a
+# test starts in a subprocess inherit the setting; an XLA_FLAGS value the user set wins.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent compilation cache for the whole test session, shared by both pytest workers
