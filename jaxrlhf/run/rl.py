@@ -116,6 +116,11 @@ def encode(job: Job, rows: list) -> dict[str, np.ndarray]:
             return preference_batch(rows, tokenizer, r.max_prompt_len, r.max_new_tokens)
 
 
+def _name(job: Job) -> str:
+    """What the job's messages call its training ("RL", or the offline algorithm's name)."""
+    return job.spec.algorithm.name if job.spec.offline else "RL"
+
+
 def _rl_figures(job: Job, runner: Runner, held_out: HeldOut | None, step: int,
                 result: StepResult, record: dict) -> None:
     """An RL step's own figures in its record: throughput, the held-out evaluation every
@@ -142,7 +147,7 @@ def rl_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
     guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
     save = lambda: checkpoint.save_run(checkpoints, runner, rows, acc_before,
                                        spec.config_json, job.fingerprint, evaluation_before)
-    what = spec.algorithm.name if spec.offline else "RL"  # names the loop in the stop message
+    what = _name(job)  # names the loop in the stop message
     timings = []
     bar = tqdm(range(runner.step_index, spec.steps), desc=runner.algorithm.name,
                initial=runner.step_index, total=spec.steps, mininterval=1)
@@ -190,7 +195,7 @@ def run(job: Job) -> dict:
     """The whole job; returns the summary dict printed as the last line."""
     t0 = time.perf_counter()
     spec, workdir, offline = job.spec, job.workdir, job.spec.offline
-    what, show = (spec.algorithm.name, str) if offline else ("RL", _shown)
+    what, show = _name(job), str if offline else _shown
     with (begin(job) as start, MetricsWriter(workdir) as writer,
           contextlib.nullcontext() if offline else HeldOut(
               job, job.plan.layouts["actor_gen"], job.data.eval) as held_out,
