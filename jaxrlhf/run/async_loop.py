@@ -46,12 +46,10 @@ from jaxrlhf.data.encode import prompt_batch
 from jaxrlhf.engine.rollout import Rollout
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.run import async_procs
-from jaxrlhf.run.async_steps import (
-    AsyncLoopResult, batch_metrics, drain_limit, draw_async_timeline, trainer_runner,
-)
+from jaxrlhf.run.async_steps import batch_metrics, drain_limit, draw_async_timeline, trainer_runner
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.rollout_worker import Generated, RolloutWorker
-from jaxrlhf.run.runner import Runner
+from jaxrlhf.run.runner import LoopResult, Runner
 
 
 class _Trainer:
@@ -78,7 +76,7 @@ class _Trainer:
 
 def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
             acc_before: float | None, held_out=None,
-            evaluation_before: dict[str, float] | None = None) -> AsyncLoopResult:
+            evaluation_before: dict[str, float] | None = None) -> LoopResult:
     """RL steps from the runner's step index to spec.steps, asynchronously (module docstring).
 
     Args, checkpoints and the periodic held-out evaluation (`held_out`, run between two
@@ -196,7 +194,7 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
     extra = {"staleness_max": staleness_max,
              "tokens_per_second": sum(t for t, _ in tokens_per_s) / seconds if seconds else None,
              "weights_published_bytes": worker.published_bytes}
-    return AsyncLoopResult(timings, interrupted, trainer.guard.skipped, extra)
+    return LoopResult(timings, interrupted, trainer.guard.skipped, extra)
 
 
 def _rewind(prompts, ready, inflight_before) -> None:

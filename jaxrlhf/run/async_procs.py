@@ -57,14 +57,12 @@ from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.parallel import watchdog
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.reshard import process_local, reshard
-from jaxrlhf.run.async_steps import (
-    AsyncLoopResult, batch_metrics, drain_limit, draw_async_timeline, trainer_runner,
-)
+from jaxrlhf.run.async_steps import batch_metrics, drain_limit, draw_async_timeline, trainer_runner
 from jaxrlhf.run.rollout_worker import Generated, RolloutWorker
 from jaxrlhf.run.channel import Channel, Deadline
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut
-from jaxrlhf.run.runner import Runner
+from jaxrlhf.run.runner import LoopResult, Runner
 from jaxrlhf.engine.rollout import Rollout
 
 _POLL_S = 0.002
@@ -126,7 +124,7 @@ def _publish(params, shardings: list, version: int, mine: int):
 
 def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
             acc_before: float | None, held_out=None,
-            evaluation_before: dict[str, float] | None = None) -> AsyncLoopResult:
+            evaluation_before: dict[str, float] | None = None) -> LoopResult:
     """The asynchronous loop of a multi-process job (module docstring): the trainer's part in
     process 0, a replica's in the others. Arguments as `async_loop.rl_loop`'s. The periodic
     held-out evaluation (`held_out`, every `eval.every` updates) runs on the trainer alone, on
@@ -160,7 +158,7 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
 
 
 def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list, chan: Channel,
-           save, prompts) -> AsyncLoopResult:
+           save, prompts) -> LoopResult:
     """Generation replica r = this process: publishes, work orders, batches until "stop"."""
     spec, r = job.spec, jax.process_index()
     layout = layouts[r - 1]
@@ -211,7 +209,7 @@ def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list
                 deadline.check(lambda: f"replica {r} (step {version}): weights or work from the "
                                        "trainer (process 0)")
                 time.sleep(_POLL_S)
-    return AsyncLoopResult([], interrupted, 0, {})
+    return LoopResult([], interrupted, 0, {})
 
 
 def _send(chan: Channel, gen, done: Generated, replica: int, busy: float) -> None:
@@ -299,7 +297,7 @@ class _Trainer:
                 return self.outstanding[index]
         return None
 
-    def run(self, prompts, writer, checkpoints) -> AsyncLoopResult:
+    def run(self, prompts, writer, checkpoints) -> LoopResult:
         spec, eta, r = self.spec, self.eta, self.spec.rollout
         version = trained = next_index = self.runner.step_index
         self._publish(version)
@@ -383,7 +381,7 @@ class _Trainer:
                  else None,
                  "weights_published_bytes": self.published_bytes,
                  "gen_replicas": self.replicas}
-        return AsyncLoopResult(timings, interrupted, guard.skipped, extra)
+        return LoopResult(timings, interrupted, guard.skipped, extra)
 
     def _stop(self, prompts, checkpoints, trained: int) -> bool:
         """A stop, drained: every issued batch is trained; save, say so."""

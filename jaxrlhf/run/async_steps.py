@@ -6,7 +6,6 @@ checkpoint drain, a batch's staleness metrics, the generation/training timeline,
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import numpy as np
 
@@ -28,15 +27,6 @@ def trainer_runner(runner: Runner, gen_name: str) -> Runner:
     trainer.scheduler = Scheduler(graph, {n: sched.executors[n] for n in graph.order},
                                   {n: sched.devices[n] for n in graph.order if n in sched.devices})
     return trainer
-
-@dataclasses.dataclass
-class AsyncLoopResult:
-    """As the synchronous loop's result, plus `extra` for the job's summary line."""
-
-    timings: list
-    interrupted: bool
-    skipped: int
-    extra: dict
 
 def drain_limit(trained: int, steps: int, every: int) -> int:
     """The first batch index generation may not start yet: the end of the run or the next

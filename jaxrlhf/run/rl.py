@@ -33,7 +33,7 @@ from jaxrlhf.mfc import Role
 from jaxrlhf.run import async_loop, build
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut, offline_evaluator
-from jaxrlhf.run.runner import Runner, StepResult
+from jaxrlhf.run.runner import LoopResult, Runner, StepResult
 from jaxrlhf.run.warm_start import WarmStart
 
 
@@ -94,14 +94,6 @@ def begin(job: Job):
                   flush=True)
             checkpoint.trim_metrics(job.workdir / METRICS_FILE, restored[0].step)
             yield Start(checkpoints, *restored, None)
-
-
-@dataclasses.dataclass
-class LoopResult:
-    timings: list
-    interrupted: bool  # stopped by Ctrl-C/SIGTERM (after saving a checkpoint)
-    skipped: int  # steps discarded by nan_policy=skip
-    extra: dict = dataclasses.field(default_factory=dict)  # more figures for the summary line
 
 
 def encode(job: Job, rows: list) -> dict[str, np.ndarray]:
