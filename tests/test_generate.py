@@ -10,7 +10,7 @@ from transformers.generation import logits_process as hf_lp
 
 from hf_fixtures import make_tiny_hf_model, padded_batch
 from jaxrlhf.engine import sampling
-from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
+from jaxrlhf.engine.generate import GenerateConfig, decode_model, make_generate_fn
 from jaxrlhf.engine.inference import (
     InferenceBatch, InferenceConfig, InferenceKind, make_inference_fn,
 )
@@ -192,6 +192,20 @@ def test_one_compile_per_prompt_bucket(llama, llama_greedy):
         out = generator(llama.params, tokens_bt, mask_bt.astype(bool), jax.random.key(1))
         assert generator.compiles == compiles
         assert out.sequences_bs.shape == (4, bucket + HF_NEW)
+
+
+def test_a_model_trained_unrolled_decodes_scanned_on_cpu(llama, llama_greedy):
+    """`scan_layers=False` (a train step unrolled for speed) still decodes with the scanned
+    stack on XLA:CPU (`decode_model`: unrolled decoding measured slower there), on the same
+    parameter tree, with the scanned model's greedy tokens and log-probs."""
+    unrolled = llama.config.replace(scan_layers=False)
+    assert llama.config.scan_layers and decode_model(unrolled, llama.layout).config.scan_layers
+    _, greedy, _, eos = llama_greedy
+    generator = make_generate_fn(unrolled, GenerateConfig(
+        max_new_tokens=HF_NEW, eos_token_id=eos, temperature=0.0, pad_token_id=PAD), llama.layout)
+    out = generator(llama.params, *_hf_prompts(llama.config.vocab_size), jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(out.response_bn), np.asarray(greedy.response_bn))
+    np.testing.assert_array_equal(np.asarray(out.logprobs_bn), np.asarray(greedy.logprobs_bn))
 
 
 # ---- sampling: log-probs, EOS, sharding ---------------------------------------------------
