@@ -11,7 +11,8 @@ from jaxrlhf.models.sizes import get_size
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.perf import floor
 from jaxrlhf.models.sizes import matmul_params
-from jaxrlhf.perf.flops import Figures, call_flops, forward_flops_per_token
+from jaxrlhf.perf.flops import (Figures, call_flops, forward_flops_per_token,
+                                with_peak_no_call_beat)
 
 
 def test_w_cpu_step_flops():
@@ -74,3 +75,18 @@ def test_mfu_never_exceeds_one_when_the_probe_underestimates():
     slow = Figures("gen", seconds=4.0, flops=4e9, devices=2, peak=2e9, machine_peak=2e9)
     assert not slow.peak_raised and slow.mfu == pytest.approx(0.5)
     assert slow.fraction_of_floor == pytest.approx(0.5) and slow.floor_seconds == 2.0
+
+
+def test_one_peak_for_a_run_where_a_call_beat_the_probe():
+    """A call faster than its probe raises every row's peak by the same ratio: no MFU and no
+    fraction of the floor above 1, and the rows keep their order."""
+    rows = [Figures("gen", seconds=1.0, flops=2e9, devices=1, peak=1e9, machine_peak=1e9),
+            Figures("ref", seconds=1.0, flops=3e9, devices=1, peak=1e9, machine_peak=1e9),
+            Figures("step", seconds=8.0, flops=5e9, devices=1, peak=1e9, machine_peak=1e9)]
+    assert rows[1].fraction_of_floor == 3.0  # the probe was slowed: a fraction above 1
+    scaled, factor = with_peak_no_call_beat(rows)
+    assert factor == 3.0
+    assert [f.fraction_of_floor for f in scaled] == pytest.approx([2 / 3, 1.0, 5 / 24])
+    assert all(f.mfu <= 1.0 and not f.peak_raised for f in scaled)
+    unchanged, factor = with_peak_no_call_beat([rows[2]])
+    assert factor == 1.0 and unchanged == [rows[2]]

@@ -9,13 +9,15 @@ floor exists to expose.
 MFU of an MFC = its model FLOPs / (its seconds x the peak of *its own* devices). The peak is
 the probe measured in the same process (`jaxrlhf.perf.floor`); if an MFC ever runs faster than
 that probe, the probe was wrong and the peak used is raised to the MFC's rate (and flagged), so
-MFU is at most 1 by construction.
+MFU is at most 1 by construction. `with_peak_no_call_beat` applies the same correction to the
+floor of every row of one run, so the fraction of the floor is at most 1 too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.sizes import matmul_params
@@ -104,3 +106,17 @@ class Figures:
             "floor_seconds": self.floor_seconds, "fraction_of_floor": self.fraction_of_floor,
             "mfu": self.mfu, "devices": self.devices, "peak_raised": self.peak_raised,
         }
+
+
+def with_peak_no_call_beat(rows: Sequence[Figures]) -> tuple[list[Figures], float]:
+    """The rows of one run on one consistent peak, and the factor the probe was raised by.
+
+    A call that runs faster than the probe said its devices can proves that the probe was slowed
+    (by other load while it ran, say): the devices' true peak is at least that call's rate. All
+    rows then scale their peaks, the machine's too, by the largest such ratio (1 when no call beat
+    the probe), so every row's MFU and fraction of the floor are at most 1.
+    """
+    factor = max([1.0, *(f.rate / f.peak for f in rows)])
+    scaled = [dataclasses.replace(f, peak=f.peak * factor, machine_peak=f.machine_peak * factor)
+              for f in rows]
+    return scaled, factor
