@@ -31,6 +31,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Reference comparisons need full-precision matmuls, not the default bf16-pass on some backends.
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -39,3 +40,15 @@ jax.config.update("jax_default_matmul_precision", "highest")
 def pytest_unconfigure(config):
     if os.environ.get("JAXRLHF_TEST_CACHE_OWNER") == str(os.getpid()):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.devices(n)`: the test builds layouts over n devices. The default suite has 8
+    (virtual CPU devices); run on a box with fewer (`JAX_PLATFORMS=cuda` on one GPU, say), such a
+    test is skipped, saying why, and the rest (numerics against references) still run there."""
+    available = jax.device_count()
+    for item in items:
+        marker = item.get_closest_marker("devices")
+        if marker is not None and marker.args[0] > available:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {marker.args[0]} devices, {available} available"))

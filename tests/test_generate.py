@@ -212,8 +212,16 @@ def test_a_model_trained_unrolled_decodes_scanned_on_cpu(llama, llama_greedy):
 
 
 @pytest.fixture(scope="module")
+def forced_sample(llama):
+    """Sampling that ignores EOS, on one device."""
+    generator = llama.generator(max_new_tokens=N_NEW, eos_token_id=PAD, force_max_length=True,
+                                **SAMPLE)
+    return generator(llama.params, *_sample_prompts(llama.config.vocab_size), jax.random.key(1))
+
+
+@pytest.fixture(scope="module")
 def sharded_forced_sample(llama):
-    """Sampling that ignores EOS, on 8 devices (d2t4)."""
+    """The same sampling on 8 devices (d2t4)."""
     layout8 = make_layout("0-7:d2t4", model=llama.config)
     params8 = jax.device_put(llama.params, layout8.param_shardings(abstract_params(llama.config)))
     generator = llama.generator(layout8, max_new_tokens=N_NEW, eos_token_id=PAD,
@@ -229,19 +237,19 @@ def _early_token(row, avoid):
 
 
 @pytest.fixture(scope="module")
-def eos_sample(llama, sharded_forced_sample):
-    """The same sampling on one device with two stop ids: one that row 0 emits early, one that
-    row 2 emits early; row 1 emits neither."""
-    forced = np.asarray(sharded_forced_sample.response_bn)
+def eos_sample(llama, forced_sample):
+    """The same sampling with two stop ids: one that row 0 emits early, one that row 2 emits
+    early; row 1 emits neither."""
+    forced = np.asarray(forced_sample.response_bn)
     stop_ids = (_early_token(forced[0], forced[1]), _early_token(forced[2], forced[1]))
     generator = llama.generator(max_new_tokens=N_NEW, eos_token_id=stop_ids, **SAMPLE)
     out = generator(llama.params, *_sample_prompts(llama.config.vocab_size), jax.random.key(1))
     return out, stop_ids
 
 
-def test_eos_stops_rows_and_masks_the_rest(eos_sample, sharded_forced_sample):
+def test_eos_stops_rows_and_masks_the_rest(eos_sample, forced_sample):
     out, stop_ids = eos_sample
-    forced = np.asarray(sharded_forced_sample.response_bn)
+    forced = np.asarray(forced_sample.response_bn)
     stops_at = [next((i for i, t in enumerate(row) if t in stop_ids), None) for row in forced]
     want_lengths = [N_NEW if i is None else i + 1 for i in stops_at]
     assert want_lengths[0] < N_NEW and want_lengths[2] < N_NEW and want_lengths[1] == N_NEW
@@ -255,8 +263,14 @@ def test_eos_stops_rows_and_masks_the_rest(eos_sample, sharded_forced_sample):
     np.testing.assert_array_equal(np.asarray(out.sequences_bs)[:, prompt_len:], response)
 
 
-def test_sharded_sampling_equals_single_device(eos_sample, sharded_forced_sample):
-    """Same keys, same tokens: the 8-device run equals the 1-device run up to each row's EOS."""
+@pytest.mark.devices(8)
+def test_sharded_sampling_equals_single_device(eos_sample, forced_sample, sharded_forced_sample):
+    """Same keys, same tokens: the 8-device run equals the 1-device runs (forced to the end,
+    and up to each row's EOS)."""
+    np.testing.assert_array_equal(np.asarray(sharded_forced_sample.response_bn),
+                                  np.asarray(forced_sample.response_bn))
+    np.testing.assert_allclose(np.asarray(sharded_forced_sample.logprobs_bn),
+                               np.asarray(forced_sample.logprobs_bn), atol=1e-5, rtol=0)
     out, _ = eos_sample
     assert sharded_forced_sample.response_bn.sharding.spec[0] in ("data", ("data", "fsdp"))
     assert len(sharded_forced_sample.response_bn.sharding.device_set) == 8

@@ -207,6 +207,7 @@ def test_head_mismatch_is_rejected(lm):
         make_inference_fn(config, InferenceConfig(InferenceKind.VALUES), layout)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("spec", ["0-7:d4t2", "0-7:f2t2d2"])
 def test_sharded_inference_equals_single_device(lm, logprob_fn, sequences, spec):
     _, config, _, params = lm

@@ -113,6 +113,7 @@ LAYOUT_CASES = [
 ]
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("spec,micro_cfg,expected_k", LAYOUT_CASES)
 def test_layouts_match_one_device_big_batch(host_params, reference, spec, micro_cfg, expected_k):
     ref_params, ref_losses, ref_norms = reference
@@ -150,6 +151,7 @@ def _assert_sharded_as(array, sharding):
     assert array.sharding.is_equivalent_to(sharding, array.ndim), (array.sharding, sharding)
 
 
+@pytest.mark.devices(8)
 def test_opt_state_shardings_follow_params():
     layout = make_layout("0-7:d2f2t2", model=MODEL)
     shardings = ts.state_shardings(MODEL, layout, opt.OptimizerConfig(fp32_master=True))
@@ -164,6 +166,7 @@ def test_opt_state_shardings_follow_params():
     assert gate.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
 
 
+@pytest.mark.devices(2)
 def test_bf16_params_with_fp32_master(host_params):
     model = MODEL.replace(param_dtype=jnp.bfloat16)
     cfg = opt.OptimizerConfig(lr=1e-3, total_steps=10, fp32_master=True)
