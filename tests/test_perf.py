@@ -27,6 +27,8 @@ def test_w_cpu_step_flops():
         cfg, "train_step", 64, 96)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:GPU's cost analysis leaves "
+                    "out the matmuls it hands to cuBLAS (it counted 12% of them on an H200)")
 def test_forward_flops_match_xla_cost_analysis():
     """The model-FLOP formula against XLA's own count of the compiled forward pass.
 
