@@ -29,8 +29,8 @@ scan's zero-filled [L, ...] stacks of saved activations and their per-layer writ
 (~18% of its op time in a profile) and needs less memory (164 vs 199 MiB peak). Train step
 7.68 vs 8.78 s wall, 5.10 vs 5.85 s CPU (engine_calls --devices=8 --calls=train
 --variants=scan,unroll, 4 interleaved repeats, load 8-11); whole step 14.8 vs 19.1 s, CPU 9.4
-vs 10.6 s (`jaxrlhf.bench` default vs `:scan`, load 13). Decoding unrolled was slower, so the
-generate call keeps the scan on CPU by itself.
+vs 10.6 s (`jaxrlhf.bench` default vs `:scan`, load 13). The generate call decodes with a
+stack of its own on CPU either way (layer by layer, `engine.decode_layers`).
 """
 
 from jaxrlhf.schema import base_config
@@ -47,8 +47,8 @@ def get_config(arg=None):
         config.models[role].size = "bench"
         config.models[role].dtype = "float32"
         config.models[role].param_dtype = "float32"
-    # The actor trains with its layers unrolled (see above); generation decodes scanned on CPU
-    # whatever this says (`engine.generate.decode_model`). ref_inf stays scanned (unrolled
+    # The actor trains with its layers unrolled (see above); generation decodes layer by layer
+    # on CPU whatever this says (`engine.generate.decode_model`). ref_inf stays scanned (unrolled
     # gained nothing there).
     config.models["actor"].scan_layers = False
     config.rollout.batch_size = 16

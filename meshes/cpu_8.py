@@ -22,4 +22,5 @@ def get_cluster() -> Cluster:
         matmul_efficiency=0.5,
         hbm_efficiency=0.5,
         comm_efficiency=0.5,
+        cpu=True,
     )

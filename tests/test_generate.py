@@ -10,6 +10,7 @@ from transformers.generation import logits_process as hf_lp
 
 from hf_fixtures import make_tiny_hf_model, padded_batch
 from jaxrlhf.engine import sampling
+from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.generate import GenerateConfig, decode_model, make_generate_fn
 from jaxrlhf.engine.inference import (
     InferenceBatch, InferenceConfig, InferenceKind, make_inference_fn,
@@ -194,12 +195,14 @@ def test_one_compile_per_prompt_bucket(llama, llama_greedy):
         assert out.sequences_bs.shape == (4, bucket + HF_NEW)
 
 
-def test_a_model_trained_unrolled_decodes_scanned_on_cpu(llama, llama_greedy):
-    """`scan_layers=False` (a train step unrolled for speed) still decodes with the scanned
-    stack on XLA:CPU (`decode_model`: unrolled decoding measured slower there), on the same
-    parameter tree, with the scanned model's greedy tokens and log-probs."""
+def test_a_model_trained_unrolled_decodes_layer_by_layer_on_cpu(llama, llama_greedy):
+    """Scanned or not (`scan_layers=False`: a train step unrolled for speed), a model decodes
+    layer by layer on XLA:CPU (`decode_model`, `engine.decode_layers`), on the same parameter
+    tree, with the scanned model's greedy tokens and log-probs."""
     unrolled = llama.config.replace(scan_layers=False)
-    assert llama.config.scan_layers and decode_model(unrolled, llama.layout).config.scan_layers
+    assert llama.config.scan_layers
+    for config in (llama.config, unrolled):
+        assert isinstance(decode_model(config, llama.layout).layer_stack, LayerByLayer)
     _, greedy, _, eos = llama_greedy
     generator = make_generate_fn(unrolled, GenerateConfig(
         max_new_tokens=HF_NEW, eos_token_id=eos, temperature=0.0, pad_token_id=PAD), llama.layout)

@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.engine import buckets, pipelined_decode
+from jaxrlhf.engine import buckets, decode_layers, pipelined_decode
 from jaxrlhf.engine.call import BucketedCall
+from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.sampling import SamplingParams, sample, token_logprobs
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
@@ -141,8 +142,12 @@ def _choose(state: _DecodeState, rng, cfg: GenerateConfig) -> _DecodeState:
     )
 
 
-def _constrain_cache(cache: KVCache) -> KVCache:
-    return KVCache(*(nn.with_logical_constraint(x, _CACHE_AXES) for x in cache))
+def _constrain_cache(cache: KVCache | tuple[KVCache, ...]):
+    """The stacked cache, or each layer's own (`decode_layers.split_cache`), sharded alike."""
+    if isinstance(cache, KVCache):
+        return KVCache(*(nn.with_logical_constraint(x, _CACHE_AXES) for x in cache))
+    return tuple(KVCache(*(nn.with_logical_constraint(x, _CACHE_AXES[1:]) for x in c))
+                 for c in cache)
 
 
 def _prefill(apply, config: ModelConfig, cfg: GenerateConfig, prompt_tokens_bp, prompt_mask_bp,
@@ -191,6 +196,9 @@ def generate(
     """
     batch, prompt_len = prompt_tokens_bp.shape
     n_new = cfg.max_new_tokens
+    layer_by_layer = isinstance(model.layer_stack, LayerByLayer)
+    if layer_by_layer:  # each layer's weights sliced out once, not once per token
+        params = decode_layers.split_params(params)
     apply = functools.partial(model.apply, {"params": params})
     prompt_mask_bp = prompt_mask_bp.astype(bool)
     prompt_lengths_b = jnp.sum(prompt_mask_bp, axis=1, dtype=jnp.int32)
@@ -215,6 +223,8 @@ def generate(
     # Token 0 comes from the prefill's logits; each iteration feeds the last token and samples
     # the next, so the loop body has no `lax.cond` (whose branches would copy the KV cache).
     state = _choose(state, rng, cfg)
+    if layer_by_layer:
+        state = state._replace(cache=_constrain_cache(decode_layers.split_cache(state.cache)))
     if pipelined_decode.runs_across_tokens(model):  # ReaL's schedule on a pipelined layout
         state = pipelined_decode.decode_across_tokens(
             model, cfg, params, state, rng, prompt_lengths_b, prompt_len, kv_segment_ids_bs)
@@ -234,16 +244,19 @@ def generate(
 
 def decode_model(model_config: ModelConfig, layout: Layout) -> Transformer:
     """The model a generate call runs on `layout`: its layout's layer stack (a pipeline keeps
-    stages apart), and on XLA:CPU the scanned layer stack whatever `scan_layers` says (the
-    parameter tree is the same).
+    stages apart); on XLA:CPU `decode_layers.LayerByLayer`, or with fsdp the scanned stack,
+    whatever `scan_layers` says (the parameter tree is the same).
 
-    Why: unrolled layers inside the token loop decoded slower on CPU than the scan, at d8 and
-    at d4t2 (W-cpu generation 8.2 vs 5.4 s and 3.1 vs 2.7 s, `benchmarks/engine_calls.py
-    --variants=scan,unroll`), while the train step runs faster unrolled; so a model trained
-    unrolled on CPU (`scan_layers=False`) still decodes scanned.
+    Why: inside the token loop both the scanned and the unrolled scan copy every layer's
+    weights and cache once per token on XLA:CPU; layer by layer on weights sliced out once,
+    each layer's cache is read where it lies (`engine.decode_layers`). With fsdp every token
+    all-gathers each layer's weights anyway, and unrolled the gathered layers would all be
+    live at once: that stays scanned.
     """
     stack = layer_stack(layout)
     if stack is None and layout.mesh.devices.flat[0].platform == "cpu":
+        if layout.strategy.fsdp == 1:
+            return Transformer(model_config, LayerByLayer())
         model_config = model_config.replace(scan_layers=True)
     return Transformer(model_config, stack)
 

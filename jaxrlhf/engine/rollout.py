@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.engine import decode_layers
 from jaxrlhf.engine.buckets import CompileCache
+from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.generate import (
     _CACHE_AXES, GenerateConfig, GenerateOutput, _choose, _constrain_cache, _DecodeState,
     _prefill, _unfinished, decode_model,
@@ -108,6 +110,10 @@ def _start(model: Transformer, cfg: GenerateConfig, params, prompt_tokens_bp, pr
 def _advance(model: Transformer, cfg: GenerateConfig, num_steps: int, params, s: RolloutState,
              version) -> RolloutState:
     """Up to `num_steps` more tokens per row (generate's loop body, bounded)."""
+    layer_by_layer = isinstance(model.layer_stack, LayerByLayer)
+    if layer_by_layer:  # as in generate: the loop reads each layer's own weights and cache
+        params = decode_layers.split_params(params)
+        s = _with_cache(s, decode_layers.split_cache(s.decode.cache))
     apply = functools.partial(model.apply, {"params": params})
     batch, prompt_len = s.prompt_tokens_bp.shape
     n_new = cfg.max_new_tokens
@@ -125,7 +131,12 @@ def _advance(model: Transformer, cfg: GenerateConfig, num_steps: int, params, s:
         return _record(r._replace(decode=d), _choose(d, r.rng, cfg), version)
 
     cond = lambda r: _unfinished(r.decode, n_new) & (r.decode.step < stop)
-    return jax.lax.while_loop(cond, body, s)
+    s = jax.lax.while_loop(cond, body, s)
+    return _with_cache(s, decode_layers.stack_cache(s.decode.cache)) if layer_by_layer else s
+
+
+def _with_cache(s: RolloutState, cache) -> RolloutState:
+    return s._replace(decode=s.decode._replace(cache=_constrain_cache(cache)))
 
 
 def _recompute_cache(model: Transformer, cfg: GenerateConfig, params,

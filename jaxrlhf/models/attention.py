@@ -122,6 +122,35 @@ def _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax
     return out_btkgd.reshape(batch, q_len, heads, head_dim)
 
 
+def single_query_attention(q_b1hd, k_bskd, v_bskd, q_seg_b1, kv_seg_bs, q_offset) -> jax.Array:
+    """`dot_product_attention` of one query per row (a decode step), in XLA, as multiplies and
+    reductions that read the keys and values where they lie.
+
+    Why: XLA:CPU feeds its dots with operands in the layout they want, so the two attention
+    dots of a decode step copied (and for the values transposed) the whole cache of the layer
+    every token, several times the dots' own cost; a multiply-reduce reads each cache entry
+    once. Scores and outputs accumulate in fp32, the probabilities are rounded to q's dtype
+    as in `_xla_attention`.
+
+    Args and result: as `dot_product_attention` with q_len 1.
+    """
+    batch, _, heads, head_dim = q_b1hd.shape
+    k_len, kv_heads = k_bskd.shape[1], k_bskd.shape[2]
+    dtype = q_b1hd.dtype
+    q_slot_b1 = jnp.broadcast_to(q_offset, (batch, 1))
+    k_slot_bs = jnp.broadcast_to(jnp.arange(k_len), (batch, k_len))
+    mask_bs11 = attention_mask(q_slot_b1, q_seg_b1, k_slot_bs, kv_seg_bs)[:, 0, 0, 0, :, None, None]
+    groups = heads // kv_heads
+    q_b1kgd = q_b1hd.reshape(batch, 1, kv_heads, groups, head_dim).astype(jnp.float32)
+    k_bsk1d = k_bskd.astype(dtype).astype(jnp.float32)[:, :, :, None, :]
+    scores_bskg = jnp.sum(q_b1kgd * k_bsk1d, axis=-1) / math.sqrt(head_dim)
+    scores_bskg = jnp.where(mask_bs11, scores_bskg, _NEG_INF)
+    probs_bskg = jax.nn.softmax(scores_bskg, axis=1).astype(dtype)
+    v_bsk1d = v_bskd.astype(dtype).astype(jnp.float32)[:, :, :, None, :]
+    out_bkgd = jnp.sum(probs_bskg.astype(jnp.float32)[..., None] * v_bsk1d, axis=1)
+    return out_bkgd.astype(dtype).reshape(batch, 1, heads, head_dim)
+
+
 # --- cuDNN (jax.nn.dot_product_attention) -------------------------------------------------
 
 

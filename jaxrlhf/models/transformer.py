@@ -36,7 +36,8 @@ LOGICAL_AXES = (
 class KVCache(NamedTuple):
     """Per-layer keys and values, stacked over layers.
 
-    k_lbskd, v_lbskd: [layers, batch, cache_len, kv_heads, head_dim].
+    k_lbskd, v_lbskd: [layers, batch, cache_len, kv_heads, head_dim] (one layer's own cache,
+    as `engine.decode_layers` keeps them: [batch, cache_len, kv_heads, head_dim]).
     """
 
     k_lbskd: jax.Array
@@ -184,10 +185,17 @@ class Attention(nn.Module):
             kv_segment_ids_bs, cache_index = segment_ids_bt, 0
         else:
             new_cache, k_all, v_all = _write_cache(layer_cache, k, v, cache_index)
-        out_bthd = attention.dot_product_attention(
-            q, k_all, v_all, segment_ids_bt, kv_segment_ids_bs, q_offset=cache_index,
-            impl=cfg.attention,
-        )
+        own_cache = layer_cache is not None and layer_cache[1] is None
+        if (own_cache and q.shape[1] == 1
+                and attention.resolve_impl(cfg.attention) is attention.AttentionImpl.XLA):
+            # One token against this layer's own cache (a token loop): read it in place.
+            out_bthd = attention.single_query_attention(q, k_all, v_all, segment_ids_bt,
+                                                        kv_segment_ids_bs, cache_index)
+        else:
+            out_bthd = attention.dot_product_attention(
+                q, k_all, v_all, segment_ids_bt, kv_segment_ids_bs, q_offset=cache_index,
+                impl=cfg.attention,
+            )
         out_bthd = nn.with_logical_constraint(out_bthd, ("batch", "length", "act_heads", "head_dim"))
         out = OutProjection(cfg, name="o_proj")(out_bthd)
         return out, new_cache
@@ -200,14 +208,22 @@ def _write_cache(layer_cache, k_btkd, v_btkd, cache_index):
       layer_cache: (KVCache of every layer [l, b, S, k, d], this layer's index): the stacked
         cache rides in the layer scan's carry, so XLA updates the written slots in place;
         scanning over per-layer slices instead (xs -> ys) rebuilds the whole cache every
-        decode step.
+        decode step. Or (KVCache of this layer only [b, S, k, d], None): a stack that keeps
+        each layer's cache apart (`engine.decode_layers`).
       k_btkd, v_btkd: [b, t, k, d] keys and values of the t new tokens.
       cache_index: slot of the first new token.
 
     Returns:
-      (updated stacked cache, this layer's keys [b, S, k, d], its values [b, S, k, d]).
+      (updated cache as given, this layer's keys [b, S, k, d], its values [b, S, k, d]).
     """
     cache, layer = layer_cache
+    if layer is None:
+        start = (0, cache_index, 0, 0)
+        k_bskd = jax.lax.dynamic_update_slice(cache.k_lbskd, k_btkd.astype(cache.k_lbskd.dtype),
+                                              start)
+        v_bskd = jax.lax.dynamic_update_slice(cache.v_lbskd, v_btkd.astype(cache.v_lbskd.dtype),
+                                              start)
+        return KVCache(k_bskd, v_bskd), k_bskd, v_bskd
     start = (layer, 0, cache_index, 0, 0)
     k_lbskd = jax.lax.dynamic_update_slice(cache.k_lbskd, k_btkd[None].astype(cache.k_lbskd.dtype),
                                            start)

@@ -81,6 +81,9 @@ class Cluster:
       matmul_efficiency, hbm_efficiency, comm_efficiency: achieved / peak; calibrated, as are
         the two overheads.
       calibration_source: where the calibrated values came from ("" for the file's defaults).
+      cpu: the devices are XLA:CPU (virtual) devices, where the runtime makes CPU choices of
+        its own: generation decodes layer by layer on a copy of the layer weights
+        (`engine.generate.decode_model`), which the memory model counts.
     """
 
     name: str
@@ -102,6 +105,7 @@ class Cluster:
     hbm_efficiency: float = 0.7
     comm_efficiency: float = 0.7
     calibration_source: str = ""
+    cpu: bool = False
 
     def __post_init__(self):
         if self.hosts < 1 or self.devices_per_host < 1:

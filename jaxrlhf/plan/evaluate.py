@@ -106,7 +106,8 @@ class Evaluator:
     def own_memory(self, mfc: MFC, choice: CallChoice) -> memory_lib.MemoryBreakdown:
         key = (mfc.name, choice)
         if key not in self._own:
-            self._own[key] = memory_lib.own_memory(self.experiment, mfc, choice)
+            self._own[key] = memory_lib.own_memory(self.experiment, mfc, choice,
+                                                   cpu=self.cluster.cpu)
         return self._own[key]
 
     def memory(self, plan: ExecutionPlan) -> memory_lib.PlanMemory:

@@ -183,16 +183,23 @@ def _pipelined_saved_bytes(p: ModelProfile, choice: CallChoice, tokens: int, con
 
 
 def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
-                fp32_master: bool = False, remat_stages: bool = False) -> MemoryBreakdown:
+                fp32_master: bool = False, remat_stages: bool = False,
+                cpu: bool = False) -> MemoryBreakdown:
     """Bytes per device of one MFC on its own (its own model's parameters included);
-    `remat_stages` prices a pipeline that checkpoints each stage (train_step only)."""
+    `remat_stages` prices a pipeline that checkpoints each stage (train_step only); `cpu`:
+    on XLA:CPU devices (`Cluster.cpu`)."""
     rows = work.rows_per_device(call, choice.dp_size, choice.micro_batches)
     s, t, stages = work.seq_len, choice.tensor, choice.pipeline
     params = p.shard_bytes(t, choice.fsdp, stages)
-    # Generation on XLA:CPU decodes with the scanned stack whatever the config says
-    # (`engine.generate.decode_model`).
-    scanned = p.config.scan_layers or call is Call.GENERATE
+    # Generation decodes with a stack of its own whatever the config says
+    # (`engine.generate.decode_model`): on XLA:CPU without pipeline or fsdp layer by layer, on
+    # the layer weights sliced out of their stacks once per call (a copy held through the call,
+    # no per-layer slice copy), else scanned.
+    by_layer = cpu and call is Call.GENERATE and stages == 1 and choice.fsdp == 1
+    scanned = (p.config.scan_layers or call is Call.GENERATE) and not by_layer
     gathered = int(_gathered_bytes(p, choice, scanned))
+    if by_layer:
+        gathered += p.config.num_layers * p.layer_shard_bytes(t)
     match call:
         case Call.TRAIN_STEP:
             tokens = rows * s
@@ -253,9 +260,11 @@ class PlanMemory:
         return not self.violations
 
 
-def own_memory(experiment: Experiment, mfc: MFC, choice: CallChoice) -> MemoryBreakdown:
+def own_memory(experiment: Experiment, mfc: MFC, choice: CallChoice,
+               cpu: bool = False) -> MemoryBreakdown:
     p = experiment.profile(mfc.role)
-    return call_memory(p, mfc.call, experiment.workload, choice, experiment.master(mfc.role))
+    return call_memory(p, mfc.call, experiment.workload, choice, experiment.master(mfc.role),
+                       cpu=cpu)
 
 
 def _resident(experiment: Experiment, plan: ExecutionPlan, role: Role,
@@ -300,7 +309,7 @@ def plan_memory(experiment: Experiment, plan: ExecutionPlan, cluster: Cluster,
     """
     if offload_trainable is not None:
         experiment = dataclasses.replace(experiment, offload_trainable=offload_trainable)
-    own_of = own or functools.partial(own_memory, experiment)
+    own_of = own or functools.partial(own_memory, experiment, cpu=cluster.cpu)
     order = [m.name for m in experiment.model_mfcs()]
     devices = {name: choice.devices for name, choice in plan.items()}
     base = np.zeros(cluster.num_devices)

@@ -1,0 +1,79 @@
+"""The decoder layers one by one, each on its own parameters and its own KV cache: the layer
+stack of a token loop on XLA:CPU (`engine.generate.decode_model`).
+
+The scanned stack keeps every layer's weights and cache stacked on a leading [L, ...] axis and
+slices layer l out of the stacks in each of its iterations. Inside a token loop those slices
+run once per token and layer, and XLA:CPU copies each of them: a dot cannot read a dynamic
+slice in place, so every token copied all the weights once more (as many bytes as the dots
+read), and each layer's keys and values once or twice more (transposed for the attention
+dots). W-cpu's generation (d4t2) spent about 40% of its op time in these copies.
+
+Here the weights are sliced out once, before the token loop (`split_params`; the loop then
+only reads them), the cache is cut into one [b, S, k, d] array per layer (`split_cache`),
+and the layers are unrolled (`LayerByLayer`): layer l writes its new keys and values into its
+own cache in place and attends over that array as it is (`attention.single_query_attention`
+for a one-token step with the XLA implementation: multiply and reduce read the cache where
+it lies, where a dot would copy it into the layout it wants).
+
+W-cpu generation, scanned -> layer by layer (same tokens, log-probs within 1e-6): d4t2 0.75 ->
+0.63 s, d2t2 0.69 -> 0.66 s (`benchmarks/engine_calls.py --calls=generate --layouts=0-7:d4t2,
+0-3:d2t2`, medians of 3 runs alternating old and new code, load 3); d1 0.99 -> 0.84 s. The
+price: one more copy of the layer weights per device during a generate call (counted by
+`plan.memory` on XLA:CPU clusters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.models.transformer import KVCache, LayerFn, LayerInputs
+
+
+def split_params(params) -> dict:
+    """The model's parameters with "layers" as a tuple of each layer's own tree (sliced out of
+    the [L, ...] stacks once; what `LayerByLayer` runs fastest on)."""
+    layers = params["layers"]
+    if isinstance(layers, tuple):
+        return params
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda p, i=i: p[i], layers)
+                                      for i in range(num_layers))}
+
+
+def split_cache(cache: KVCache) -> tuple[KVCache, ...]:
+    """One KVCache of [b, S, k, d] arrays per layer, from the stacked [L, b, S, k, d] one."""
+    return tuple(KVCache(k, v) for k, v in zip(cache.k_lbskd, cache.v_lbskd))
+
+
+def stack_cache(caches: tuple[KVCache, ...]) -> KVCache:
+    """The stacked [L, b, S, k, d] KVCache of per-layer ones (`split_cache` undone)."""
+    return KVCache(jnp.stack([c.k_lbskd for c in caches]), jnp.stack([c.v_lbskd for c in caches]))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerByLayer:
+    """A `LayerStack` that runs the layers unrolled, in order.
+
+    Takes the parameters stacked (the model's own tree) or split (`split_params`), and the
+    cache stacked (layer l writes index l of it; prefill) or split (`split_cache`;
+    each layer writes and reads its own array; the token loop), and returns the cache in the
+    form it was given.
+    """
+
+    def __call__(self, layer_fn: LayerFn, params_l, x_btd: jax.Array, cache, inputs: LayerInputs,
+                 cache_index, unroll: bool) -> tuple[jax.Array, Any]:
+        params_l = split_params({"layers": params_l})["layers"]
+        if isinstance(cache, tuple) and not isinstance(cache, KVCache):
+            caches = []
+            for params, layer_cache in zip(params_l, cache, strict=True):
+                x_btd, layer_cache = layer_fn(params, (x_btd, layer_cache), None, inputs,
+                                              cache_index)
+                caches.append(layer_cache)
+            return x_btd, tuple(caches)
+        for layer, params in enumerate(params_l):
+            x_btd, cache = layer_fn(params, (x_btd, cache), layer, inputs, cache_index)
+        return x_btd, cache
