@@ -195,6 +195,8 @@ def test_one_compile_per_prompt_bucket(llama, llama_greedy):
         assert out.sequences_bs.shape == (4, bucket + HF_NEW)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="layer by layer is XLA:CPU's "
+                    "decode; accelerators decode the stack the layout gives")
 def test_a_model_trained_unrolled_decodes_layer_by_layer_on_cpu(llama, llama_greedy):
     """Scanned or not (`scan_layers=False`: a train step unrolled for speed), a model decodes
     layer by layer on XLA:CPU (`decode_model`, `engine.decode_layers`), on the same parameter
