@@ -33,15 +33,18 @@ import jax.numpy as jnp
 from jaxrlhf.models.transformer import KVCache, LayerFn, LayerInputs
 
 
-def split_params(params) -> dict:
-    """The model's parameters with "layers" as a tuple of each layer's own tree (sliced out of
-    the [L, ...] stacks once; what `LayerByLayer` runs fastest on)."""
-    layers = params["layers"]
+def split_layers(layers) -> tuple:
+    """Each layer's own parameter tree, sliced out of the [L, ...] stacks (as is if split)."""
     if isinstance(layers, tuple):
-        return params
+        return layers
     num_layers = jax.tree.leaves(layers)[0].shape[0]
-    return {**params, "layers": tuple(jax.tree.map(lambda p, i=i: p[i], layers)
-                                      for i in range(num_layers))}
+    return tuple(jax.tree.map(lambda p, i=i: p[i], layers) for i in range(num_layers))
+
+
+def split_params(params) -> dict:
+    """The model's parameters with "layers" split (`split_layers`) once, before a token loop:
+    what `LayerByLayer` runs fastest on."""
+    return {**params, "layers": split_layers(params["layers"])}
 
 
 def split_cache(cache: KVCache) -> tuple[KVCache, ...]:
@@ -66,7 +69,7 @@ class LayerByLayer:
 
     def __call__(self, layer_fn: LayerFn, params_l, x_btd: jax.Array, cache, inputs: LayerInputs,
                  cache_index, unroll: bool) -> tuple[jax.Array, Any]:
-        params_l = split_params({"layers": params_l})["layers"]
+        params_l = split_layers(params_l)
         if isinstance(cache, tuple) and not isinstance(cache, KVCache):
             caches = []
             for params, layer_cache in zip(params_l, cache, strict=True):
