@@ -134,8 +134,8 @@ def main(argv):
         "algorithm": setup.algorithm.name, "step_seconds": step.seconds,
         "tokens_per_second": tokens / step.seconds, "mfu": step.mfu,
         "fraction_of_floor": step.fraction_of_floor, "floor_seconds": step.floor_seconds,
-        "peak_gflops_per_s": step.machine_peak / 1e9,
-        "probe_gflops_per_s": probe / 1e9, "probe_raised_by": raised_by, "dtype": config.models.actor.dtype,
+        "peak_gflops_per_s": step.machine_peak / 1e9, "probe_gflops_per_s": probe / 1e9,
+        "probe_raised_by": raised_by, "dtype": config.models.actor.dtype,
         "devices": len(jax.devices()), "placement": dict(setup.plan.specs),
         "mfcs": {f.name: {**f.as_dict(), **({"peak_bytes": memory[f.name]}
                                              if f.name in memory else {})} for f in figures},

@@ -104,7 +104,7 @@ class Figures:
         return {
             "seconds": self.seconds, "gflops": self.flops / 1e9,
             "floor_seconds": self.floor_seconds, "fraction_of_floor": self.fraction_of_floor,
-            "mfu": self.mfu, "devices": self.devices, "peak_raised": self.peak_raised,
+            "mfu": self.mfu, "devices": self.devices,
         }
 
 

@@ -45,14 +45,14 @@ def median_seconds(timings: Sequence, name: str | None = None) -> float:
 
 
 def table(rows: Sequence[Figures], memory: Mapping[str, int]) -> str:
-    """A fixed-width table of the figures, one line per MFC and one for the step."""
+    """A fixed-width table of the figures, one line per MFC and one for the step (rows on one
+    peak, `flops.with_peak_no_call_beat`: a raised probe is the run's to report)."""
     head = (f"{'mfc':<14}{'dev':>4}{'seconds':>9}{'GFLOP':>8}{'floor s':>9}{'of floor':>9}"
             f"{'MFU':>7}{'peak MiB':>10}")
     lines = [head, "-" * len(head)]
     for f in rows:
         mib = f"{memory[f.name] / 2**20:.1f}" if f.name in memory else "-"
-        flag = " (probe raised)" if f.peak_raised else ""
         lines.append(f"{f.name:<14}{f.devices:>4}{f.seconds:>9.3f}{f.flops / 1e9:>8.1f}"
                      f"{f.floor_seconds:>9.3f}{f.fraction_of_floor:>9.1%}{f.mfu:>7.1%}"
-                     f"{mib:>10}{flag}")
+                     f"{mib:>10}")
     return "\n".join(lines)
