@@ -55,7 +55,11 @@ def aggregate(
             return jnp.sum(masked_bn), jnp.sum(count_b)
         case LossAggregation.SEQ_MEAN_TOKEN_MEAN:
             seq_mean_b = jnp.sum(masked_bn, axis=-1) / jnp.maximum(count_b, 1.0)
-            return jnp.sum(seq_mean_b), jnp.sum(count_b > 0).astype(jnp.float32)
+            # Summed in f32, not as a count: a data-parallel step then all-reduces it together
+            # with the gradients at the end, not alone mid-step (an early rendezvous blocks
+            # a worker thread until the slowest device gets there; XLA only combines
+            # all-reduces of one element type).
+            return jnp.sum(seq_mean_b), jnp.sum((count_b > 0).astype(jnp.float32))
         case _:
             raise ValueError(f"unknown aggregation {aggregation}")
 
@@ -349,7 +353,8 @@ def _sequence_reduce(
         return jnp.sum(jnp.where(valid_b, x_b.astype(jnp.float32), 0.0))
 
     stats = {k: _sg(total(v)) for k, v in stats_b.items()}
-    return total(loss_b), jnp.sum(valid_b).astype(jnp.float32), stats
+    # The count in f32 (see `aggregate`): all-reduced with the gradients, not alone mid-step.
+    return total(loss_b), jnp.sum(valid_b.astype(jnp.float32)), stats
 
 
 def reward_model_loss(
