@@ -2,7 +2,8 @@
 
 Prompts arrive LEFT-padded to a bucketed length P (so every row's last prompt token sits in the
 same slot and one prefill yields every row's first next-token logits). The KV cache has
-P + max_new_tokens slots; response token i of every row goes to slot P + i. A `lax.while_loop`
+P + max_new_tokens slots (layer by layer on XLA:CPU it grows to that in a few segments, so a
+step attends over fewer unwritten slots); response token i of every row goes to slot P + i. A `lax.while_loop`
 decodes one token per iteration and stops as soon as every row has emitted EOS (or after
 max_new_tokens). Each row's RoPE positions count only its real tokens, so a left-padded row is
 computed exactly like the same prompt without padding.
@@ -152,11 +153,12 @@ def _constrain_cache(cache: KVCache | tuple[KVCache, ...]):
 
 def _prefill(apply, config: ModelConfig, cfg: GenerateConfig, prompt_tokens_bp, prompt_mask_bp,
              kv_segment_ids_bs) -> _DecodeState:
-    """Runs the prompts through the model, filling the cache; returns the initial state."""
-    batch, prompt_len = prompt_tokens_bp.shape
+    """Runs the prompts through the model, filling a cache as long as `kv_segment_ids_bs`;
+    returns the initial state."""
+    batch, _ = prompt_tokens_bp.shape
     n_new = cfg.max_new_tokens
     positions_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=1, dtype=jnp.int32) - 1, 0)
-    cache = _constrain_cache(KVCache.zeros(config, batch, prompt_len + n_new))
+    cache = _constrain_cache(KVCache.zeros(config, batch, kv_segment_ids_bs.shape[1]))
     logits_b1v, cache = apply(
         prompt_tokens_bp, positions_bp, prompt_mask_bp.astype(jnp.int32), cache, 0,
         kv_segment_ids_bs, last_only=True,
@@ -206,19 +208,19 @@ def generate(
     kv_segment_ids_bs = jnp.concatenate(
         [prompt_mask_bp.astype(jnp.int32), jnp.ones((batch, n_new), jnp.int32)], axis=1
     )
+    # Layer by layer, the caches grow segment by segment (`decode_layers.segment_ends`).
+    ends = decode_layers.segment_ends(n_new) if layer_by_layer else (n_new,)
     state = _prefill(apply, model.config, cfg, prompt_tokens_bp, prompt_mask_bp,
-                     kv_segment_ids_bs)
+                     kv_segment_ids_bs[:, :prompt_len + ends[0]])
 
-    def feed_last(s: _DecodeState) -> _DecodeState:
+    def decode_one(s: _DecodeState, kv_segment_ids_bs) -> _DecodeState:
         fed = s.step - 1  # index of the response token being fed
         logits_b1v, cache = apply(
             s.last_token_b[:, None], (prompt_lengths_b + fed)[:, None],
             jnp.ones((batch, 1), jnp.int32), s.cache, prompt_len + fed, kv_segment_ids_bs,
         )
-        return s._replace(logits_bv=logits_b1v[:, 0], cache=_constrain_cache(cache))
-
-    def decode_one(s: _DecodeState) -> _DecodeState:
-        return _choose(feed_last(s), rng, cfg)
+        s = s._replace(logits_bv=logits_b1v[:, 0], cache=_constrain_cache(cache))
+        return _choose(s, rng, cfg)
 
     # Token 0 comes from the prefill's logits; each iteration feeds the last token and samples
     # the next, so the loop body has no `lax.cond` (whose branches would copy the KV cache).
@@ -229,8 +231,13 @@ def generate(
         state = pipelined_decode.decode_across_tokens(
             model, cfg, params, state, rng, prompt_lengths_b, prompt_len, kv_segment_ids_bs)
     else:
-        state = jax.lax.while_loop(functools.partial(_unfinished, n_new=n_new), decode_one,
-                                   state)
+        for end in ends:
+            length = prompt_len + end
+            cache = decode_layers.grow_cache(state.cache, length) if layer_by_layer else state.cache
+            state = jax.lax.while_loop(
+                functools.partial(_unfinished, n_new=end),
+                functools.partial(decode_one, kv_segment_ids_bs=kv_segment_ids_bs[:, :length]),
+                state._replace(cache=_constrain_cache(cache)))
     prompt_bp = jnp.where(prompt_mask_bp, prompt_tokens_bp, cfg.pad_token_id).astype(jnp.int32)
     return GenerateOutput(
         sequences_bs=jnp.concatenate([prompt_bp, state.response_bn], axis=1),
