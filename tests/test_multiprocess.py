@@ -188,6 +188,21 @@ def test_two_processes_match_one_with_generation_and_training_in_different_proce
                                        err_msg=f"step {step} {key}")
 
 
+def test_the_cpu_client_gets_two_threads_per_local_device_unless_the_user_chose(monkeypatch):
+    from jaxrlhf import distributed
+
+    assert distributed.cpu_client_threads(local_devices=4, cores=2) == 8
+    assert distributed.cpu_client_threads(local_devices=1, cores=64) == 64
+    for name in ("PJRT_NPROC", "NPROC"):
+        monkeypatch.setenv(name, "")  # unset for the function; restored after the test
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    distributed._give_cpu_client_threads()
+    assert int(os.environ["PJRT_NPROC"]) == max(8, len(os.sched_getaffinity(0)))
+    monkeypatch.setenv("PJRT_NPROC", "3")
+    distributed._give_cpu_client_threads()
+    assert os.environ["PJRT_NPROC"] == "3"
+
+
 def _wait_ready(proc, timeout: float) -> None:
     """Reads the worker's stdout until its READY token has come.
 
