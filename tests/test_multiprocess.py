@@ -6,6 +6,9 @@
   compute the same metrics.
 * When one process is SIGKILLed, the other exits non-zero within 60 s, naming the dead one.
 * The real `train` entry point runs as 2 processes and matches 1 process (slow).
+* Each process's XLA:CPU client gets two pool threads per local device (`distributed.
+  cpu_client_threads`: one per device hung the run above about one time in two on 2 busy
+  cores).
 
 This file is also the worker: `python tests/test_multiprocess.py worker ...` is one process.
 """
@@ -163,12 +166,6 @@ def _kill(procs) -> None:
             p.wait()
 
 
-# Out of the default suite while a rare hang is open: in 2 of 6 suite runs on 2 loaded cores
-# (2026-11-24 and -26) both workers sat idle mid-run (futex waits; process 0's main thread in
-# the cross-process transfer's block_until_ready, `parallel/reshard._cross`, the transfer
-# threads waiting in recv) until the socket closed ("SocketServer: Connection closed") or the
-# test's 600 s ran out. Not reproduced alone yet; `benchmarks/multiprocess_soak.py` runs it.
-@pytest.mark.slow
 def test_two_processes_match_one_with_generation_and_training_in_different_processes(
         tmp_path, coordinator_port):
     import numpy as np
