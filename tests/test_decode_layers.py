@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.engine import decode_layers
-from jaxrlhf.engine.decode_layers import LayerByLayer
+from jaxrlhf.engine.decode_layers import LayerByLayer, segment_ends
 from jaxrlhf.engine.generate import GenerateConfig, decode_model, generate
 from jaxrlhf.models import attention
 from jaxrlhf.models.sizes import abstract_params, get_size
@@ -82,11 +82,12 @@ def test_cached_steps_equal_the_scanned_stack():
 
 
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("spec", ["0-0:d1", "0-7:d4t2"])
-def test_sampled_generation_equals_the_scanned_stack(spec):
+@pytest.mark.parametrize("spec,new", [("0-0:d1", 7), ("0-7:d4t2", 7), ("0-7:d4t2", 40)])
+def test_sampled_generation_equals_the_scanned_stack(spec, new):
     """A sampled, ragged, left-padded generation on `decode_model`'s stack (layer by layer on
-    XLA:CPU; at d4t2 each device holds one kv head) draws the scanned stack's tokens, with its
-    log-probs to fp32 rounding."""
+    XLA:CPU; at d4t2 each device holds one kv head; with 40 new tokens its caches grow once,
+    after 20) draws the scanned stack's tokens, with its log-probs to fp32 rounding."""
+    assert segment_ends(new) == {7: (7,), 40: (20, 40)}[new]
     layout = make_layout(spec, model=_CONFIG)
     model = decode_model(_CONFIG, layout)
     assert isinstance(model.layer_stack, LayerByLayer)
@@ -94,7 +95,7 @@ def test_sampled_generation_equals_the_scanned_stack(spec):
     prompt_bp = jax.random.randint(jax.random.key(2), (8, 6), 1, _CONFIG.vocab_size)
     mask_bp = jnp.asarray([[0, 0, 0, 1, 1, 1], [1] * 6, [0, 0, 0, 0, 0, 1], [0, 1, 1, 1, 1, 1]]
                           * 2, bool)
-    cfg = GenerateConfig(max_new_tokens=7, eos_token_id=-1, pad_token_id=0, temperature=0.8)
+    cfg = GenerateConfig(max_new_tokens=new, eos_token_id=-1, pad_token_id=0, temperature=0.8)
     rows = layout.batch_sharding(2)
 
     def run(model):
