@@ -3,10 +3,10 @@
 Prompts arrive LEFT-padded to a bucketed length P (so every row's last prompt token sits in the
 same slot and one prefill yields every row's first next-token logits). The KV cache has
 P + max_new_tokens slots (layer by layer on XLA:CPU it grows to that in a few segments, so a
-step attends over fewer unwritten slots); response token i of every row goes to slot P + i. A `lax.while_loop`
-decodes one token per iteration and stops as soon as every row has emitted EOS (or after
-max_new_tokens). Each row's RoPE positions count only its real tokens, so a left-padded row is
-computed exactly like the same prompt without padding.
+step attends over fewer unwritten slots); response token i of every row goes to slot P + i.
+A `lax.while_loop` (one per segment) decodes one token per iteration and stops as soon as every
+row has emitted EOS (or after max_new_tokens). Each row's RoPE positions count only its real
+tokens, so a left-padded row is computed exactly like the same prompt without padding.
 """
 
 from __future__ import annotations
