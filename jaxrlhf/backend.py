@@ -1,6 +1,7 @@
 """Process-level backend settings that must be made before JAX starts a backend."""
 
 import os
+import re
 
 # XLA:CPU aborts the process when one virtual device's thread reaches a collective more than
 # 40 s (its default) after the others. On an oversubscribed host (8 virtual devices on 2 busy
@@ -24,3 +25,41 @@ def use_cpu_devices(count: int) -> None:
     """
     _add_flag("xla_force_host_platform_device_count", count)
     _add_flag("xla_cpu_collective_call_terminate_timeout_seconds", COLLECTIVE_TERMINATE_S)
+
+
+ENV_CPU_CLIENT_THREADS = "PJRT_NPROC"  # read by XLA:CPU when the client starts
+
+
+def cpu_client_threads(local_devices: int, cores: int) -> int:
+    """Threads for the XLA:CPU client of a process that holds `local_devices` devices.
+
+    XLA:CPU sizes its client pool max(cores, local devices): just enough for one program's
+    parts on every local device at once, which its scheduler counts on (one multi-device
+    program runs at a time, each part blocking a thread until its collectives complete).
+    But launching a program on a device that already has 32 computations in flight
+    (`max_inflight_computations`, a pacing limit) blocks a pool thread until one of them
+    finishes, and they need pool threads to run. Seen in the 2-process test (4 devices per
+    process on 2 busy cores, the host dispatching far ahead of its devices), gdb of process 1:
+    3 pool threads ran 3 parts of a program, waiting in a gloo all-reduce for the 4th part,
+    the 4th thread waited in `Semaphore::ScopedAcquire` launching the next program on a full
+    device, and the main thread waited in `Execute` for that launch, so nothing ran again;
+    process 0 waited for process 1 at the next cross-process transfer (`reshard._cross`)
+    until the socket closed. One more thread per device is room for the launches that one
+    dispatch can block while a program on every local device runs (XLA sizes its intra-op
+    pool from the same number).
+    """
+    return max(cores, 2 * local_devices)
+
+
+def give_cpu_client_threads() -> None:
+    """Sets the client's pool size (PJRT_NPROC) unless the user did (PJRT_NPROC or NPROC); for
+    multi-process jobs (`distributed.initialize`): one process's quiet runs lose more to the extra
+    threads than they gain."""
+    if os.environ.get(ENV_CPU_CLIENT_THREADS) or os.environ.get("NPROC"):
+        return
+    match = re.search(r"--xla_force_host_platform_device_count=(\d+)",
+                      os.environ.get("XLA_FLAGS", ""))
+    local_devices = int(match.group(1)) if match else 1
+    os.environ[ENV_CPU_CLIENT_THREADS] = str(
+        cpu_client_threads(local_devices, len(os.sched_getaffinity(0))))
+

@@ -6,7 +6,7 @@
   compute the same metrics.
 * When one process is SIGKILLed, the other exits non-zero within 60 s, naming the dead one.
 * The real `train` entry point runs as 2 processes and matches 1 process (slow).
-* Each process's XLA:CPU client gets two pool threads per local device (`distributed.
+* Each process's XLA:CPU client gets two pool threads per local device (`backend.
   cpu_client_threads`: one per device hung the run above about one time in two on 2 busy
   cores).
 
@@ -186,17 +186,17 @@ def test_two_processes_match_one_with_generation_and_training_in_different_proce
 
 
 def test_the_cpu_client_gets_two_threads_per_local_device_unless_the_user_chose(monkeypatch):
-    from jaxrlhf import distributed
+    from jaxrlhf import backend
 
-    assert distributed.cpu_client_threads(local_devices=4, cores=2) == 8
-    assert distributed.cpu_client_threads(local_devices=1, cores=64) == 64
+    assert backend.cpu_client_threads(local_devices=4, cores=2) == 8
+    assert backend.cpu_client_threads(local_devices=1, cores=64) == 64
     for name in ("PJRT_NPROC", "NPROC"):
         monkeypatch.setenv(name, "")  # unset for the function; restored after the test
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    distributed._give_cpu_client_threads()
+    backend.give_cpu_client_threads()
     assert int(os.environ["PJRT_NPROC"]) == max(8, len(os.sched_getaffinity(0)))
     monkeypatch.setenv("PJRT_NPROC", "3")
-    distributed._give_cpu_client_threads()
+    backend.give_cpu_client_threads()
     assert os.environ["PJRT_NPROC"] == "3"
 
 
