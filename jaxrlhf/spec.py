@@ -158,10 +158,6 @@ class AsyncRLSpec:
     decoupled: bool = False
     chunk_tokens: int = 8
 
-    @property
-    def enabled(self) -> bool:
-        return self.max_staleness > 0
-
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
@@ -199,11 +195,6 @@ class RunSpec:
     async_rl: AsyncRLSpec = AsyncRLSpec()
     require_model_paths: bool = False  # every role loads its own HF directory
     evaluation: EvalSpec = EvalSpec()
-
-    @property
-    def offline(self) -> bool:
-        """Trains on a fixed dataset (no generation in the step)."""
-        return self.algorithm.offline
 
     @property
     def step_rows(self) -> int:
@@ -263,16 +254,14 @@ def ppo_config(config: ConfigDict, cap: float | None = None) -> ppo.PPOConfig:
 
 def grpo_config(config: ConfigDict, cap: float | None = None) -> grpo.GRPOConfig:
     """GRPO: its own β, estimator and normalisation; clipping and updates from `ppo`."""
-    g, p = config.grpo, config.ppo
+    g, p = config.grpo, ppo_config(config, cap)
     aggregation = enum_value(losses.LossAggregation, g.aggregation, "grpo.aggregation")
     loss = losses.GRPOLossConfig(
-        policy=losses.PPOLossConfig(clip_eps=p.clip_eps, entropy_coef=p.entropy_coef,
-                                    aggregation=aggregation, behav_imp_weight_cap=cap),
-        kl_coef=g.kl_coef,
+        policy=dataclasses.replace(p.policy, aggregation=aggregation), kl_coef=g.kl_coef,
         kl_estimator=enum_value(kl_lib.KLEstimator, g.kl_estimator, "grpo.kl_estimator"))
     return grpo.GRPOConfig(
         group_size=config.rollout.group_size, loss=loss, scale_by_std=g.scale_by_std,
-        mini_batches=p.mini_batches, epochs=p.epochs, temperature=config.rollout.temperature)
+        mini_batches=p.mini_batches, epochs=p.epochs, temperature=p.temperature)
 
 
 def safe_rlhf_config(config: ConfigDict) -> safe_rlhf.SafeRLHFConfig:
@@ -284,12 +273,16 @@ def safe_rlhf_config(config: ConfigDict) -> safe_rlhf.SafeRLHFConfig:
 
 def make_algorithm(config: ConfigDict, decoupled_objective: bool = False) -> Algorithm:
     """The configured algorithm; PPO or GRPO with AReaL's decoupled objective when asked
-    (async_rl.decoupled)."""
+    (async_rl.decoupled), the only ones asynchronous RL runs."""
     name = enum_value(AlgorithmName, config.algorithm, "algorithm")
+    a = config.async_rl
+    if a.max_staleness and name not in (AlgorithmName.PPO, AlgorithmName.GRPO):
+        raise ConfigError(f"async_rl.max_staleness={a.max_staleness}: asynchronous RL runs ppo "
+                          f"and grpo, not {name.value}")
+    cap = (a.behav_imp_weight_cap or None) if decoupled_objective else None
     model = lambda key: enum_value(RewardKind, config[key].kind, f"{key}.kind") is RewardKind.MODEL
     reward_model = model("reward")
     batch = config.rollout.batch_size * config.rollout.group_size
-    cap = (config.async_rl.behav_imp_weight_cap or None) if decoupled_objective else None
     match name:
         case AlgorithmName.PPO:
             make = decoupled.decoupled_ppo if decoupled_objective else ppo.make
@@ -313,23 +306,6 @@ def make_algorithm(config: ConfigDict, decoupled_objective: bool = False) -> Alg
             return sft.make()
         case AlgorithmName.RW:
             return rw.make()
-
-
-def _async_rl(config: ConfigDict, name: AlgorithmName) -> AsyncRLSpec:
-    a = config.async_rl
-    if a.max_staleness and name not in (AlgorithmName.PPO, AlgorithmName.GRPO):
-        raise ConfigError(f"async_rl.max_staleness={a.max_staleness}: asynchronous RL runs ppo "
-                          f"and grpo, not {name.value}")
-    return _of(AsyncRLSpec, a, decoupled=bool(a.max_staleness and a.decoupled))
-
-
-def _gen_replicas(config: ConfigDict, kind: Placement) -> int:
-    replicas = config.placement.gen_replicas
-    if replicas > 1 and (kind is not Placement.DISAGGREGATE
-                         or not config.async_rl.max_staleness):
-        raise ConfigError(f"placement.gen_replicas={replicas}: generation replicas need "
-                          "placement.kind=disaggregate and async_rl.max_staleness > 0")
-    return replicas
 
 
 def _of(cls, section: ConfigDict, **typed):
@@ -370,9 +346,9 @@ def _models(config: ConfigDict, graph: DataflowGraph) -> tuple[dict[Role, ModelS
 def run_spec(config: ConfigDict) -> RunSpec:
     """The typed, checked spec of `config`; raises ConfigError naming the field."""
     check_keys(config)
-    name = enum_value(AlgorithmName, config.algorithm, "algorithm")
     check_ranges(config)
-    async_rl = _async_rl(config, name)
+    a = config.async_rl
+    async_rl = _of(AsyncRLSpec, a, decoupled=bool(a.max_staleness and a.decoupled))
     with field("algorithm"):
         algorithm = make_algorithm(config, async_rl.decoupled)
         graph = build_graph(algorithm.mfcs, roles=set(Role))
@@ -387,7 +363,12 @@ def run_spec(config: ConfigDict) -> RunSpec:
                   for role in models if any(m.call is Call.TRAIN_STEP for m in graph.calls_of(role))}
     micro = (MicrobatchConfig.by_token_budget(config.micro_batch_tokens)
              if config.micro_batch_tokens else MicrobatchConfig.by_count(config.micro_batches))
-    kind = enum_value(Placement, config.placement.kind, "placement.kind")
+    p = config.placement
+    kind = enum_value(Placement, p.kind, "placement.kind")
+    if p.gen_replicas > 1 and (kind is not Placement.DISAGGREGATE
+                               or not config.async_rl.max_staleness):
+        raise ConfigError(f"placement.gen_replicas={p.gen_replicas}: generation replicas need "
+                          "placement.kind=disaggregate and async_rl.max_staleness > 0")
     w = config.warm_start
     warm = WarmStartSpec(w.sft_steps, w.batch_size, OptimizerConfig(
         lr=w.lr, total_steps=w.sft_steps + 1, min_lr_ratio=0.1,
@@ -398,9 +379,8 @@ def run_spec(config: ConfigDict) -> RunSpec:
         algorithm=algorithm, graph=graph, models=models, base=base,
         rollout=_of(RolloutSpec, config.rollout), micro=micro,
         mini_batches=config.ppo.mini_batches, epochs=config.ppo.epochs, optimizers=optimizers,
-        rewards=rewards, placement=_of(PlacementSpec, config.placement, kind=kind,
-                                       gen_replicas=_gen_replicas(config, kind)),
-        checkpoint=checkpoint, nan_policy=enum_value(NanPolicy, config.nan_policy, "nan_policy"),
-        data=_data(config.data), warm_start=warm, tokenizer=config.tokenizer, seed=config.seed, steps=config.steps,
-        config_json=config.to_json(), async_rl=async_rl,
+        rewards=rewards, placement=_of(PlacementSpec, p, kind=kind), checkpoint=checkpoint,
+        nan_policy=enum_value(NanPolicy, config.nan_policy, "nan_policy"),
+        data=_data(config.data), warm_start=warm, tokenizer=config.tokenizer, seed=config.seed,
+        steps=config.steps, config_json=config.to_json(), async_rl=async_rl,
         require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval))

@@ -56,7 +56,7 @@ def test_graph_builds_and_places(name):
     assert set(spec.models) == set(graph.roles()) - host
     plan = place(spec)
     assert set(plan.layouts) == {m.name for m in graph.mfcs if not m.host}
-    assert spec.offline == (dataset_keys == PAIR_DATA)
+    assert spec.algorithm.offline == (dataset_keys == PAIR_DATA)
 
 
 def test_grpo_needs_groups():

@@ -110,7 +110,7 @@ def encode(job: Job, rows: list) -> dict[str, np.ndarray]:
 
 def _name(job: Job) -> str:
     """What the job's messages call its training ("RL", or the offline algorithm's name)."""
-    return job.spec.algorithm.name if job.spec.offline else "RL"
+    return job.spec.algorithm.name if job.spec.algorithm.offline else "RL"
 
 
 def _rl_figures(job: Job, runner: Runner, held_out: HeldOut | None, step: int,
@@ -151,7 +151,7 @@ def rl_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
             record = result.metrics
             if guard.after_step(runner, record, step, saved):
                 record["nan_skipped"] = 1.0
-            if not spec.offline:
+            if not spec.algorithm.offline:
                 _rl_figures(job, runner, held_out, step, result, record)
             writer.write(step, record)
             timings.append(result.timing)
@@ -186,7 +186,7 @@ def _shown(metrics: dict[str, float]) -> str:
 def run(job: Job) -> dict:
     """The whole job; returns the summary dict printed as the last line."""
     t0 = time.perf_counter()
-    spec, workdir, offline = job.spec, job.workdir, job.spec.offline
+    spec, workdir, offline = job.spec, job.workdir, job.spec.algorithm.offline
     what, show = _name(job), str if offline else _shown
     with (begin(job) as start, MetricsWriter(workdir) as writer,
           contextlib.nullcontext() if offline else HeldOut(
@@ -207,7 +207,7 @@ def run(job: Job) -> dict:
             rows = {BatchKind.PROMPTS: job.data.train, BatchKind.SFT_ROWS: job.data.sft,
                     BatchKind.PAIRS: job.data.pairs}[spec.algorithm.batches]
             # async_rl.max_staleness > 0: generation runs ahead (run/async_loop.py)
-            loop_fn = async_loop.rl_loop if spec.async_rl.enabled else rl_loop
+            loop_fn = async_loop.rl_loop if spec.async_rl.max_staleness else rl_loop
             loop = loop_fn(job, runner, start.rows(rows, job), writer, start.checkpoints,
                            before.get("accuracy"), held_out, before)
         after = None if loop.interrupted else evaluate()
