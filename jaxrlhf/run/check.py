@@ -1,9 +1,10 @@
-"""A run spec checked against files and devices, once, before anything compiles: a `Job`.
+"""A config checked end to end, once, before anything compiles: a `Job`.
 
-`prepare(spec, workdir)` loads the tokenizer, checks the reward functions, model directories
-and vocabularies, resolves the placement (`placement.kind=auto` searches here, once), and reads
-the run's data (a bad row of a user file is named by file:line), and refuses checkpoints in the workdir
-that another run wrote (`checkpoint.resume`). The job then runs what was checked.
+`check_config(config, workdir)` builds the run spec (`jaxrlhf.spec.run_spec`), loads the
+tokenizer, checks the reward functions, model directories and vocabularies, resolves the
+placement (`placement.kind=auto` searches here, once), reads the run's data (a bad row of a user
+file is named by file:line), and refuses checkpoints in the workdir that another run wrote
+(`checkpoint.resume`). The job then runs what was checked.
 """
 
 from __future__ import annotations
@@ -50,13 +51,13 @@ def load_data(spec: RunSpec, workdir: pathlib.Path, tokenizer) -> Data:
     return read_data(spec.data, workdir, tokenizer, spec.rollout.max_prompt_len, pairs)
 
 
-def prepare(spec: RunSpec, workdir: str) -> Job:
+def check_config(config: ConfigDict, workdir: str) -> Job:
     """Every check that needs no compile, roughly in the order a user would fix them.
 
     Raises:
       ConfigError: one line naming the field and the problem.
     """
-    workdir = pathlib.Path(workdir)
+    spec, workdir = run_spec(config), pathlib.Path(workdir)
     with field("workdir"):  # it exists and takes files
         workdir.mkdir(parents=True, exist_ok=True)
         tempfile.NamedTemporaryFile(dir=workdir, prefix=".write-check-").close()
@@ -103,8 +104,3 @@ def prepare(spec: RunSpec, workdir: str) -> Job:
     except CheckpointError as error:
         raise ConfigError(str(error)) from None
     return Job(spec, tokenizer, plan, workdir, fingerprint, data)
-
-
-def check_config(config: ConfigDict, workdir: str) -> Job:
-    """`prepare(run_spec(config), ...)`: the config checked end to end, as the entry point does."""
-    return prepare(run_spec(config), workdir)
