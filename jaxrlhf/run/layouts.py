@@ -97,7 +97,10 @@ def _micro_batches(spec: RunSpec, mfc: MFC, layout: Layout, entry: Entry, where:
             f"which does not divide its batch of {per_update} (rollout.batch_size × group_size "
             f"/ mini-batches)")
     if entry.micro_batches is None and mfc.call is not Call.TRAIN_STEP:
-        return _pipeline_default(layout, per_update)
+        # 1, or on a pipeline the most up to its stage count that split the rows evenly over
+        # its data-parallel devices (fewer leave stages idle: the bubble is (p-1)/(M+p-1))
+        return max(k for k in range(1, layout.pipeline + 1)
+                   if per_update % k == 0 and (per_update // k) % layout.dp_size == 0)
     micro = (spec.micro if entry.micro_batches is None
              else MicrobatchConfig.by_count(entry.micro_batches))
     try:
@@ -105,15 +108,6 @@ def _micro_batches(spec: RunSpec, mfc: MFC, layout: Layout, entry: Entry, where:
     except ValueError as e:
         field = "micro_batches" if entry.micro_batches is None else where
         raise PlacementError(f"{field}: MFC {mfc.name!r}: {e}") from None
-
-
-def _pipeline_default(layout: Layout, rows: int) -> int:
-    """Micro-batches of a generate/inference MFC without `@N`: 1, or on a pipeline the most
-    up to its stage count that split `rows` evenly over its data-parallel devices (fewer leave
-    stages idle: the bubble is (p-1)/(M+p-1) of the time)."""
-    valid = [k for k in range(1, layout.pipeline + 1)
-             if rows % k == 0 and (rows // k) % layout.dp_size == 0]
-    return max(valid)
 
 
 def place(spec: RunSpec) -> RunPlan:
