@@ -46,12 +46,10 @@ class StepResult:
     timing: StepTiming
     buffer: dict
 
-    def __getitem__(self, metric: Metric) -> float:
-        return self.reward if metric.role is None else self.stats[metric.role][metric.name]
-
     def postfix(self, shown: tuple[Metric, ...]) -> dict[str, str]:
         """The progress bar's figures of `shown` (an algorithm's), by name."""
-        return {m.name: f"{self[m]:.3f}" for m in shown}
+        value = lambda m: self.reward if m.role is None else self.stats[m.role][m.name]
+        return {m.name: f"{value(m):.3f}" for m in shown}
 
     def of_role(self, role: Role) -> dict[str, float]:
         """`role`'s statistics and counters under their output names ("actor/loss", ...)."""
@@ -94,10 +92,6 @@ class Runner:
     """One algorithm on one placement.
 
     Args:
-      algorithm: the algorithm (MFCs, train specs, controller).
-      graph: its validated graph.
-      plan: its layouts and per-MFC micro-batches.
-      runtimes: role -> ModelRuntime holding the parameters.
       engines: MFC name -> its engine call (Generator, InferenceFn, TrainStep), every model MFC.
       tokenizer: for host rewards.
       host_pools: role -> the process pool and error budget (`HostFunction`) of each role
