@@ -50,12 +50,8 @@ class AlgorithmName(enum.Enum):
     RW = "rw"
 
 
-class RewardKind(enum.Enum):
-    FUNCTION = "function"
-    MODEL = "model"
-
-
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_REWARD_KINDS = {"function": False, "model": True}  # reward.kind, cost.kind: scored by a model?
 _TASKS = {"reverse": tasks.ReverseTask, "arithmetic": tasks.ArithmeticTask}  # data.task.kind
 
 
@@ -266,8 +262,7 @@ def grpo_config(config: ConfigDict, cap: float | None = None) -> grpo.GRPOConfig
 
 def safe_rlhf_config(config: ConfigDict) -> safe_rlhf.SafeRLHFConfig:
     s = config.safe_rlhf
-    lagrange = losses.LagrangeConfig(cost_limit=s.cost_limit, lambda_init=s.lambda_init,
-                                     lambda_lr=s.lambda_lr, lambda_max=s.lambda_max or None)
+    lagrange = _of(losses.LagrangeConfig, s, lambda_max=s.lambda_max or None)
     return safe_rlhf.SafeRLHFConfig(ppo=ppo_config(config), lagrange=lagrange)
 
 
@@ -280,7 +275,7 @@ def make_algorithm(config: ConfigDict, decoupled_objective: bool = False) -> Alg
         raise ConfigError(f"async_rl.max_staleness={a.max_staleness}: asynchronous RL runs ppo "
                           f"and grpo, not {name.value}")
     cap = (a.behav_imp_weight_cap or None) if decoupled_objective else None
-    model = lambda key: enum_value(RewardKind, config[key].kind, f"{key}.kind") is RewardKind.MODEL
+    model = lambda key: enum_value(_REWARD_KINDS, config[key].kind, f"{key}.kind")
     reward_model = model("reward")
     batch = config.rollout.batch_size * config.rollout.group_size
     match name:
@@ -290,29 +285,25 @@ def make_algorithm(config: ConfigDict, decoupled_objective: bool = False) -> Alg
         case AlgorithmName.GRPO:
             make = decoupled.decoupled_grpo if decoupled_objective else grpo.make
             return make(grpo_config(config, cap), reward_model=reward_model)
-        case AlgorithmName.REMAX:
-            p = ppo_config(config)
-            return remax.make(remax.ReMaxConfig(kl=p.kl, policy=p.policy,
-                                                mini_batches=p.mini_batches, epochs=p.epochs,
-                                                temperature=p.temperature),
+        case AlgorithmName.REMAX:  # PPO's settings, those of them ReMax has
+            return remax.make(_of(remax.ReMaxConfig, ppo_config(config)),
                               reward_model=reward_model, batch_size=batch)
         case AlgorithmName.SAFE_RLHF:
             return safe_rlhf.make(safe_rlhf_config(config), reward_model=reward_model,
                                   cost_model=model("cost"), batch_size=batch)
         case AlgorithmName.DPO:
-            return dpo.make(dpo.DPOConfig(losses.DPOLossConfig(
-                beta=config.dpo.beta, label_smoothing=config.dpo.label_smoothing)))
+            return dpo.make(dpo.DPOConfig(_of(losses.DPOLossConfig, config.dpo)))
         case AlgorithmName.SFT:
             return sft.make()
         case AlgorithmName.RW:
             return rw.make()
 
 
-def _of(cls, section: ConfigDict, **typed):
-    """Spec dataclass `cls` from the section's keys of its fields' names; `typed` gives those
-    that the section holds in another form (an enum's name, a parsed value; those that are not
-    fields of `cls` are ignored)."""
-    return cls(**{f.name: typed[f.name] if f.name in typed else section[f.name]
+def _of(cls, section, **typed):
+    """Dataclass `cls` from the section's (a ConfigDict's, or another dataclass's) attributes
+    of its fields' names; `typed` gives those that the section holds in another form (an enum's
+    name, a parsed value; those that are not fields of `cls` are ignored)."""
+    return cls(**{f.name: typed[f.name] if f.name in typed else getattr(section, f.name)
                   for f in dataclasses.fields(cls)})
 
 
@@ -353,8 +344,7 @@ def run_spec(config: ConfigDict) -> RunSpec:
         algorithm = make_algorithm(config, async_rl.decoupled)
         graph = build_graph(algorithm.mfcs, roles=set(Role))
     with field("reward"):  # the same graph: normalisation changes how models train
-        algorithm = with_reward_norm(algorithm, RewardNormConfig(config.reward.normalize,
-                                                                 config.reward.clip))
+        algorithm = with_reward_norm(algorithm, _of(RewardNormConfig, config.reward))
     rewards = {m.role: _of(RewardSpec, config[m.role.value]) for m in graph.mfcs if m.host}
     models, base = _models(config, graph)
     updates = config.steps * config.ppo.epochs * config.ppo.mini_batches
