@@ -379,6 +379,7 @@ def test_allocation_micro_batches_reach_pipelined_layouts():
     a pipelined generate/inference MFC streams as many as it has stages."""
     import configs.grpo_tiny
     from jaxrlhf import spec as spec_lib
+    from jaxrlhf.plan.allocation import format_allocation
     from jaxrlhf.run.layouts import place
 
     config = configs.grpo_tiny.get_config()
@@ -391,5 +392,5 @@ def test_allocation_micro_batches_reach_pipelined_layouts():
     assert [layouts[n].micro_batches for n in ("actor_gen", "ref_inf", "actor_train")] == [4, 2, 8]
     assert plan.specs == {"actor_gen": "0-3:d2p2@4", "ref_inf": "4-7:p2f2@2",
                           "actor_train": "0-7:d2p2t2@8"}
-    assert plan.allocation() == ("actor_gen=0-3:d2p2@4,actor_train=0-7:d2p2t2@8,"
-                                 "ref_inf=4-7:p2f2@2")
+    assert format_allocation(plan.plan) == ("actor_gen=0-3:d2p2@4,actor_train=0-7:d2p2t2@8,"
+                                            "ref_inf=4-7:p2f2@2")

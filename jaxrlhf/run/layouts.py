@@ -20,7 +20,7 @@ from jaxrlhf.dataflow.placement import Placement, PlacementError, resolve_placem
 from jaxrlhf.engine.microbatch import MicrobatchConfig, num_microbatches
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.parallel.layout import Layout, make_layout
-from jaxrlhf.plan.allocation import Entry, format_allocation, parse_allocation
+from jaxrlhf.plan.allocation import Entry, parse_allocation
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import load_cluster
 from jaxrlhf.plan.search import search
@@ -41,9 +41,6 @@ class RunPlan:
 
     def micro_batches(self, name: str) -> int:
         return self.plan[name].micro_batches
-
-    def allocation(self) -> str:
-        return format_allocation(self.plan)
 
     def home(self, graph: DataflowGraph, role: Role) -> Layout:
         """A model's home: the layout of its train_step, else of its first call."""
