@@ -255,9 +255,8 @@ def grpo_config(config: ConfigDict, cap: float | None = None) -> grpo.GRPOConfig
     loss = losses.GRPOLossConfig(
         policy=dataclasses.replace(p.policy, aggregation=aggregation), kl_coef=g.kl_coef,
         kl_estimator=enum_value(kl_lib.KLEstimator, g.kl_estimator, "grpo.kl_estimator"))
-    return grpo.GRPOConfig(
-        group_size=config.rollout.group_size, loss=loss, scale_by_std=g.scale_by_std,
-        mini_batches=p.mini_batches, epochs=p.epochs, temperature=p.temperature)
+    return _of(grpo.GRPOConfig, p, group_size=config.rollout.group_size, loss=loss,
+               scale_by_std=g.scale_by_std)
 
 
 def safe_rlhf_config(config: ConfigDict) -> safe_rlhf.SafeRLHFConfig:

@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from jaxrlhf import distributed
 from jaxrlhf.backend import use_cpu_devices
-from jaxrlhf.schema import unknown_key
+from jaxrlhf.schema import ConfigError, unknown_key
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
                                           lock_config=True)
@@ -97,7 +97,6 @@ def main(argv):
     from jaxrlhf.checkpoint import CheckpointError
     from jaxrlhf.run import rl
     from jaxrlhf.run.check import check_config
-    from jaxrlhf.spec import ConfigError
 
     workdir = _WORKDIR.value or config.workdir or tempfile.mkdtemp(prefix="jaxrlhf-")
     try:

@@ -67,7 +67,7 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
                               "directory of the models' tokenizer (tokenizer.json)")
         tokenizer = load_tokenizer(spec.tokenizer)
     for role, reward in spec.rewards.items():
-        with field(f"{'reward' if role is Role.REWARD else 'cost'}.function"):
+        with field(f"{role.value}.function"):  # reward or cost
             resolve_reward(reward.function)
     for role, model in spec.models.items():
         if model.path and not any((pathlib.Path(model.path) / f).is_file()
