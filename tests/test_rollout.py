@@ -1,7 +1,8 @@
-"""Interruptible generation (jaxrlhf.engine.rollout): chunks without interruption are exactly
-one `generate` call; an interruption swaps weights mid-sequence, the per-token versions show
-the switch, and every token's log-prob is its own version's (checked against a full forward
-pass of each version over the finished sequences, so the recomputed KV cache is right)."""
+"""Continuous, interruptible generation (jaxrlhf.engine.rollout): rows decoded in slots equal
+one `generate` call, also when slots are refilled as rows finish; an interruption swaps
+weights mid-sequence, the per-token versions show the switch, and every token's log-prob is its
+own version's (checked against a full forward pass of each version over the finished
+sequences, so the recomputed KV cache is right)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,12 +11,17 @@ import pytest
 
 from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
 from jaxrlhf.engine.rollout import NO_VERSION, Rollout
+from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import init_params, make_layout
+from jaxrlhf.run.rollout_worker import RolloutWorker
 
 P, N = 6, 10
 LENGTHS = (6, 2, 4, 1)
+OUTPUTS = ("seq_bs", "seq_mask_bs", "response_mask_bn", "logp_bn")
+GENERATED = {"seq_bs": "sequences_bs", "seq_mask_bs": "sequence_mask_bs",
+             "response_mask_bn": "response_mask_bn", "logp_bn": "logprobs_bn"}
 
 
 @pytest.fixture(scope="module")
@@ -38,24 +44,91 @@ def _gen_config(**kw):
                              "temperature": 1.0, **kw})
 
 
-def test_chunks_without_interruption_equal_one_generate_call(setup):
+def _worker(config, layout, cfg, slots, micro_batches=1, seed=5):
+    mfc = MFC("actor_gen", Role.ACTOR, Call.GENERATE, ("prompt_tokens_bp", "prompt_mask_bp"),
+              OUTPUTS)
+    return RolloutWorker(mfc, Rollout(config, cfg, layout, P, slots), layout, config, seed=seed,
+                         chunk_tokens=3, micro_batches=micro_batches)
+
+
+def _generate_all(worker, batches):
+    """Admits every batch at once and steps until all are generated: {index: Generated}."""
+    for index, batch in batches.items():
+        worker.start(index, batch, None, 0.0)
+    done, chunks = {}, 0
+    while worker.busy:
+        done.update((g.index, g) for g in worker.step(lambda: 1.0))
+        chunks += 1
+    return done, chunks
+
+
+def _expected(generate, params, tokens, mask, rng, micro_batches=1):
+    """What the synchronous generate executor computes: one call per strided micro-batch j
+    (rows j::k, key fold_in(rng, j)), merged back."""
+    k = micro_batches
+    keys = [rng] if k == 1 else [jax.random.fold_in(rng, j) for j in range(k)]
+    parts = [generate(params, tokens[j::k], mask[j::k], keys[j]) for j in range(k)]
+    out = {}
+    for key, name in GENERATED.items():
+        first = np.asarray(getattr(parts[0], name))
+        out[key] = np.zeros((len(tokens), *first.shape[1:]), first.dtype)
+        for j, part in enumerate(parts):
+            out[key][j::k] = np.asarray(getattr(part, name))
+    return out
+
+
+def _cut_like(want: dict, got: dict) -> dict:
+    """`want` (full N columns) cut to the response width of `got` (the worker cuts after the
+    longest response): the columns dropped must hold no token."""
+    n = got["response_mask_bn"].shape[1]
+    assert not want["response_mask_bn"][:, n:].any()
+    end = P + n
+    return {"seq_bs": want["seq_bs"][:, :end], "seq_mask_bs": want["seq_mask_bs"][:, :end],
+            "response_mask_bn": want["response_mask_bn"][:, :n], "logp_bn": want["logp_bn"][:, :n]}
+
+
+def test_slots_without_interruption_equal_one_generate_call(setup):
     config, layout, params, _, tokens, mask = setup
     cfg = _gen_config()
-    rng = jax.random.key(7)
-    want = make_generate_fn(config, cfg, layout, prompt_buckets=(P,))(params, tokens, mask, rng)
-    rollout = Rollout(config, cfg, layout, P)
-    inflight = rollout.start(params, 0, tokens, mask, rng)
-    chunks = 0
-    while not rollout.poll(inflight):
-        inflight = rollout.advance(inflight, params, 0, 3)
-        chunks += 1
-    got, versions_bn = rollout.finish(inflight)
-    assert chunks >= 2 and inflight.interruptions == 0
-    for name in ("sequences_bs", "response_mask_bn", "logprobs_bn", "response_lengths_b"):
-        np.testing.assert_array_equal(np.asarray(getattr(got, name)),
-                                      np.asarray(getattr(want, name)), err_msg=name)
-    mask_bn = np.asarray(got.response_mask_bn)
-    np.testing.assert_array_equal(np.asarray(versions_bn), np.where(mask_bn, 0, NO_VERSION))
+    worker = _worker(config, layout, cfg, slots=len(LENGTHS))
+    worker.install(params, 0)
+    done, chunks = _generate_all(worker, {3: {"prompt_tokens_bp": tokens,
+                                              "prompt_mask_bp": mask}})
+    rng = jax.random.fold_in(jax.random.key(5), np.uint32(3))
+    want = _cut_like(_expected(make_generate_fn(config, cfg, layout, prompt_buckets=(P,)),
+                               params, tokens, mask, rng), done[3].buffer)
+    assert chunks >= 2 and done[3].interruptions == 0
+    for key in OUTPUTS:
+        np.testing.assert_array_equal(done[3].buffer[key], want[key], err_msg=key)
+    np.testing.assert_array_equal(done[3].versions_bn,
+                                  np.where(want["response_mask_bn"], 0, NO_VERSION))
+
+
+def test_refilled_slots_decode_every_row_as_one_generate_call(setup):
+    """Two batches of 4 rows through 2 slots: a slot whose row stopped takes the next row
+    (of its batch, then of the next), which starts at its own position with the predecessor's
+    keys still in the cache; every row still comes out as the generate call's, and the slots
+    were busy for more than a batch-at-a-time decode would keep them."""
+    config, layout, params, _, tokens, mask = setup
+    cfg = _gen_config(eos_token_id=tuple(range(1, 40)))  # random weights stop at any length
+    worker = _worker(config, layout, cfg, slots=2)
+    worker.install(params, 0)
+    other = np.roll(tokens, 1, axis=1), np.roll(mask, 1, axis=1)
+    batches = {0: {"prompt_tokens_bp": tokens, "prompt_mask_bp": mask},
+               1: {"prompt_tokens_bp": np.where(other[1], other[0], 0), "prompt_mask_bp": mask}}
+    done, _ = _generate_all(worker, batches)
+    generate = make_generate_fn(config, cfg, layout, prompt_buckets=(P,))
+    for index, batch in batches.items():
+        rng = jax.random.fold_in(jax.random.key(5), np.uint32(index))
+        want = _cut_like(_expected(generate, params, batch["prompt_tokens_bp"],
+                                   batch["prompt_mask_bp"], rng), done[index].buffer)
+        lengths = want["response_mask_bn"].sum(1)
+        assert len(set(lengths)) > 1, "rows of one length would never refill mid-batch"
+        for key in ("seq_bs", "seq_mask_bs", "response_mask_bn"):
+            np.testing.assert_array_equal(done[index].buffer[key], want[key], err_msg=key)
+        # Refills prefill 1 or 2 rows, not the batch's 4: other matmul shapes, same math.
+        np.testing.assert_allclose(done[index].buffer["logp_bn"], want["logp_bn"], rtol=0,
+                                   atol=1e-6)
 
 
 def _full_forward_logp(config, params, sequences_bs, seq_mask_bs):
@@ -71,58 +144,43 @@ def _full_forward_logp(config, params, sequences_bs, seq_mask_bs):
 def test_interruption_switches_weights_mid_sequence(setup):
     config, layout, params_a, params_b, tokens, mask = setup
     cfg = _gen_config(force_max_length=True)  # every row runs past the switch
-    rollout = Rollout(config, cfg, layout, P)
-    inflight = rollout.start(params_a, 0, tokens, mask, jax.random.key(3))
-    inflight = rollout.advance(inflight, params_a, 0, 3)  # tokens 0..3 under version 0
-    inflight = rollout.advance(inflight, params_b, 1, N)  # new weights arrive: the rest
-    assert rollout.poll(inflight) and inflight.interruptions == 1
-    out, versions_bn = rollout.finish(inflight)
-    versions_bn = np.asarray(versions_bn)
+    rollout = Rollout(config, cfg, layout, P, len(LENGTHS))
+    keys = [jax.random.key(3)] * len(LENGTHS)
+    state = rollout.fill(rollout.empty(), params_a, 0, np.arange(len(LENGTHS)), tokens, mask,
+                         keys, np.arange(len(LENGTHS)))
+    state = rollout.advance(state, params_a, 0, 3)  # tokens 0..3 under version 0
+    state = rollout.reload(state, params_b)  # new weights arrive: the rest under version 1
+    state = rollout.advance(state, params_b, 1, N)
+    done_b, counts = rollout.poll(state)
+    assert done_b.all() and counts.tolist() == [N - 1, (N - 1) * len(LENGTHS)]
+    out = rollout.rows(state)
     want = np.array([0] * 4 + [1] * (N - 4))
-    np.testing.assert_array_equal(versions_bn, np.broadcast_to(want, versions_bn.shape))
+    np.testing.assert_array_equal(out.versions_bn, np.broadcast_to(want, out.versions_bn.shape))
     # Each token's recorded log-prob is its sampling policy's: version 0's for the first
     # four, version 1's (through the recomputed cache) for the rest.
-    seq = np.asarray(out.sequences_bs)
-    seq_mask = np.concatenate([np.asarray(out.prompt_mask_bp),
-                               np.asarray(out.response_mask_bn)], axis=1)
-    logp_a = _full_forward_logp(config, params_a, seq, seq_mask)
-    logp_b = _full_forward_logp(config, params_b, seq, seq_mask)
-    expected = np.where(versions_bn == 0, logp_a, logp_b)
-    np.testing.assert_allclose(np.asarray(out.logprobs_bn), expected, rtol=1e-5, atol=1e-5)
+    logp_a = _full_forward_logp(config, params_a, out.sequences_bs, out.sequence_mask_bs)
+    logp_b = _full_forward_logp(config, params_b, out.sequences_bs, out.sequence_mask_bs)
+    expected = np.where(out.versions_bn == 0, logp_a, logp_b)
+    np.testing.assert_allclose(out.logprobs_bn, expected, rtol=1e-5, atol=1e-5)
     # ...and the two policies really differ on the tokens after the switch.
     assert np.abs(logp_a - logp_b)[:, 4:].max() > 1e-2
 
 
 @pytest.mark.slow  # two more compiles (a generate call and a rollout for 2-row micro-batches)
 def test_micro_batches_decode_in_turn_like_the_synchronous_generate_call(setup):
-    """`actor_gen@2` in the asynchronous loop: rows j::2 decoded one micro-batch after the
-    other, micro-batch j sampling with fold_in(the batch's key, j), merged back: exactly what
+    """`actor_gen@2` in the asynchronous loop: rows j::2 queued micro-batch by micro-batch into
+    2 slots, micro-batch j sampling with fold_in(the batch's key, j), merged back: exactly what
     the synchronous generate executor computes (one `generate` call per micro-batch)."""
-    from jaxrlhf.mfc import MFC, Call, Role
-    from jaxrlhf.run.rollout_worker import RolloutWorker
-
     config, layout, params, _, tokens, mask = setup
     cfg = _gen_config()
-    outputs = ("seq_bs", "seq_mask_bs", "response_mask_bn", "logp_bn")
-    mfc = MFC("actor_gen", Role.ACTOR, Call.GENERATE, ("prompt_tokens_bp", "prompt_mask_bp"),
-              outputs)
-    worker = RolloutWorker(mfc, Rollout(config, cfg, layout, P), layout, config, seed=5,
-                           chunk_tokens=4, micro_batches=2)
+    worker = _worker(config, layout, cfg, slots=2, micro_batches=2)
     worker.install(params, 0)
-    worker.start(3, {"prompt_tokens_bp": tokens, "prompt_mask_bp": mask}, None, 0.0)
-    done = None
-    while done is None:
-        done = worker.step(lambda: 1.0)
+    done, _ = _generate_all(worker, {3: {"prompt_tokens_bp": tokens, "prompt_mask_bp": mask}})
     rng = jax.random.fold_in(jax.random.key(5), np.uint32(3))
-    generate = make_generate_fn(config, cfg, layout, prompt_buckets=(P,))
-    parts = [generate(params, tokens[j::2], mask[j::2], jax.random.fold_in(rng, j))
-             for j in range(2)]
-    want = {"seq_bs": "sequences_bs", "seq_mask_bs": "sequence_mask_bs",
-            "response_mask_bn": "response_mask_bn", "logp_bn": "logprobs_bn"}
-    for key, name in want.items():
-        expected = np.zeros(np.shape(done.buffer[key]), np.asarray(done.buffer[key]).dtype)
-        for j, part in enumerate(parts):
-            expected[j::2] = np.asarray(getattr(part, name))
-        np.testing.assert_array_equal(np.asarray(done.buffer[key]), expected, err_msg=key)
-    mask_bn = np.asarray(done.buffer["response_mask_bn"])
-    np.testing.assert_array_equal(done.versions_bn, np.where(mask_bn, 0, NO_VERSION))
+    want = _cut_like(_expected(make_generate_fn(config, cfg, layout, prompt_buckets=(P,)),
+                               params, tokens, mask, rng, micro_batches=2), done[3].buffer)
+    for key in ("seq_bs", "seq_mask_bs", "response_mask_bn"):
+        np.testing.assert_array_equal(done[3].buffer[key], want[key], err_msg=key)
+    np.testing.assert_allclose(done[3].buffer["logp_bn"], want["logp_bn"], rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(done[3].versions_bn,
+                                  np.where(want["response_mask_bn"], 0, NO_VERSION))

@@ -1,26 +1,34 @@
-"""Interruptible generation: decoding in chunks, with new weights swapped in mid-sequence.
+"""Continuous, interruptible generation: decode slots refilled as rows finish, new weights
+swapped in mid-sequence.
 
-AReaL's rollout workers never wait for the trainer: when the trainer publishes new weights,
-sequences being decoded continue under them. This module runs the `generate` call kind
-(jaxrlhf/engine/generate.py, whose prefill, sampling step and KV-cache layout it reuses) as
-a resumable state on the device:
+AReaL's rollout workers wait neither for the trainer (sequences being decoded continue under
+new weights) nor for a batch's longest response (a slot whose row finished takes the next
+prompt). This module keeps `slots` rows on the device, each at its own response position, and
+runs the `generate` call kind's prefill, sampling and KV-cache layout
+(jaxrlhf/engine/generate.py) on them:
 
-  start(params, version, prompts)      prefill + the first token
-  advance(state, params, version, k)   up to k more tokens (a `lax.while_loop` per chunk)
-  finish(state)                        the GenerateOutput, plus the version of every token
+  empty()                                     every slot free
+  fill(state, params, version, slots, rows)   prefills prompts into free slots; first tokens
+  advance(state, params, version, k)          up to k more tokens in every busy slot
+  poll(state)                                 which slots are done (host)
+  rows(state)                                 every slot's sequence so far (host)
 
-`advance` with weights of another version than the state's KV cache first recomputes the cache
-from the prompt and the response so far under the new weights (an "interruption"): keys and
-values of the old policy must not be mixed with the new one's. Every sampled token records the
-policy version whose logits it was drawn from, so a sequence's versions can change part-way.
+Slot s's response token i sits in cache slot P + i of row s. A decode step writes each row at
+its own slot (`Transformer` with a per-row `cache_index`) and attends causally from there, so
+a refilled slot never sees its predecessor's keys: they lie after its own position until it
+overwrites them. `advance` with weights of another version than the cache's first recomputes
+every slot's cache from its prompt and response so far (an "interruption"): keys and values of
+the old policy must not be mixed with the new one's. Every sampled token records the policy
+version whose logits it was drawn from, so a sequence's versions can change part-way.
 
-Without interruptions the chunks compute exactly what one `generate` call does: the same
-cache slots, the same sampling keys (row r's token i uses fold_in(fold_in(rng, i), r)).
+Sampling keys are the synchronous `generate` call's: a row with key `rng` and index r in its
+(micro-)batch samples token i with fold_in(fold_in(rng, i), r), whatever slot it sits in and
+whenever it starts, so a batch decoded on its own computes exactly what one `generate` call
+does.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -32,60 +40,67 @@ from jaxrlhf.engine import decode_layers
 from jaxrlhf.engine.buckets import CompileCache
 from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.generate import (
-    _CACHE_AXES, GenerateConfig, GenerateOutput, _choose, _constrain_cache, _DecodeState,
-    _prefill, _unfinished, decode_model,
+    _CACHE_AXES, GenerateConfig, _constrain_cache, _prefill, decode_model,
 )
+from jaxrlhf.engine.sampling import sample, token_logprobs
 from jaxrlhf.models.config import HeadKind, ModelConfig
-from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
-from jaxrlhf.parallel.reshard import fetch, transfer
+from jaxrlhf.parallel.pipeline import Pipeline
+from jaxrlhf.parallel.reshard import fetch
 
 NO_VERSION = -1  # versions_bn where no token was sampled
 
 
-class RolloutState(NamedTuple):
-    """A batch being generated (a pytree on the generation layout).
+class SlotState(NamedTuple):
+    """The rows being generated, one per slot (a pytree on the generation layout).
 
     Attributes:
-      decode: generate's decode state (step, logits, last token, done, KV cache, response,
-        log-probs, mask).
-      prompt_tokens_bp: int32 [b, P] left-padded prompts.
-      prompt_mask_bp: bool [b, P].
-      versions_bn: int32 [b, N] policy version that sampled each token (NO_VERSION after EOS).
-      rng: the batch's PRNG key.
+      step_b: int32 [S] index of each slot's next response token.
+      logits_bv: float32 [S, vocab] the model's prediction of that token.
+      last_token_b: int32 [S] response token step - 1.
+      done_b: bool [S] nothing to decode: the row stopped (EOS or N tokens) or the slot is free.
+      cache: KVCache [L, S, P + N, kv_heads, head_dim].
+      response_bn: int32 [S, N] sampled tokens (pad_token_id after the end).
+      logprobs_bn: float32 [S, N] each token's log-prob (0 where none).
+      mask_bn: bool [S, N] sampled tokens.
+      versions_bn: int32 [S, N] policy version that sampled each token (NO_VERSION: none).
+      prompt_tokens_bp: int32 [S, P] left-padded prompts.
+      prompt_mask_bp: bool [S, P].
+      keys_b: PRNG keys [S]: each row's (micro-)batch key.
+      row_b: int32 [S] each row's index in its (micro-)batch (its sampling stream).
+      counts: int32 [2] (decode steps run, tokens sampled in them): the slots' occupancy.
     """
 
-    decode: _DecodeState
+    step_b: jax.Array
+    logits_bv: jax.Array
+    last_token_b: jax.Array
+    done_b: jax.Array
+    cache: KVCache
+    response_bn: jax.Array
+    logprobs_bn: jax.Array
+    mask_bn: jax.Array
+    versions_bn: jax.Array
     prompt_tokens_bp: jax.Array
     prompt_mask_bp: jax.Array
-    versions_bn: jax.Array
-    rng: jax.Array
+    keys_b: jax.Array
+    row_b: jax.Array
+    counts: jax.Array
 
 
-@dataclasses.dataclass
-class InFlight:
-    """Host handle of a batch being generated.
+class Rows(NamedTuple):
+    """Every slot's sequence so far, on the host (`Rollout.rows`).
 
-    Attributes:
-      state: the device state.
-      version: the policy version its KV cache was computed with.
-      interruptions: weight swaps this batch went through.
-      finished: every row has stopped (set by `Rollout.poll`).
+    sequences_bs int32 [S, P + N] (prompt padding and response end as pad_token_id),
+    sequence_mask_bs bool [S, P + N], response_mask_bn bool [S, N], logprobs_bn float32
+    [S, N], versions_bn int32 [S, N].
     """
 
-    state: RolloutState
-    version: int
-    interruptions: int = 0
-    finished: bool = False
-
-
-def _record(s: RolloutState, new: _DecodeState, version) -> RolloutState:
-    """`s` after `_choose` sampled token `s.decode.step` into `new`: the token's version."""
-    token_version_b = jnp.where(~s.decode.done_b, version, NO_VERSION).astype(jnp.int32)
-    versions_bn = jax.lax.dynamic_update_index_in_dim(s.versions_bn, token_version_b,
-                                                      s.decode.step, axis=1)
-    return s._replace(decode=new, versions_bn=versions_bn)
+    sequences_bs: np.ndarray
+    sequence_mask_bs: np.ndarray
+    response_mask_bn: np.ndarray
+    logprobs_bn: np.ndarray
+    versions_bn: np.ndarray
 
 
 def _segments_bs(prompt_mask_bp, n_new: int) -> jax.Array:
@@ -96,52 +111,112 @@ def _segments_bs(prompt_mask_bp, n_new: int) -> jax.Array:
                            axis=1)
 
 
-def _start(model: Transformer, cfg: GenerateConfig, params, prompt_tokens_bp, prompt_mask_bp,
-           rng, version) -> RolloutState:
+def _choose(s: SlotState, cfg: GenerateConfig, version) -> SlotState:
+    """Samples response token `step_b` of every busy slot (generate's `_choose`, per slot)."""
+    n_new = s.response_bn.shape[1]
+    stream = lambda key, i, r: jax.random.fold_in(jax.random.fold_in(key, i), r)
+    keys_b = jax.vmap(stream)(s.keys_b, s.step_b, s.row_b)
+    token_b = sample(s.logits_bv, keys_b, cfg.sampling)
+    logp_b = token_logprobs(s.logits_bv, token_b, cfg.sampling.logprob_temperature)
+    active_b = ~s.done_b
+    token_b = jnp.where(active_b, token_b, cfg.pad_token_id)
+    stopped_b = active_b & jnp.isin(token_b, jnp.asarray(cfg.stop_ids))
+    if cfg.force_max_length:
+        stopped_b = jnp.zeros_like(stopped_b)
+    at_bn = (jnp.arange(n_new)[None, :] == s.step_b[:, None]) & active_b[:, None]
+    put = lambda x_bn, value_b: jnp.where(at_bn, value_b[:, None], x_bn)
+    step_b = s.step_b + active_b
+    return s._replace(
+        step_b=step_b,
+        last_token_b=jnp.where(active_b, token_b, s.last_token_b),
+        done_b=s.done_b | stopped_b | (step_b >= n_new),
+        response_bn=put(s.response_bn, token_b),
+        logprobs_bn=put(s.logprobs_bn, logp_b),
+        mask_bn=s.mask_bn | at_bn,
+        versions_bn=put(s.versions_bn, jnp.broadcast_to(version, step_b.shape).astype(jnp.int32)),
+        counts=s.counts + jnp.stack([1, jnp.sum(active_b, dtype=jnp.int32)]),
+    )
+
+
+def _empty(config: ModelConfig, cfg: GenerateConfig, slots: int, prompt_len: int) -> SlotState:
+    n_new = cfg.max_new_tokens
+    return SlotState(
+        step_b=jnp.zeros((slots,), jnp.int32),
+        logits_bv=jnp.zeros((slots, config.vocab_size), jnp.float32),
+        last_token_b=jnp.zeros((slots,), jnp.int32),
+        done_b=jnp.ones((slots,), bool),
+        cache=_constrain_cache(KVCache.zeros(config, slots, prompt_len + n_new)),
+        response_bn=jnp.full((slots, n_new), cfg.pad_token_id, jnp.int32),
+        logprobs_bn=jnp.zeros((slots, n_new), jnp.float32),
+        mask_bn=jnp.zeros((slots, n_new), bool),
+        versions_bn=jnp.full((slots, n_new), NO_VERSION, jnp.int32),
+        prompt_tokens_bp=jnp.zeros((slots, prompt_len), jnp.int32),
+        prompt_mask_bp=jnp.zeros((slots, prompt_len), bool),
+        keys_b=jax.random.split(jax.random.key(0), slots),
+        row_b=jnp.zeros((slots,), jnp.int32),
+        counts=jnp.zeros((2,), jnp.int32),
+    )
+
+
+def _fill(model: Transformer, cfg: GenerateConfig, params, s: SlotState, slots_k, tokens_kp,
+          mask_kp, keys_k, rows_k, version) -> SlotState:
+    """Prefills k prompts into slots `slots_k` (an index >= S is padding, dropped) and samples
+    their first tokens; the other slots are left as they are."""
     apply = functools.partial(model.apply, {"params": params})
-    prompt_mask_bp = prompt_mask_bp.astype(bool)
-    segments_bs = _segments_bs(prompt_mask_bp, cfg.max_new_tokens)
-    decode = _prefill(apply, model.config, cfg, prompt_tokens_bp, prompt_mask_bp, segments_bs)
-    versions_bn = jnp.full(decode.response_bn.shape, NO_VERSION, jnp.int32)
-    s = RolloutState(decode, prompt_tokens_bp, prompt_mask_bp, versions_bn, rng)
-    return _record(s, _choose(decode, rng, cfg), version)
+    prompt_len = s.prompt_tokens_bp.shape[1]
+    mask_kp = mask_kp.astype(bool)
+    # The prompt part of the cache only: later slots keep the old row's keys, hidden by
+    # causality until this row's tokens overwrite them.
+    new = _prefill(apply, model.config, cfg, tokens_kp, mask_kp, _segments_bs(mask_kp, 0))
+    put = lambda x, value: x.at[slots_k].set(jnp.broadcast_to(value, (len(slots_k),)
+                                                              + x.shape[1:]).astype(x.dtype),
+                                             mode="drop")
+    cache = KVCache(*(c.at[:, slots_k, :prompt_len].set(v.astype(c.dtype), mode="drop")
+                      for c, v in zip(s.cache, new.cache)))
+    fresh_b = put(jnp.zeros_like(s.done_b), True)
+    filled = s._replace(
+        step_b=put(s.step_b, 0), logits_bv=put(s.logits_bv, new.logits_bv),
+        last_token_b=put(s.last_token_b, 0), done_b=~fresh_b, cache=_constrain_cache(cache),
+        response_bn=put(s.response_bn, cfg.pad_token_id), logprobs_bn=put(s.logprobs_bn, 0.0),
+        mask_bn=put(s.mask_bn, False), versions_bn=put(s.versions_bn, NO_VERSION),
+        prompt_tokens_bp=put(s.prompt_tokens_bp, tokens_kp),
+        prompt_mask_bp=put(s.prompt_mask_bp, mask_kp),
+        keys_b=s.keys_b.at[slots_k].set(keys_k, mode="drop"), row_b=put(s.row_b, rows_k))
+    chosen = _choose(filled, cfg, version)
+    return chosen._replace(done_b=jnp.where(fresh_b, chosen.done_b, s.done_b),
+                           counts=s.counts)  # a prefill is no decode step
 
 
-def _advance(model: Transformer, cfg: GenerateConfig, num_steps: int, params, s: RolloutState,
-             version) -> RolloutState:
-    """Up to `num_steps` more tokens per row (generate's loop body, bounded)."""
+def _advance(model: Transformer, cfg: GenerateConfig, num_steps: int, params, s: SlotState,
+             version) -> SlotState:
+    """Up to `num_steps` more tokens in every busy slot (generate's loop body, per slot)."""
     layer_by_layer = isinstance(model.layer_stack, LayerByLayer)
     if layer_by_layer:  # as in generate: the loop reads each layer's own weights and cache
         params = decode_layers.split_params(params)
-        s = _with_cache(s, decode_layers.split_cache(s.decode.cache))
+        s = s._replace(cache=_constrain_cache(decode_layers.split_cache(s.cache)))
     apply = functools.partial(model.apply, {"params": params})
-    batch, prompt_len = s.prompt_tokens_bp.shape
-    n_new = cfg.max_new_tokens
+    slots, prompt_len = s.prompt_tokens_bp.shape
     prompt_lengths_b = jnp.sum(s.prompt_mask_bp, axis=1, dtype=jnp.int32)
-    segments_bs = _segments_bs(s.prompt_mask_bp, n_new)
-    stop = s.decode.step + num_steps
+    segments_bs = _segments_bs(s.prompt_mask_bp, cfg.max_new_tokens)
 
-    def body(r: RolloutState) -> RolloutState:
-        d = r.decode
-        fed = d.step - 1  # index of the response token being fed
+    def body(carry: tuple[SlotState, jax.Array]) -> tuple[SlotState, jax.Array]:
+        r, t = carry
+        fed_b = r.step_b - 1  # each row's response token being fed (free slots: harmless)
         logits_b1v, cache = apply(
-            d.last_token_b[:, None], (prompt_lengths_b + fed)[:, None],
-            jnp.ones((batch, 1), jnp.int32), d.cache, prompt_len + fed, segments_bs)
-        d = d._replace(logits_bv=logits_b1v[:, 0], cache=_constrain_cache(cache))
-        return _record(r._replace(decode=d), _choose(d, r.rng, cfg), version)
+            r.last_token_b[:, None], (prompt_lengths_b + fed_b)[:, None],
+            jnp.ones((slots, 1), jnp.int32), r.cache, prompt_len + fed_b, segments_bs)
+        r = r._replace(logits_bv=logits_b1v[:, 0], cache=_constrain_cache(cache))
+        return _choose(r, cfg, version), t + 1
 
-    cond = lambda r: _unfinished(r.decode, n_new) & (r.decode.step < stop)
-    s = jax.lax.while_loop(cond, body, s)
-    return _with_cache(s, decode_layers.stack_cache(s.decode.cache)) if layer_by_layer else s
-
-
-def _with_cache(s: RolloutState, cache) -> RolloutState:
-    return s._replace(decode=s.decode._replace(cache=_constrain_cache(cache)))
+    cond = lambda carry: (carry[1] < num_steps) & ~jnp.all(carry[0].done_b)
+    s, _ = jax.lax.while_loop(cond, body, (s, jnp.zeros((), jnp.int32)))
+    if layer_by_layer:
+        s = s._replace(cache=_constrain_cache(decode_layers.stack_cache(s.cache)))
+    return s
 
 
-def _recompute_cache(model: Transformer, cfg: GenerateConfig, params,
-                     s: RolloutState) -> RolloutState:
-    """The KV cache of prompt + response so far, recomputed under `params`.
+def _recompute_cache(model: Transformer, cfg: GenerateConfig, params, s: SlotState) -> SlotState:
+    """Every slot's KV cache of prompt + response so far, recomputed under `params`.
 
     Slots of tokens not sampled yet hold padding's keys; causality hides them until the decode
     loop overwrites them. The last sampled token's slot is rewritten by the next decode step
@@ -149,116 +224,140 @@ def _recompute_cache(model: Transformer, cfg: GenerateConfig, params,
     """
     apply = functools.partial(model.apply, {"params": params})
     n_new = cfg.max_new_tokens
-    batch, prompt_len = s.prompt_tokens_bp.shape
+    slots, prompt_len = s.prompt_tokens_bp.shape
     prompt_lengths_b = jnp.sum(s.prompt_mask_bp, axis=1, dtype=jnp.int32)
-    tokens_bs = jnp.concatenate([s.prompt_tokens_bp, s.decode.response_bn], axis=1)
+    tokens_bs = jnp.concatenate([s.prompt_tokens_bp, s.response_bn], axis=1)
     prompt_positions_bp = jnp.maximum(jnp.cumsum(s.prompt_mask_bp, axis=1, dtype=jnp.int32) - 1,
                                       0)
     response_positions_bn = prompt_lengths_b[:, None] + jnp.arange(n_new, dtype=jnp.int32)
     positions_bs = jnp.concatenate([prompt_positions_bp, response_positions_bn], axis=1)
     segments_bs = _segments_bs(s.prompt_mask_bp, n_new)
-    cache = _constrain_cache(KVCache.zeros(model.config, batch, prompt_len + n_new))
+    cache = _constrain_cache(KVCache.zeros(model.config, slots, prompt_len + n_new))
     _, cache = apply(tokens_bs, positions_bs, segments_bs, cache, 0, segments_bs, last_only=True)
-    return s._replace(decode=s.decode._replace(cache=_constrain_cache(cache)))
+    return s._replace(cache=_constrain_cache(cache))
 
 
-def _finish(cfg: GenerateConfig, s: RolloutState) -> tuple[GenerateOutput, jax.Array]:
-    d = s.decode
-    prompt_bp = jnp.where(s.prompt_mask_bp, s.prompt_tokens_bp, cfg.pad_token_id).astype(jnp.int32)
-    out = GenerateOutput(
-        sequences_bs=jnp.concatenate([prompt_bp, d.response_bn], axis=1),
-        prompt_mask_bp=s.prompt_mask_bp, response_bn=d.response_bn, response_mask_bn=d.mask_bn,
-        logprobs_bn=d.logprobs_bn,
-        response_lengths_b=jnp.sum(d.mask_bn, axis=1, dtype=jnp.int32))
-    return out, s.versions_bn
+def _rows(cfg: GenerateConfig, s: SlotState) -> Rows:
+    prompt_bp = jnp.where(s.prompt_mask_bp, s.prompt_tokens_bp, cfg.pad_token_id)
+    return Rows(jnp.concatenate([prompt_bp.astype(jnp.int32), s.response_bn], axis=1),
+                jnp.concatenate([s.prompt_mask_bp, s.mask_bn], axis=1), s.mask_bn,
+                s.logprobs_bn, s.versions_bn)
+
+
+def _fill_size(k: int, dp: int, slots: int) -> int:
+    """Rows of a fill call for k prompts: dp x a power of two, at most `slots` (few compiles;
+    the rows stay spread over the data-parallel devices)."""
+    per_device = -(-k // dp)
+    return min(slots, dp * (1 << (per_device - 1).bit_length()))
 
 
 class Rollout:
-    """Interruptible generation of one model on one layout, for prompts of length `prompt_len`.
+    """Continuous, interruptible generation of one model on one layout (module docstring).
 
     Args:
       model_config: an LM-head model.
       gen_config: sampling settings (as for `make_generate_fn`).
-      layout: where generation runs.
-      prompt_len: the (bucketed) prompt length P every batch is padded to.
+      layout: where generation runs; not a pipeline (its stages decode all rows at one slot).
+      prompt_len: the (bucketed) prompt length P every prompt is padded to.
+      slots: rows decoded at once (a multiple of the layout's data-parallel size).
     """
 
     def __init__(self, model_config: ModelConfig, gen_config: GenerateConfig, layout: Layout,
-                 prompt_len: int):
+                 prompt_len: int, slots: int):
         if model_config.head is not HeadKind.LM:
             raise ValueError(f"generate needs an LM head, got {model_config.head}")
         self.model = decode_model(model_config, layout)  # as Generator's
+        if isinstance(self.model.layer_stack, Pipeline):
+            raise ValueError(f"asynchronous generation decodes each row at its own position, "
+                             f"which a pipelined layout ({layout}) cannot: give actor_gen "
+                             "a layout without pipeline stages")
+        check_batch_divisible(layout, slots, "rollout slots")
         self.cfg, self.layout = gen_config, layout
-        self.prompt_len = prompt_len
+        self.prompt_len, self.slots = prompt_len, slots
         self.compile_cache = CompileCache("rollout")
-        self._params = layout.param_shardings(abstract_params(model_config))
         self._scalar = layout.replicated()
-        self._finish = jax.jit(functools.partial(_finish, gen_config))
+        self._state = self._shardings()
+        self._rows = jax.jit(functools.partial(_rows, gen_config))
+        self._poll = jax.jit(lambda s: (s.done_b, s.counts))
 
     @property
     def compiles(self) -> int:
         return self.compile_cache.compiles
 
-    def _shardings(self, batch: int) -> RolloutState:
+    def _shardings(self) -> SlotState:
         """Out-shardings of the state: rows over the data axes, the cache as generate's."""
-        lay, n = self.layout, self.cfg.max_new_tokens
-        c = self.model.config
-        cache_shape = (c.num_layers, batch, self.prompt_len + n, c.num_kv_heads, c.head_dim)
+        lay, n, c = self.layout, self.cfg.max_new_tokens, self.model.config
+        cache_shape = (c.num_layers, self.slots, self.prompt_len + n, c.num_kv_heads, c.head_dim)
         cache = lay.sharding(_CACHE_AXES, cache_shape)
         rows1, rows2 = lay.batch_sharding(1), lay.batch_sharding(2)
-        decode = _DecodeState(self._scalar, rows2, rows1, rows1, KVCache(cache, cache), rows2,
-                              rows2, rows2)
-        return RolloutState(decode, rows2, rows2, rows2, self._scalar)
+        return SlotState(rows1, rows2, rows1, rows1, KVCache(cache, cache), rows2, rows2, rows2,
+                         rows2, rows2, rows2, rows1, rows1, self._scalar)
 
-    def _run(self, name: str, fn, static: tuple, *args):
-        """Compiles `fn(*static, *args)` once per (name, batch) under the layout's context."""
-        batch = int(args[1].shape[0]) if name == "start" else int(args[1].prompt_tokens_bp.shape[0])
-        out = (self._shardings(batch) if name != "finish" else None)
-        jitted = jax.jit(functools.partial(fn, *static), out_shardings=out)
+    def _run(self, key: tuple, fn, *args) -> SlotState:
+        """Compiles `fn(*args)` once per `key` under the layout's context."""
+        jitted = jax.jit(fn, out_shardings=self._state)
 
         def lower():
             with self.layout.activation_context():
                 return jitted.lower(*args)
 
-        return self.compile_cache.get((name, batch, static[-1:]), lower)(*args)
+        return self.compile_cache.get(key, lower)(*args)
 
     def _version(self, version: int) -> jax.Array:
         return jax.device_put(np.int32(version), self._scalar)
 
-    def start(self, params, version: int, prompt_tokens_bp, prompt_mask_bp, rng) -> InFlight:
-        """Prefills left-padded prompts [b, P] and samples every row's first token."""
-        batch, prompt_len = np.shape(prompt_tokens_bp)
+    def empty(self) -> SlotState:
+        """Every slot free."""
+        fn = functools.partial(_empty, self.model.config, self.cfg, self.slots, self.prompt_len)
+        return self._run(("empty",), fn)
+
+    def fill(self, state: SlotState, params, version: int, slots_k, prompt_tokens_kp,
+             prompt_mask_kp, keys, rows_k) -> SlotState:
+        """Prefills k left-padded prompts [k, P] into free slots `slots_k` under `params` (of
+        policy `version`) and samples their first tokens.
+
+        Args:
+          slots_k: int [k] free slots.
+          prompt_tokens_kp, prompt_mask_kp: [k, P] host arrays.
+          keys: k PRNG keys: each row's (micro-)batch key.
+          rows_k: int [k] each row's index in its (micro-)batch.
+        """
+        k, prompt_len = np.shape(prompt_tokens_kp)
         if prompt_len != self.prompt_len:
             raise ValueError(f"rollout prompts must be padded to {self.prompt_len}, got "
                              f"{prompt_len}")
-        check_batch_divisible(self.layout, batch, "rollout batch")
-        rows = self.layout.batch_sharding(2)
-        tokens_bp, mask_bp = jax.device_put(
-            (prompt_tokens_bp.astype(jnp.int32), prompt_mask_bp.astype(bool)), rows)
-        rng = transfer(rng, self._scalar)
-        state = self._run("start", _start, (self.model, self.cfg), params, tokens_bp, mask_bp,
-                          rng, self._version(version))
-        return InFlight(state, version)
+        size = _fill_size(k, self.layout.dp_size, self.slots)
+        pad = lambda x, value: np.concatenate([x, np.repeat(x[-1:], size - k, 0)]
+                                              if value is None else
+                                              [x, np.full((size - k, *x.shape[1:]), value,
+                                                          x.dtype)])
+        slots_k = pad(np.asarray(slots_k, np.int32), self.slots)  # out of range: dropped
+        rows = self.layout.batch_sharding(1), self.layout.batch_sharding(2)
+        tokens_kp, mask_kp = jax.device_put(
+            (pad(np.asarray(prompt_tokens_kp, np.int32), None),
+             pad(np.asarray(prompt_mask_kp, bool), None)), rows[1])
+        keys_k = jax.device_put(jnp.stack(list(keys) + [keys[-1]] * (size - k)), rows[0])
+        rows_k = jax.device_put(pad(np.asarray(rows_k, np.int32), 0), rows[0])
+        slots_k = jax.device_put(slots_k, self._scalar)
+        fn = functools.partial(_fill, self.model, self.cfg)
+        return self._run(("fill", size), fn, params, state, slots_k, tokens_kp, mask_kp, keys_k,
+                         rows_k, self._version(version))
 
-    def advance(self, inflight: InFlight, params, version: int, num_steps: int) -> InFlight:
-        """Up to `num_steps` more tokens under `params` (of policy `version`); weights of a new
-        version first recompute the KV cache (an interruption, counted)."""
-        state = inflight.state
-        if version != inflight.version:
-            state = self._run("reload", _recompute_cache, (self.model, self.cfg), params, state)
-            inflight = dataclasses.replace(inflight, version=version,
-                                           interruptions=inflight.interruptions + 1)
-        state = self._run("advance", _advance, (self.model, self.cfg, num_steps), params, state,
-                          self._version(version))
-        return dataclasses.replace(inflight, state=state)
+    def reload(self, state: SlotState, params) -> SlotState:
+        """Every slot's cache recomputed under new weights (an interruption)."""
+        fn = functools.partial(_recompute_cache, self.model, self.cfg)
+        return self._run(("reload",), fn, params, state)
 
-    def poll(self, inflight: InFlight) -> bool:
-        """Whether every row has stopped (a sync point on two scalars)."""
-        d = inflight.state.decode
-        step, done = fetch((d.step, jnp.all(d.done_b)))
-        inflight.finished = bool(done) or int(step) >= self.cfg.max_new_tokens
-        return inflight.finished
+    def advance(self, state: SlotState, params, version: int, num_steps: int) -> SlotState:
+        """Up to `num_steps` more tokens in every busy slot under `params` (of policy `version`,
+        the weights its cache was computed with: `reload` first after new weights)."""
+        fn = functools.partial(_advance, self.model, self.cfg, num_steps)
+        return self._run(("advance", num_steps), fn, params, state, self._version(version))
 
-    def finish(self, inflight: InFlight) -> tuple[GenerateOutput, jax.Array]:
-        """(GenerateOutput, versions_bn int32 [b, N]) of a finished batch."""
-        return self._finish(inflight.state)
+    def poll(self, state: SlotState) -> tuple[np.ndarray, np.ndarray]:
+        """(done_b bool [S], counts int32 [2]) on the host (a sync point on small arrays)."""
+        return tuple(np.asarray(x) for x in fetch(self._poll(state)))
+
+    def rows(self, state: SlotState) -> Rows:
+        """Every slot's sequence so far, on the host."""
+        return Rows(*(np.asarray(x) for x in fetch(self._rows(state))))

@@ -44,6 +44,13 @@ def attention_mask(q_slot_bt, q_seg_bt, k_slot_bs, k_seg_bs) -> jax.Array:
     return (causal & same_seg)[:, None, None, :, :]
 
 
+def _query_slots(q_offset, batch: int, q_len: int) -> jax.Array:
+    """int [batch, q_len] key slot of every query: `q_offset` (scalar, or [batch] one per
+    row) + t."""
+    slots = jnp.arange(q_len, dtype=jnp.int32)[None, :] + jnp.reshape(q_offset, (-1, 1))
+    return jnp.broadcast_to(slots, (batch, q_len))
+
+
 def dot_product_attention(
     q_bthd: jax.Array,
     k_bskd: jax.Array,
@@ -63,7 +70,7 @@ def dot_product_attention(
       q_segment_ids_bt: int [batch, q_len] segment ids of the queries; 0 = padding.
       kv_segment_ids_bs: int [batch, k_len] segment ids of the keys; 0 = padding/unused.
       q_offset: scalar (traced or static) key slot of query 0: 0 without a cache or for
-        prefill, the cache index when decoding.
+        prefill, the cache index when decoding; or int [batch], each row's own (decode).
       impl: the implementation; AUTO resolves by the default backend.
 
     Returns:
@@ -107,7 +114,7 @@ def _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax
     batch, q_len, heads, head_dim = q_bthd.shape
     k_len, kv_heads = k_bskd.shape[1], k_bskd.shape[2]
     dtype = q_bthd.dtype
-    q_slot_bt = jnp.broadcast_to(jnp.arange(q_len) + q_offset, (batch, q_len))
+    q_slot_bt = _query_slots(q_offset, batch, q_len)
     k_slot_bs = jnp.broadcast_to(jnp.arange(k_len), (batch, k_len))
     mask = attention_mask(q_slot_bt, q_seg_bt, k_slot_bs, kv_seg_bs)
 
@@ -137,7 +144,7 @@ def single_query_attention(q_b1hd, k_bskd, v_bskd, q_seg_b1, kv_seg_bs, q_offset
     batch, _, heads, head_dim = q_b1hd.shape
     k_len, kv_heads = k_bskd.shape[1], k_bskd.shape[2]
     dtype = q_b1hd.dtype
-    q_slot_b1 = jnp.broadcast_to(q_offset, (batch, 1))
+    q_slot_b1 = _query_slots(q_offset, batch, 1)
     k_slot_bs = jnp.broadcast_to(jnp.arange(k_len), (batch, k_len))
     mask_bs11 = attention_mask(q_slot_b1, q_seg_b1, k_slot_bs, kv_seg_bs)[:, 0, 0, 0, :, None, None]
     groups = heads // kv_heads
@@ -180,7 +187,7 @@ def _cudnn_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> j
     own_causal = isinstance(q_offset, int) and q_offset == 0 and q_len == k_len
     same_seg = (q_seg_bt[:, :, None] == kv_seg_bs[:, None, :]) & (kv_seg_bs[:, None, :] != 0)
     if not own_causal:
-        q_slot_bt = jnp.broadcast_to(jnp.arange(q_len) + q_offset, (batch, q_len))
+        q_slot_bt = _query_slots(q_offset, batch, q_len)
         same_seg &= jnp.arange(k_len)[None, None, :] <= q_slot_bt[:, :, None]
     return jax.nn.dot_product_attention(
         q_bthd, k_bskd.astype(q_bthd.dtype), v_bskd.astype(q_bthd.dtype),
@@ -210,7 +217,7 @@ def _pallas_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> 
                                           q_offset=q_offset, interpret=interpret)
         return flash_attention.flash_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, cfg)
     # Decode: every row's valid prefix ends after the newest query; nothing past it is read.
-    q_start_b = jnp.full((batch,), q_offset, jnp.int32)
+    q_start_b = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (batch,))
     cfg = decode_attention.DecodeConfig(block_k=_block(k_len, 256), interpret=interpret)
     return decode_attention.decode_attention(
         q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_start_b, q_start_b + q_len, cfg)

@@ -211,12 +211,15 @@ def _write_cache(layer_cache, k_btkd, v_btkd, cache_index):
         decode step. Or (KVCache of this layer only [b, S, k, d], None): a stack that keeps
         each layer's cache apart (`engine.decode_layers`).
       k_btkd, v_btkd: [b, t, k, d] keys and values of the t new tokens.
-      cache_index: slot of the first new token.
+      cache_index: slot of the first new token: a scalar, or int [b] (one token per row,
+        row r's at slot cache_index[r]; continuous batching, `engine.rollout`).
 
     Returns:
       (updated cache as given, this layer's keys [b, S, k, d], its values [b, S, k, d]).
     """
     cache, layer = layer_cache
+    if jnp.ndim(cache_index):  # one token per row, each at its own slot
+        return _write_rows(cache, layer, k_btkd, v_btkd, cache_index)
     if layer is None:
         start = (0, cache_index, 0, 0)
         k_bskd = jax.lax.dynamic_update_slice(cache.k_lbskd, k_btkd.astype(cache.k_lbskd.dtype),
@@ -232,6 +235,21 @@ def _write_cache(layer_cache, k_btkd, v_btkd, cache_index):
     k_all = jax.lax.dynamic_index_in_dim(k_lbskd, layer, 0, keepdims=False)
     v_all = jax.lax.dynamic_index_in_dim(v_lbskd, layer, 0, keepdims=False)
     return KVCache(k_lbskd, v_lbskd), k_all, v_all
+
+
+def _write_rows(cache: KVCache, layer, k_b1kd, v_b1kd, index_b):
+    """`_write_cache` of one token per row at per-row slots `index_b` [b] (a scatter whose
+    batch dim maps onto the cache's, so a data-parallel cache is written where it lies)."""
+    if k_b1kd.shape[1] != 1:
+        raise ValueError(f"per-row cache slots take one token per row, got {k_b1kd.shape[1]}")
+    rows_b = jnp.arange(k_b1kd.shape[0])
+    where = (rows_b, index_b) if layer is None else (layer, rows_b, index_b)
+    k_all, v_all = (c.at[where].set(x[:, 0].astype(c.dtype))
+                    for c, x in ((cache.k_lbskd, k_b1kd), (cache.v_lbskd, v_b1kd)))
+    if layer is None:
+        return KVCache(k_all, v_all), k_all, v_all
+    pick = lambda c: jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
+    return KVCache(k_all, v_all), pick(k_all), pick(v_all)
 
 
 class Dense(nn.Module):
@@ -386,7 +404,8 @@ class Transformer(nn.Module):
           positions_bt: int [batch, len] RoPE positions (restart at 0 per packed sequence).
           segment_ids_bt: int [batch, len]; 0 marks padding, equal ids attend to each other.
           cache: optional KVCache of length S; new keys/values are written at `cache_index`.
-          cache_index: scalar slot where `tokens_bt[:, 0]` goes in the cache.
+          cache_index: scalar slot where `tokens_bt[:, 0]` goes in the cache, or int [batch]
+            (len 1: each row's token at its own slot; causality then follows each row's).
           kv_segment_ids_bs: int [batch, S] segment ids of every cache slot *after* this write.
           last_only: apply the head to the last position only (prefill needs just the next
             token's logits; the [batch, len, vocab] array would dominate its memory).

@@ -2,10 +2,11 @@
 
 Two workers share the actor:
 
-  generation (this thread)   decodes one batch of prompts at a time in chunks
-                             (`engine.rollout`), always with the newest weights it has been
-                             given; weights that arrive mid-sequence are swapped in (the KV
-                             cache is recomputed) and every token records its policy version.
+  generation (this thread)   decodes the admitted batches' rows in slots that are refilled
+                             as rows finish (`engine.rollout`, continuous batching), in
+                             chunks, always with the newest weights it has been given;
+                             weights that arrive mid-sequence are swapped in (the KV cache is
+                             recomputed) and every token records its policy version.
   training (a worker thread) runs the rest of the algorithm's graph (reward, ref/critic
                              inference, π_prox, train steps) on the oldest finished batch,
                              through the same `Runner` as the synchronous loop.
@@ -34,7 +35,6 @@ also for `placement.gen_replicas` > 1), and the two really overlap.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import time
 
@@ -50,6 +50,9 @@ from jaxrlhf.run.async_steps import batch_metrics, drain_limit, draw_async_timel
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.rollout_worker import Generated, RolloutWorker
 from jaxrlhf.run.runner import LoopResult, Runner
+
+
+_DENSE = 0.5  # occupied share of the generation slots worth a decode step beside an update
 
 
 class _Trainer:
@@ -95,16 +98,19 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
     (gen,) = [m for m in spec.graph.mfcs if m.role is Role.ACTOR and m.call is Call.GENERATE]
     gen_layout = job.plan.layouts[gen.name]
     trainer_run = trainer_runner(runner, gen.name)
-    rollout = Rollout(spec.base.config, r.generate(job.tokenizer), gen_layout, r.max_prompt_len)
+    micro = job.plan.micro_batches(gen.name)
+    rollout = Rollout(spec.base.config, r.generate(job.tokenizer), gen_layout, r.max_prompt_len,
+                      r.rows // micro)
     worker = RolloutWorker(gen, rollout, gen_layout, spec.base.config, spec.seed,
-                           spec.async_rl.chunk_tokens, job.plan.micro_batches(gen.name))
+                           spec.async_rl.chunk_tokens, micro)
+    one_client = gen_layout.mesh.devices.flat[0].platform == "cpu"
     actor = runner.runtimes[Role.ACTOR]
     trainer = _Trainer(trainer_run, checkpoint.NanGuard(spec.nan_policy, checkpoints))
     clock_zero = time.perf_counter()
     now = lambda: time.perf_counter() - clock_zero
     version = trained = next_index = trainer_run.step_index
     worker.publish(actor.params, version)
-    ready: collections.deque[Generated] = collections.deque()
+    ready: dict[int, Generated] = {}  # finished batches by index (they finish in any order)
     pending, pending_batch = None, None
     timings, events, tokens_per_s, staleness_max = [], [], [], 0.0
     last_end, busy_marks = now(), (0.0, 0.0)
@@ -118,7 +124,13 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
         while trained < spec.steps:
             limit = drain_limit(trained, spec.steps, checkpoints.cfg.every)
             can_start = next_index < limit and next_index <= worker.version + eta
-            gen_can_work = worker.inflight is not None or can_start
+            # XLA's CPU client runs one program at a time: a decode step with most slots idle
+            # there only delays the update beside it, so sparse slots decode only when the
+            # trainer waits for them (on accelerators generation has devices of its own).
+            needed = pending is None and trained not in ready
+            sparse = one_client and worker.occupancy < _DENSE
+            gen_can_work = (can_start and worker.accepts()) or (
+                worker.busy and (needed or not sparse))
             if pending is not None and (pending.done() or not gen_can_work):
                 result, skipped, (t_start, t_end) = pending.result()
                 done, pending = pending_batch, None
@@ -161,24 +173,22 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
                     interrupted = True
                     break
                 continue
-            if pending is None and ready:
-                done = ready.popleft()
+            if pending is None and trained in ready:  # batch k is trained by update k
+                done = ready.pop(trained)
                 stale = done.staleness_bn(version).max()
                 if stale > eta:  # the throttle's invariant (module docstring)
                     raise AssertionError(f"batch {done.index}: a token {stale} versions old "
                                          f"(async_rl.max_staleness={eta})")
                 pending, pending_batch = trainer.submit(done), done
                 continue
-            if worker.inflight is not None:
-                finished = worker.step(now)
-                if finished is not None:
-                    ready.append(finished)
-            elif can_start:
+            if can_start and worker.accepts():
                 before = prompts.state()
                 batch = prompt_batch(next(prompts), job.tokenizer, r.max_prompt_len,
                                      r.group_size)
                 worker.start(next_index, batch, before, now())
                 next_index += 1
+            elif gen_can_work:
+                ready.update((g.index, g) for g in worker.step(now))
             elif pending is None:
                 raise AssertionError(f"async loop stalled at step {trained}: nothing to "
                                      "generate or train")
@@ -197,11 +207,12 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
     return LoopResult(timings, interrupted, trainer.guard.skipped, extra)
 
 
-def _rewind(prompts, ready, inflight_before) -> None:
-    """Stop: drop the generated-but-untrained batches (`ready`, and the one in flight, drawn
-    from `inflight_before`, or None) and rewind the prompts to the first of them."""
-    firsts = [g.iterator_before for g in ready] + [inflight_before]
+def _rewind(prompts, ready: dict, inflight) -> None:
+    """Stop: drop the generated-but-untrained batches (`ready`, and those in flight, the first
+    of which `inflight` names: (index, iterator state before it), or None) and rewind the
+    prompts to the first of them."""
+    firsts = [(g.index, g.iterator_before) for g in ready.values()] + [inflight]
     firsts = [f for f in firsts if f is not None]
     if firsts:
-        prompts.restore(firsts[0])
+        prompts.restore(min(firsts, key=lambda f: f[0])[1])
     ready.clear()

@@ -162,10 +162,11 @@ def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list
     """Generation replica r = this process: publishes, work orders, batches until "stop"."""
     spec, r = job.spec, jax.process_index()
     layout = layouts[r - 1]
+    micro = job.plan.micro_batches(gen.name)
     rollout = Rollout(spec.base.config, spec.rollout.generate(job.tokenizer), layout,
-                      spec.rollout.max_prompt_len)
+                      spec.rollout.max_prompt_len, spec.rollout.rows // micro)
     worker = RolloutWorker(gen, rollout, layout, spec.base.config, spec.seed,
-                                      spec.async_rl.chunk_tokens, job.plan.micro_batches(gen.name))
+                           spec.async_rl.chunk_tokens, micro)
     actor = runner.runtimes[Role.ACTOR]
     version = runner.step_index
     worker.install(_publish(actor.params, shardings, version, r)[0], version)
@@ -194,17 +195,16 @@ def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list
                         interrupted = order["interrupted"]
                         break
                 continue
-            if worker.inflight is not None:
-                done = worker.step(time.time)
-                if done is not None:
-                    _send(chan, gen, done, r, worker.busy_seconds)
-                    deadline.progress()
-            elif queue:
+            if queue and worker.accepts():
                 order = queue.popleft()
                 prompts.restore(order["iterator"])
                 batch = prompt_batch(next(prompts), job.tokenizer, spec.rollout.max_prompt_len,
                                      spec.rollout.group_size)
                 worker.start(order["index"], batch, None, time.time())
+            elif worker.busy:
+                for done in worker.step(time.time):
+                    _send(chan, gen, done, r, worker.busy_seconds)
+                    deadline.progress()
             else:
                 deadline.check(lambda: f"replica {r} (step {version}): weights or work from the "
                                        "trainer (process 0)")
@@ -217,7 +217,7 @@ def _send(chan: Channel, gen, done: Generated, replica: int, busy: float) -> Non
     arrays["versions_bn"] = done.versions_bn
     chan.put_arrays(f"batch/{done.index}", arrays,
                     {"interruptions": done.interruptions, "seconds": list(done.seconds),
-                     "replica": replica, "busy": busy})
+                     "slots_idle": done.slots_idle, "replica": replica, "busy": busy})
 
 
 def waiting_for(step: int, replica_of: dict[int, int]) -> str:
@@ -282,7 +282,7 @@ class _Trainer:
                     versions_bn = arrays.pop("versions_bn")
                     done = Generated(index, {**order.batch, **arrays}, versions_bn,
                                                 meta["interruptions"], None,
-                                                tuple(meta["seconds"]))
+                                                tuple(meta["seconds"]), meta["slots_idle"])
                     order.arrived = (done, meta)
                     self.arrivals.append(index)
                     self.queued[order.replica - 1] -= 1

@@ -37,9 +37,9 @@ def drain_limit(trained: int, steps: int, every: int) -> int:
 
 def batch_metrics(done: Generated, version: int, eta: int) -> dict[str, float]:
     """Staleness distribution and interruptions of the batch trained at `version`, with its
-    generation seconds and how much of its decoding was padding: a batch decodes until its
-    longest row stops (`async/response_length_longest`), every row as long
-    (`async/decode_padding_frac` = 1 - real response tokens / (rows x longest))."""
+    generation seconds, its longest response and the decode padding: the share of the
+    generation slots' decode steps without a row to decode (`async/decode_padding_frac`; with
+    continuous batching a slot waits only when no admitted row is left)."""
     staleness_bn = done.staleness_bn(version)
     valid = staleness_bn >= 0
     tokens = max(int(valid.sum()), 1)
@@ -55,7 +55,7 @@ def batch_metrics(done: Generated, version: int, eta: int) -> dict[str, float]:
     longest = int(valid.sum(1).max(initial=0))
     out["async/gen_seconds"] = done.seconds[1] - done.seconds[0]
     out["async/response_length_longest"] = float(longest)
-    out["async/decode_padding_frac"] = 1.0 - float(valid.sum()) / max(valid.shape[0] * longest, 1)
+    out["async/decode_padding_frac"] = done.slots_idle
     return out
 
 def draw_async_timeline(events: list, path: str, specs: dict[str, str]) -> None:

@@ -1,4 +1,5 @@
-"""The generation side of asynchronous RL: a batch decoded chunk by chunk, newest weights.
+"""The generation side of asynchronous RL: batches decoded in continuously refilled slots,
+newest weights.
 
 Used by the one-process loop (jaxrlhf/run/async_loop.py, generation in the main thread) and by
 each generation replica process of the multi-process loop (jaxrlhf/run/async_procs.py).
@@ -6,6 +7,7 @@ each generation replica process of the multi-process loop (jaxrlhf/run/async_pro
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -13,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.engine.rollout import NO_VERSION, InFlight, Rollout
+from jaxrlhf.engine import buckets
+from jaxrlhf.engine.rollout import NO_VERSION, Rollout
 from jaxrlhf.mfc import MFC
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.parallel.layout import Layout
-from jaxrlhf.parallel.reshard import fetch, reshard
+from jaxrlhf.parallel.reshard import reshard
 
 
 @dataclasses.dataclass
@@ -29,9 +32,11 @@ class Generated:
       buffer: the trainer graph's dataset keys (prompts, generated sequences, log-probs).
       versions_bn: int32 [b, n] on the host: policy version of every token (NO_VERSION after
         the response).
-      interruptions: weight swaps during its generation.
+      interruptions: weight swaps while any of its rows was being decoded.
       iterator_before: the prompt iterator's state before the batch was drawn.
       seconds: (start, end) of its generation on the loop's clock.
+      slots_idle: the share of decode slot-steps without a row to decode, since the previous
+        batch finished (the decode padding continuous batching leaves).
     """
 
     index: int
@@ -40,26 +45,44 @@ class Generated:
     interruptions: int
     iterator_before: object
     seconds: tuple[float, float]
+    slots_idle: float = 0.0
 
     def staleness_bn(self, version: int) -> np.ndarray:
         """Versions behind `version` of every token, -1 where there is none."""
         return np.where(self.versions_bn == NO_VERSION, -1, version - self.versions_bn)
 
-class RolloutWorker:
-    """The generation side: one batch in flight, the newest weights it was given.
 
-    A batch of `micro_batches` k > 1 (the allocation's `actor_gen@k`) is decoded one
-    micro-batch after the other, each to its end, so only one micro-batch's KV cache is alive;
-    micro-batch j samples with fold_in(the batch's key, j), as the synchronous generate call.
+@dataclasses.dataclass
+class _Batch:
+    """A batch being generated: its prompts and the rows finished so far (host arrays)."""
+
+    batch: dict
+    iterator_before: object
+    started: float
+    outputs: list  # Rows fields, [b, ...] each
+    left: int
+    interruptions: int = 0
+
+
+class RolloutWorker:
+    """The generation side: every admitted batch's rows decoded in `slots` rows on the device,
+    with the newest weights it was given.
+
+    A slot whose row finished takes the next waiting row, of the same batch or of the next
+    admitted one, so generation never waits for a batch's longest response while the loop
+    admits work (within the staleness bound). Rows are queued micro-batch by micro-batch:
+    with `micro_batches` k > 1 (the allocation's `actor_gen@k`) there are b/k slots, rows j::k
+    form micro-batch j, which samples with fold_in(the batch's key, j), as the synchronous
+    generate call's.
 
     Args:
       mfc: the actor's generate MFC (its outputs name the generated keys).
-      rollout: the interruptible generator on the generation layout.
+      rollout: the continuous generator on the generation layout (`rollout.slots` rows).
       layout: the generation layout.
       model: the actor's ModelConfig.
       seed: batch k samples with fold_in(key(seed), k), as the synchronous runner's step k.
-      chunk_tokens: tokens decoded between checks for new weights.
-      micro_batches: micro-batches of a batch, decoded in turn.
+      chunk_tokens: tokens decoded between checks for finished rows and new weights.
+      micro_batches: micro-batches of a batch.
     """
 
     def __init__(self, mfc: MFC, rollout: Rollout, layout: Layout, model, seed: int,
@@ -69,10 +92,11 @@ class RolloutWorker:
         self._shardings = layout.param_shardings(abstract_params(model))
         self._rng = jax.random.key(seed)
         self.params, self.version = None, -1
-        self.inflight: InFlight | None = None
-        self._current: tuple | None = None  # (index, batch dict, iterator state, start time)
-        self._parts: list = []  # micro-batches not started yet: (prompts, mask, rng)
-        self._done_parts: list = []  # finished micro-batches: (arrays, versions_bn, swaps)
+        self._state, self._cache_version = None, -1
+        self._slots: list[tuple[int, int] | None] = [None] * rollout.slots  # (batch, row)
+        self._waiting: collections.deque = collections.deque()  # (batch, row, key, stream)
+        self._batches: dict[int, _Batch] = {}
+        self._counts = np.zeros(2, np.int64)  # (decode steps, tokens) at the last batch's end
         self.busy_seconds = 0.0
         self.published_bytes = 0
 
@@ -89,65 +113,111 @@ class RolloutWorker:
         self.version = version
         self.published_bytes += stats.bytes_moved
 
+    @property
+    def busy(self) -> bool:
+        """A batch is being generated."""
+        return bool(self._batches)
+
+    @property
+    def occupancy(self) -> float:
+        """Rows with a slot or waiting for one, per slot."""
+        return (sum(slot is not None for slot in self._slots) + len(self._waiting)) / len(
+            self._slots)
+
+    def accepts(self) -> bool:
+        """Whether to admit another batch now: every admitted row has a slot (so the next
+        batch's rows are queued only as slots are about to free up)."""
+        return not self._waiting
+
     def start(self, index: int, batch: dict, iterator_before, now: float) -> None:
-        t0 = time.perf_counter()
+        """Admits batch `index` (prompts [b, P]); its rows wait for free slots."""
         rng = jax.random.fold_in(self._rng, jax.device_put(np.uint32(index)))
         k = self.micro_batches
-        tokens_bp, mask_bp = batch["prompt_tokens_bp"], batch["prompt_mask_bp"]
-        # Strided micro-batches (rows j::k), as the synchronous generate call's.
-        self._parts = [(tokens_bp[j::k], mask_bp[j::k],
-                        rng if k == 1 else jax.random.fold_in(rng, j)) for j in range(k)]
-        self._done_parts = []
-        self._current = (index, batch, iterator_before, now)
-        self._start_part()
-        self.busy_seconds += time.perf_counter() - t0
+        rows = len(batch["prompt_tokens_bp"])
+        for j in range(k):
+            key = rng if k == 1 else jax.random.fold_in(rng, j)
+            self._waiting.extend((index, row, key, r) for r, row in enumerate(range(j, rows, k)))
+        outputs = [None] * 5  # Rows fields, allocated from the first finished row
+        self._batches[index] = _Batch(batch, iterator_before, now, outputs, rows)
 
-    def _start_part(self) -> None:
-        tokens_bp, mask_bp, rng = self._parts.pop(0)
-        self.inflight = self.rollout.start(self.params, self.version, tokens_bp, mask_bp, rng)
-
-    def step(self, now) -> Generated | None:
-        """Decodes one chunk with the newest weights; the batch once it is finished."""
+    def step(self, now) -> list[Generated]:
+        """Fills free slots, decodes one chunk with the newest weights; the batches whose last
+        row finished (possibly several, in any order)."""
         t0 = time.perf_counter()
         try:
-            if not self.rollout.poll(self.inflight):
-                self.inflight = self.rollout.advance(self.inflight, self.params, self.version,
-                                                     self.chunk_tokens)
-                if not self.rollout.poll(self.inflight):
-                    return None
-            out, versions_bn = self.rollout.finish(self.inflight)
-            arrays = (out.sequences_bs, out.sequence_mask_bs, out.response_mask_bn,
-                      out.logprobs_bn)
-            self._done_parts.append((arrays, versions_bn, self.inflight.interruptions))
-            if self._parts:
-                self._start_part()
-                return None
-            return self._finish(now)
+            if self._state is None:
+                self._state = self.rollout.empty()
+            if self.version != self._cache_version:
+                if any(self._slots):  # new weights mid-sequence: an interruption
+                    self._state = self.rollout.reload(self._state, self.params)
+                    for index in {slot[0] for slot in self._slots if slot}:
+                        self._batches[index].interruptions += 1
+                self._cache_version = self.version
+            self._fill()
+            self._state = self.rollout.advance(self._state, self.params, self.version,
+                                               self.chunk_tokens)
+            done_b, counts = self.rollout.poll(self._state)
+            finished = [s for s, slot in enumerate(self._slots) if slot and done_b[s]]
+            return self._collect(finished, counts, now) if finished else []
         finally:
             self.busy_seconds += time.perf_counter() - t0
 
-    def _finish(self, now) -> Generated:
-        index, batch, iterator_before, started = self._current
-        parts = self._done_parts
-        if len(parts) == 1:
-            (arrays, versions_bn, swaps), = parts
-        else:
-            arrays = tuple(_merge_rows(xs) for xs in zip(*(p[0] for p in parts)))
-            versions_bn = _merge_rows([p[1] for p in parts])
-            swaps = sum(p[2] for p in parts)
-        buffer = {**batch, **dict(zip(self.mfc.outputs, arrays, strict=True))}
-        done = Generated(index, buffer, fetch(versions_bn), swaps, iterator_before,
-                         (started, now()))
-        self.inflight, self._current, self._done_parts = None, None, []
+    def _fill(self) -> None:
+        free = [s for s, slot in enumerate(self._slots) if slot is None]
+        take = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        if not take:
+            return
+        slots = free[:len(take)]
+        prompts = [self._batches[index].batch for index, *_ in take]
+        tokens_kp = np.stack([np.asarray(b["prompt_tokens_bp"][row])
+                              for b, (_, row, *_) in zip(prompts, take)])
+        mask_kp = np.stack([np.asarray(b["prompt_mask_bp"][row])
+                            for b, (_, row, *_) in zip(prompts, take)])
+        self._state = self.rollout.fill(self._state, self.params, self.version, slots, tokens_kp,
+                                        mask_kp, [key for *_, key, _ in take],
+                                        [r for *_, r in take])
+        for s, (index, row, *_) in zip(slots, take):
+            self._slots[s] = (index, row)
+
+    def _collect(self, finished: list[int], counts: np.ndarray, now) -> list[Generated]:
+        rows = self.rollout.rows(self._state)
+        for s in finished:
+            index, row = self._slots[s]
+            self._slots[s] = None
+            out = self._batches[index]
+            for i, x in enumerate(rows):
+                if out.outputs[i] is None:
+                    rows_b = len(out.batch["prompt_tokens_bp"])
+                    out.outputs[i] = np.zeros((rows_b, *x.shape[1:]), x.dtype)
+                out.outputs[i][row] = x[s]
+            out.left -= 1
+        done = []
+        for index in sorted(i for i, b in self._batches.items() if b.left == 0):
+            steps, tokens = counts - self._counts
+            idle = 1.0 - tokens / max(steps * self.rollout.slots, 1)
+            self._counts = counts.astype(np.int64)
+            done.append(self._finish(index, self._batches.pop(index), now, float(idle)))
         return done
 
-    def drop(self):
-        """Abandons the batch in flight (a stop: it is generated again after resuming);
-        returns the prompt iterator's state before it was drawn, or None."""
-        before = None if self._current is None else self._current[2]
-        self.inflight, self._current, self._parts, self._done_parts = None, None, [], []
-        return before
+    def _finish(self, index: int, out: _Batch, now, idle: float) -> Generated:
+        sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn, versions_bn = out.outputs
+        # Cut after the longest response, as the synchronous generate executor does.
+        longest = int(response_mask_bn.sum(1).max())
+        n = buckets.bucket_length(longest, buckets.response_widths(response_mask_bn.shape[1]))
+        end = sequences_bs.shape[1] - response_mask_bn.shape[1] + n
+        arrays = (sequences_bs[:, :end], sequence_mask_bs[:, :end], response_mask_bn[:, :n],
+                  logprobs_bn[:, :n])
+        buffer = {**out.batch, **dict(zip(self.mfc.outputs, arrays, strict=True))}
+        return Generated(index, buffer, versions_bn[:, :n], out.interruptions,
+                         out.iterator_before, (out.started, now()), idle)
 
-def _merge_rows(parts_kb):
-    """Micro-batch j's row r back at row r·k + j (the inverse of rows j::k)."""
-    return jnp.stack(parts_kb, 1).reshape(-1, *parts_kb[0].shape[1:])
+    def drop(self):
+        """Abandons the batches in flight (a stop: they are generated again after resuming);
+        returns (index, prompt iterator state before it was drawn) of the first, or None."""
+        first = min(self._batches, default=None)
+        out = None if first is None else (first, self._batches[first].iterator_before)
+        self._batches.clear()
+        self._waiting.clear()
+        self._slots = [None] * self.rollout.slots
+        self._state = None
+        return out
