@@ -24,17 +24,23 @@ warmup). The median, not the total: an asynchronous run starts the window with u
 already generated, which would flatter it over a short window.
 
 Per run it also prints where a step's time goes: `gen_seconds` and `train_seconds` (sync: the
-generate call and the rest of the step; async: a batch's generation, wall time from its start to
-its end, and one update of the trainer), `train_padding_frac` (every trained row is
-[P + max_new_tokens] long whatever its response, so this share of the trained tokens is
-padding) and, async, `decode_padding_frac` (a batch decodes until its longest row stops) and
-`gen_busy`/`train_busy` (total busy seconds / total window). Asynchrony can only hide the
-smaller of generation and training behind the larger: with gen 0.14 s and train 0.44 s of a
-0.61 s synchronous step (session 6, default workload), perfect overlap gives at most 1.38x,
-before the two sides contend for the same 2 cores. Fewer devices per program is itself faster
-on 2 cores (8 virtual devices share them), so also compare against the synchronous loop on the
-asynchronous run's own device split, `--sync_placement=disaggregate`: in session 6 it gave the
-synchronous loop 1314 tokens/s against 1027 colocated, and the one-process η=2 run 0.67x of it.
+generate call and the rest of the step; async: a batch's generation, wall time from its
+admission to its last row, and one update of the trainer) and, async,
+`decode_padding_frac` (the share of the generation slots' decode steps without a row:
+continuous batching refills a slot as soon as its row stops, within the staleness bound) and
+`gen_busy`/`train_busy` (total busy seconds / total window). Both loops cut a generated
+batch after its longest response (`buckets.response_widths`), so the calls after generation
+compute P + that many columns, not P + max_new_tokens.
+
+Why asynchrony wins here although every synchronous call already keeps both cores busy: a
+synchronous step decodes until its longest response stops (about 70 of 128 tokens for 16 rows
+with mean 22), with the finished rows' slots idle; the asynchronous generator refills them
+with the next admitted batch's prompts, so it decodes about as many steps as tokens per slot.
+On one CPU client (one process) the two workers interleave, so the gain is the decode steps
+saved; on accelerators (and across processes) generation also overlaps training. Fewer
+devices per program is itself faster on 2 cores (8 virtual devices share them), so also
+compare against the synchronous loop on the asynchronous run's own device split,
+`--sync_placement=disaggregate`.
 
 The CPU backend keeps XLA's default threading: with each virtual device single-threaded (as
 benchmarks/overlap.py sets it) a synchronous run on a loaded 2-core machine once lost a device
@@ -135,10 +141,7 @@ def run(args, eta: int, workdir: str, gen_replicas: int = 1) -> dict:
            "tokens_per_second": tokens / period, "step_seconds": period,
            "mean_response_length": float(np.mean(lengths)),
            "staleness_max": max(sink.steps[s][1].get("async/staleness_max", 0.0)
-                                for s in measured),
-           # Every trained row is [P + N] long whatever its response: the padding it pays.
-           "train_padding_frac": 1 - (np.mean(lengths) + spec.rollout.max_prompt_len)
-           / spec.rollout.seq_len}
+                                for s in measured)}
     if eta:
         # Busy fractions over the whole window (total busy / total time): a replica reports its
         # busy seconds when it sends a batch, so one step's window can read above 1.

@@ -105,6 +105,9 @@ def test_bucket_helpers():
     assert [buckets.bucket_length(n, (16, 32, 64)) for n in (0, 16, 17, 64)] == [16, 16, 32, 64]
     with pytest.raises(ValueError, match="exceeds"):
         buckets.bucket_length(65, (16, 32, 64))
+    assert buckets.response_widths(128) == (16, 32, 48, 64, 80, 96, 112, 128)
+    assert buckets.response_widths(100) == (16, 32, 48, 64, 80, 96, 100)
+    assert buckets.response_widths(8) == (8,) and buckets.response_widths(10) == (8, 10)
     x = np.arange(6).reshape(2, 3)
     np.testing.assert_array_equal(buckets.pad_axis(x, 5, axis=1, value=-1, left=True),
                                   [[-1, -1, 0, 1, 2], [-1, -1, 3, 4, 5]])

@@ -63,3 +63,26 @@ def test_a_device_error_in_an_mfc_is_raised_not_swallowed():
 def test_an_output_deleted_downstream_counts_as_ready():
     buffer, timing = _one_mfc_step(_Failing("Array has been deleted with shape=float32[4]."))
     assert timing.mfcs["gen"].ready >= timing.mfcs["gen"].dispatch_done
+
+
+def test_generated_arrays_are_cut_after_the_longest_response():
+    """The generate executor's outputs lose the response columns no row reached (to the next
+    of `buckets.response_widths`), so every later call of the step computes fewer columns;
+    a batch whose longest response needs every column keeps them all."""
+    from jaxrlhf.dataflow.executors import cut_responses
+
+    P, N = 3, 32  # widths (8, 16, 24, 32)
+    lengths_b = np.array([2, 9, 0, 5])
+    mask_bn = np.arange(N)[None, :] < lengths_b[:, None]
+    seq_bs = np.arange(4 * (P + N), dtype=np.int32).reshape(4, P + N)
+    seq_mask_bs = np.concatenate([np.ones((4, P), bool), mask_bn], axis=1)
+    logp_bn = np.where(mask_bn, -1.5, 0.0).astype(np.float32)
+    arrays = tuple(map(jnp.asarray, (seq_bs, seq_mask_bs, mask_bn, logp_bn)))
+    cut = [np.asarray(x) for x in cut_responses(arrays, N)]
+    np.testing.assert_array_equal(cut[0], seq_bs[:, :P + 16])
+    np.testing.assert_array_equal(cut[1], seq_mask_bs[:, :P + 16])
+    np.testing.assert_array_equal(cut[2], mask_bn[:, :16])
+    np.testing.assert_array_equal(cut[3], logp_bn[:, :16])
+    full = mask_bn | (np.arange(N)[None, :] < np.array([N, 0, 0, 0])[:, None])
+    arrays = (arrays[0], arrays[1], jnp.asarray(full), arrays[3])
+    assert all(a is b for a, b in zip(cut_responses(arrays, N), arrays))

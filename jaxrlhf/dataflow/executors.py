@@ -24,7 +24,7 @@ from jaxrlhf.data.tokenizer import Tokenizer, decode_response
 from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine.generate import Generator
 from jaxrlhf.engine.inference import InferenceBatch, InferenceFn
-from jaxrlhf.engine import microbatch
+from jaxrlhf.engine import buckets, microbatch
 from jaxrlhf.engine.microbatch import minibatches
 from jaxrlhf.engine.train_step import TrainStep
 from jaxrlhf.mfc import MFC
@@ -67,6 +67,24 @@ def _merge(outputs: list):
     return jax.tree.map(lambda *xs: jnp.stack(xs, 1).reshape(-1, *xs[0].shape[1:]), *outputs)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _cut(arrays, width: int):
+    """Generated (sequences [b, P + N], sequence mask [b, P + N], response mask [b, N],
+    log-probs [b, N]) with the response part cut to its first `width` columns."""
+    seq_bs, seq_mask_bs, response_mask_bn, logp_bn = arrays
+    end = seq_bs.shape[1] - response_mask_bn.shape[1] + width
+    return seq_bs[:, :end], seq_mask_bs[:, :end], response_mask_bn[:, :width], logp_bn[:, :width]
+
+
+def cut_responses(arrays, max_new_tokens: int):
+    """The generated arrays (as `_cut` takes them) cut to the first of
+    `buckets.response_widths` their longest response fits (a sync point on one scalar): the
+    columns after it are padding in every row."""
+    longest = int(fetch(jnp.max(jnp.sum(arrays[2], axis=1, dtype=jnp.int32))))
+    width = buckets.bucket_length(longest, buckets.response_widths(max_new_tokens))
+    return arrays if width == arrays[2].shape[1] else _cut(arrays, width)
+
+
 def in_micro_batches(call: Callable, arrays, k: int):
     """`call(arrays)` run as k sequential calls on strided micro-batches, outputs merged:
     the same rows, a k-th of the activations live at a time."""
@@ -99,6 +117,7 @@ def generate_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator: 
                     out.logprobs_bn)
 
         arrays = in_micro_batches(call, inputs, micro_batches)
+        arrays = cut_responses(arrays, generator.gen_config.max_new_tokens)
         return dict(zip(mfc.outputs, arrays, strict=True))
 
     return run

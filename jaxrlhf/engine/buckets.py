@@ -33,6 +33,20 @@ def power_of_two_buckets(max_len: int, min_len: int = 16) -> tuple[int, ...]:
     return tuple(buckets)
 
 
+def response_widths(max_new_tokens: int, count: int = 8) -> tuple[int, ...]:
+    """The widths a generated batch's response part is cut to (the first one its longest
+    response fits): `count` equal steps up to `max_new_tokens`, each a multiple of 8, so the
+    calls after generation compile for at most `count` shapes. (16, 32, ..., 128) for 128;
+    (8,) for 8.
+
+    Why: every later call of the step (inference, train steps) computes on all P + N columns;
+    with long-tailed response lengths most of them are padding.
+    """
+    step = -(-max_new_tokens // count)
+    step = -(-step // 8) * 8
+    return tuple(range(step, max_new_tokens, step)) + (max_new_tokens,)
+
+
 def bucket_length(n: int, buckets: Sequence[int]) -> int:
     """The smallest bucket >= n.
 
