@@ -14,6 +14,7 @@ from jaxrlhf.algorithms.spec import Algorithm
 from jaxrlhf.data.rewards import RewardPool
 from jaxrlhf.dataflow.executors import HostFunction
 from jaxrlhf.dataflow.runtime import ModelRuntime, readers_per_layout
+from jaxrlhf.engine.buckets import response_widths
 from jaxrlhf.engine.generate import make_generate_fn
 from jaxrlhf.engine.inference import InferenceConfig, InferenceKind, make_inference_fn
 from jaxrlhf.engine.microbatch import MicrobatchConfig
@@ -49,7 +50,9 @@ def engine_call(mfc: MFC, model: ModelConfig, layout: Layout, micro_batches: int
                     else InferenceKind.VALUES if mfc.role in (Role.CRITIC, Role.COST_CRITIC)
                     else InferenceKind.SCORES)
             cfg = InferenceConfig(kind, temperature=algorithm.temperature)
-            return make_inference_fn(model, cfg, layout, length_buckets=(rollout.seq_len,))
+            # The generated batches' lengths, cut after their longest response.
+            lengths = [rollout.max_prompt_len + n for n in response_widths(rollout.max_new_tokens)]
+            return make_inference_fn(model, cfg, layout, length_buckets=lengths)
         case Call.TRAIN_STEP:
             return make_train_step(model, layout, algorithm.train[mfc.role].loss_fn, opt,
                                    MicrobatchConfig.by_count(micro_batches))
