@@ -346,7 +346,8 @@ def run_spec(config: ConfigDict) -> RunSpec:
         algorithm = with_reward_norm(algorithm, _of(RewardNormConfig, config.reward))
     rewards = {m.role: _of(RewardSpec, config[m.role.value]) for m in graph.mfcs if m.host}
     models, base = _models(config, graph)
-    updates = config.steps * config.ppo.epochs * config.ppo.mini_batches
+    train = algorithm.train[algorithm.trained_role]  # offline algorithms: 1 x 1 updates
+    updates = config.steps * train.epochs * train.mini_batches
     optimizer = lambda c: _of(OptimizerConfig, c, total_steps=max(updates, c.warmup_steps + 1))
     optimizers = {role: optimizer(config.optimizer[role.value])
                   for role in models if any(m.call is Call.TRAIN_STEP for m in graph.calls_of(role))}
@@ -367,7 +368,7 @@ def run_spec(config: ConfigDict) -> RunSpec:
     return RunSpec(
         algorithm=algorithm, graph=graph, models=models, base=base,
         rollout=_of(RolloutSpec, config.rollout), micro=micro,
-        mini_batches=config.ppo.mini_batches, epochs=config.ppo.epochs, optimizers=optimizers,
+        mini_batches=train.mini_batches, epochs=train.epochs, optimizers=optimizers,
         rewards=rewards, placement=_of(PlacementSpec, p, kind=kind), checkpoint=checkpoint,
         nan_policy=enum_value(NanPolicy, config.nan_policy, "nan_policy"),
         data=_data(config.data), warm_start=warm, tokenizer=config.tokenizer, seed=config.seed,

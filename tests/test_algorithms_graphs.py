@@ -59,6 +59,23 @@ def test_graph_builds_and_places(name):
     assert spec.algorithm.offline == (dataset_keys == PAIR_DATA)
 
 
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_run_updates_are_the_trained_models(name):
+    """The run's mini-batches and epochs (the placement check's split, the planner's workload,
+    the lr schedule's length) are what its trained model's train step does: PPO's settings
+    for the RL algorithms, one update per step offline, whatever `ppo` says."""
+    config = tiny_config(name)
+    config.ppo.update(mini_batches=2, epochs=3)
+    spec = spec_lib.run_spec(config)
+    train = spec.algorithm.train[spec.algorithm.trained_role]
+    offline = spec.algorithm.offline
+    assert (spec.mini_batches, spec.epochs) == (train.mini_batches, train.epochs)
+    assert (spec.mini_batches, spec.epochs) == ((1, 1) if offline else (2, 3))
+    updates = config.steps * (1 if offline else 6)
+    assert spec.optimizers[spec.algorithm.trained_role].total_steps == max(
+        updates, config.optimizer[spec.algorithm.trained_role.value].warmup_steps + 1)
+
+
 def test_grpo_needs_groups():
     config = tiny_config("grpo")
     config.rollout.group_size = 1
