@@ -186,6 +186,19 @@ def test_bad_config_is_one_line_naming_the_field(overrides, expected, tmp_path, 
     assert compiles[0] == before, "a check compiled something"
 
 
+def test_reward_modelling_warm_start_is_checked_on_its_layout(tmp_path):
+    """Reward modelling warm-starts the actor on the reward model's layout (there is no actor
+    call): a warm-start batch that layout cannot split is one line, before anything runs."""
+    from configs import rw_tiny
+
+    config = rw_tiny.get_config()
+    config.warm_start.batch_size = 12
+    config.placement.strategy = "d8"
+    with pytest.raises(ConfigError, match="warm_start.batch_size=12: does not split 8 ways over "
+                       "the trained model's layout"):
+        check_config(config, str(tmp_path))
+
+
 def test_the_tiny_configs_pass(tmp_path):
     for name in ("ppo_tiny", "grpo_tiny"):
         module = __import__(f"configs.{name}", fromlist=["get_config"])

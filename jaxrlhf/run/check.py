@@ -23,7 +23,7 @@ from jaxrlhf.data.sources import Data, read_data, read_pairs
 from jaxrlhf.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 from jaxrlhf.engine.microbatch import num_microbatches
 from jaxrlhf.fingerprint import run_fingerprint
-from jaxrlhf.mfc import Call, Role
+from jaxrlhf.mfc import Call
 from jaxrlhf.models import hf_io
 from jaxrlhf.run import roles
 from jaxrlhf.run.layouts import RunPlan, place
@@ -81,11 +81,11 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     with field("placement"):
         plan = place(spec)
     w = spec.warm_start
-    if Role.ACTOR in spec.models and w.steps:
-        home = plan.home(spec.graph, Role.ACTOR)
+    if w.steps:  # it trains the actor on the trained model's layout (`rl.begin`)
+        home = plan.home(spec.graph, spec.algorithm.trained_role)
         if w.batch_size % home.dp_size:
             raise ConfigError(f"warm_start.batch_size={w.batch_size}: does not split "
-                              f"{home.dp_size} ways over the actor's layout {home}")
+                              f"{home.dp_size} ways over the trained model's layout {home}")
         # The warm start micro-batches its batches the same way.
         with field(f"micro_batches: warm start (warm_start.batch_size={w.batch_size})"):
             num_microbatches(spec.micro, w.batch_size, spec.rollout.seq_len, home.dp_size)
