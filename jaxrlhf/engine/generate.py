@@ -120,18 +120,24 @@ def _unfinished(state: _DecodeState, n_new: int) -> jax.Array:
     return (state.step < n_new) & ~jnp.all(state.done_b)
 
 
+def draw(logits_bv, keys_b, active_b, cfg: GenerateConfig):
+    """One token per row: (token_b (pad_token_id where not active), its log-prob logp_b,
+    stopped_b: an active row emitted a stop id (never with force_max_length))."""
+    token_b = sample(logits_bv, keys_b, cfg.sampling)
+    logp_b = token_logprobs(logits_bv, token_b, cfg.sampling.logprob_temperature)
+    token_b = jnp.where(active_b, token_b, cfg.pad_token_id)
+    stopped_b = active_b & jnp.isin(token_b, jnp.asarray(cfg.stop_ids))
+    return token_b, logp_b, stopped_b & (not cfg.force_max_length)
+
+
 def _choose(state: _DecodeState, rng, cfg: GenerateConfig) -> _DecodeState:
     """Samples response token `state.step` for every unfinished row and records it."""
     batch = state.logits_bv.shape[0]
     step_key = jax.random.fold_in(rng, state.step)
     keys_b = jax.vmap(functools.partial(jax.random.fold_in, step_key))(jnp.arange(batch))
-    token_b = sample(state.logits_bv, keys_b, cfg.sampling)
-    logp_b = token_logprobs(state.logits_bv, token_b, cfg.sampling.logprob_temperature)
     active_b = ~state.done_b
-    token_b = jnp.where(active_b, token_b, cfg.pad_token_id)
-    done_b = state.done_b
-    if not cfg.force_max_length:
-        done_b = done_b | (active_b & jnp.isin(token_b, jnp.asarray(cfg.stop_ids)))
+    token_b, logp_b, stopped_b = draw(state.logits_bv, keys_b, active_b, cfg)
+    done_b = state.done_b | stopped_b
     write = functools.partial(jax.lax.dynamic_update_index_in_dim, index=state.step, axis=1)
     return state._replace(
         step=state.step + 1,

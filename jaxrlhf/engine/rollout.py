@@ -40,9 +40,8 @@ from jaxrlhf.engine import decode_layers
 from jaxrlhf.engine.buckets import CompileCache
 from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.generate import (
-    _CACHE_AXES, GenerateConfig, _constrain_cache, _prefill, decode_model,
+    _CACHE_AXES, GenerateConfig, _constrain_cache, _prefill, decode_model, draw,
 )
-from jaxrlhf.engine.sampling import sample, token_logprobs
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.transformer import KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
@@ -116,13 +115,8 @@ def _choose(s: SlotState, cfg: GenerateConfig, version) -> SlotState:
     n_new = s.response_bn.shape[1]
     stream = lambda key, i, r: jax.random.fold_in(jax.random.fold_in(key, i), r)
     keys_b = jax.vmap(stream)(s.keys_b, s.step_b, s.row_b)
-    token_b = sample(s.logits_bv, keys_b, cfg.sampling)
-    logp_b = token_logprobs(s.logits_bv, token_b, cfg.sampling.logprob_temperature)
     active_b = ~s.done_b
-    token_b = jnp.where(active_b, token_b, cfg.pad_token_id)
-    stopped_b = active_b & jnp.isin(token_b, jnp.asarray(cfg.stop_ids))
-    if cfg.force_max_length:
-        stopped_b = jnp.zeros_like(stopped_b)
+    token_b, logp_b, stopped_b = draw(s.logits_bv, keys_b, active_b, cfg)
     at_bn = (jnp.arange(n_new)[None, :] == s.step_b[:, None]) & active_b[:, None]
     put = lambda x_bn, value_b: jnp.where(at_bn, value_b[:, None], x_bn)
     step_b = s.step_b + active_b
@@ -327,18 +321,17 @@ class Rollout:
             raise ValueError(f"rollout prompts must be padded to {self.prompt_len}, got "
                              f"{prompt_len}")
         size = _fill_size(k, self.layout.dp_size, self.slots)
-        pad = lambda x, value: np.concatenate([x, np.repeat(x[-1:], size - k, 0)]
-                                              if value is None else
-                                              [x, np.full((size - k, *x.shape[1:]), value,
-                                                          x.dtype)])
-        slots_k = pad(np.asarray(slots_k, np.int32), self.slots)  # out of range: dropped
+        # Padding rows repeat the last one into slot S: out of range, their writes are dropped.
+        pad = lambda x: np.concatenate([x, np.repeat(x[-1:], size - k, 0)])
         rows = self.layout.batch_sharding(1), self.layout.batch_sharding(2)
         tokens_kp, mask_kp = jax.device_put(
-            (pad(np.asarray(prompt_tokens_kp, np.int32), None),
-             pad(np.asarray(prompt_mask_kp, bool), None)), rows[1])
+            (pad(np.asarray(prompt_tokens_kp, np.int32)), pad(np.asarray(prompt_mask_kp, bool))),
+            rows[1])
         keys_k = jax.device_put(jnp.stack(list(keys) + [keys[-1]] * (size - k)), rows[0])
-        rows_k = jax.device_put(pad(np.asarray(rows_k, np.int32), 0), rows[0])
-        slots_k = jax.device_put(slots_k, self._scalar)
+        rows_k = jax.device_put(pad(np.asarray(rows_k, np.int32)), rows[0])
+        slots_k = jax.device_put(np.concatenate([np.asarray(slots_k, np.int32),
+                                                 np.full(size - k, self.slots, np.int32)]),
+                                 self._scalar)
         fn = functools.partial(_fill, self.model, self.cfg)
         return self._run(("fill", size), fn, params, state, slots_k, tokens_kp, mask_kp, keys_k,
                          rows_k, self._version(version))
