@@ -67,22 +67,19 @@ def _merge(outputs: list):
     return jax.tree.map(lambda *xs: jnp.stack(xs, 1).reshape(-1, *xs[0].shape[1:]), *outputs)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _cut(arrays, width: int):
+def cut_responses(arrays, max_new_tokens: int):
     """Generated (sequences [b, P + N], sequence mask [b, P + N], response mask [b, N],
-    log-probs [b, N]) with the response part cut to its first `width` columns."""
+    log-probs [b, N]), host or device arrays, cut to the first of `buckets.response_widths`
+    their longest response fits (a sync point on one scalar): the columns after it are padding
+    in every row."""
     seq_bs, seq_mask_bs, response_mask_bn, logp_bn = arrays
+    xp = np if isinstance(response_mask_bn, np.ndarray) else jnp
+    longest = int(fetch(xp.max(xp.sum(response_mask_bn, axis=1, dtype=xp.int32))))
+    width = buckets.bucket_length(longest, buckets.response_widths(max_new_tokens))
+    if width == response_mask_bn.shape[1]:
+        return arrays
     end = seq_bs.shape[1] - response_mask_bn.shape[1] + width
     return seq_bs[:, :end], seq_mask_bs[:, :end], response_mask_bn[:, :width], logp_bn[:, :width]
-
-
-def cut_responses(arrays, max_new_tokens: int):
-    """The generated arrays (as `_cut` takes them) cut to the first of
-    `buckets.response_widths` their longest response fits (a sync point on one scalar): the
-    columns after it are padding in every row."""
-    longest = int(fetch(jnp.max(jnp.sum(arrays[2], axis=1, dtype=jnp.int32))))
-    width = buckets.bucket_length(longest, buckets.response_widths(max_new_tokens))
-    return arrays if width == arrays[2].shape[1] else _cut(arrays, width)
 
 
 def in_micro_batches(call: Callable, arrays, k: int):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.engine import buckets
+from jaxrlhf.dataflow.executors import cut_responses
 from jaxrlhf.engine.rollout import NO_VERSION, Rollout
 from jaxrlhf.mfc import MFC
 from jaxrlhf.models.sizes import abstract_params
@@ -202,13 +202,10 @@ class RolloutWorker:
     def _finish(self, index: int, out: _Batch, now, idle: float) -> Generated:
         sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn, versions_bn = out.outputs
         # Cut after the longest response, as the synchronous generate executor does.
-        longest = int(response_mask_bn.sum(1).max())
-        n = buckets.bucket_length(longest, buckets.response_widths(response_mask_bn.shape[1]))
-        end = sequences_bs.shape[1] - response_mask_bn.shape[1] + n
-        arrays = (sequences_bs[:, :end], sequence_mask_bs[:, :end], response_mask_bn[:, :n],
-                  logprobs_bn[:, :n])
+        arrays = cut_responses((sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn),
+                               response_mask_bn.shape[1])
         buffer = {**out.batch, **dict(zip(self.mfc.outputs, arrays, strict=True))}
-        return Generated(index, buffer, versions_bn[:, :n], out.interruptions,
+        return Generated(index, buffer, versions_bn[:, :arrays[2].shape[1]], out.interruptions,
                          out.iterator_before, (out.started, now()), idle)
 
     def drop(self):
