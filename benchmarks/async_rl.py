@@ -1,7 +1,8 @@
 """Asynchronous vs synchronous RL: trained tokens/s on a long-tailed response-length workload.
 
 `python benchmarks/async_rl.py [--steps=14] [--warmup=4] [--etas=2,4] [--mp_etas=2]
-[--gen_replicas=1] [--stop_ids=12] [--algorithm=ppo] [--sync_placement=colocate]`
+[--gen_replicas=1] [--stop_ids=12] [--algorithm=ppo] [--sync_placement=colocate]
+[--async_placement=disaggregate]`
 (from the repository root or anywhere else; no PYTHONPATH needed)
 
 Runs, one after the other, in one process each, the synchronous loop (colocated, the default
@@ -108,7 +109,7 @@ def config(args, eta: int, gen_replicas: int = 1):
     c.checkpoint.update(every=0, async_save=False)
     c.reward.workers = 1
     c.async_rl.update(max_staleness=eta, chunk_tokens=args.chunk_tokens)
-    c.placement.kind = "disaggregate" if eta else args.sync_placement
+    c.placement.kind = args.async_placement if eta else args.sync_placement
     c.placement.gen_replicas = gen_replicas
     return c
 
@@ -235,6 +236,9 @@ def parse(argv):
     parser.add_argument("--chunk_tokens", type=int, default=16)
     parser.add_argument("--sync_placement", default="colocate",
                         choices=("colocate", "disaggregate"))
+    parser.add_argument("--async_placement", default="disaggregate",
+                        choices=("colocate", "disaggregate"),
+                        help="colocate: one device (a single GPU) serves both workers")
     parser.add_argument("--mp_etas", default="2",
                         help="η of the multi-process runs (trainer + replicas); empty: none")
     parser.add_argument("--gen_replicas", type=int, default=1)

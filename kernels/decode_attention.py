@@ -10,8 +10,9 @@ All query heads of one kv head (the GQA group) and all new tokens are stacked in
 matmul's M dimension ([q_len * groups, head_dim], padded to a power of two >= 16 for GPU
 matmuls), so K and V are read once per group.
 
-The cache length need not be a multiple of `block_k`: the last block is loaded shifted back
-to end at the cache's end, and the slots it shares with the previous block are masked. The
+The cache length need not be a multiple of `block_k` (nor a power of two, which Triton's blocks
+must be): the last block is loaded shifted back to end at the cache's end, and the slots it
+shares with the previous block are masked. The
 kernel is forward-only (decode is never differentiated). Semantics are those of
 `kernels.reference.reference_attention`.
 """
@@ -77,6 +78,12 @@ def _kernel(qstart_ref, kvlen_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_re
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
+# Under jit the kernel is one pjit equation, which dead-code elimination drops when its output
+# is unused; a bare pallas_call never is (Pallas keeps every one, in case it writes in place).
+# flax >= 0.12.10's nn.scan traces the layer body and rejects one whose kept equations read the
+# carry ("broadcasted variable has a data dependency on the scan body"): the scanned decoder's
+# decode step failed there.
+@functools.partial(jax.jit, static_argnames="cfg")
 def decode_attention(
     q_bthd: jax.Array,
     k_bskd: jax.Array,
@@ -105,7 +112,13 @@ def decode_attention(
     if heads % kv_heads:
         raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
     groups = heads // kv_heads
-    block_k = min(cfg.block_k, cache_len)
+    if cache_len < 16:  # GPU matmuls need K >= 16: pad with segment 0 slots, never visible
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, 16 - cache_len)] + [(0, 0)] * (x.ndim - 2))
+        k_bskd, v_bskd, kv_segment_ids_bs = pad(k_bskd), pad(v_bskd), pad(kv_segment_ids_bs)
+        cache_len = 16
+    # Triton loads power-of-two blocks: the largest one the cache holds (the last block is
+    # shifted back to end at the cache's end, so any cache length works).
+    block_k = min(cfg.block_k, 1 << (cache_len.bit_length() - 1))
     n = q_len * groups
     # GPU matmuls need M >= 16 (and a power of two): pad the stacked queries with segment 0
     # rows, which see no key and are sliced off.

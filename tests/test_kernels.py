@@ -115,3 +115,59 @@ def test_kernels_compiled_on_gpu_match_reference():
                            DecodeConfig(block_k=64))
     ref = reference_attention(q1, k, v, seg[:, :1], seg, kv_len_b - 1, kv_len_b)
     np.testing.assert_allclose(out.astype(np.float32), ref.astype(np.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "decode"])
+def test_an_unused_kernel_call_is_dead_code(kernel):
+    """A kernel call whose output nobody reads drops out of a traced program, as any jnp op
+    does. flax >= 0.12.10's nn.scan traces the layer body that way and rejects one whose kept
+    equations read the carry; a bare pallas_call (never dead to JAX) in the decode step made the
+    scanned decoder fail there."""
+    from jax._src.interpreters import partial_eval as pe  # what nn.scan runs; no public API
+
+    rng = np.random.default_rng(0)
+    q, k, v = _qkv(rng, 2, 1, 16, 2, 1)
+    seg = jnp.ones((2, 16), jnp.int32)
+    kv_len_b = jnp.asarray([9, 16], jnp.int32)
+    call = {"flash": lambda q, k, v: flash_attention(q, k, v, seg[:, :1], seg,
+                                                     FlashConfig(q_offset=15, interpret=True)),
+            "decode": lambda q, k, v: decode_attention(q, k, v, seg[:, :1], seg, kv_len_b - 1,
+                                                       kv_len_b, DecodeConfig(interpret=True))}
+    closed = jax.make_jaxpr(lambda q, k, v: (call[kernel](q, k, v), q.sum())[1])(q, k, v)
+    _, used = pe.dce_jaxpr(closed.jaxpr, [True])
+    assert used == [True, False, False], "the unused kernel call still reads k and v"
+
+
+def _kernel_block_shapes(fn, *args) -> list[tuple[int, ...]]:
+    """Shapes of every block load/store inside the Pallas kernels `fn` runs."""
+    shapes = []
+
+    def walk(jaxpr, in_kernel):
+        for eqn in jaxpr.eqns:
+            if in_kernel and eqn.primitive.name in ("get", "swap"):
+                shapes.extend(v.aval.shape for v in eqn.outvars)
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)  # ClosedJaxpr or Jaxpr
+                if hasattr(inner, "eqns"):
+                    walk(inner, in_kernel or eqn.primitive.name == "pallas_call")
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
+    return shapes
+
+
+@pytest.mark.parametrize("cache_len", [11, 24, 40])
+def test_decode_blocks_are_powers_of_two_for_any_cache_length(cache_len):
+    """Triton (the GPU lowering) takes only power-of-two blocks, >= 16 for its matmuls: a
+    cache of prompt + new tokens is rarely a power of two (ppo_tiny's is 24). Checked on the
+    kernel as the GPU would lower it, and the values in interpret mode."""
+    rng = np.random.default_rng(cache_len)
+    q, k, v = _qkv(rng, 2, 1, cache_len, 4, 2, head_dim=16)
+    seg = jnp.ones((2, cache_len), jnp.int32)
+    kv_len_b = jnp.asarray([cache_len - 5, cache_len], jnp.int32)
+    call = lambda q, k, v, interpret: decode_attention(
+        q, k, v, seg[:, :1], seg, kv_len_b - 1, kv_len_b, DecodeConfig(interpret=interpret))
+    shapes = _kernel_block_shapes(lambda q, k, v: call(q, k, v, False), q, k, v)
+    assert shapes and all(d >= 1 and d & (d - 1) == 0 for s in shapes for d in s), shapes
+    assert all(min(s) >= 16 for s in shapes if len(s) == 2), shapes
+    ref = reference_attention(q, k, v, seg[:, :1], seg, kv_len_b - 1, kv_len_b)
+    np.testing.assert_allclose(call(q, k, v, True), ref, **_TOL)

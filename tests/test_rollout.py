@@ -26,8 +26,11 @@ GENERATED = {"seq_bs": "sequences_bs", "seq_mask_bs": "sequence_mask_bs",
 
 @pytest.fixture(scope="module")
 def setup():
-    config = get_size("tiny")
-    layout = make_layout("0-1:d2", model=config)
+    # fp32: the interruption test compares the cached decode with a full forward pass to 1e-5,
+    # which bf16 activations meet only where both happen to round alike (2 CPU devices, not 1).
+    config = get_size("tiny", dtype=jnp.float32)
+    # Two devices where there are (the CPU suite's 8), else one (a single accelerator).
+    layout = make_layout("0-1:d2" if jax.device_count() >= 2 else "0:d1", model=config)
     params_a = init_params(config, layout, jax.random.key(1))
     params_b = init_params(config, layout, jax.random.key(2))
     rng = np.random.default_rng(0)
@@ -98,8 +101,10 @@ def test_slots_without_interruption_equal_one_generate_call(setup):
     want = _cut_like(_expected(make_generate_fn(config, cfg, layout, prompt_buckets=(P,)),
                                params, tokens, mask, rng), done[3].buffer)
     assert chunks >= 2 and done[3].interruptions == 0
-    for key in OUTPUTS:
+    for key in ("seq_bs", "seq_mask_bs", "response_mask_bn"):
         np.testing.assert_array_equal(done[3].buffer[key], want[key], err_msg=key)
+    # fp32 log-probs to an ulp or so: XLA fuses the slots' step and generate's loop apart.
+    np.testing.assert_allclose(done[3].buffer["logp_bn"], want["logp_bn"], rtol=0, atol=1e-6)
     np.testing.assert_array_equal(done[3].versions_bn,
                                   np.where(want["response_mask_bn"], 0, NO_VERSION))
 
