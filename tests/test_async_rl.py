@@ -187,7 +187,9 @@ def test_disaggregate_puts_generation_on_its_own_devices():
     specs = resolve_placement(run_spec(_config()).graph, Placement.DISAGGREGATE, 8)
     assert specs == {"actor_gen": "4-7:d4", "ref_inf": "0-3:d4", "critic_inf": "0-3:d4",
                      "actor_train": "0-3:d4", "critic_train": "0-3:d4"}
-    grpo = run_spec(_config("grpo", 2, kind="disaggregate"))  # with the decoupled objective
+    grpo_config = _config("grpo", 2, kind="disaggregate")
+    grpo_config.ppo.mini_batches = 2  # two updates a batch: the decoupled objective's actor_prox
+    grpo = run_spec(grpo_config)
     assert resolve_placement(grpo.graph, Placement.DISAGGREGATE, 6)["actor_prox"] == "0-2:d3"
     # Two replicas: three equal blocks; replica 2's (4-5) is implied.
     three = resolve_placement(grpo.graph, Placement.DISAGGREGATE, 6, gen_replicas=2)

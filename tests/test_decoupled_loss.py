@@ -135,7 +135,7 @@ def _decoupled_actor_batch(seed):
 def test_decoupled_ppo_actor_loss_matches_loop(kl_in_reward):
     logits, batch, lp, behav, prox, ref, adv, mask = _decoupled_actor_batch(24)
     cfg = ppo.PPOConfig(policy=alg.PPOLossConfig(clip_eps=0.2), kl_in_reward=kl_in_reward)
-    loss_sum, weight, _ = ppo.actor_loss(cfg, decoupled.PROX_KEY)(logits, batch)
+    loss_sum, weight, _ = ppo.actor_loss(cfg, decoupled.batch_proximal)(logits, batch)
     want = 0.0
     for i, length in enumerate(LENGTHS):
         for t in range(length):
@@ -147,9 +147,10 @@ def test_decoupled_ppo_actor_loss_matches_loop(kl_in_reward):
     assert float(weight) == sum(LENGTHS)
 
 
-def _spec(algorithm, staleness, decoupled_on=True):
+def _spec(algorithm, staleness, decoupled_on=True, mini_batches=1):
     config = base_config()
     config.algorithm = algorithm
+    config.ppo.mini_batches = mini_batches
     if algorithm == "grpo":
         config.rollout.update(batch_size=8, group_size=4)
     config.async_rl.update(max_staleness=staleness, decoupled=decoupled_on)
@@ -158,16 +159,40 @@ def _spec(algorithm, staleness, decoupled_on=True):
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_async_spec_trains_with_proximal_logprobs(algorithm):
-    spec = _spec(algorithm, 2)
+    # Two updates per batch: π_prox (the weights before the first) comes from `actor_prox`.
+    spec = _spec(algorithm, 2, mini_batches=2)
     assert spec.async_rl.decoupled and spec.async_rl.max_staleness == 2
     order = list(spec.graph.order)
     prox = spec.graph.mfc(decoupled.PROX_MFC)
     assert (prox.role, prox.call) == (Role.ACTOR, Call.INFERENCE)
     assert order.index("actor_prox") < order.index("actor_train")
     assert decoupled.PROX_KEY in spec.graph.mfc("actor_train").inputs
+    # One update per batch: the train step's own forward pass is π_prox, no extra call.
+    one = _spec(algorithm, 2)
+    assert one.async_rl.decoupled and "actor_prox" not in one.graph.order
+    assert decoupled.PROX_KEY not in one.graph.mfc("actor_train").inputs
     # The synchronous default and decoupled=False keep the algorithm as it is.
     for plain in (_spec(algorithm, 0), _spec(algorithm, 2, decoupled_on=False)):
         assert "actor_prox" not in plain.graph.order
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_own_proximal_is_the_proximal_call_at_one_update(algorithm):
+    """With π_prox taken from the step's own forward pass, loss and gradient equal those with
+    π_prox from a separate call on the same weights (what `actor_prox` computes): the
+    decoupled loss of the one-update spec against the loss fed the forward's own log-probs."""
+    logits, batch, lp, *_ = _decoupled_actor_batch(31)
+    batch = {**batch, decoupled.PROX_KEY: jnp.asarray(lp, jnp.float32)}
+    own = _spec(algorithm, 2).algorithm.train[Role.ACTOR].loss_fn
+    fed = _spec(algorithm, 2, mini_batches=2).algorithm.train[Role.ACTOR].loss_fn
+    (own_loss, (_, own_stats)), own_grad = jax.value_and_grad(
+        lambda x: (lambda out: (out[0], out[1:]))(own(x, batch)), has_aux=True)(logits)
+    (fed_loss, _), fed_grad = jax.value_and_grad(
+        lambda x: (lambda out: (out[0], out[1:]))(fed(x, batch)), has_aux=True)(logits)
+    np.testing.assert_allclose(float(own_loss), float(fed_loss), rtol=1e-6)
+    np.testing.assert_allclose(own_grad, fed_grad, rtol=1e-5, atol=1e-7)
+    assert np.count_nonzero(np.asarray(own_grad)) > 0
+    assert float(own_stats["clip_frac"]) == 0.0  # u = π_θ / π_prox = 1 at the only update
 
 
 def test_async_rejects_other_algorithms():

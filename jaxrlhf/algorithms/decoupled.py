@@ -12,19 +12,37 @@ where π_behav is the policy that sampled token t (its log-prob recorded at gene
 `losses.ppo_policy_loss(..., proximal_logp_bn=...)`; this module adds what the graph needs to
 feed it: one more actor call, `actor_prox` (log-probs of the sampled sequences under the
 trainer's current weights, on the actor's train layout), whose output the actor's train step
-reads. With fresh on-policy data π_prox = π_behav and the objective equals standard PPO.
+reads, where a batch takes several updates; with one update (the default) the train step's own
+forward pass gives π_prox. With fresh on-policy data π_prox = π_behav and the objective equals
+standard PPO.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+
+import jax
 
 from jaxrlhf.algorithms import grpo, ppo
-from jaxrlhf.algorithms.spec import Algorithm, LossFn
+from jaxrlhf.algorithms.spec import Algorithm, LossFn, Proximal
 from jaxrlhf.mfc import MFC, Call, Role
 
 PROX_KEY = "prox_logp_bn"  # [b, n] log π_prox of the response tokens
 PROX_MFC = "actor_prox"
+
+
+def batch_proximal(logp_bn, batch):
+    """log π_prox as the `actor_prox` call computed it, before this step's first update."""
+    del logp_bn
+    return batch[PROX_KEY]
+
+
+def own_proximal(logp_bn, batch):
+    """log π_prox as this step's own forward pass: with one update per batch, the weights it
+    differentiates are π_prox (u = π_θ / π_prox = 1, the clip inactive, the same gradient)."""
+    del batch
+    return jax.lax.stop_gradient(logp_bn)
 
 
 def _with_prox(prepare):
@@ -37,13 +55,19 @@ def _with_prox(prepare):
     return wrapped
 
 
-def decouple(algorithm: Algorithm, actor_loss: LossFn) -> Algorithm:
+def decouple(algorithm: Algorithm, actor_loss: Callable[[Proximal], LossFn]) -> Algorithm:
     """`algorithm` (PPO-family: one actor generate and train_step) with the decoupled objective.
 
-    Adds the `actor_prox` inference call before the actor's train step, makes the train step
-    read its output, and trains the actor with `actor_loss` (the algorithm's own actor loss
-    given `PROX_KEY`).
+    `actor_loss(proximal)` is the algorithm's actor loss reading log π_prox through
+    `proximal`. With several updates per batch (mini-batches or epochs) the weights move
+    between them, so the `actor_prox` inference call runs before the actor's train step and
+    the train step reads its output. With one update, the train step's own forward pass is
+    π_prox, and that extra call over the whole batch is skipped.
     """
+    spec = algorithm.train[Role.ACTOR]
+    if spec.mini_batches * spec.epochs == 1:
+        actor = dataclasses.replace(spec, loss_fn=actor_loss(own_proximal))
+        return dataclasses.replace(algorithm, train={**algorithm.train, Role.ACTOR: actor})
     (gen,) = [m for m in algorithm.mfcs if m.role is Role.ACTOR and m.call is Call.GENERATE]
     (train,) = [m for m in algorithm.mfcs if m.role is Role.ACTOR and m.call is Call.TRAIN_STEP]
     seq_keys = gen.outputs[:3]  # sequence tokens, sequence mask, response mask
@@ -54,16 +78,17 @@ def decouple(algorithm: Algorithm, actor_loss: LossFn) -> Algorithm:
             mfcs += [prox, dataclasses.replace(mfc, inputs=mfc.inputs + (PROX_KEY,))]
         else:
             mfcs.append(mfc)
-    spec = algorithm.train[Role.ACTOR]
-    actor = dataclasses.replace(spec, prepare=_with_prox(spec.prepare), loss_fn=actor_loss)
+    actor = dataclasses.replace(spec, prepare=_with_prox(spec.prepare),
+                                loss_fn=actor_loss(batch_proximal))
     return dataclasses.replace(algorithm, mfcs=tuple(mfcs),
                                train={**algorithm.train, Role.ACTOR: actor})
 
 
 def decoupled_ppo(cfg: ppo.PPOConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
     return decouple(ppo.make(cfg, reward_model=reward_model, batch_size=batch_size),
-                    ppo.actor_loss(cfg, PROX_KEY))
+                    lambda proximal: ppo.actor_loss(cfg, proximal))
 
 
 def decoupled_grpo(cfg: grpo.GRPOConfig, *, reward_model: bool) -> Algorithm:
-    return decouple(grpo.make(cfg, reward_model=reward_model), grpo.actor_loss(cfg, PROX_KEY))
+    return decouple(grpo.make(cfg, reward_model=reward_model),
+                    lambda proximal: grpo.actor_loss(cfg, proximal))

@@ -21,7 +21,9 @@ from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
-from jaxrlhf.algorithms.spec import Algorithm, TrainSpec, model_inputs, response_policy
+from jaxrlhf.algorithms.spec import (
+    Algorithm, Proximal, TrainSpec, model_inputs, response_policy,
+)
 from jaxrlhf.mfc import MFC, Call, Role
 
 
@@ -100,15 +102,15 @@ def _train_batch(buf, controller, cfg: GRPOConfig):
     return batch, stats
 
 
-def actor_loss(cfg: GRPOConfig, proximal_key: str | None = None):
-    """Surrogate + β·KL to the reference; with `proximal_key`, the batch's log π_prox under that
-    key makes the surrogate AReaL's decoupled one (`decoupled.py`)."""
+def actor_loss(cfg: GRPOConfig, proximal: Proximal | None = None):
+    """Surrogate + β·KL to the reference; with `proximal` (log π_prox from the step's log π_θ
+    and batch), the surrogate is AReaL's decoupled one (`decoupled.py`)."""
 
     def loss_fn(logits_btv, batch):
         logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.temperature)
         return losses.grpo_loss(logp_bn, batch["old_logp_bn"], batch["ref_logp_bn"],
                                 batch["advantages_bn"], batch["mask_bn"], cfg.loss,
-                                proximal_logp_bn=batch[proximal_key] if proximal_key else None,
+                                proximal_logp_bn=proximal(logp_bn, batch) if proximal else None,
                                 entropy_bn=entropy_bn)
 
     return loss_fn

@@ -21,7 +21,7 @@ from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.spec import (
-    Algorithm, TrainSpec, model_inputs, response_policy, response_values,
+    Algorithm, Proximal, TrainSpec, model_inputs, response_policy, response_values,
 )
 from jaxrlhf.mfc import MFC, Call, Role
 
@@ -110,15 +110,15 @@ def _train_batch(buf, controller, cfg: PPOConfig):
     return batch, stats
 
 
-def actor_loss(cfg: PPOConfig, proximal_key: str | None = None):
-    """The clipped surrogate (plus β·KL when it is not in the reward); with `proximal_key`, the
-    batch's log π_prox under that key makes it AReaL's decoupled objective (`decoupled.py`)."""
+def actor_loss(cfg: PPOConfig, proximal: Proximal | None = None):
+    """The clipped surrogate (plus β·KL when it is not in the reward); with `proximal` (log
+    π_prox from the step's log π_θ and batch), AReaL's decoupled objective (`decoupled.py`)."""
 
     def loss_fn(logits_btv, batch):
         logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.temperature)
         loss_sum, weight, stats = losses.ppo_policy_loss(
             logp_bn, batch["old_logp_bn"], batch["advantages_bn"], batch["mask_bn"], cfg.policy,
-            proximal_logp_bn=batch[proximal_key] if proximal_key else None, entropy_bn=entropy_bn,
+            proximal_logp_bn=proximal(logp_bn, batch) if proximal else None, entropy_bn=entropy_bn,
         )
         if not cfg.kl_in_reward:
             kl_bn = kl_lib.kl_per_token(logp_bn, batch["ref_logp_bn"], cfg.kl_estimator)

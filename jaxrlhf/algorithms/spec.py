@@ -21,6 +21,8 @@ from jaxrlhf.mfc import MFC, Role
 
 Batch = dict[str, jax.Array]
 LossFn = Callable[[jax.Array, Batch], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+# (log π_θ [b, n] of this step's forward pass, batch) -> log π_prox [b, n] (decoupled PPO).
+Proximal = Callable[[jax.Array, Batch], jax.Array]
 # prepare(buffer arrays, controller state) -> (train batch, stats of the batch)
 PrepareFn = Callable[[Batch, Mapping[str, jax.Array]], tuple[Batch, dict[str, jax.Array]]]
 
