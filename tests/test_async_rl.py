@@ -427,3 +427,20 @@ def test_sigterm_to_two_process_async_job_drains_saves_and_resumes(tmp_path):
 
 if __name__ == "__main__":
     _channel_worker(sys.argv[2], int(sys.argv[3]))
+
+
+@pytest.mark.slow  # three short jobs, one of them in two processes
+def test_async_benchmark_runs_end_to_end(tmp_path):
+    """benchmarks/async_rl.py at a tiny size: the synchronous run, η = 1 in one process and
+    in two (trainer + a generation replica), and the JSON line of ratios (figures meaningless)."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "async_rl.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--devices=4", "--steps=3", "--warmup=1",
+         "--batch_size=8", "--max_new_tokens=8", "--etas=1", "--mp_etas=1", "--timeout=600"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [(r["eta"], r["processes"]) for r in summary["runs"]] == [(0, 1), (1, 1), (1, 2)]
+    assert all(r["tokens_per_second"] > 0 and r["staleness_max"] <= r["eta"]
+               for r in summary["runs"])
+    assert set(summary["ratio_vs_sync"]) == {"eta=1", "eta=1,processes=2"}
