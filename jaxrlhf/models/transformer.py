@@ -238,16 +238,23 @@ def _write_cache(layer_cache, k_btkd, v_btkd, cache_index):
 
 
 def _write_rows(cache: KVCache, layer, k_b1kd, v_b1kd, index_b):
-    """`_write_cache` of one token per row at per-row slots `index_b` [b] (a scatter whose
-    batch dim maps onto the cache's, so a data-parallel cache is written where it lies)."""
+    """`_write_cache` of one token per row at per-row slots `index_b` [b] (the batch dim maps
+    onto the cache's, so a data-parallel cache is written where it lies)."""
     if k_b1kd.shape[1] != 1:
         raise ValueError(f"per-row cache slots take one token per row, got {k_b1kd.shape[1]}")
-    rows_b = jnp.arange(k_b1kd.shape[0])
-    where = (rows_b, index_b) if layer is None else (layer, rows_b, index_b)
+    if layer is None:
+        # A layer's own cache [b, S, k, d] (XLA:CPU's layer-by-layer decode): a select on a
+        # one-hot slot mask is one fused pass, where XLA:CPU's scatter loops over the rows (the
+        # scatter was a third of a continuous-batching decode step of the tiny model).
+        hot_bs11 = (jnp.arange(cache.k_lbskd.shape[1]) == index_b[:, None])[:, :, None, None]
+        k_all, v_all = (jnp.where(hot_bs11, x.astype(c.dtype), c)
+                        for c, x in ((cache.k_lbskd, k_b1kd), (cache.v_lbskd, v_b1kd)))
+        return KVCache(k_all, v_all), k_all, v_all
+    # The stacked cache [l, b, S, k, d]: a scatter writes in place (a select would rewrite
+    # every layer's cache for each layer).
+    where = (layer, jnp.arange(k_b1kd.shape[0]), index_b)
     k_all, v_all = (c.at[where].set(x[:, 0].astype(c.dtype))
                     for c, x in ((cache.k_lbskd, k_b1kd), (cache.v_lbskd, v_b1kd)))
-    if layer is None:
-        return KVCache(k_all, v_all), k_all, v_all
     pick = lambda c: jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
     return KVCache(k_all, v_all), pick(k_all), pick(v_all)
 
