@@ -68,7 +68,8 @@ class SlotState(NamedTuple):
       prompt_mask_bp: bool [S, P].
       keys_b: PRNG keys [S]: each row's (micro-)batch key.
       row_b: int32 [S] each row's index in its (micro-)batch (its sampling stream).
-      counts: int32 [2] (decode steps run, tokens sampled in them): the slots' occupancy.
+      steps: int32 [] decode steps run; tokens_b: int32 [S] tokens each slot sampled in them
+        (the slots' occupancy; per slot, so a step needs no reduction across devices).
     """
 
     step_b: jax.Array
@@ -84,7 +85,8 @@ class SlotState(NamedTuple):
     prompt_mask_bp: jax.Array
     keys_b: jax.Array
     row_b: jax.Array
-    counts: jax.Array
+    steps: jax.Array
+    tokens_b: jax.Array
 
 
 class Rows(NamedTuple):
@@ -128,7 +130,8 @@ def _choose(s: SlotState, cfg: GenerateConfig, version) -> SlotState:
         logprobs_bn=put(s.logprobs_bn, logp_b),
         mask_bn=s.mask_bn | at_bn,
         versions_bn=put(s.versions_bn, jnp.broadcast_to(version, step_b.shape).astype(jnp.int32)),
-        counts=s.counts + jnp.stack([1, jnp.sum(active_b, dtype=jnp.int32)]),
+        steps=s.steps + 1,
+        tokens_b=s.tokens_b + active_b,
     )
 
 
@@ -148,7 +151,8 @@ def _empty(config: ModelConfig, cfg: GenerateConfig, slots: int, prompt_len: int
         prompt_mask_bp=jnp.zeros((slots, prompt_len), bool),
         keys_b=jax.random.split(jax.random.key(0), slots),
         row_b=jnp.zeros((slots,), jnp.int32),
-        counts=jnp.zeros((2,), jnp.int32),
+        steps=jnp.zeros((), jnp.int32),
+        tokens_b=jnp.zeros((slots,), jnp.int32),
     )
 
 
@@ -178,7 +182,7 @@ def _fill(model: Transformer, cfg: GenerateConfig, params, s: SlotState, slots_k
         keys_b=s.keys_b.at[slots_k].set(keys_k, mode="drop"), row_b=put(s.row_b, rows_k))
     chosen = _choose(filled, cfg, version)
     return chosen._replace(done_b=jnp.where(fresh_b, chosen.done_b, s.done_b),
-                           counts=s.counts)  # a prefill is no decode step
+                           steps=s.steps, tokens_b=s.tokens_b)  # a prefill is no decode step
 
 
 def _advance(model: Transformer, cfg: GenerateConfig, num_steps: int, params, s: SlotState,
@@ -272,7 +276,7 @@ class Rollout:
         self._scalar = layout.replicated()
         self._state = self._shardings()
         self._rows = jax.jit(functools.partial(_rows, gen_config))
-        self._poll = jax.jit(lambda s: (s.done_b, s.counts))
+        self._poll = jax.jit(lambda s: (s.done_b, jnp.stack([s.steps, jnp.sum(s.tokens_b)])))
 
     @property
     def compiles(self) -> int:
@@ -285,7 +289,7 @@ class Rollout:
         cache = lay.sharding(_CACHE_AXES, cache_shape)
         rows1, rows2 = lay.batch_sharding(1), lay.batch_sharding(2)
         return SlotState(rows1, rows2, rows1, rows1, KVCache(cache, cache), rows2, rows2, rows2,
-                         rows2, rows2, rows2, rows1, rows1, self._scalar)
+                         rows2, rows2, rows2, rows1, rows1, self._scalar, rows1)
 
     def _run(self, key: tuple, fn, *args) -> SlotState:
         """Compiles `fn(*args)` once per `key` under the layout's context."""
