@@ -18,13 +18,15 @@ def _add_flag(name: str, value) -> None:
 
 
 def use_cpu_devices(count: int) -> None:
-    """Gives the CPU backend `count` virtual devices (no effect on GPU/TPU devices).
+    """Gives the CPU backend `count` virtual devices (no effect on GPU/TPU devices) and its
+    client two threads per device (`cpu_client_threads`: with one, programs deadlock).
 
     XLA reads the flags when the CPU backend starts, so entry points call this first; an
-    XLA_FLAGS value the user set explicitly wins.
+    XLA_FLAGS value or a thread count the user set explicitly wins.
     """
     _add_flag("xla_force_host_platform_device_count", count)
     _add_flag("xla_cpu_collective_call_terminate_timeout_seconds", COLLECTIVE_TERMINATE_S)
+    give_cpu_client_threads()
 
 
 ENV_CPU_CLIENT_THREADS = "PJRT_NPROC"  # read by XLA:CPU when the client starts
@@ -46,15 +48,17 @@ def cpu_client_threads(local_devices: int, cores: int) -> int:
     process 0 waited for process 1 at the next cross-process transfer (`reshard._cross`)
     until the socket closed. One more thread per device is room for the launches that one
     dispatch can block while a program on every local device runs (XLA sizes its intra-op
-    pool from the same number).
+    pool from the same number). One process deadlocks the same way: the main job (ppo_tiny, 8
+    devices, two copies at once on 2 cores as the test suite runs it) hung in 1 run of 14, gdb:
+    6 pool threads in an in-process AllReduce rendezvous, the other 2 in
+    `Semaphore::ScopedAcquire` launching the next program, the main thread in BlockUntilReady.
     """
     return max(cores, 2 * local_devices)
 
 
 def give_cpu_client_threads() -> None:
-    """Sets the client's pool size (PJRT_NPROC) unless the user did (PJRT_NPROC or NPROC); for
-    multi-process jobs (`distributed.initialize`): one process's quiet runs lose more to the extra
-    threads than they gain."""
+    """Sets the client's pool size (PJRT_NPROC) from XLA_FLAGS' device count unless the user
+    did (PJRT_NPROC or NPROC): `use_cpu_devices` and `distributed.initialize` call it."""
     if os.environ.get(ENV_CPU_CLIENT_THREADS) or os.environ.get("NPROC"):
         return
     match = re.search(r"--xla_force_host_platform_device_count=(\d+)",

@@ -198,6 +198,11 @@ def test_the_cpu_client_gets_two_threads_per_local_device_unless_the_user_chose(
     monkeypatch.setenv("PJRT_NPROC", "3")
     backend.give_cpu_client_threads()
     assert os.environ["PJRT_NPROC"] == "3"
+    # Every entry point's `use_cpu_devices` does it too: one process deadlocked the same way.
+    monkeypatch.setenv("PJRT_NPROC", "")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    backend.use_cpu_devices(6)
+    assert int(os.environ["PJRT_NPROC"]) == max(12, len(os.sched_getaffinity(0)))
 
 
 def _wait_ready(proc, timeout: float) -> None:
