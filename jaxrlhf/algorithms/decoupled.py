@@ -20,6 +20,7 @@ standard PPO.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -86,9 +87,8 @@ def decouple(algorithm: Algorithm, actor_loss: Callable[[Proximal], LossFn]) -> 
 
 def decoupled_ppo(cfg: ppo.PPOConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
     return decouple(ppo.make(cfg, reward_model=reward_model, batch_size=batch_size),
-                    lambda proximal: ppo.actor_loss(cfg, proximal))
+                    functools.partial(ppo.actor_loss, cfg))
 
 
 def decoupled_grpo(cfg: grpo.GRPOConfig, *, reward_model: bool) -> Algorithm:
-    return decouple(grpo.make(cfg, reward_model=reward_model),
-                    lambda proximal: grpo.actor_loss(cfg, proximal))
+    return decouple(grpo.make(cfg, reward_model=reward_model), functools.partial(grpo.actor_loss, cfg))
