@@ -133,20 +133,17 @@ class HostState:
       step: steps done (the runner's step index; the next metrics step).
       iterator: the prompt (or training row) iterator's `state()` as a dict.
       runner: `Runner.state()` (controller values, counters).
-      accuracy_before: held-out accuracy before training (not recomputed on resume); None in
-        a warm-start checkpoint (the evaluation follows the warm start).
       config: the experiment config as JSON (export rebuilds the model configs from it).
       trained: roles saved with optimizer state.
       frozen: roles saved as parameters only.
       fingerprint: what defines the run that wrote it (`jaxrlhf.fingerprint`).
-      evaluation_before: an offline run's whole held-out evaluation before training (metric
-        name -> value; `accuracy_before` is its "accuracy"); empty for RL.
+      evaluation_before: the held-out evaluation before training (metric name -> value; not
+        recomputed on resume); empty in a warm-start checkpoint (it comes after the warm start).
     """
 
     step: int
     iterator: dict[str, int]
     runner: dict[str, Any]
-    accuracy_before: float | None
     config: str
     trained: tuple[str, ...]
     frozen: tuple[str, ...]
@@ -158,6 +155,9 @@ class HostState:
 
     @classmethod
     def from_json(cls, d: dict) -> "HostState":
+        d = dict(d)
+        if (accuracy := d.pop("accuracy_before", None)) is not None:  # older checkpoints
+            d["evaluation_before"] = d.get("evaluation_before") or {"accuracy": accuracy}
         return cls(**{**d, "trained": tuple(d["trained"]), "frozen": tuple(d["frozen"])})
 
     def experiment_config(self) -> ConfigDict:
@@ -434,11 +434,10 @@ def _move_aside(directory: pathlib.Path) -> None:
         time.sleep(0.2)
 
 
-def save_run(checkpoints: Checkpointer, runner, prompts, accuracy_before: float | None,
-             config_json: str, fingerprint: dict[str, str],
-             evaluation_before: dict[str, float] | None = None) -> bool:
+def save_run(checkpoints: Checkpointer, runner, prompts, evaluation_before: dict[str, float],
+             config_json: str, fingerprint: dict[str, str]) -> bool:
     """Checkpoints `runner` (a Runner) fed by `prompts` (an EpochIterator of prompts, training
-    rows or pairs) after its last step.
+    rows or pairs) after its last step, with the held-out evaluation from before training.
 
     Trained models are saved as TrainStates, frozen ones as parameters; a frozen model waiting
     in host memory is brought back to read it and offloaded again once the save has copied it.
@@ -448,12 +447,11 @@ def save_run(checkpoints: Checkpointer, runner, prompts, accuracy_before: float 
     states = {role: rt.state if rt.trainable else rt.params for role, rt in runtimes.items()}
     host = HostState(
         step=runner.step_index, iterator=prompts.state().to_dict(), runner=runner.state(),
-        accuracy_before=None if accuracy_before is None else float(accuracy_before),
         config=config_json,
         trained=tuple(r.value for r, rt in runtimes.items() if rt.trainable),
         frozen=tuple(r.value for r, rt in runtimes.items() if not rt.trainable),
         fingerprint=fingerprint,
-        evaluation_before={k: float(v) for k, v in (evaluation_before or {}).items()})
+        evaluation_before={k: float(v) for k, v in evaluation_before.items()})
     saved = checkpoints.save(states, host)
     for runtime in runtimes.values():
         runtime.after_call()  # a no-op for trained models and models that stay on devices

@@ -83,7 +83,7 @@ def _async(config, rows, workdir):
     checkpoints = checkpoint.Checkpointer(workdir / "ckpt", job.spec.checkpoint)
     with build.host_pools(job.spec) as pools:
         runner = _fresh(job, pools)
-        result = async_loop.rl_loop(job, runner, prompts, sink, checkpoints, 0.0)
+        result = async_loop.rl_loop(job, runner, prompts, sink, checkpoints, {})
         runner.close()
     checkpoints.close()
     return result, sink.steps, prompts

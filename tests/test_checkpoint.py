@@ -64,8 +64,8 @@ def host_state(step: int, config=None, trained=("actor",), frozen=("ref",)) -> H
     return HostState(step=step, iterator={"epoch": 1, "batch": 2},
                      runner={"step_index": step, "controller": {"kl_coef": 0.05 + step},
                              "reward_errors": 0},
-                     accuracy_before=0.25, config=config.to_json(), trained=trained,
-                     frozen=frozen)
+                     config=config.to_json(), trained=trained, frozen=frozen,
+                     evaluation_before={"accuracy": 0.25, "reward": 0.5})
 
 
 def _assert_equal_on(tree, want, target) -> None:
@@ -170,3 +170,13 @@ def test_checkpoint_config_validates():
     with pytest.raises(ValueError, match="keep=0"):
         CheckpointConfig(every=1, keep=0, async_save=True)
     assert checkpoint.NanPolicy(config.nan_policy) is checkpoint.NanPolicy.STOP
+
+
+def test_host_state_round_trips_and_reads_an_older_checkpoints_accuracy():
+    state = host_state(3)
+    assert HostState.from_json(json.loads(json.dumps(state.to_json()))) == state
+    older = {k: v for k, v in state.to_json().items() if k != "evaluation_before"}
+    older["accuracy_before"] = 0.25  # written before the whole evaluation was kept
+    assert HostState.from_json(older).evaluation_before == {"accuracy": 0.25}
+    older["accuracy_before"] = None  # a warm-start checkpoint
+    assert HostState.from_json(older).evaluation_before == {}

@@ -123,8 +123,7 @@ def _publish(params, shardings: list, version: int, mine: int):
 
 
 def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
-            acc_before: float | None, held_out=None,
-            evaluation_before: dict[str, float] | None = None) -> LoopResult:
+            before: dict[str, float], held_out=None) -> LoopResult:
     """The asynchronous loop of a multi-process job (module docstring): the trainer's part in
     process 0, a replica's in the others. Arguments as `async_loop.rl_loop`'s. The periodic
     held-out evaluation (`held_out`, every `eval.every` updates) runs on the trainer alone, on
@@ -134,12 +133,11 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
     layouts = replica_layouts(job, gen.name)
     shardings = [lay.param_shardings(abstract_params(job.spec.base.config)) for lay in layouts]
     chan = Channel(f"jaxrlhf/async/{runner.step_index}")
-    kept = {} if evaluation_before is None else {"evaluation_before": evaluation_before}
 
     def save(run: Runner) -> None:  # every process, as one SPMD section (orbax is collective)
         with process_local(False):
-            checkpoint.save_run(checkpoints, run, prompts, acc_before, job.spec.config_json,
-                                job.fingerprint, **kept)
+            checkpoint.save_run(checkpoints, run, prompts, before, job.spec.config_json,
+                                job.fingerprint)
 
     for runtime in runner.runtimes.values():
         runtime.drop_copies()  # from here the processes hold different parameter versions

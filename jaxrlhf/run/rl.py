@@ -57,9 +57,7 @@ class Start:
 
     def before(self) -> dict[str, float]:
         """The checkpoint's held-out figures from before training."""
-        accuracy = self.resume.accuracy_before  # checkpoints that hold only the accuracy
-        return dict(self.resume.evaluation_before) or ({} if accuracy is None
-                                                       else {"accuracy": accuracy})
+        return dict(self.resume.evaluation_before)
 
     def rows(self, rows: list, job: Job) -> datasets.EpochIterator:
         """Endless batches of `rows` from where the checkpoint left them."""
@@ -129,16 +127,15 @@ def _rl_figures(job: Job, runner: Runner, held_out: HeldOut | None, step: int,
 
 
 def rl_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
-            checkpoints: checkpoint.Checkpointer, acc_before: float | None,
-            held_out: HeldOut | None = None,
-            evaluation_before: dict[str, float] | None = None) -> LoopResult:
+            checkpoints: checkpoint.Checkpointer, before: dict[str, float],
+            held_out: HeldOut | None = None) -> LoopResult:
     """The synchronous loop (RL or offline): steps from the runner's step index to spec.steps
     on `encode(job, next(rows))`, with the NaN policy and checkpoints (on the cadence, on
     Ctrl-C/SIGTERM: the loop stops, and at the end); RL steps add `_rl_figures`."""
     spec = job.spec
     guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
-    save = lambda: checkpoint.save_run(checkpoints, runner, rows, acc_before,
-                                       spec.config_json, job.fingerprint, evaluation_before)
+    save = lambda: checkpoint.save_run(checkpoints, runner, rows, before, spec.config_json,
+                                       job.fingerprint)
     what = _name(job)  # names the loop in the stop message
     timings = []
     bar = tqdm(range(runner.step_index, spec.steps), desc=runner.algorithm.name,
@@ -208,8 +205,8 @@ def run(job: Job) -> dict:
                     BatchKind.PAIRS: job.data.pairs}[spec.algorithm.batches]
             # async_rl.max_staleness > 0: generation runs ahead (run/async_loop.py)
             loop_fn = async_loop.rl_loop if spec.async_rl.max_staleness else rl_loop
-            loop = loop_fn(job, runner, start.rows(rows, job), writer, start.checkpoints,
-                           before.get("accuracy"), held_out, before)
+            loop = loop_fn(job, runner, start.rows(rows, job), writer, start.checkpoints, before,
+                           held_out)
         after = None if loop.interrupted else evaluate()
         if after is not None and offline:
             writer.write(spec.steps, {f"eval/{k}_{when}": v for when, m in

@@ -80,7 +80,7 @@ class WarmStart:
                   f"{self.checkpoints.directory}", flush=True)
         runner, rows = self._runner(initial_params)
         r = spec.rollout
-        save = lambda: checkpoint.save_run(self.checkpoints, runner, rows, None,
+        save = lambda: checkpoint.save_run(self.checkpoints, runner, rows, {},
                                            spec.config_json, job.fingerprint)
         bar = tqdm(range(runner.step_index, self.steps), desc="warm start (SFT)",
                    initial=runner.step_index, total=self.steps, mininterval=2)
