@@ -103,8 +103,8 @@ def test_eta_zero_reproduces_the_synchronous_run(rows, tmp_path):
     assert prompts.state().batch == STEPS  # nothing generated beyond the trained batches
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+# grpo (no critic, ~20 s) runs by default: the suite's one run of the in-process async loop
+@pytest.mark.parametrize("algorithm", [pytest.param("ppo", marks=pytest.mark.slow), "grpo"])
 def test_staleness_bounded_and_generation_runs_ahead(algorithm, rows, tmp_path):
     eta = 1
     result, got, prompts = _async(_config(algorithm, eta, kind="disaggregate"), rows, tmp_path)

@@ -63,6 +63,11 @@ CASES = [
      "ppo.mini_batches=3 does not divide the rollout batch of 32"),
     ("warm_start_batch_does_not_split", {"warm_start.sft_steps": 5, "warm_start.batch_size": 12},
      "warm_start.batch_size=12: does not split 8 ways"),
+    ("micro_batches_separate_pairs",
+     {"algorithm": "dpo", "rollout.batch_size": 6, "micro_batches": 4, "placement.kind": "manual",
+      "placement.allocation": "ref_inf=0-1:d1t2,actor_train=0-1:d1t2"},
+     "micro_batches: MFC 'actor_train': the number of micro-batches=4 must divide the 6 "
+     "preference pairs"),
     ("micro_batches_do_not_split", {"micro_batches": 3},
      "micro_batches: MFC 'actor_train': 3 micro-batches do not split 32 rows into equal parts"),
     ("warm_start_micro_batches_do_not_split",

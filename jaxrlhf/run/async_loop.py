@@ -78,7 +78,7 @@ class _Trainer:
         self.pool.shutdown(wait=True)
 
 def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
-            before: dict[str, float], held_out=None) -> LoopResult:
+            evaluation_before: dict[str, float], held_out=None) -> LoopResult:
     """RL steps from the runner's step index to spec.steps, asynchronously (module docstring).
 
     Args, checkpoints and the periodic held-out evaluation (`held_out`, run between two
@@ -86,7 +86,8 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
     `async_procs.rl_loop` instead (a trainer process and generation replica processes).
     """
     if jax.process_count() > 1:
-        return async_procs.rl_loop(job, runner, prompts, writer, checkpoints, before, held_out)
+        return async_procs.rl_loop(job, runner, prompts, writer, checkpoints,
+                                   evaluation_before, held_out)
     if job.spec.placement.gen_replicas > 1:
         raise async_procs.TopologyError(
             f"placement.gen_replicas={job.spec.placement.gen_replicas}: replicas run in "
@@ -114,7 +115,7 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
     last_end, busy_marks = now(), (0.0, 0.0)
     bar = tqdm(range(trained, spec.steps), desc=f"{trainer_run.algorithm.name} (async η={eta})",
                initial=trained, total=spec.steps, mininterval=1)
-    save = lambda: checkpoint.save_run(checkpoints, trainer_run, prompts, before,
+    save = lambda: checkpoint.save_run(checkpoints, trainer_run, prompts, evaluation_before,
                                        spec.config_json, job.fingerprint)
     interrupted = False
     with checkpoint.StopRequest() as stop:

@@ -123,7 +123,7 @@ def _publish(params, shardings: list, version: int, mine: int):
 
 
 def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
-            before: dict[str, float], held_out=None) -> LoopResult:
+            evaluation_before: dict[str, float], held_out=None) -> LoopResult:
     """The asynchronous loop of a multi-process job (module docstring): the trainer's part in
     process 0, a replica's in the others. Arguments as `async_loop.rl_loop`'s. The periodic
     held-out evaluation (`held_out`, every `eval.every` updates) runs on the trainer alone, on
@@ -136,7 +136,7 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
 
     def save(run: Runner) -> None:  # every process, as one SPMD section (orbax is collective)
         with process_local(False):
-            checkpoint.save_run(checkpoints, run, prompts, before, job.spec.config_json,
+            checkpoint.save_run(checkpoints, run, prompts, evaluation_before, job.spec.config_json,
                                 job.fingerprint)
 
     for runtime in runner.runtimes.values():

@@ -15,7 +15,6 @@ import tempfile
 
 from ml_collections import ConfigDict
 
-from jaxrlhf.algorithms.pairs import check_pair_split
 from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.checkpoint import CHECKPOINT_DIR, CheckpointError, check_resume
 from jaxrlhf.data.rewards import resolve_reward
@@ -23,7 +22,6 @@ from jaxrlhf.data.sources import Data, read_data, read_pairs
 from jaxrlhf.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 from jaxrlhf.engine.microbatch import num_microbatches
 from jaxrlhf.fingerprint import run_fingerprint
-from jaxrlhf.mfc import Call
 from jaxrlhf.models import hf_io
 from jaxrlhf.run import roles
 from jaxrlhf.run.layouts import RunPlan, place
@@ -93,11 +91,6 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     if spec.data.train_path and len(data.train) < spec.rollout.batch_size:
         raise ConfigError(f"rollout.batch_size={spec.rollout.batch_size}: more than the "
                           f"{len(data.train)} rows of {spec.data.train_path}")
-    for mfc in spec.graph.mfcs:  # micro-batches must keep each chosen row with its rejected
-        if spec.algorithm.batches is BatchKind.PAIRS and mfc.call is Call.TRAIN_STEP:
-            with field("micro_batches"):
-                check_pair_split(spec.rollout.batch_size, plan.micro_batches(mfc.name),
-                                 "the number of micro-batches")
     fingerprint = run_fingerprint(spec.config_json)
     try:
         check_resume(workdir / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)

@@ -16,7 +16,7 @@ rollout temperature and reports `pass@1`, `pass@n` (unbiased, Chen et al. 2021) 
 the verifier (see `data/evaluation.py`). Metric names carry the `eval/` prefix in metrics.jsonl
 and TensorBoard.
 
-Offline runs evaluate their trained model before and after training (`offline_evaluator`);
+Offline runs evaluate their trained model before and after training (`evaluator`);
 the job's summary `accuracy` means what the algorithm's `Evaluation` says:
 
   SFT               greedy exact-match accuracy on the held-out prompts (also `eval_loss`:
@@ -49,7 +49,9 @@ from jaxrlhf.engine.inference import make_inference_fn
 from jaxrlhf.mfc import Role
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.reshard import fetch
+from jaxrlhf.run.build import actor_copy
 from jaxrlhf.run.check import Job
+from jaxrlhf.run.runner import Runner
 from jaxrlhf.spec import RolloutSpec
 
 
@@ -275,14 +277,20 @@ def make_scorer(runtime: ModelRuntime, kind: InferenceKind, job: Job) -> Scorer:
     return Scorer(infer, runtime.home.dp_size, job.tokenizer, r)
 
 
-def offline_evaluator(job: Job, runtime: ModelRuntime) -> Evaluator:
-    """Held-out metrics of an offline run's trained model; "accuracy" as the module docstring
-    defines."""
+def evaluator(job: Job, runner: Runner, held_out: HeldOut | None) -> Evaluator:
+    """The run's held-out evaluation before and after training, by its algorithm's
+    `Evaluation` (module docstring): RL's actor answers on `held_out`'s layout, an offline
+    run's trained model is scored on its home layout."""
+    runtime = runner.runtimes[job.spec.algorithm.trained_role]
     pairs = job.data.eval_pairs
     prompts = [p.prompt for p in pairs]
     chosen, rejected = [p.chosen for p in pairs], [p.rejected for p in pairs]
     params = lambda: runtime.params
     match job.spec.algorithm.evaluation:
+        case Evaluation.EXACT_MATCH:  # the runner holds the reward model, if there is one
+            return lambda: held_out.greedy(
+                actor_copy(params(), job.spec.base.config, held_out.layout),
+                runner.runtimes.get(Role.REWARD))
         case Evaluation.PREFERENCE_SCORE:
             scorer = make_scorer(runtime, InferenceKind.SCORES, job)
             return lambda: {"accuracy": float(np.mean(
@@ -311,8 +319,6 @@ def offline_evaluator(job: Job, runtime: ModelRuntime) -> Evaluator:
                         "exact_match": greedy_match(params())}
 
             return dpo_metrics
-    raise ValueError(f"algorithm={job.spec.algorithm.name}: no offline evaluation "
-                     f"{job.spec.algorithm.evaluation}")
 
 
 def summary_value(metrics: dict[str, float]) -> float | None:

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 
 import jax
 
+from jaxrlhf.algorithms.pairs import check_pair_split
+from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.dataflow.graph import DataflowGraph
 from jaxrlhf.dataflow.placement import Placement, PlacementError, resolve_placement
 from jaxrlhf.engine.microbatch import MicrobatchConfig, num_microbatches
@@ -101,7 +103,11 @@ def _micro_batches(spec: RunSpec, mfc: MFC, layout: Layout, entry: Entry, where:
     micro = (spec.micro if entry.micro_batches is None
              else MicrobatchConfig.by_count(entry.micro_batches))
     try:
-        return num_microbatches(micro, per_update, spec.rollout.seq_len, layout.dp_size)
+        count = num_microbatches(micro, per_update, spec.rollout.seq_len, layout.dp_size)
+        if mfc.call is Call.TRAIN_STEP and spec.algorithm.batches is BatchKind.PAIRS:
+            # a pair's loss needs its chosen and its rejected row in one micro-batch
+            check_pair_split(spec.rollout.batch_size, count, "the number of micro-batches")
+        return count
     except ValueError as e:
         field = "micro_batches" if entry.micro_batches is None else where
         raise PlacementError(f"{field}: MFC {mfc.name!r}: {e}") from None

@@ -6,7 +6,7 @@ timelines to the workdir, and returns a summary (held-out figures before/after, 
 the entry point prints as its last line. RL steps generate from prompts; offline steps (SFT,
 reward modelling, DPO) train on a fixed dataset, preference pairs batched as chosen rows then
 rejected rows (`algorithms.pairs`), and report what the algorithm's `Evaluation` says
-(`run/evaluate.py`, `offline_evaluator`). A workdir that holds checkpoints resumes from the
+(`run/evaluate.py`). A workdir that holds checkpoints resumes from the
 latest (no warm start, no 'before' evaluation: both are in the checkpoint) and repeats the
 uninterrupted run's steps exactly; one that holds only warm-start checkpoints resumes the warm
 start (`run/warm_start.py`); `python -m jaxrlhf.export` writes the trained model as a Hugging
@@ -32,7 +32,7 @@ from jaxrlhf.metrics import METRICS_FILE, MetricsWriter
 from jaxrlhf.mfc import Role
 from jaxrlhf.run import async_loop, build
 from jaxrlhf.run.check import Job
-from jaxrlhf.run.evaluate import HeldOut, offline_evaluator
+from jaxrlhf.run.evaluate import HeldOut, evaluator
 from jaxrlhf.run.runner import LoopResult, Runner, StepResult
 from jaxrlhf.run.warm_start import WarmStart
 
@@ -127,15 +127,15 @@ def _rl_figures(job: Job, runner: Runner, held_out: HeldOut | None, step: int,
 
 
 def rl_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
-            checkpoints: checkpoint.Checkpointer, before: dict[str, float],
+            checkpoints: checkpoint.Checkpointer, evaluation_before: dict[str, float],
             held_out: HeldOut | None = None) -> LoopResult:
     """The synchronous loop (RL or offline): steps from the runner's step index to spec.steps
     on `encode(job, next(rows))`, with the NaN policy and checkpoints (on the cadence, on
     Ctrl-C/SIGTERM: the loop stops, and at the end); RL steps add `_rl_figures`."""
     spec = job.spec
     guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
-    save = lambda: checkpoint.save_run(checkpoints, runner, rows, before, spec.config_json,
-                                       job.fingerprint)
+    save = lambda: checkpoint.save_run(checkpoints, runner, rows, evaluation_before,
+                                       spec.config_json, job.fingerprint)
     what = _name(job)  # names the loop in the stop message
     timings = []
     bar = tqdm(range(runner.step_index, spec.steps), desc=runner.algorithm.name,
@@ -192,12 +192,7 @@ def run(job: Job) -> dict:
         runner = start.runner(job, writer, pools)
         if runner is None:  # stopped in the warm start, its checkpoint saved
             return summary(job, t0, start, None, None, {}, None)
-        if offline:
-            evaluate = offline_evaluator(job, runner.runtimes[spec.algorithm.trained_role])
-        else:  # the runner holds the reward model, if there is one
-            evaluate = lambda: held_out.greedy(build.actor_copy(
-                runner.runtimes[Role.ACTOR].params, spec.base.config, held_out.layout),
-                runner.runtimes.get(Role.REWARD))
+        evaluate = evaluator(job, runner, held_out)
         with contextlib.closing(runner):
             before = evaluate() if start.resume is None else start.before()
             print(f"held-out before {what}: {show(before)}", flush=True)
