@@ -46,7 +46,7 @@ from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine.generate import make_generate_fn
 from jaxrlhf.engine.inference import InferenceBatch, InferenceConfig, InferenceKind
 from jaxrlhf.engine.inference import make_inference_fn
-from jaxrlhf.mfc import Role
+from jaxrlhf.mfc import Call, Role
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.reshard import fetch
 from jaxrlhf.run.build import actor_copy
@@ -62,27 +62,6 @@ def _padded_rows(rows: Sequence[PromptRow], repeat: int, multiple: int) -> list[
     while (count * repeat) % multiple:
         count += 1
     return [rows[i % len(rows)] for i in range(count)]
-
-
-def accuracy(generator, params, rows, tokenizer, max_prompt_len: int, dp: int) -> float:
-    """Greedy exact-match accuracy on `rows` (padded to a multiple of the dp size)."""
-    batch = prompt_batch(_padded_rows(rows, 1, dp), tokenizer, max_prompt_len)
-    out = generator(params, batch["prompt_tokens_bp"], batch["prompt_mask_bp"],
-                    jax.random.key(0))
-    response_bn = fetch(out.response_bn)[: len(rows)]  # every process scores all rows
-    hits = [exact_match(r.prompt, decode_response(tokenizer, ids.tolist()), r.answer)
-            for r, ids in zip(rows, response_bn)]
-    return float(np.mean(hits))
-
-
-def greedy_accuracy(job: Job, layout: Layout, rows):
-    """params -> greedy exact-match accuracy of the actor on `rows`, generating on `layout`."""
-    spec = job.spec
-    r = spec.rollout
-    greedy = make_generate_fn(spec.base.config, r.generate(job.tokenizer, greedy=True), layout,
-                              prompt_buckets=(r.max_prompt_len,))
-    return lambda params: accuracy(greedy, params, rows, job.tokenizer, r.max_prompt_len,
-                                   layout.dp_size)
 
 
 @dataclasses.dataclass
@@ -277,10 +256,10 @@ def make_scorer(runtime: ModelRuntime, kind: InferenceKind, job: Job) -> Scorer:
     return Scorer(infer, runtime.home.dp_size, job.tokenizer, r)
 
 
-def evaluator(job: Job, runner: Runner, held_out: HeldOut | None) -> Evaluator:
+def evaluator(job: Job, runner: Runner, held_out: HeldOut) -> Evaluator:
     """The run's held-out evaluation before and after training, by its algorithm's
-    `Evaluation` (module docstring): RL's actor answers on `held_out`'s layout, an offline
-    run's trained model is scored on its home layout."""
+    `Evaluation` (module docstring), on `held_out`'s layout: RL's actor generation layout, an
+    offline run's trained model's home (`held_out_layout`)."""
     runtime = runner.runtimes[job.spec.algorithm.trained_role]
     pairs = job.data.eval_pairs
     prompts = [p.prompt for p in pairs]
@@ -298,27 +277,35 @@ def evaluator(job: Job, runner: Runner, held_out: HeldOut | None) -> Evaluator:
                 > scorer.scores(params(), prompts, rejected)))}
         case Evaluation.SFT:
             scorer = make_scorer(runtime, InferenceKind.LOGPROBS, job)
-            greedy_match = greedy_accuracy(job, runtime.home, job.data.eval)
             answered = [row for row in job.data.eval if row.answer is not None]
 
-            def sft_metrics():
+            def sft_metrics():  # greedy exact match, and the answers' token NLL
                 logp_b, count_b = scorer.response_logprobs(
                     params(), [r.prompt for r in answered], [r.answer for r in answered])
-                return {"accuracy": greedy_match(params()),
+                return {**held_out.greedy(params()),
                         "eval_loss": float(-logp_b.sum() / count_b.sum())}
 
             return sft_metrics
         case Evaluation.PREFERENCE_LOGP:
             scorer = make_scorer(runtime, InferenceKind.LOGPROBS, job)
-            greedy_match = greedy_accuracy(job, runtime.home, job.data.eval)
 
             def dpo_metrics():
                 logp_chosen_b, _ = scorer.response_logprobs(params(), prompts, chosen)
                 logp_rejected_b, _ = scorer.response_logprobs(params(), prompts, rejected)
+                greedy = held_out.greedy(params())  # its accuracy is exact match
                 return {"accuracy": float(np.mean(logp_chosen_b > logp_rejected_b)),
-                        "exact_match": greedy_match(params())}
+                        **{"exact_match": v for k, v in greedy.items() if k == "accuracy"}}
 
             return dpo_metrics
+
+
+def held_out_layout(job: Job) -> Layout:
+    """Where the held-out evaluation generates: the actor's generation layout, or an offline
+    run's trained model's home (where its parameters are)."""
+    spec, layouts = job.spec, job.plan.layouts
+    return next((layouts[m.name] for m in spec.graph.mfcs
+                 if m.role is Role.ACTOR and m.call is Call.GENERATE),
+                job.plan.home(spec.graph, spec.algorithm.trained_role))
 
 
 def summary_value(metrics: dict[str, float]) -> float | None:

@@ -32,7 +32,7 @@ from jaxrlhf.metrics import METRICS_FILE, MetricsWriter
 from jaxrlhf.mfc import Role
 from jaxrlhf.run import async_loop, build
 from jaxrlhf.run.check import Job
-from jaxrlhf.run.evaluate import HeldOut, evaluator
+from jaxrlhf.run.evaluate import HeldOut, evaluator, held_out_layout
 from jaxrlhf.run.runner import LoopResult, Runner, StepResult
 from jaxrlhf.run.warm_start import WarmStart
 
@@ -186,8 +186,7 @@ def run(job: Job) -> dict:
     spec, workdir, offline = job.spec, job.workdir, job.spec.algorithm.offline
     what, show = _name(job), str if offline else _shown
     with (begin(job) as start, MetricsWriter(workdir) as writer,
-          contextlib.nullcontext() if offline else HeldOut(
-              job, job.plan.layouts["actor_gen"], job.data.eval) as held_out,
+          HeldOut(job, held_out_layout(job), job.data.eval) as held_out,
           build.host_pools(spec) as pools):  # offline graphs have no host MFCs
         runner = start.runner(job, writer, pools)
         if runner is None:  # stopped in the warm start, its checkpoint saved
