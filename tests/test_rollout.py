@@ -15,6 +15,7 @@ from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import init_params, make_layout
+from jaxrlhf.parallel.reshard import fetch
 from jaxrlhf.run.rollout_worker import RolloutWorker
 
 P, N = 6, 10
@@ -157,7 +158,7 @@ def test_interruption_switches_weights_mid_sequence(setup):
     state = rollout.reload(state, params_b)  # new weights arrive: the rest under version 1
     state = rollout.advance(state, params_b, 1, N)
     done_b, counts = rollout.poll(state)
-    assert done_b.all() and counts.tolist() == [N - 1, (N - 1) * len(LENGTHS)]
+    assert done_b.all() and counts.tolist() == [(N - 1) * len(LENGTHS)] * 2
     out = rollout.rows(state)
     want = np.array([0] * 4 + [1] * (N - 4))
     np.testing.assert_array_equal(out.versions_bn, np.broadcast_to(want, out.versions_bn.shape))
@@ -169,6 +170,27 @@ def test_interruption_switches_weights_mid_sequence(setup):
     np.testing.assert_allclose(out.logprobs_bn, expected, rtol=1e-5, atol=1e-5)
     # ...and the two policies really differ on the tokens after the switch.
     assert np.abs(logp_a - logp_b)[:, 4:].max() > 1e-2
+
+
+def test_each_device_decodes_its_own_slots_alone(setup):
+    """A data-parallel device whose slots are all free runs no decode step while the other
+    decodes (each device loops on its own slots: no all-reduce of the loop condition), and
+    the busy slots' rows are the generate call's."""
+    config, layout, params, _, tokens, mask = setup
+    if layout.dp_size < 2:
+        pytest.skip("needs two data-parallel devices")
+    cfg = _gen_config(force_max_length=True)
+    rollout = Rollout(config, cfg, layout, P, len(LENGTHS))  # slots 0-1 on one device, 2-3
+    state = rollout.fill(rollout.empty(), params, 0, [2, 3], tokens[:2], mask[:2],
+                         [jax.random.key(3)] * 2, [0, 1])
+    state = rollout.advance(state, params, 0, N)
+    np.testing.assert_array_equal(np.asarray(fetch(state.steps_b)), [0, 0, N - 1, N - 1])
+    out = rollout.rows(state)
+    generate = make_generate_fn(config, cfg, layout, prompt_buckets=(P,))
+    want = generate(params, tokens[:2], mask[:2], jax.random.key(3))
+    np.testing.assert_array_equal(out.sequences_bs[2:], np.asarray(fetch(want.sequences_bs)))
+    np.testing.assert_allclose(out.logprobs_bn[2:], np.asarray(fetch(want.logprobs_bn)),
+                               rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow  # two more compiles (a generate call and a rollout for 2-row micro-batches)

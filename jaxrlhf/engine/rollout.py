@@ -32,9 +32,11 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxrlhf.engine import decode_layers
 from jaxrlhf.engine.buckets import CompileCache
@@ -68,8 +70,9 @@ class SlotState(NamedTuple):
       prompt_mask_bp: bool [S, P].
       keys_b: PRNG keys [S]: each row's (micro-)batch key.
       row_b: int32 [S] each row's index in its (micro-)batch (its sampling stream).
-      steps: int32 [] decode steps run; tokens_b: int32 [S] tokens each slot sampled in them
-        (the slots' occupancy; per slot, so a step needs no reduction across devices).
+      steps_b: int32 [S] decode steps run over each slot, busy or not; tokens_b: int32 [S]
+        tokens each slot sampled in them (the slots' occupancy; per slot, so a step needs no
+        reduction across devices, and each device may stop when its own slots are done).
     """
 
     step_b: jax.Array
@@ -85,7 +88,7 @@ class SlotState(NamedTuple):
     prompt_mask_bp: jax.Array
     keys_b: jax.Array
     row_b: jax.Array
-    steps: jax.Array
+    steps_b: jax.Array
     tokens_b: jax.Array
 
 
@@ -130,7 +133,7 @@ def _choose(s: SlotState, cfg: GenerateConfig, version) -> SlotState:
         logprobs_bn=put(s.logprobs_bn, logp_b),
         mask_bn=s.mask_bn | at_bn,
         versions_bn=put(s.versions_bn, jnp.broadcast_to(version, step_b.shape).astype(jnp.int32)),
-        steps=s.steps + 1,
+        steps_b=s.steps_b + 1,
         tokens_b=s.tokens_b + active_b,
     )
 
@@ -151,7 +154,7 @@ def _empty(config: ModelConfig, cfg: GenerateConfig, slots: int, prompt_len: int
         prompt_mask_bp=jnp.zeros((slots, prompt_len), bool),
         keys_b=jax.random.split(jax.random.key(0), slots),
         row_b=jnp.zeros((slots,), jnp.int32),
-        steps=jnp.zeros((), jnp.int32),
+        steps_b=jnp.zeros((slots,), jnp.int32),
         tokens_b=jnp.zeros((slots,), jnp.int32),
     )
 
@@ -182,7 +185,7 @@ def _fill(model: Transformer, cfg: GenerateConfig, params, s: SlotState, slots_k
         keys_b=s.keys_b.at[slots_k].set(keys_k, mode="drop"), row_b=put(s.row_b, rows_k))
     chosen = _choose(filled, cfg, version)
     return chosen._replace(done_b=jnp.where(fresh_b, chosen.done_b, s.done_b),
-                           steps=s.steps, tokens_b=s.tokens_b)  # a prefill is no decode step
+                           steps_b=s.steps_b, tokens_b=s.tokens_b)  # a prefill is no decode step
 
 
 def _advance(model: Transformer, cfg: GenerateConfig, num_steps: int, params, s: SlotState,
@@ -275,8 +278,12 @@ class Rollout:
         self.compile_cache = CompileCache("rollout")
         self._scalar = layout.replicated()
         self._state = self._shardings()
+        # Each data-parallel device can decode its own slots alone when it holds all weights.
+        strategy = layout.strategy
+        self._per_device = strategy.fsdp == 1 and strategy.tensor == 1
         self._rows = jax.jit(functools.partial(_rows, gen_config))
-        self._poll = jax.jit(lambda s: (s.done_b, jnp.stack([s.steps, jnp.sum(s.tokens_b)])))
+        self._poll = jax.jit(lambda s: (s.done_b, jnp.stack([jnp.sum(s.steps_b),
+                                                             jnp.sum(s.tokens_b)])))
 
     @property
     def compiles(self) -> int:
@@ -289,11 +296,12 @@ class Rollout:
         cache = lay.sharding(_CACHE_AXES, cache_shape)
         rows1, rows2 = lay.batch_sharding(1), lay.batch_sharding(2)
         return SlotState(rows1, rows2, rows1, rows1, KVCache(cache, cache), rows2, rows2, rows2,
-                         rows2, rows2, rows2, rows1, rows1, self._scalar, rows1)
+                         rows2, rows2, rows2, rows1, rows1, rows1, rows1)
 
-    def _run(self, key: tuple, fn, *args) -> SlotState:
-        """Compiles `fn(*args)` once per `key` under the layout's context."""
-        jitted = jax.jit(fn, out_shardings=self._state)
+    def _run(self, key: tuple, fn, *args, donate: tuple[int, ...] = ()) -> SlotState:
+        """Compiles `fn(*args)` once per `key` under the layout's context; the arguments
+        `donate` (the state: it is replaced by the result) lend their buffers to the result."""
+        jitted = jax.jit(fn, out_shardings=self._state, donate_argnums=donate)
 
         def lower():
             with self.layout.activation_context():
@@ -338,21 +346,42 @@ class Rollout:
                                  self._scalar)
         fn = functools.partial(_fill, self.model, self.cfg)
         return self._run(("fill", size), fn, params, state, slots_k, tokens_kp, mask_kp, keys_k,
-                         rows_k, self._version(version))
+                         rows_k, self._version(version), donate=(1,))
 
     def reload(self, state: SlotState, params) -> SlotState:
         """Every slot's cache recomputed under new weights (an interruption)."""
         fn = functools.partial(_recompute_cache, self.model, self.cfg)
-        return self._run(("reload",), fn, params, state)
+        return self._run(("reload",), fn, params, state, donate=(1,))
 
     def advance(self, state: SlotState, params, version: int, num_steps: int) -> SlotState:
         """Up to `num_steps` more tokens in every busy slot under `params` (of policy `version`,
         the weights its cache was computed with: `reload` first after new weights)."""
         fn = functools.partial(_advance, self.model, self.cfg, num_steps)
-        return self._run(("advance", num_steps), fn, params, state, self._version(version))
+        if self._per_device:
+            fn = self._on_each_device(fn)
+        return self._run(("advance", num_steps), fn, params, state, self._version(version),
+                         donate=(1,))
+
+    def _on_each_device(self, advance):
+        """`advance` run by each device on its own slots (`shard_map`; weights replicated).
+
+        Why: SPMD, the loop's condition (are all slots done?) is an all-reduce across the
+        data-parallel devices every decode step, where a device that got ahead waits for the
+        other; on XLA:CPU that rendezvous cost more than the step itself (tiny model, 16 slots,
+        2 devices). Each device's own loop stops when its own slots are done.
+        """
+        specs = jax.tree.map(lambda sharding: sharding.spec, self._state)
+
+        def local(params, state, version):
+            with nn.logical_axis_rules(()):  # local shapes: no sharding constraints inside
+                return advance(params, state, version)
+
+        return jax.shard_map(local, mesh=self.layout.mesh,
+                             in_specs=(PartitionSpec(), specs, PartitionSpec()), out_specs=specs)
 
     def poll(self, state: SlotState) -> tuple[np.ndarray, np.ndarray]:
-        """(done_b bool [S], counts int32 [2]) on the host (a sync point on small arrays)."""
+        """(done_b bool [S], counts int32 [2]: slot-steps decoded, tokens sampled in them) on
+        the host (a sync point on small arrays)."""
         return tuple(np.asarray(x) for x in fetch(self._poll(state)))
 
     def rows(self, state: SlotState) -> Rows:

@@ -96,7 +96,7 @@ class RolloutWorker:
         self._slots: list[tuple[int, int] | None] = [None] * rollout.slots  # (batch, row)
         self._waiting: collections.deque = collections.deque()  # (batch, row, key, stream)
         self._batches: dict[int, _Batch] = {}
-        self._counts = np.zeros(2, np.int64)  # (decode steps, tokens) at the last batch's end
+        self._counts = np.zeros(2, np.int64)  # (slot-steps, tokens) at the last batch's end
         self.busy_seconds = 0.0
         self.published_bytes = 0
 
@@ -193,8 +193,8 @@ class RolloutWorker:
             out.left -= 1
         done = []
         for index in sorted(i for i, b in self._batches.items() if b.left == 0):
-            steps, tokens = counts - self._counts
-            idle = 1.0 - tokens / max(steps * self.rollout.slots, 1)
+            slot_steps, tokens = counts - self._counts
+            idle = 1.0 - tokens / max(slot_steps, 1)
             self._counts = counts.astype(np.int64)
             done.append(self._finish(index, self._batches.pop(index), now, float(idle)))
         return done
