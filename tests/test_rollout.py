@@ -155,10 +155,12 @@ def test_interruption_switches_weights_mid_sequence(setup):
     state = rollout.fill(rollout.empty(), params_a, 0, np.arange(len(LENGTHS)), tokens, mask,
                          keys, np.arange(len(LENGTHS)))
     state = rollout.advance(state, params_a, 0, 3)  # tokens 0..3 under version 0
-    state = rollout.reload(state, params_b)  # new weights arrive: the rest under version 1
+    _, counts = rollout.poll(state)
+    assert counts[2] == 4  # the longest busy row: the cache is recomputed 8 of N slots far
+    state = rollout.reload(state, params_b, counts[2])  # the rest under version 1
     state = rollout.advance(state, params_b, 1, N)
     done_b, counts = rollout.poll(state)
-    assert done_b.all() and counts.tolist() == [(N - 1) * len(LENGTHS)] * 2
+    assert done_b.all() and counts.tolist() == [(N - 1) * len(LENGTHS)] * 2 + [0]
     out = rollout.rows(state)
     want = np.array([0] * 4 + [1] * (N - 4))
     np.testing.assert_array_equal(out.versions_bn, np.broadcast_to(want, out.versions_bn.shape))

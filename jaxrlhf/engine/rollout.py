@@ -216,18 +216,20 @@ def _advance(model: Transformer, cfg: GenerateConfig, num_steps: int, params, s:
     return s
 
 
-def _recompute_cache(model: Transformer, cfg: GenerateConfig, params, s: SlotState) -> SlotState:
-    """Every slot's KV cache of prompt + response so far, recomputed under `params`.
+def _recompute_cache(model: Transformer, cfg: GenerateConfig, n_new: int, params,
+                     s: SlotState) -> SlotState:
+    """Every slot's KV cache of prompt + its first `n_new` response slots, recomputed under
+    `params` (n_new >= every busy slot's step_b; the later slots keep the old keys).
 
-    Slots of tokens not sampled yet hold padding's keys; causality hides them until the decode
-    loop overwrites them. The last sampled token's slot is rewritten by the next decode step
-    with the same values.
+    Slots of tokens not sampled yet hold padding's keys, and slots from n_new on the old
+    policy's: causality hides both until the decode loop overwrites them (a step writes its
+    token's slot before attending to it). The last sampled token's slot is rewritten by the
+    next decode step with the same values.
     """
     apply = functools.partial(model.apply, {"params": params})
-    n_new = cfg.max_new_tokens
     slots, prompt_len = s.prompt_tokens_bp.shape
     prompt_lengths_b = jnp.sum(s.prompt_mask_bp, axis=1, dtype=jnp.int32)
-    tokens_bs = jnp.concatenate([s.prompt_tokens_bp, s.response_bn], axis=1)
+    tokens_bs = jnp.concatenate([s.prompt_tokens_bp, s.response_bn[:, :n_new]], axis=1)
     prompt_positions_bp = jnp.maximum(jnp.cumsum(s.prompt_mask_bp, axis=1, dtype=jnp.int32) - 1,
                                       0)
     response_positions_bn = prompt_lengths_b[:, None] + jnp.arange(n_new, dtype=jnp.int32)
@@ -235,6 +237,8 @@ def _recompute_cache(model: Transformer, cfg: GenerateConfig, params, s: SlotSta
     segments_bs = _segments_bs(s.prompt_mask_bp, n_new)
     cache = _constrain_cache(KVCache.zeros(model.config, slots, prompt_len + n_new))
     _, cache = apply(tokens_bs, positions_bs, segments_bs, cache, 0, segments_bs, last_only=True)
+    cache = KVCache(*(jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0,) * old.ndim)
+                      for old, new in zip(s.cache, cache)))
     return s._replace(cache=_constrain_cache(cache))
 
 
@@ -282,8 +286,8 @@ class Rollout:
         strategy = layout.strategy
         self._per_device = strategy.fsdp == 1 and strategy.tensor == 1
         self._rows = jax.jit(functools.partial(_rows, gen_config))
-        self._poll = jax.jit(lambda s: (s.done_b, jnp.stack([jnp.sum(s.steps_b),
-                                                             jnp.sum(s.tokens_b)])))
+        self._poll = jax.jit(lambda s: (s.done_b, jnp.stack([
+            jnp.sum(s.steps_b), jnp.sum(s.tokens_b), jnp.max(jnp.where(s.done_b, 0, s.step_b))])))
 
     @property
     def compiles(self) -> int:
@@ -348,10 +352,19 @@ class Rollout:
         return self._run(("fill", size), fn, params, state, slots_k, tokens_kp, mask_kp, keys_k,
                          rows_k, self._version(version), donate=(1,))
 
-    def reload(self, state: SlotState, params) -> SlotState:
-        """Every slot's cache recomputed under new weights (an interruption)."""
-        fn = functools.partial(_recompute_cache, self.model, self.cfg)
-        return self._run(("reload",), fn, params, state, donate=(1,))
+    def reload(self, state: SlotState, params, longest: int | None = None) -> SlotState:
+        """Every slot's cache recomputed under new weights (an interruption).
+
+        Args:
+          longest: at least every busy slot's response length so far (`poll`'s third count);
+            the cache is recomputed that far, rounded up to a power of two (few compiles).
+            None: all max_new_tokens slots.
+        """
+        n_max = self.cfg.max_new_tokens
+        n_new = (n_max if longest is None
+                 else min(n_max, 1 << max(3, (int(longest) - 1).bit_length())))
+        fn = functools.partial(_recompute_cache, self.model, self.cfg, n_new)
+        return self._run(("reload", n_new), fn, params, state, donate=(1,))
 
     def advance(self, state: SlotState, params, version: int, num_steps: int) -> SlotState:
         """Up to `num_steps` more tokens in every busy slot under `params` (of policy `version`,
@@ -380,8 +393,8 @@ class Rollout:
                              in_specs=(PartitionSpec(), specs, PartitionSpec()), out_specs=specs)
 
     def poll(self, state: SlotState) -> tuple[np.ndarray, np.ndarray]:
-        """(done_b bool [S], counts int32 [2]: slot-steps decoded, tokens sampled in them) on
-        the host (a sync point on small arrays)."""
+        """(done_b bool [S], counts int32 [3]: slot-steps decoded, tokens sampled in them, the
+        longest busy slot's response so far) on the host (a sync point on small arrays)."""
         return tuple(np.asarray(x) for x in fetch(self._poll(state)))
 
     def rows(self, state: SlotState) -> Rows:

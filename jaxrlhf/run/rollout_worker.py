@@ -97,6 +97,7 @@ class RolloutWorker:
         self._waiting: collections.deque = collections.deque()  # (batch, row, key, stream)
         self._batches: dict[int, _Batch] = {}
         self._counts = np.zeros(2, np.int64)  # (slot-steps, tokens) at the last batch's end
+        self._longest = rollout.cfg.max_new_tokens  # busy slots' longest response at the poll
         self.busy_seconds = 0.0
         self.published_bytes = 0
 
@@ -149,7 +150,7 @@ class RolloutWorker:
                 self._state = self.rollout.empty()
             if self.version != self._cache_version:
                 if any(self._slots):  # new weights mid-sequence: an interruption
-                    self._state = self.rollout.reload(self._state, self.params)
+                    self._state = self.rollout.reload(self._state, self.params, self._longest)
                     for index in {slot[0] for slot in self._slots if slot}:
                         self._batches[index].interruptions += 1
                 self._cache_version = self.version
@@ -157,6 +158,7 @@ class RolloutWorker:
             self._state = self.rollout.advance(self._state, self.params, self.version,
                                                self.chunk_tokens)
             done_b, counts = self.rollout.poll(self._state)
+            self._longest = int(counts[2])
             finished = [s for s, slot in enumerate(self._slots) if slot and done_b[s]]
             return self._collect(finished, counts, now) if finished else []
         finally:
@@ -193,9 +195,9 @@ class RolloutWorker:
             out.left -= 1
         done = []
         for index in sorted(i for i, b in self._batches.items() if b.left == 0):
-            slot_steps, tokens = counts - self._counts
+            slot_steps, tokens = counts[:2] - self._counts
             idle = 1.0 - tokens / max(slot_steps, 1)
-            self._counts = counts.astype(np.int64)
+            self._counts = counts[:2].astype(np.int64)
             done.append(self._finish(index, self._batches.pop(index), now, float(idle)))
         return done
 
