@@ -130,6 +130,18 @@ def test_checkpoints_drain_the_pipeline():
     assert async_steps.drain_limit(trained=3, steps=40, every=0) == 40
 
 
+def test_generation_runs_ahead_only_to_fill_slots_of_the_batch_the_trainer_needs():
+    # Update 3 runs (weights of version 3): the trainer takes batch 4 next; η = 2.
+    start = lambda index, finished: async_steps.may_start(
+        index, version=3, eta=2, next_needed=4, finished=finished)
+    assert start(4, finished=set())  # the trainer needs it
+    assert start(5, finished=set())  # batch 4 still decodes: batch 5's rows fill its slots
+    assert not start(5, finished={4})  # batch 4 is ready: the trainer is the bottleneck
+    assert not start(6, finished=set())  # 6 > 3 + η
+    # No update running (the trainer waits for batch 4): as far ahead as η allows.
+    assert async_steps.may_start(5, version=4, eta=2, next_needed=4, finished=set())
+
+
 def test_stop_rewinds_to_the_first_untrained_batch(rows):
     prompts = datasets.EpochIterator(rows, 8, seed=0)
     states, batches = [], []

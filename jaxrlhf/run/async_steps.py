@@ -6,6 +6,7 @@ checkpoint drain, a batch's staleness metrics, the generation/training timeline,
 from __future__ import annotations
 
 import copy
+from collections.abc import Container
 
 import numpy as np
 
@@ -34,6 +35,15 @@ def drain_limit(trained: int, steps: int, every: int) -> int:
     if every <= 0:
         return steps
     return min(steps, (trained // every + 1) * every)
+
+
+def may_start(index: int, *, version: int, eta: int, next_needed: int,
+              finished: Container[int]) -> bool:
+    """Whether generation may start batch `index` with weights of `version`: within the
+    staleness bound η, and past `next_needed` (the batch the trainer takes next) only while
+    that batch is still decoding, to fill the slots its finished rows free. Once it is
+    `finished` the trainer is the bottleneck: starting more adds staleness, not throughput."""
+    return index <= version + eta and (index <= next_needed or next_needed not in finished)
 
 def batch_metrics(done: Generated, version: int, eta: int) -> dict[str, float]:
     """Staleness distribution and interruptions of the batch trained at `version`, with its
