@@ -29,6 +29,7 @@ does.
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import NamedTuple
 
@@ -336,6 +337,9 @@ class Rollout:
         if prompt_len != self.prompt_len:
             raise ValueError(f"rollout prompts must be padded to {self.prompt_len}, got "
                              f"{prompt_len}")
+        if self._per_device:
+            return self._fill_on_each_device(state, params, version, np.asarray(slots_k),
+                                             prompt_tokens_kp, prompt_mask_kp, keys, rows_k)
         size = _fill_size(k, self.layout.dp_size, self.slots)
         # Padding rows repeat the last one into slot S: out of range, their writes are dropped.
         pad = lambda x: np.concatenate([x, np.repeat(x[-1:], size - k, 0)])
@@ -351,6 +355,56 @@ class Rollout:
         fn = functools.partial(_fill, self.model, self.cfg)
         return self._run(("fill", size), fn, params, state, slots_k, tokens_kp, mask_kp, keys_k,
                          rows_k, self._version(version), donate=(1,))
+
+    def _fill_on_each_device(self, state: SlotState, params, version: int, slots_k,
+                             prompt_tokens_kp, prompt_mask_kp, keys, rows_k) -> SlotState:
+        """`fill` with each prompt prefilled on its slot's own device (`shard_map`).
+
+        Why: SPMD, the prompts lie spread over the devices whatever slots they go to, so the
+        fill gathered them (five all-gathers per call) for the slot writes.
+
+        Each device takes m rows (a power of two: few compiles): its prompts, then padding rows
+        (a copy of prompt 0) aimed at a local slot out of range, whose writes are dropped.
+        """
+        per_device = self.slots // self.layout.dp_size
+        device_k = slots_k // per_device
+        m = 1 << (int(np.bincount(device_k).max()) - 1).bit_length()
+        pick = np.zeros(self.layout.dp_size * m, np.int64)
+        local = np.full(self.layout.dp_size * m, per_device, np.int32)
+        for device in np.unique(device_k):
+            mine = np.flatnonzero(device_k == device)
+            at = slice(device * m, device * m + len(mine))
+            pick[at], local[at] = mine, slots_k[mine] - device * per_device
+        row, rows = self.layout.batch_sharding(1), self.layout.batch_sharding(2)
+        tokens_kp, mask_kp = jax.device_put(
+            (np.asarray(prompt_tokens_kp, np.int32)[pick], np.asarray(prompt_mask_kp, bool)[pick]),
+            rows)
+        keys_k = jax.device_put(jnp.stack([keys[i] for i in pick]), row)
+        rows_k, local_k = jax.device_put((np.asarray(rows_k, np.int32)[pick], local), row)
+        fill = functools.partial(_fill, self.model, self.cfg)
+
+        def fill_local(params, state, *args):
+            with nn.logical_axis_rules(()):  # local shapes: no sharding constraints inside
+                return fill(params, state, *args)
+
+        specs = jax.tree.map(lambda sharding: sharding.spec, self._state)
+        fn = jax.shard_map(fill_local, mesh=self.layout.mesh, out_specs=specs,
+                           in_specs=(PartitionSpec(), specs, row.spec, rows.spec, rows.spec,
+                                     row.spec, row.spec, PartitionSpec()))
+        return self._run(("fill", m), fn, params, state, local_k, tokens_kp, mask_kp, keys_k,
+                         rows_k, self._version(version), donate=(1,))
+
+    def spread(self, free: list[int]) -> list[int]:
+        """Free slots in the order to fill them: taking turns over the devices (a fill
+        prefills as many rows on every device as on its busiest)."""
+        per_device = self.slots // self.layout.dp_size
+        taken = collections.Counter()
+        order = []
+        for slot in sorted(free):
+            device = slot // per_device
+            order.append((taken[device], device, slot))
+            taken[device] += 1
+        return [slot for *_, slot in sorted(order)]
 
     def reload(self, state: SlotState, params, longest: int | None = None) -> SlotState:
         """Every slot's cache recomputed under new weights (an interruption).

@@ -169,7 +169,7 @@ class RolloutWorker:
         take = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
         if not take:
             return
-        slots = free[:len(take)]
+        slots = self.rollout.spread(free)[:len(take)]
         prompts = [self._batches[index].batch for index, *_ in take]
         tokens_kp = np.stack([np.asarray(b["prompt_tokens_bp"][row])
                               for b, (_, row, *_) in zip(prompts, take)])
