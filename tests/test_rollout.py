@@ -154,7 +154,7 @@ def test_interruption_switches_weights_mid_sequence(setup):
     keys = [jax.random.key(3)] * len(LENGTHS)
     state = rollout.fill(rollout.empty(), params_a, 0, np.arange(len(LENGTHS)), tokens, mask,
                          keys, np.arange(len(LENGTHS)))
-    state = rollout.advance(state, params_a, 0, 3)  # tokens 0..3 under version 0
+    state = rollout.advance(state, params_a, 0, 3, longest=1)  # tokens 0..3 under version 0
     _, counts = rollout.poll(state)
     assert counts[2] == 4  # the longest busy row: the cache is recomputed 8 of N slots far
     state = rollout.reload(state, params_b, counts[2])  # the rest under version 1

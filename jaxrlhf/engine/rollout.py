@@ -189,17 +189,27 @@ def _fill(model: Transformer, cfg: GenerateConfig, params, s: SlotState, slots_k
                            steps_b=s.steps_b, tokens_b=s.tokens_b)  # a prefill is no decode step
 
 
-def _advance(model: Transformer, cfg: GenerateConfig, num_steps: int, params, s: SlotState,
-             version) -> SlotState:
-    """Up to `num_steps` more tokens in every busy slot (generate's loop body, per slot)."""
+def _advance(model: Transformer, cfg: GenerateConfig, num_steps: int, n_new: int, params,
+             s: SlotState, version) -> SlotState:
+    """Up to `num_steps` more tokens in every busy slot (generate's loop body, per slot), on
+    the cache's first P + n_new slots (n_new >= every busy slot's step_b + num_steps - 1).
+
+    Why the cut: a step attends over its whole cache array, written or not (as generate's
+    growing segments, `decode_layers.segment_ends`); slots past every busy row's end are
+    neither read nor written this call. A free slot's write past the cut is dropped.
+    """
+    full = s.cache
+    prompt_len = s.prompt_tokens_bp.shape[1]
+    cache = KVCache(*(c[:, :, :prompt_len + n_new] for c in full))
     layer_by_layer = isinstance(model.layer_stack, LayerByLayer)
     if layer_by_layer:  # as in generate: the loop reads each layer's own weights and cache
         params = decode_layers.split_params(params)
-        s = s._replace(cache=_constrain_cache(decode_layers.split_cache(s.cache)))
+        cache = decode_layers.split_cache(cache)
+    s = s._replace(cache=_constrain_cache(cache))
     apply = functools.partial(model.apply, {"params": params})
-    slots, prompt_len = s.prompt_tokens_bp.shape
+    slots = s.prompt_tokens_bp.shape[0]
     prompt_lengths_b = jnp.sum(s.prompt_mask_bp, axis=1, dtype=jnp.int32)
-    segments_bs = _segments_bs(s.prompt_mask_bp, cfg.max_new_tokens)
+    segments_bs = _segments_bs(s.prompt_mask_bp, n_new)
 
     def body(carry: tuple[SlotState, jax.Array]) -> tuple[SlotState, jax.Array]:
         r, t = carry
@@ -212,9 +222,14 @@ def _advance(model: Transformer, cfg: GenerateConfig, num_steps: int, params, s:
 
     cond = lambda carry: (carry[1] < num_steps) & ~jnp.all(carry[0].done_b)
     s, _ = jax.lax.while_loop(cond, body, (s, jnp.zeros((), jnp.int32)))
-    if layer_by_layer:
-        s = s._replace(cache=_constrain_cache(decode_layers.stack_cache(s.cache)))
-    return s
+    # Back into the whole (donated) cache in place, layer by layer or at once.
+    cut = s.cache if layer_by_layer else (s.cache,)
+    for layer, c in enumerate(cut):
+        at = (layer,) if layer_by_layer else (0,)
+        full = KVCache(*(jax.lax.dynamic_update_slice(
+            whole, (part[None] if layer_by_layer else part), at + (0,) * (whole.ndim - 1))
+            for whole, part in zip(full, c)))
+    return s._replace(cache=_constrain_cache(full))
 
 
 def _recompute_cache(model: Transformer, cfg: GenerateConfig, n_new: int, params,
@@ -248,6 +263,12 @@ def _rows(cfg: GenerateConfig, s: SlotState) -> Rows:
     return Rows(jnp.concatenate([prompt_bp.astype(jnp.int32), s.response_bn], axis=1),
                 jnp.concatenate([s.prompt_mask_bp, s.mask_bn], axis=1), s.mask_bn,
                 s.logprobs_bn, s.versions_bn)
+
+
+def _response_bucket(n: int, n_max: int) -> int:
+    """Response slots to compute for rows up to n long: a power of two >= 8 (few compiles),
+    at most n_max."""
+    return min(n_max, 1 << max(3, (int(n) - 1).bit_length()))
 
 
 def _fill_size(k: int, dp: int, slots: int) -> int:
@@ -415,19 +436,28 @@ class Rollout:
             None: all max_new_tokens slots.
         """
         n_max = self.cfg.max_new_tokens
-        n_new = (n_max if longest is None
-                 else min(n_max, 1 << max(3, (int(longest) - 1).bit_length())))
+        n_new = n_max if longest is None else _response_bucket(longest, n_max)
         fn = functools.partial(_recompute_cache, self.model, self.cfg, n_new)
         return self._run(("reload", n_new), fn, params, state, donate=(1,))
 
-    def advance(self, state: SlotState, params, version: int, num_steps: int) -> SlotState:
+    def advance(self, state: SlotState, params, version: int, num_steps: int,
+                longest: int | None = None) -> SlotState:
         """Up to `num_steps` more tokens in every busy slot under `params` (of policy `version`,
-        the weights its cache was computed with: `reload` first after new weights)."""
-        fn = functools.partial(_advance, self.model, self.cfg, num_steps)
+        the weights its cache was computed with: `reload` first after new weights).
+
+        Args:
+          longest: at least every busy slot's response length so far (`poll`'s third count;
+            a slot filled since has 1): the steps attend over as many cache slots as such rows
+            can reach in this call, rounded up to a power of two. None: all of them.
+        """
+        n_max = self.cfg.max_new_tokens
+        n_new = (n_max if longest is None
+                 else _response_bucket(max(int(longest), 1) + num_steps, n_max))
+        fn = functools.partial(_advance, self.model, self.cfg, num_steps, n_new)
         if self._per_device:
             fn = self._on_each_device(fn)
-        return self._run(("advance", num_steps), fn, params, state, self._version(version),
-                         donate=(1,))
+        return self._run(("advance", num_steps, n_new), fn, params, state,
+                         self._version(version), donate=(1,))
 
     def _on_each_device(self, advance):
         """`advance` run by each device on its own slots (`shard_map`; weights replicated).

@@ -156,7 +156,7 @@ class RolloutWorker:
                 self._cache_version = self.version
             self._fill()
             self._state = self.rollout.advance(self._state, self.params, self.version,
-                                               self.chunk_tokens)
+                                               self.chunk_tokens, self._longest)
             done_b, counts = self.rollout.poll(self._state)
             self._longest = int(counts[2])
             finished = [s for s, slot in enumerate(self._slots) if slot and done_b[s]]
