@@ -1,6 +1,6 @@
 """Asynchronous vs synchronous RL: trained tokens/s on a long-tailed response-length workload.
 
-`python benchmarks/async_rl.py [--steps=14] [--warmup=4] [--etas=2,4] [--mp_etas=2]
+`python benchmarks/async_rl.py [--steps=14] [--warmup=4] [--rounds=1] [--etas=2,4] [--mp_etas=2]
 [--gen_replicas=1] [--stop_ids=12] [--algorithm=ppo] [--sync_placement=colocate]
 [--async_placement=disaggregate] [--devices=8]`
 (from the repository root or anywhere else; no PYTHONPATH needed)
@@ -128,7 +128,7 @@ def run(args, eta: int, workdir: str, gen_replicas: int = 1) -> dict:
     loop = async_loop.rl_loop if eta else rl.rl_loop  # multi-process: async_procs inside
     with build.host_pools(spec) as pools:
         runner = build.fresh_runner(job, pools)
-        loop(job, runner, prompts, sink, checkpoints, 0.0)
+        loop(job, runner, prompts, sink, checkpoints, {})
         runner.close()
     checkpoints.close()
     if jax.process_index():  # a generation replica: the trainer (process 0) measures
@@ -231,6 +231,10 @@ def parse(argv):
     parser.add_argument("--devices", type=int, default=8,
                         help="CPU devices: the synchronous run's; the asynchronous runs split them")
     parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times to run the synchronous and single-process asynchronous runs, "
+                             "alternating; each ratio is against its own round's synchronous run "
+                             "(median over rounds; multi-process runs: against the median)")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--etas", default="2,4")
     parser.add_argument("--algorithm", default="ppo", choices=("ppo", "grpo"))
@@ -262,21 +266,31 @@ def main(argv=None) -> None:
     if not 1 <= args.warmup < args.steps:
         sys.exit("need 1 <= --warmup < --steps")
     etas = [int(e) for e in args.etas.split(",") if e] if args.single_process else []
-    results = []
-    for eta in [0] + etas:
-        with tempfile.TemporaryDirectory(prefix="async-bench-") as workdir:
-            results.append(run(args, eta, workdir))
-        print(results[-1], flush=True)
+    results, ratios = [], {}
+    name = lambda r: f"eta={r['eta']}" + (f",processes={r['processes']}"
+                                          if r["processes"] > 1 else "")
+    # Rounds alternate the synchronous and asynchronous runs: a machine whose load changes
+    # (other jobs on the same cores) shows as spread between rounds, not as a false ratio.
+    for _ in range(args.rounds):
+        first = len(results)
+        for eta in [0] + etas:
+            with tempfile.TemporaryDirectory(prefix="async-bench-") as workdir:
+                results.append(run(args, eta, workdir))
+            print(results[-1], flush=True)
+        for r in results[first + 1:]:
+            ratios.setdefault(name(r), []).append(
+                r["tokens_per_second"] / results[first]["tokens_per_second"])
+    sync = float(np.median([r["tokens_per_second"] for r in results if not r["eta"]]))
     for eta in [int(e) for e in args.mp_etas.split(",") if e]:
         results.append(multi_process(args, eta, argv))
         print(results[-1], flush=True)
-    sync = results[0]["tokens_per_second"]
-    name = lambda r: f"eta={r['eta']}" + (f",processes={r['processes']}"
-                                          if r["processes"] > 1 else "")
-    print(json.dumps({"device": jax.devices()[0].platform, "algorithm": args.algorithm,
-                      "runs": results,
-                      "ratio_vs_sync": {name(r): r["tokens_per_second"] / sync
-                                        for r in results[1:]}}))
+        ratios[name(results[-1])] = [results[-1]["tokens_per_second"] / sync]
+    summary = {"device": jax.devices()[0].platform, "algorithm": args.algorithm,
+               "runs": results,
+               "ratio_vs_sync": {k: float(np.median(v)) for k, v in ratios.items()}}
+    if args.rounds > 1:
+        summary["ratio_rounds"] = ratios
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
