@@ -11,6 +11,8 @@ goes on exactly as the uninterrupted run did.
 
 from __future__ import annotations
 
+import dataclasses
+
 from tqdm import tqdm
 
 from jaxrlhf import checkpoint
@@ -18,7 +20,6 @@ from jaxrlhf.algorithms import sft
 from jaxrlhf.data import datasets
 from jaxrlhf.data.encode import sft_batch
 from jaxrlhf.dataflow.graph import build_graph
-from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine.microbatch import num_microbatches
 from jaxrlhf.engine.train_step import create_train_state
 from jaxrlhf.mfc import Role
@@ -101,26 +102,25 @@ class WarmStart:
         return runner.runtimes[Role.ACTOR].state.params
 
     def _runner(self, initial_params) -> tuple[Runner, datasets.EpochIterator]:
-        """The warm start's runner and SFT row iterator, at step 0 or at the restored step."""
+        """The warm start's runner and SFT row iterator, at step 0 or at the restored step: the
+        run's own runner (`build.runner`) of SFT on the actor alone, on the actor's layout, with
+        the warm start's optimizer."""
         job, spec, layout = self.job, self.job.spec, self.layout
-        w, r = spec.warm_start, spec.rollout
-        algorithm = sft.make()
-        micro = num_microbatches(spec.micro, w.batch_size, r.seq_len, layout.dp_size)
+        w, algorithm = spec.warm_start, sft.make()
+        micro = num_microbatches(spec.micro, w.batch_size, spec.rollout.seq_len, layout.dp_size)
         rows = datasets.EpochIterator(self.rows, w.batch_size, seed=spec.seed)
+        host = None
         if self.restored is None:
             state = create_train_state(initial_params(), spec.base.config, layout, w.optimizer)
         else:
             host, states = self.restored
             state = states[Role.ACTOR]
             rows.restore(host.iterator)
-        runtime = ModelRuntime(Role.ACTOR, spec.base.config, layout, state=state)
-        engines = {"actor_train": build.engine_call(
-            algorithm.mfcs[0], spec.base.config, layout, micro, r, job.tokenizer, algorithm,
-            w.optimizer)}
-        plan = single("actor_train", layout, micro)
-        runner = Runner(algorithm, build_graph(algorithm.mfcs), plan, {Role.ACTOR: runtime},
-                        engines, job.tokenizer, {}, spec.seed)
-        if self.restored is not None:
-            runner.restore(self.restored[0].runner)
+        warm = dataclasses.replace(spec, algorithm=algorithm, graph=build_graph(algorithm.mfcs),
+                                   models={Role.ACTOR: spec.base}, rewards={},
+                                   optimizers={Role.ACTOR: w.optimizer})
+        runner = build.runner(dataclasses.replace(job, spec=warm, plan=single(
+            algorithm.mfcs[0].name, layout, micro)), {Role.ACTOR: state}, {},
+            None if host is None else host.runner)
         self.restored = None  # its arrays now belong to the runner (donated by its steps)
         return runner, rows
