@@ -22,7 +22,10 @@ put while the runs are compared.
 Trained tokens/s (steady state) = the mean prompt + response tokens of a step / the median wall
 time between the ends of consecutive steps, over steps warmup..steps-1 (compiles are in the
 warmup). The median, not the total: an asynchronous run starts the window with up to η batches
-already generated, which would flatter it over a short window.
+already generated, which would flatter it over a short window. `tokens_per_second_steady` (and
+`ratio_vs_sync_steady`) take the median over the windows whose update compiled nothing
+(`windows_compiling` counts the others): a response width first seen after the warmup
+compiles the trainer's calls for seconds, in either loop, sometimes in half the windows.
 
 Per run it also prints where a step's time goes: `gen_seconds` and `train_seconds` (sync: the
 generate call and the rest of the step; async: a batch's generation, wall time from its
@@ -140,8 +143,16 @@ def run(args, eta: int, workdir: str, gen_replicas: int = 1) -> dict:
     windows = np.diff(times[args.warmup - 1:])
     period = float(np.median(windows))
     metric = lambda key: np.array([sink.steps[s][1][key] for s in measured])
+    # Windows whose update compiled nothing (a new response-width bucket compiles the trainer's
+    # calls for seconds, in either loop, and can land in half the windows of a short run).
+    compiles = np.array([sink.steps[s][1].get("recompiles", 0.0)
+                         for s in range(args.warmup - 1, args.steps)])
+    steady = windows[np.diff(compiles) == 0]
+    steady_period = float(np.median(steady)) if len(steady) else float("nan")
     out = {"eta": eta, "placement": spec.placement.kind.value, "processes": jax.process_count(),
            "tokens_per_second": tokens / period, "step_seconds": period,
+           "tokens_per_second_steady": tokens / steady_period,
+           "windows_compiling": int(len(windows) - len(steady)),
            "mean_response_length": float(np.mean(lengths)),
            "staleness_max": max(sink.steps[s][1].get("async/staleness_max", 0.0)
                                 for s in measured)}
@@ -266,7 +277,7 @@ def main(argv=None) -> None:
     if not 1 <= args.warmup < args.steps:
         sys.exit("need 1 <= --warmup < --steps")
     etas = [int(e) for e in args.etas.split(",") if e] if args.single_process else []
-    results, ratios = [], {}
+    results, ratios, steady = [], {}, {}
     name = lambda r: f"eta={r['eta']}" + (f",processes={r['processes']}"
                                           if r["processes"] > 1 else "")
     # Rounds alternate the synchronous and asynchronous runs: a machine whose load changes
@@ -280,6 +291,8 @@ def main(argv=None) -> None:
         for r in results[first + 1:]:
             ratios.setdefault(name(r), []).append(
                 r["tokens_per_second"] / results[first]["tokens_per_second"])
+            steady.setdefault(name(r), []).append(
+                r["tokens_per_second_steady"] / results[first]["tokens_per_second_steady"])
     sync = float(np.median([r["tokens_per_second"] for r in results if not r["eta"]]))
     for eta in [int(e) for e in args.mp_etas.split(",") if e]:
         results.append(multi_process(args, eta, argv))
@@ -287,9 +300,11 @@ def main(argv=None) -> None:
         ratios[name(results[-1])] = [results[-1]["tokens_per_second"] / sync]
     summary = {"device": jax.devices()[0].platform, "algorithm": args.algorithm,
                "runs": results,
-               "ratio_vs_sync": {k: float(np.median(v)) for k, v in ratios.items()}}
+               "ratio_vs_sync": {k: float(np.median(v)) for k, v in ratios.items()},
+               "ratio_vs_sync_steady": {k: float(np.median(v)) for k, v in steady.items()}}
     if args.rounds > 1:
         summary["ratio_rounds"] = ratios
+        summary["ratio_rounds_steady"] = steady
     print(json.dumps(summary))
 
 
