@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxrlhf.engine import decode_layers
-from jaxrlhf.engine.buckets import CompileCache
+from jaxrlhf.engine.buckets import CompileCache, bucket_length, power_of_two_buckets
 from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.generate import (
     _CACHE_AXES, GenerateConfig, _constrain_cache, _prefill, decode_model, draw,
@@ -268,7 +268,7 @@ def _rows(cfg: GenerateConfig, s: SlotState) -> Rows:
 def _response_bucket(n: int, n_max: int) -> int:
     """Response slots to compute for rows up to n long: a power of two >= 8 (few compiles),
     at most n_max."""
-    return min(n_max, 1 << max(3, (int(n) - 1).bit_length()))
+    return bucket_length(min(int(n), n_max), power_of_two_buckets(n_max, min_len=8))
 
 
 def _fill_size(k: int, dp: int, slots: int) -> int:
@@ -402,16 +402,8 @@ class Rollout:
             rows)
         keys_k = jax.device_put(jnp.stack([keys[i] for i in pick]), row)
         rows_k, local_k = jax.device_put((np.asarray(rows_k, np.int32)[pick], local), row)
-        fill = functools.partial(_fill, self.model, self.cfg)
-
-        def fill_local(params, state, *args):
-            with nn.logical_axis_rules(()):  # local shapes: no sharding constraints inside
-                return fill(params, state, *args)
-
-        specs = jax.tree.map(lambda sharding: sharding.spec, self._state)
-        fn = jax.shard_map(fill_local, mesh=self.layout.mesh, out_specs=specs,
-                           in_specs=(PartitionSpec(), specs, row.spec, rows.spec, rows.spec,
-                                     row.spec, row.spec, PartitionSpec()))
+        fn = self._on_each_device(functools.partial(_fill, self.model, self.cfg),
+                                  row.spec, rows.spec, rows.spec, row.spec, row.spec)
         return self._run(("fill", m), fn, params, state, local_k, tokens_kp, mask_kp, keys_k,
                          rows_k, self._version(version), donate=(1,))
 
@@ -459,22 +451,24 @@ class Rollout:
         return self._run(("advance", num_steps, n_new), fn, params, state,
                          self._version(version), donate=(1,))
 
-    def _on_each_device(self, advance):
-        """`advance` run by each device on its own slots (`shard_map`; weights replicated).
+    def _on_each_device(self, fn, *arg_specs: PartitionSpec):
+        """`fn(params, state, *args, version)` run by each device on its own slots
+        (`shard_map`; the weights are replicated), `args` split as `arg_specs` say.
 
-        Why: SPMD, the loop's condition (are all slots done?) is an all-reduce across the
+        Why: SPMD, advance's loop condition (are all slots done?) is an all-reduce across the
         data-parallel devices every decode step, where a device that got ahead waits for the
         other; on XLA:CPU that rendezvous cost more than the step itself (tiny model, 16 slots,
-        2 devices). Each device's own loop stops when its own slots are done.
+        2 devices): each device's own loop stops when its own slots are done. A fill gathered
+        its prompts (five all-gathers per call) for the slot writes.
         """
         specs = jax.tree.map(lambda sharding: sharding.spec, self._state)
 
-        def local(params, state, version):
+        def local(*args):
             with nn.logical_axis_rules(()):  # local shapes: no sharding constraints inside
-                return advance(params, state, version)
+                return fn(*args)
 
-        return jax.shard_map(local, mesh=self.layout.mesh,
-                             in_specs=(PartitionSpec(), specs, PartitionSpec()), out_specs=specs)
+        return jax.shard_map(local, mesh=self.layout.mesh, out_specs=specs,
+                             in_specs=(PartitionSpec(), specs, *arg_specs, PartitionSpec()))
 
     def poll(self, state: SlotState) -> tuple[np.ndarray, np.ndarray]:
         """(done_b bool [S], counts int32 [3]: slot-steps decoded, tokens sampled in them, the
