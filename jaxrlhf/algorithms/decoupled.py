@@ -91,4 +91,5 @@ def decoupled_ppo(cfg: ppo.PPOConfig, *, reward_model: bool, batch_size: int) ->
 
 
 def decoupled_grpo(cfg: grpo.GRPOConfig, *, reward_model: bool) -> Algorithm:
-    return decouple(grpo.make(cfg, reward_model=reward_model), functools.partial(grpo.actor_loss, cfg))
+    return decouple(grpo.make(cfg, reward_model=reward_model),
+                    functools.partial(grpo.actor_loss, cfg))

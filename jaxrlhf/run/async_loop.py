@@ -17,12 +17,13 @@ After each update the trainer's actor parameters go to the generation layout thr
 Staleness: batch k is trained by update k (policy version k → k+1). Generation may start batch
 k only with weights of version ≥ k − η (AReaL's ⌊(N_r − 1)/B⌋ ≤ i + η), so when it is trained
 its oldest token is at most η versions old. This is asserted from the per-token versions
-before every update. η is a bound, not a target: past the batch the trainer takes next,
-generation starts another only while that one is still decoding (its freed slots take the new
-rows). When generation is faster than training the trainer is the bottleneck, and running
-further ahead would only train on older samples (GRPO on configs/grpo_tiny.py, η = 2: held-out
-accuracy 0.77 with 90% of tokens 2 versions old; 0.92, as synchronous, at staleness 1). With η = 0 generation waits for every update and the loop computes
-exactly what the synchronous loop computes (same batches, sampling keys and weights).
+before every update. η is a bound, not a target (`async_steps.may_start`): past the batch the
+trainer takes next, generation starts another only while that one is still decoding (its freed
+slots take the new rows). When generation is faster than training the trainer is the
+bottleneck, and running further ahead would only train on older samples (GRPO on
+configs/grpo_tiny.py, η = 2: held-out accuracy 0.77 with 90% of tokens 2 versions old; 0.92,
+as synchronous, at staleness 1). With η = 0 generation waits for every update and the loop
+computes exactly what the synchronous loop computes (same batches, sampling keys and weights).
 
 Checkpoints drain: generation never starts a batch past the next checkpoint step, so when a
 checkpoint is written every generated batch is trained and the prompt iterator stands where

@@ -45,6 +45,7 @@ def may_start(index: int, *, version: int, eta: int, next_needed: int,
     `finished` the trainer is the bottleneck: starting more adds staleness, not throughput."""
     return index <= version + eta and (index <= next_needed or next_needed not in finished)
 
+
 def batch_metrics(done: Generated, version: int, eta: int) -> dict[str, float]:
     """Staleness distribution and interruptions of the batch trained at `version`, with its
     generation seconds, its longest response and the decode padding: the share of the

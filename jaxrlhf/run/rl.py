@@ -55,10 +55,6 @@ class Start:
         params = self.warm.run(writer)
         return None if params is None else build.fresh_runner(job, pools, params)
 
-    def before(self) -> dict[str, float]:
-        """The checkpoint's held-out figures from before training."""
-        return dict(self.resume.evaluation_before)
-
     def rows(self, rows: list, job: Job) -> datasets.EpochIterator:
         """Endless batches of `rows` from where the checkpoint left them."""
         out = datasets.EpochIterator(rows, job.spec.rollout.batch_size, seed=job.spec.seed)
@@ -193,7 +189,8 @@ def run(job: Job) -> dict:
             return summary(job, t0, start, None, None, {}, None)
         evaluate = evaluator(job, runner, held_out)
         with contextlib.closing(runner):
-            before = evaluate() if start.resume is None else start.before()
+            before = (evaluate() if start.resume is None
+                      else dict(start.resume.evaluation_before))  # not recomputed
             print(f"held-out before {what}: {show(before)}", flush=True)
             rows = {BatchKind.PROMPTS: job.data.train, BatchKind.SFT_ROWS: job.data.sft,
                     BatchKind.PAIRS: job.data.pairs}[spec.algorithm.batches]
