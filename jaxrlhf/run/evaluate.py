@@ -30,7 +30,6 @@ the job's summary `accuracy` means what the algorithm's `Evaluation` says:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -77,6 +76,48 @@ class _Responses:
     texts: list[str]
 
 
+@dataclasses.dataclass(frozen=True)
+class Scorer:
+    """Forward passes of one model over held-out rows (the reward model's of generated
+    responses, an offline run's of (prompt, response) texts), on one layout."""
+
+    infer: Callable
+    dp: int
+    tokenizer: object
+    rollout: RolloutSpec
+
+    def infer_rows(self, params, seq_bs: np.ndarray, mask_bs: np.ndarray):
+        """The model's output on int/bool [b, P+N] host rows, cycled to whole rows per device
+        (its first b rows are theirs)."""
+        rows = _padded_rows(list(range(len(seq_bs))), 1, self.dp)
+        return self.infer(params, InferenceBatch.padded(seq_bs[rows], mask_bs[rows]))
+
+    def __call__(self, params, prompts: list[str], responses: list[str]):
+        """(output, response_mask_bn) of the model on the (prompt, response) rows."""
+        r = self.rollout
+        batch = sequence_batch(prompts, responses, self.tokenizer, r.max_prompt_len,
+                               r.max_new_tokens)
+        out = self.infer_rows(params, batch["seq_tokens_bs"], batch["seq_mask_bs"])
+        return out, batch["response_mask_bn"]
+
+    def response_logprobs(self, params, prompts, responses) -> tuple[np.ndarray, np.ndarray]:
+        """([b] Σ log p of each response incl. EOS, [b] its token count)."""
+        out, mask_bn = self(params, prompts, responses)
+        logp_bn = fetch(out.logprobs_bt)[: len(prompts), -mask_bn.shape[1]:]  # any process
+        return np.sum(logp_bn * mask_bn, axis=1), np.sum(mask_bn, axis=1)
+
+    def scores(self, params, prompts, responses) -> np.ndarray:
+        out, _ = self(params, prompts, responses)
+        return fetch(out.scores_bk)[: len(prompts), 0]
+
+
+def make_scorer(runtime: ModelRuntime, kind: InferenceKind, job: Job) -> Scorer:
+    r = job.spec.rollout
+    infer = make_inference_fn(runtime.config, InferenceConfig(kind), runtime.home,
+                              length_buckets=(r.seq_len,))
+    return Scorer(infer, runtime.home.dp_size, job.tokenizer, r)
+
+
 class HeldOut:
     """The held-out evaluation of one run (see the module docstring).
 
@@ -100,7 +141,7 @@ class HeldOut:
         self._sampling = gen(False) if spec.evaluation.samples else None
         self._reward_spec = spec.rewards.get(Role.REWARD)  # None: a reward model
         self._pool: RewardPool | None = None
-        self._reward_infer = None
+        self._reward_scorer: Scorer | None = None
 
     # --- scoring ---------------------------------------------------------------------------
 
@@ -117,16 +158,11 @@ class HeldOut:
 
     def _model_scores(self, reward: ModelRuntime, responses: _Responses) -> np.ndarray:
         """float [rows]: the reward model's score at each sequence's last real token."""
-        if self._reward_infer is None:
-            self._reward_infer = make_inference_fn(
-                reward.config, InferenceConfig(InferenceKind.SCORES), reward.home,
-                length_buckets=(self._job.spec.rollout.seq_len,))
-        seq_bs, mask_bs = responses.seq_bs, responses.mask_bs
-        rows = _padded_rows(list(range(len(seq_bs))), 1, reward.home.dp_size)
-        out = self._reward_infer(reward.params, InferenceBatch.padded(seq_bs[rows],
-                                                                      mask_bs[rows]))
+        if self._reward_scorer is None:
+            self._reward_scorer = make_scorer(reward, InferenceKind.SCORES, self._job)
+        out = self._reward_scorer.infer_rows(reward.params, responses.seq_bs, responses.mask_bs)
         reward.after_call()  # a frozen reward model goes back to host memory if it waits there
-        return np.asarray(fetch(out.scores_bk))[: len(seq_bs), 0].astype(np.float64)
+        return np.asarray(fetch(out.scores_bk))[: len(responses.seq_bs), 0].astype(np.float64)
 
     def _verdicts(self, rows: Sequence[PromptRow], texts: list[str],
                   rewards: np.ndarray | None) -> np.ndarray:
@@ -219,43 +255,6 @@ class HeldOut:
 Evaluator = Callable[[], dict[str, float]]
 
 
-@dataclasses.dataclass(frozen=True)
-class Scorer:
-    """Forward passes of one model over held-out (prompt, response) rows, on one layout."""
-
-    infer: Callable
-    dp: int
-    tokenizer: object
-    rollout: RolloutSpec
-
-    def __call__(self, params, prompts: list[str], responses: list[str]):
-        """(output, response_mask_bn) of the model on the rows (padding rows cut off)."""
-        r = self.rollout
-        batch = sequence_batch(_padded_rows(prompts, 1, self.dp),
-                               _padded_rows(responses, 1, self.dp), self.tokenizer,
-                               r.max_prompt_len, r.max_new_tokens)
-        out = self.infer(params, InferenceBatch.padded(batch["seq_tokens_bs"],
-                                                        batch["seq_mask_bs"]))
-        return out, batch["response_mask_bn"][: len(prompts)]
-
-    def response_logprobs(self, params, prompts, responses) -> tuple[np.ndarray, np.ndarray]:
-        """([b] Σ log p of each response incl. EOS, [b] its token count)."""
-        out, mask_bn = self(params, prompts, responses)
-        logp_bn = fetch(out.logprobs_bt)[: len(prompts), -mask_bn.shape[1]:]  # any process
-        return np.sum(logp_bn * mask_bn, axis=1), np.sum(mask_bn, axis=1)
-
-    def scores(self, params, prompts, responses) -> np.ndarray:
-        out, _ = self(params, prompts, responses)
-        return fetch(out.scores_bk)[: len(prompts), 0]
-
-
-def make_scorer(runtime: ModelRuntime, kind: InferenceKind, job: Job) -> Scorer:
-    r = job.spec.rollout
-    infer = make_inference_fn(runtime.config, InferenceConfig(kind), runtime.home,
-                              length_buckets=(r.seq_len,))
-    return Scorer(infer, runtime.home.dp_size, job.tokenizer, r)
-
-
 def evaluator(job: Job, runner: Runner, held_out: HeldOut) -> Evaluator:
     """The run's held-out evaluation before and after training, by its algorithm's
     `Evaluation` (module docstring), on `held_out`'s layout: RL's actor generation layout, an
@@ -306,9 +305,3 @@ def held_out_layout(job: Job) -> Layout:
     return next((layouts[m.name] for m in spec.graph.mfcs
                  if m.role is Role.ACTOR and m.call is Call.GENERATE),
                 job.plan.home(spec.graph, spec.algorithm.trained_role))
-
-
-def summary_value(metrics: dict[str, float]) -> float | None:
-    """The one figure the progress line shows: accuracy when there are answers, else reward."""
-    value = metrics.get("accuracy", metrics.get("reward"))
-    return None if value is None or math.isnan(value) else value
