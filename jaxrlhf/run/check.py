@@ -16,7 +16,7 @@ import tempfile
 from ml_collections import ConfigDict
 
 from jaxrlhf.algorithms.spec import BatchKind
-from jaxrlhf.checkpoint import CHECKPOINT_DIR, CheckpointError, check_resume
+from jaxrlhf.checkpoint import CHECKPOINT_DIR, check_resume
 from jaxrlhf.data.rewards import resolve_reward
 from jaxrlhf.data.sources import Data, read_data, read_pairs
 from jaxrlhf.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
@@ -92,8 +92,6 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
         raise ConfigError(f"rollout.batch_size={spec.rollout.batch_size}: more than the "
                           f"{len(data.train)} rows of {spec.data.train_path}")
     fingerprint = run_fingerprint(spec.config_json)
-    try:
+    with field("checkpoint"):  # another run's checkpoints are refused
         check_resume(workdir / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
-    except CheckpointError as error:
-        raise ConfigError(str(error)) from None
     return Job(spec, tokenizer, plan, workdir, fingerprint, data)

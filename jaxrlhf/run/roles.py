@@ -37,10 +37,9 @@ class Start(enum.Enum):
 
 
 def trunk_shapes(config: ModelConfig) -> dict:
-    """Path -> shape of every parameter but the head (dtypes aside)."""
-    leaves = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(abstract_params(config)))[0]
-    return {jax.tree_util.keystr(p): x.shape for p, x in leaves
-            if jax.tree_util.keystr(p).strip("[]'") not in _HEADS}
+    """The shapes of every parameter but the head (a top-level one), dtypes aside."""
+    params = nn.meta.unbox(abstract_params(config))
+    return jax.tree.map(lambda x: x.shape, {k: v for k, v in params.items() if k not in _HEADS})
 
 
 def start_of(spec: RunSpec, role: Role) -> Start:
