@@ -11,6 +11,7 @@ goes on exactly as the uninterrupted run did.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from tqdm import tqdm
@@ -61,32 +62,24 @@ class WarmStart:
         Args:
           writer: the run's MetricsWriter (records `sft/...` at warm-start steps).
         """
-        try:
-            return self._run(writer)
-        finally:
-            if self.checkpoints is not None:
-                self.checkpoints.close()
-
-    def _run(self, writer):
-        initial_params = lambda: build.initial_actor_params(self.job.spec, self.layout)
-        if not self.steps:
-            return initial_params()
         job, spec = self.job, self.job.spec
-        if self.restored is not None and self.start_step >= self.steps:
-            print(f"the warm start is done: its checkpoint {self.start_step} in "
-                  f"{self.checkpoints.directory}", flush=True)
-            return self.restored[1][Role.ACTOR].params
-        if self.restored is not None:
-            print(f"resuming the warm start from checkpoint {self.start_step} in "
-                  f"{self.checkpoints.directory}", flush=True)
-        runner, rows = self._runner(initial_params)
-        r = spec.rollout
-        save = lambda: checkpoint.save_run(self.checkpoints, runner, rows, {},
-                                           spec.config_json, job.fingerprint)
-        bar = tqdm(range(runner.step_index, self.steps), desc="warm start (SFT)",
-                   initial=runner.step_index, total=self.steps, mininterval=2)
-        try:
-            with checkpoint.StopRequest() as stop:
+        if not self.steps:
+            return build.initial_actor_params(spec, self.layout)
+        with contextlib.closing(self.checkpoints):
+            if self.restored is not None and self.start_step >= self.steps:
+                print(f"the warm start is done: its checkpoint {self.start_step} in "
+                      f"{self.checkpoints.directory}", flush=True)
+                return self.restored[1][Role.ACTOR].params
+            if self.restored is not None:
+                print(f"resuming the warm start from checkpoint {self.start_step} in "
+                      f"{self.checkpoints.directory}", flush=True)
+            runner, rows = self._runner()
+            r = spec.rollout
+            save = lambda: checkpoint.save_run(self.checkpoints, runner, rows, {},
+                                               spec.config_json, job.fingerprint)
+            bar = tqdm(range(runner.step_index, self.steps), desc="warm start (SFT)",
+                       initial=runner.step_index, total=self.steps, mininterval=2)
+            with contextlib.closing(runner), checkpoint.StopRequest() as stop:
                 for step in bar:
                     batch = sft_batch(next(rows), job.tokenizer, r.max_prompt_len,
                                       r.max_new_tokens)
@@ -97,11 +90,9 @@ class WarmStart:
                                               "warm-start"):
                         return None
             save()  # its end: a rerun stopped before the run's first checkpoint starts here
-        finally:
-            runner.close()
-        return runner.runtimes[Role.ACTOR].state.params
+            return runner.runtimes[Role.ACTOR].state.params
 
-    def _runner(self, initial_params) -> tuple[Runner, datasets.EpochIterator]:
+    def _runner(self) -> tuple[Runner, datasets.EpochIterator]:
         """The warm start's runner and SFT row iterator, at step 0 or at the restored step: the
         run's own runner (`build.runner`) of SFT on the actor alone, on the actor's layout, with
         the warm start's optimizer."""
@@ -111,7 +102,8 @@ class WarmStart:
         rows = datasets.EpochIterator(self.rows, w.batch_size, seed=spec.seed)
         host = None
         if self.restored is None:
-            state = create_train_state(initial_params(), spec.base.config, layout, w.optimizer)
+            params = build.initial_actor_params(spec, layout)
+            state = create_train_state(params, spec.base.config, layout, w.optimizer)
         else:
             host, states = self.restored
             state = states[Role.ACTOR]
