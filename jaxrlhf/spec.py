@@ -115,9 +115,9 @@ class EvalSpec:
     used (0 = all).
     """
 
-    every: int = 0
-    samples: int = 0
-    max_prompts: int = 0
+    every: int
+    samples: int
+    max_prompts: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +136,8 @@ class PlacementSpec:
     strategy: str  # colocate's degrees
     allocation: str  # manual: NAME=RANGE:STRATEGY[@MICRO_BATCHES],...
     offload_frozen: bool
-    offload_trainable: bool = False  # trained models wait in host memory while others run
-    gen_replicas: int = 1  # disaggregate: generation replicas, one device block each
+    offload_trainable: bool  # trained models wait in host memory while others run
+    gen_replicas: int  # disaggregate: generation replicas, one device block each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +150,9 @@ class AsyncRLSpec:
       chunk_tokens: tokens decoded between checks for new weights.
     """
 
-    max_staleness: int = 0
-    decoupled: bool = False
-    chunk_tokens: int = 8
+    max_staleness: int
+    decoupled: bool
+    chunk_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,9 +188,9 @@ class RunSpec:
     seed: int
     steps: int
     config_json: str
-    async_rl: AsyncRLSpec = AsyncRLSpec()
-    require_model_paths: bool = False  # every role loads its own HF directory
-    evaluation: EvalSpec = EvalSpec()
+    async_rl: AsyncRLSpec
+    require_model_paths: bool  # every role loads its own HF directory
+    evaluation: EvalSpec
 
     @property
     def step_rows(self) -> int:

@@ -102,7 +102,7 @@ class Runner:
     def __init__(self, algorithm: Algorithm, graph: DataflowGraph, plan: RunPlan,
                  runtimes: dict[Role, ModelRuntime], engines: dict, tokenizer,
                  host_pools: Mapping[Role, ex.HostFunction], seed: int):
-        self.algorithm, self.graph, self.plan = algorithm, graph, plan
+        self.algorithm, self.graph = algorithm, graph
         self.runtimes = runtimes
         self.controller = dict(algorithm.controller_init)
         self.step_index = 0
