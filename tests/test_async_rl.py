@@ -233,17 +233,6 @@ def test_bad_gen_replicas_is_one_line(update, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_trainer_issues_ahead_only_while_no_second_batch_waits_for_it():
-    from jaxrlhf.run.async_procs import may_issue
-
-    # Version 3, η = 2: batches 3 and 4 outstanding (deadlines 4 and 5); a third, deadline 5.
-    assert may_issue([4, 5], version=3, eta=2, waiting=0)  # neither has arrived
-    assert may_issue([4, 5], version=3, eta=2, waiting=1)  # the coming update takes it
-    assert not may_issue([4, 5], version=3, eta=2, waiting=2)  # the trainer is the bottleneck
-    assert not may_issue([3, 4, 5], version=3, eta=2, waiting=0)  # deadlines 3..5 are full
-    assert may_issue([], version=3, eta=0, waiting=0)
-
-
 def test_schedule_keeps_every_batch_within_its_deadline():
     """Batches may arrive in any order; training one first is allowed only if every other
     outstanding batch can still be trained by its deadline (issue version + η)."""

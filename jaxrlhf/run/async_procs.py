@@ -79,16 +79,6 @@ def schedulable(deadlines: list[int], next_update: int) -> bool:
     return all(d >= next_update + i for i, d in enumerate(sorted(deadlines)))
 
 
-def may_issue(deadlines: list[int], version: int, eta: int, waiting: int) -> bool:
-    """Whether the trainer (at `version`) issues another batch now, with the outstanding
-    batches' `deadlines` and `waiting` of them arrived: only if every deadline, the new one's
-    included, stays schedulable, and no arrived batch waits beyond the one the coming update
-    takes. The second is the one-process loop's rule (`async_steps.may_start`) for batches
-    trained in order of arrival: once a batch waits for the trainer, the trainer is the
-    bottleneck, and work issued further ahead would only be trained on older weights."""
-    return schedulable([*deadlines, version + eta], version) and waiting < 2
-
-
 def replica_layouts(job: Job, gen_name: str) -> list[Layout]:
     """Replica r's generation layout (r = 1..R): the plan's generate layout, which must cover
     process 1's devices, moved onto process r's; every other MFC must sit on process 0's."""
@@ -318,9 +308,9 @@ class _Trainer:
                 stopping = stopping or stop.requested
                 limit = (next_index if stopping
                          else drain_limit(trained, spec.steps, checkpoints.cfg.every))
-                while (next_index < limit and min(self.queued) <= _QUEUE
-                       and may_issue([o.deadline for o in self.outstanding.values()],
-                                     version, eta, waiting=len(self.arrivals))):
+                while (next_index < limit and min(self.queued) <= _QUEUE and schedulable(
+                        [o.deadline for o in self.outstanding.values()] + [version + eta],
+                        version)):
                     self._issue(prompts, next_index, version)
                     next_index += 1
                 self._receive()
