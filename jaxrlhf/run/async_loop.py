@@ -32,10 +32,12 @@ generated-but-untrained batches and rewinds the iterator to the first of them, s
 run generates them again: no prompt is lost and no sample is trained twice.
 
 Overlap: on accelerators the two workers' programs run at the same time when their devices
-are disjoint (`placement.kind=disaggregate`). XLA's CPU client runs one program at a time, so
-on a CPU-only machine the workers interleave rather than overlap; there, a multi-process launch
+are disjoint (`placement.kind=disaggregate`). On a CPU-only machine they share the host's
+cores, which either keeps busy alone, so they interleave rather than overlap: on 2 cores their
+busy fractions add up to about 1, with generation on a device of its own too (a decode chunk
+beside an update slows the update by about as long as the chunk takes). A multi-process launch
 (`launch/local.sh 2 ...`) puts generation in a process of its own (jaxrlhf/run/async_procs.py,
-also for `placement.gen_replicas` > 1), and the two really overlap.
+also for `placement.gen_replicas` > 1).
 """
 
 from __future__ import annotations
@@ -130,8 +132,8 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
             can_start = next_index < limit and may_start(
                 next_index, version=worker.version, eta=eta,
                 next_needed=trained + (pending is not None), finished=ready)
-            # XLA's CPU client runs one program at a time: a decode step with most slots idle
-            # there only delays the update beside it, so sparse slots decode only when the
+            # The CPU's cores are the trainer's too: a decode step with most slots idle there
+            # only delays the update beside it, so sparse slots decode only when the
             # trainer waits for them (on accelerators generation has devices of its own).
             needed = pending is None and trained not in ready
             sparse = one_client and worker.occupancy < _DENSE

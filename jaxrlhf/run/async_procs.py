@@ -1,8 +1,8 @@
 """Asynchronous RL across processes: a trainer process and R generation replica processes.
 
-XLA's CPU client runs one program at a time per process, so on a CPU machine generation and
-training overlap only when they live in different processes. With `placement.kind=disaggregate`
-and a multi-process launch (`launch/local.sh 1+R ...`, `placement.gen_replicas=R`), process 0
+Generation replicas with weights of their own, each in a process of its own (the one-process
+loop, async_loop.py, runs one, in its main thread). With `placement.kind=disaggregate` and a
+multi-process launch (`launch/local.sh 1+R ...`, `placement.gen_replicas=R`), process 0
 is the trainer (every MFC but generation, on its own devices; it writes metrics and the summary)
 and process r = 1..R is generation replica r (FlexRLHF's shadow actors): the actor's generate
 layout on its own devices, its own copy of the weights, decoding batches with
