@@ -110,7 +110,7 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
                       r.rows // micro)
     worker = RolloutWorker(gen, rollout, gen_layout, spec.base.config, spec.seed,
                            spec.async_rl.chunk_tokens, micro)
-    one_client = gen_layout.mesh.devices.flat[0].platform == "cpu"
+    shared_cores = gen_layout.mesh.devices.flat[0].platform == "cpu"  # with the trainer
     actor = runner.runtimes[Role.ACTOR]
     trainer = _Trainer(trainer_run, checkpoint.NanGuard(spec.nan_policy, checkpoints))
     clock_zero = time.perf_counter()
@@ -136,7 +136,7 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
             # only delays the update beside it, so sparse slots decode only when the
             # trainer waits for them (on accelerators generation has devices of its own).
             needed = pending is None and trained not in ready
-            sparse = one_client and worker.occupancy < _DENSE
+            sparse = shared_cores and worker.occupancy < _DENSE
             gen_can_work = (can_start and worker.accepts()) or (
                 worker.busy and (needed or not sparse))
             if pending is not None and (pending.done() or not gen_can_work):
