@@ -56,7 +56,7 @@ def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
     for g, w in zip(got, want):
         assert g.keys() == w.keys()
         for key in w:
-            if not key.startswith("time/") and not key.endswith(_SYSTEM_SUFFIXES):
+            if "time/" not in key and not key.endswith(_SYSTEM_SUFFIXES):  # sft/time/ too
                 np.testing.assert_allclose(g[key], w[key], rtol=0, atol=1e-6,
                                            err_msg=f"step {w['step']} {key}")
 
@@ -409,19 +409,18 @@ def test_a_run_killed_in_its_warm_start_resumes_it_exactly(warm_run, tmp_path, c
 
 def test_sigterm_in_the_warm_start_saves_and_the_rerun_resumes_it(warm_run, tmp_path,
                                                                   monkeypatch, capfd):
-    from jaxrlhf.run import warm_start
     from jaxrlhf.spec import ConfigError
 
     full, summary = warm_run
-    real_batch, calls = warm_start.sft_batch, []
+    real_encode, calls = rl.encode, []
 
-    def batch_then_sigterm(*args):  # SIGTERM (as SLURM sends it) while warm-start step 2 runs
+    def encode_then_sigterm(*args):  # SIGTERM (as SLURM sends it) while warm-start step 2 runs
         calls.append(1)
         if len(calls) == 3:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_batch(*args)
+        return real_encode(*args)
 
-    monkeypatch.setattr(warm_start, "sft_batch", batch_then_sigterm)
+    monkeypatch.setattr(rl, "encode", encode_then_sigterm)
     work = tmp_path / "work"
     stopped = rl.run(check_config(_warm_config(), str(work)))
     assert stopped["interrupted"] and stopped["accuracy_before"] is None
@@ -434,7 +433,7 @@ def test_sigterm_in_the_warm_start_saves_and_the_rerun_resumes_it(warm_run, tmp_
                                           r"by another run \(models.actor.size"):
         check_config(other, str(work))
 
-    monkeypatch.setattr(warm_start, "sft_batch", real_batch)
+    monkeypatch.setattr(rl, "encode", real_encode)
     resumed = rl.run(check_config(_warm_config(), str(work)))
     assert "resuming the warm start from checkpoint 3" in capfd.readouterr().out
     _assert_same_run(work, full, resumed, summary)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.algorithms.spec import Algorithm
+from jaxrlhf.checkpoint import Checkpointer, HostState, abstract_state
 from jaxrlhf.data.rewards import RewardPool
 from jaxrlhf.dataflow.executors import HostFunction
 from jaxrlhf.dataflow.runtime import ModelRuntime, readers_per_layout
@@ -142,6 +143,15 @@ def host_pools(spec: RunSpec):
         yield {role: HostFunction(stack.enter_context(RewardPool(
             r.function, num_workers=r.workers, timeout_s=r.timeout)), r.max_error_rate)
                for role, r in spec.rewards.items()}
+
+
+def restore(job: Job, checkpoints: Checkpointer) -> tuple[HostState, dict] | None:
+    """The newest intact checkpoint of `checkpoints` (damaged newer ones are skipped): its host
+    state and every model's state on its home layout in this job (whatever layouts wrote it)."""
+    spec = job.spec
+    return checkpoints.restore_intact({
+        role: abstract_state(model, job.plan.home(spec.graph, role), spec.optimizers.get(role))
+        for role, model in spec.model_configs().items()})
 
 
 def runner(job: Job, states: dict, pools, host: dict | None = None) -> Runner:

@@ -52,7 +52,7 @@ class Start:
         actor; None when the warm start was stopped (its own checkpoint saved)."""
         if self.resume is not None:
             return build.runner(job, self.states, pools, self.resume.runner)
-        params = self.warm.run(writer)
+        params = self.warm.run(writer, rl_loop)
         return None if params is None else build.fresh_runner(job, pools, params)
 
     def rows(self, rows: list, job: Job) -> datasets.EpochIterator:
@@ -73,10 +73,7 @@ def begin(job: Job):
     checkpoints = checkpoint.Checkpointer(job.workdir / checkpoint.CHECKPOINT_DIR,
                                           spec.checkpoint)
     with contextlib.closing(checkpoints):
-        restored = checkpoints.restore_intact({
-            role: checkpoint.abstract_state(model, job.plan.home(spec.graph, role),
-                                            spec.optimizers.get(role))
-            for role, model in spec.model_configs().items()})
+        restored = build.restore(job, checkpoints)
         if restored is None:
             # The warm start trains the actor on the trained model's layout (reward modelling
             # then starts its reward model from the actor's trunk).
@@ -124,15 +121,17 @@ def _rl_figures(job: Job, runner: Runner, held_out: HeldOut | None, step: int,
 
 def rl_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
             checkpoints: checkpoint.Checkpointer, evaluation_before: dict[str, float],
-            held_out: HeldOut | None = None) -> LoopResult:
-    """The synchronous loop (RL or offline): steps from the runner's step index to spec.steps
-    on `encode(job, next(rows))`, with the NaN policy and checkpoints (on the cadence, on
-    Ctrl-C/SIGTERM: the loop stops, and at the end); RL steps add `_rl_figures`."""
+            held_out: HeldOut | None = None, *, what: str = "", prefix: str = "") -> LoopResult:
+    """The synchronous loop (RL, offline, the warm start): steps from the runner's step index to
+    spec.steps on `encode(job, next(rows))`, with the NaN policy and checkpoints (on the
+    cadence, on Ctrl-C/SIGTERM: the loop stops, and at the end); RL steps add `_rl_figures`.
+    `what` names the loop in the stop message (default `_name(job)`); `prefix` goes before
+    every metric name (the warm start's "sft/")."""
     spec = job.spec
     guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
     save = lambda: checkpoint.save_run(checkpoints, runner, rows, evaluation_before,
                                        spec.config_json, job.fingerprint)
-    what = _name(job)  # names the loop in the stop message
+    what = what or _name(job)
     timings = []
     bar = tqdm(range(runner.step_index, spec.steps), desc=runner.algorithm.name,
                initial=runner.step_index, total=spec.steps, mininterval=1)
@@ -146,7 +145,7 @@ def rl_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
                 record["nan_skipped"] = 1.0
             if not spec.algorithm.offline:
                 _rl_figures(job, runner, held_out, step, result, record)
-            writer.write(step, record)
+            writer.write(step, {prefix + k: v for k, v in record.items()})
             timings.append(result.timing)
             bar.set_postfix(result.postfix(runner.algorithm.shown))
             if checkpoint.save_if_due(checkpoints, stop, step + 1, save, what):

@@ -51,11 +51,6 @@ class StepResult:
         value = lambda m: self.reward if m.role is None else self.stats[m.role][m.name]
         return {m.name: f"{value(m):.3f}" for m in shown}
 
-    def of_role(self, role: Role) -> dict[str, float]:
-        """`role`'s statistics and counters under their output names ("actor/loss", ...)."""
-        figures = {**self.stats.get(role, {}), **self.counters.get(role, {})}
-        return {f"{role.value}/{k}": v for k, v in figures.items()}
-
     @property
     def metrics(self) -> dict[str, float]:
         """Every figure under its output name, as metrics.jsonl and TensorBoard show it."""
