@@ -492,7 +492,7 @@ def _bad_metrics(metrics: dict[str, float]) -> list[str]:
 
 
 class NanGuard:
-    """Checks every RL step for NaN/inf and applies the NaN policy.
+    """Checks every training step for NaN/inf and applies the NaN policy.
 
     With SKIP, the trained models' states and the controller are copied before each step (the
     train_step donates its input state), which costs one extra copy of every trained model's
@@ -501,11 +501,11 @@ class NanGuard:
     Args:
       policy: stop or skip.
       checkpoints: where the last good checkpoint is (for the message).
+      what: the loop's name in messages ("RL", "warm-start", "dpo", ...).
     """
 
-    def __init__(self, policy: NanPolicy, checkpoints: Checkpointer):
-        self.policy = policy
-        self.checkpoints = checkpoints
+    def __init__(self, policy: NanPolicy, checkpoints: Checkpointer, what: str = "RL"):
+        self.policy, self.checkpoints, self.what = policy, checkpoints, what
         self.skipped = 0
 
     def before_step(self, runner) -> tuple[dict, dict] | None:
@@ -518,26 +518,27 @@ class NanGuard:
         return states, dict(runner.controller)
 
     def after_step(self, runner, metrics: dict[str, float], step: int, saved) -> bool:
-        """True if RL step `step` was bad and discarded; raises NonFiniteError under STOP."""
+        """True if step `step` was bad and discarded; raises NonFiniteError under STOP."""
         bad = _bad_metrics(metrics)
         trained = [rt.state for rt in runner.runtimes.values() if rt.trainable]
         if not bad and all_finite(trained):
             return False
-        what = ", ".join(bad) or "a non-finite parameter or optimizer state"
+        problem = ", ".join(bad) or "a non-finite parameter or optimizer state"
         match self.policy:
             case NanPolicy.STOP:
                 raise NonFiniteError(
-                    f"RL step {step}: {what}. Stopped without saving; the latest checkpoint "
-                    f"(step {self.checkpoints.latest_step()}) in {self.checkpoints.directory} "
-                    "is the last good state and a rerun resumes from it. Lower the learning "
-                    "rate, or set --config.nan_policy=skip to discard such steps.")
+                    f"{self.what} step {step}: {problem}. Stopped without saving; the latest "
+                    f"checkpoint (step {self.checkpoints.latest_step()}) in "
+                    f"{self.checkpoints.directory} is the last good state and a rerun resumes "
+                    "from it. Lower the learning rate, or set --config.nan_policy=skip to "
+                    "discard such steps.")
             case NanPolicy.SKIP:
                 states, controller = saved
                 for role, state in states.items():
                     runner.runtimes[role].update(state)
                 runner.controller = controller
                 self.skipped += 1
-                print(f"RL step {step}: {what}; step discarded (nan_policy=skip, "
+                print(f"{self.what} step {step}: {problem}; step discarded (nan_policy=skip, "
                       f"{self.skipped} so far)", flush=True)
                 return True
 

@@ -134,6 +134,15 @@ CASES = [
     ("too_few_rows_for_a_batch",
      lambda tmp: {"data.train_path": _rows_file(tmp / "t.jsonl", ['{"prompt": "12>"}'] * 4)},
      "rollout.batch_size=32: more than the 4 rows of"),
+    ("warm_start_without_sft_rows",
+     lambda tmp: {"data.train_path": _rows_file(tmp / "t.jsonl", ['{"prompt": "12>"}'] * 40),
+                  "warm_start.sft_steps": 5},
+     "warm_start.sft_steps=5: there are no SFT rows (set data.sft_path"),
+    ("too_few_sft_rows_for_a_warm_start_batch",
+     {"warm_start.sft_steps": 5, "data.task.num_sft": 4},
+     "warm_start.batch_size=32: more than the 4 SFT rows of the built-in task"),
+    ("too_few_task_rows_for_a_batch", {"data.task.num_train": 8, "data.task.num_sft": 8},
+     "rollout.batch_size=32: more than the 8 rows of the built-in task"),
     ("unwritable_workdir", lambda tmp: {"workdir": str(_file(tmp) / "sub")}, "workdir: "),
 ]
 

@@ -40,6 +40,12 @@ class Job:
     fingerprint: dict[str, str]  # what defines the run (checkpoints resume only their own)
     data: Data  # its rows, read (and the built-in task written) once
 
+    @property
+    def train_rows(self) -> list:
+        """The rows the algorithm's steps are fed: prompts, SFT rows or preference pairs."""
+        return {BatchKind.PROMPTS: self.data.train, BatchKind.SFT_ROWS: self.data.sft,
+                BatchKind.PAIRS: self.data.pairs}[self.spec.algorithm.batches]
+
 
 def load_data(spec: RunSpec, workdir: pathlib.Path, tokenizer) -> Data:
     """The run's rows (`data.sources`): pair algorithms read their preference pairs too."""
@@ -87,11 +93,26 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
         # The warm start micro-batches its batches the same way.
         with field(f"micro_batches: warm start (warm_start.batch_size={w.batch_size})"):
             num_microbatches(spec.micro, w.batch_size, spec.rollout.seq_len, home.dp_size)
-    data = load_data(spec, workdir, tokenizer)
-    if spec.data.train_path and len(data.train) < spec.rollout.batch_size:
-        raise ConfigError(f"rollout.batch_size={spec.rollout.batch_size}: more than the "
-                          f"{len(data.train)} rows of {spec.data.train_path}")
     fingerprint = run_fingerprint(spec.config_json)
+    job = Job(spec, tokenizer, plan, workdir, fingerprint, load_data(spec, workdir, tokenizer))
+    _check_batches(job)
     with field("checkpoint"):  # another run's checkpoints are refused
         check_resume(workdir / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
-    return Job(spec, tokenizer, plan, workdir, fingerprint, data)
+    return job
+
+
+def _check_batches(job: Job) -> None:
+    """The rows fill one batch of the run's steps, and of its warm start's."""
+    spec, data = job.spec, job.spec.data
+    source = {BatchKind.PROMPTS: data.train_path, BatchKind.SFT_ROWS: data.sft_path,
+              BatchKind.PAIRS: data.preference_path}[spec.algorithm.batches]
+    batch, w, sft = spec.rollout.batch_size, spec.warm_start, job.data.sft
+    if len(job.train_rows) < batch:
+        raise ConfigError(f"rollout.batch_size={batch}: more than the {len(job.train_rows)} "
+                          f"rows of {source or 'the built-in task'}")
+    if w.steps and not sft:  # user data without SFT rows: nothing to warm-start on
+        raise ConfigError(f"warm_start.sft_steps={w.steps}: there are no SFT rows (set "
+                          "data.sft_path, or warm_start.sft_steps=0)")
+    if w.steps and len(sft) < w.batch_size:
+        raise ConfigError(f"warm_start.batch_size={w.batch_size}: more than the {len(sft)} "
+                          f"SFT rows of {data.sft_path or 'the built-in task'}")

@@ -55,9 +55,10 @@ class Start:
         params = self.warm.run(writer, rl_loop)
         return None if params is None else build.fresh_runner(job, pools, params)
 
-    def rows(self, rows: list, job: Job) -> datasets.EpochIterator:
-        """Endless batches of `rows` from where the checkpoint left them."""
-        out = datasets.EpochIterator(rows, job.spec.rollout.batch_size, seed=job.spec.seed)
+    def rows(self, job: Job) -> datasets.EpochIterator:
+        """Endless batches of the job's rows from where the checkpoint left them."""
+        out = datasets.EpochIterator(job.train_rows, job.spec.rollout.batch_size,
+                                     seed=job.spec.seed)
         if self.resume is not None:
             out.restore(self.resume.iterator)
         return out
@@ -127,11 +128,10 @@ def rl_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
     cadence, on Ctrl-C/SIGTERM: the loop stops, and at the end); RL steps add `_rl_figures`.
     `what` names the loop in the stop message (default `_name(job)`); `prefix` goes before
     every metric name (the warm start's "sft/")."""
-    spec = job.spec
-    guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
+    spec, what = job.spec, what or _name(job)
+    guard = checkpoint.NanGuard(spec.nan_policy, checkpoints, what)
     save = lambda: checkpoint.save_run(checkpoints, runner, rows, evaluation_before,
                                        spec.config_json, job.fingerprint)
-    what = what or _name(job)
     timings = []
     bar = tqdm(range(runner.step_index, spec.steps), desc=runner.algorithm.name,
                initial=runner.step_index, total=spec.steps, mininterval=1)
@@ -191,11 +191,9 @@ def run(job: Job) -> dict:
             before = (evaluate() if start.resume is None
                       else dict(start.resume.evaluation_before))  # not recomputed
             print(f"held-out before {what}: {show(before)}", flush=True)
-            rows = {BatchKind.PROMPTS: job.data.train, BatchKind.SFT_ROWS: job.data.sft,
-                    BatchKind.PAIRS: job.data.pairs}[spec.algorithm.batches]
             # async_rl.max_staleness > 0: generation runs ahead (run/async_loop.py)
             loop_fn = async_loop.rl_loop if spec.async_rl.max_staleness else rl_loop
-            loop = loop_fn(job, runner, start.rows(rows, job), writer, start.checkpoints, before,
+            loop = loop_fn(job, runner, start.rows(job), writer, start.checkpoints, before,
                            held_out)
         after = None if loop.interrupted else evaluate()
         if after is not None and offline:

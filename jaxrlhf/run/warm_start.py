@@ -35,7 +35,7 @@ class WarmStart:
     """
 
     def __init__(self, job: Job, layout: Layout):
-        self.steps = job.spec.warm_start.steps if job.data.sft else 0
+        self.steps = job.spec.warm_start.steps
         self.job = _sft_job(job, layout, self.steps) if self.steps else job
         self.layout = layout
         self.checkpoints = self.restored = None
