@@ -228,12 +228,6 @@ class HeldOut:
             out.update(eval_metrics(verdicts.reshape(len(self._rows), n), ks, prefix="eval"))
         return out
 
-    def on(self, layout: Layout) -> HeldOut:
-        """The same evaluation (rows, reward) generating on `layout` instead; it has its own
-        reward pool (close it). For the multi-process asynchronous trainer, whose own devices
-        are not the generation layout's (run/async_procs.py)."""
-        return HeldOut(self._job, layout, self._rows)
-
     def due(self, steps_done: int) -> bool:
         every = self._job.spec.evaluation.every
         return every > 0 and steps_done % every == 0 and bool(self._rows)

@@ -170,16 +170,16 @@ def summary(job: Job, t0: float, start: Start, runner: Runner | None,
 
 
 def _shown(metrics: dict[str, float]) -> str:
-    """The held-out figures of a summary line, e.g. "accuracy 0.250, reward 0.250"."""
-    shown = [f"{k} {metrics[k]:.3f}" for k in ("accuracy", "reward") if k in metrics]
-    return ", ".join(shown) or "nothing to score (no held-out rows)"
+    """The held-out figures of a summary line, e.g. "reward 0.250, accuracy 0.250"."""
+    return (", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+            or "nothing to score (no held-out rows)")
 
 
 def run(job: Job) -> dict:
     """The whole job; returns the summary dict printed as the last line."""
     t0 = time.perf_counter()
     spec, workdir, offline = job.spec, job.workdir, job.spec.algorithm.offline
-    what, show = _name(job), str if offline else _shown
+    what = _name(job)
     with (begin(job) as start, MetricsWriter(workdir) as writer,
           HeldOut(job, held_out_layout(job), job.data.eval) as held_out,
           build.host_pools(spec) as pools):  # offline graphs have no host MFCs
@@ -190,7 +190,7 @@ def run(job: Job) -> dict:
         with contextlib.closing(runner):
             before = (evaluate() if start.resume is None
                       else dict(start.resume.evaluation_before))  # not recomputed
-            print(f"held-out before {what}: {show(before)}", flush=True)
+            print(f"held-out before {what}: {_shown(before)}", flush=True)
             # async_rl.max_staleness > 0: generation runs ahead (run/async_loop.py)
             loop_fn = async_loop.rl_loop if spec.async_rl.max_staleness else rl_loop
             loop = loop_fn(job, runner, start.rows(job), writer, start.checkpoints, before,
@@ -201,7 +201,7 @@ def run(job: Job) -> dict:
                                       (("before", before), ("after", after))
                                       for k, v in m.items()})
     if after is not None:
-        print(f"held-out after {what}:  {show(after)}")
+        print(f"held-out after {what}:  {_shown(after)}")
     if not offline:
         print(time_table(loop.timings[1:] or loop.timings, job.plan.specs))
     return summary(job, t0, start, runner, loop, before, after)
