@@ -1,12 +1,12 @@
 """The supervised warm start of the actor before an RL or offline run, checkpointed.
 
 The warm start fine-tunes the actor on the SFT rows through the same runner and step loop as
-training, with its own optimizer. It saves checkpoints of its own in `workdir/checkpoints/warm_start/<steps
-done>/` (the actor's TrainState and the SFT row iterator) on the run's `checkpoint.every`
-cadence, when asked to stop (Ctrl-C, SIGTERM: the step finishes, the checkpoint is saved, the
-run returns), and once at its end. A rerun that finds no checkpoint of the run itself resumes
-the warm start from the newest intact one (one at its end: the warm start is skipped) and then
-goes on exactly as the uninterrupted run did.
+training, with its own optimizer. It saves checkpoints of its own in
+`workdir/checkpoints/warm_start/<steps done>/` (the actor's TrainState and the SFT row
+iterator) on the run's `checkpoint.every` cadence, when asked to stop (Ctrl-C, SIGTERM: the
+step finishes, the checkpoint is saved, the run returns), and once at its end. A rerun that
+finds no checkpoint of the run itself resumes the warm start from the newest intact one (one at
+its end: the warm start is skipped) and then goes on exactly as the uninterrupted run did.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def _sft_job(job: Job, layout: Layout, steps: int) -> Job:
     sft_spec = dataclasses.replace(
         spec, algorithm=algorithm, graph=build_graph(algorithm.mfcs),
         models={Role.ACTOR: spec.base}, rewards={}, optimizers={Role.ACTOR: w.optimizer},
-        steps=steps, rollout=dataclasses.replace(spec.rollout, batch_size=w.batch_size, group_size=1))
+        steps=steps,
+        rollout=dataclasses.replace(spec.rollout, batch_size=w.batch_size, group_size=1))
     return dataclasses.replace(job, spec=sft_spec,
                                plan=single(algorithm.mfcs[0].name, layout, micro))
