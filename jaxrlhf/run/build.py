@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxrlhf.algorithms.spec import Algorithm
 from jaxrlhf.checkpoint import Checkpointer, HostState, abstract_state
+from jaxrlhf.data.datasets import EpochIterator
 from jaxrlhf.data.rewards import RewardPool
 from jaxrlhf.dataflow.executors import HostFunction
 from jaxrlhf.dataflow.runtime import ModelRuntime, readers_per_layout
@@ -143,6 +144,15 @@ def host_pools(spec: RunSpec):
         yield {role: HostFunction(stack.enter_context(RewardPool(
             r.function, num_workers=r.workers, timeout_s=r.timeout)), r.max_error_rate)
                for role, r in spec.rewards.items()}
+
+
+def batches(job: Job, iterator: dict | None = None) -> EpochIterator:
+    """Endless batches of the job's rows (`Job.train_rows`), from where a checkpoint's
+    `iterator` state left them when given."""
+    out = EpochIterator(job.train_rows, job.spec.rollout.batch_size, seed=job.spec.seed)
+    if iterator is not None:
+        out.restore(iterator)
+    return out
 
 
 def restore(job: Job, checkpoints: Checkpointer) -> tuple[HostState, dict] | None:

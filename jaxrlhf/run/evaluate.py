@@ -92,23 +92,28 @@ class Scorer:
         rows = _padded_rows(list(range(len(seq_bs))), 1, self.dp)
         return self.infer(params, InferenceBatch.padded(seq_bs[rows], mask_bs[rows]))
 
-    def __call__(self, params, prompts: list[str], responses: list[str]):
-        """(output, response_mask_bn) of the model on the (prompt, response) rows."""
+    def _rows(self, prompts: list[str], responses: list[str]) -> dict[str, np.ndarray]:
+        """The (prompt, response) texts as token rows (`data.encode.sequence_batch`)."""
         r = self.rollout
-        batch = sequence_batch(prompts, responses, self.tokenizer, r.max_prompt_len,
-                               r.max_new_tokens)
-        out = self.infer_rows(params, batch["seq_tokens_bs"], batch["seq_mask_bs"])
-        return out, batch["response_mask_bn"]
+        return sequence_batch(prompts, responses, self.tokenizer, r.max_prompt_len,
+                              r.max_new_tokens)
+
+    def row_scores(self, params, seq_bs: np.ndarray, mask_bs: np.ndarray) -> np.ndarray:
+        """float [b]: the model's score at each host row's last real token."""
+        out = self.infer_rows(params, seq_bs, mask_bs)
+        return np.asarray(fetch(out.scores_bk))[: len(seq_bs), 0]  # any process
+
+    def scores(self, params, prompts, responses) -> np.ndarray:
+        batch = self._rows(prompts, responses)
+        return self.row_scores(params, batch["seq_tokens_bs"], batch["seq_mask_bs"])
 
     def response_logprobs(self, params, prompts, responses) -> tuple[np.ndarray, np.ndarray]:
         """([b] Σ log p of each response incl. EOS, [b] its token count)."""
-        out, mask_bn = self(params, prompts, responses)
+        batch = self._rows(prompts, responses)
+        out = self.infer_rows(params, batch["seq_tokens_bs"], batch["seq_mask_bs"])
+        mask_bn = batch["response_mask_bn"]
         logp_bn = fetch(out.logprobs_bt)[: len(prompts), -mask_bn.shape[1]:]  # any process
         return np.sum(logp_bn * mask_bn, axis=1), np.sum(mask_bn, axis=1)
-
-    def scores(self, params, prompts, responses) -> np.ndarray:
-        out, _ = self(params, prompts, responses)
-        return fetch(out.scores_bk)[: len(prompts), 0]
 
 
 def make_scorer(runtime: ModelRuntime, kind: InferenceKind, job: Job) -> Scorer:
@@ -160,9 +165,10 @@ class HeldOut:
         """float [rows]: the reward model's score at each sequence's last real token."""
         if self._reward_scorer is None:
             self._reward_scorer = make_scorer(reward, InferenceKind.SCORES, self._job)
-        out = self._reward_scorer.infer_rows(reward.params, responses.seq_bs, responses.mask_bs)
+        scores = self._reward_scorer.row_scores(reward.params, responses.seq_bs,
+                                                responses.mask_bs)
         reward.after_call()  # a frozen reward model goes back to host memory if it waits there
-        return np.asarray(fetch(out.scores_bk))[: len(responses.seq_bs), 0].astype(np.float64)
+        return scores.astype(np.float64)
 
     def _verdicts(self, rows: Sequence[PromptRow], texts: list[str],
                   rewards: np.ndarray | None) -> np.ndarray:

@@ -57,11 +57,7 @@ class Start:
 
     def rows(self, job: Job) -> datasets.EpochIterator:
         """Endless batches of the job's rows from where the checkpoint left them."""
-        out = datasets.EpochIterator(job.train_rows, job.spec.rollout.batch_size,
-                                     seed=job.spec.seed)
-        if self.resume is not None:
-            out.restore(self.resume.iterator)
-        return out
+        return build.batches(job, None if self.resume is None else self.resume.iterator)
 
 
 @contextlib.contextmanager

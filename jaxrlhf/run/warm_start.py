@@ -16,7 +16,6 @@ import dataclasses
 
 from jaxrlhf import checkpoint
 from jaxrlhf.algorithms import sft
-from jaxrlhf.data import datasets
 from jaxrlhf.dataflow.graph import build_graph
 from jaxrlhf.engine.microbatch import num_microbatches
 from jaxrlhf.mfc import Role
@@ -60,10 +59,8 @@ class WarmStart:
         if not self.steps:
             return build.initial_actor_params(job.spec, self.layout)
         with contextlib.closing(self.checkpoints):
-            rows = datasets.EpochIterator(job.data.sft, job.spec.rollout.batch_size,
-                                          seed=job.spec.seed)
             if self.restored is None:
-                runner = build.fresh_runner(job, {})
+                runner, rows = build.fresh_runner(job, {}), build.batches(job)
             else:
                 (host, states), where = self.restored, self.checkpoints.directory
                 if self.start_step >= self.steps:
@@ -73,7 +70,7 @@ class WarmStart:
                 print(f"resuming the warm start from checkpoint {self.start_step} in {where}",
                       flush=True)
                 runner = build.runner(job, states, {}, host.runner)
-                rows.restore(host.iterator)
+                rows = build.batches(job, host.iterator)
                 self.restored = None  # its arrays now belong to the runner (donated by its steps)
             with contextlib.closing(runner):
                 result = loop(job, runner, rows, writer, self.checkpoints, {}, what="warm-start",
