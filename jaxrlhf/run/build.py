@@ -5,6 +5,8 @@ the runner. The only place these are written out (train, bench, calibration and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -146,22 +148,49 @@ def host_pools(spec: RunSpec):
                for role, r in spec.rewards.items()}
 
 
-def batches(job: Job, iterator: dict | None = None) -> EpochIterator:
-    """Endless batches of the job's rows (`Job.train_rows`), from where a checkpoint's
-    `iterator` state left them when given."""
-    out = EpochIterator(job.train_rows, job.spec.rollout.batch_size, seed=job.spec.seed)
-    if iterator is not None:
-        out.restore(iterator)
-    return out
+@dataclasses.dataclass
+class JobStart:
+    """Where `job` begins in its checkpoint directory (`start`): the newest intact checkpoint
+    there, if any (`resume`: its host state; `states`: every model's state on its home layout in
+    this job, whatever layouts wrote it)."""
+
+    job: Job
+    checkpoints: Checkpointer
+    resume: HostState | None
+    states: dict | None
+
+    @property
+    def step(self) -> int:
+        return 0 if self.resume is None else self.resume.step
+
+    def runner(self, pools, actor_params=None) -> Runner:
+        """The job's runner: continuing the checkpoint, else fresh (`fresh_runner`)."""
+        if self.resume is None:
+            return fresh_runner(self.job, pools, actor_params)
+        out = runner(self.job, self.states, pools, self.resume.runner)
+        self.states = None  # the runner's now (its steps donate them)
+        return out
+
+    def rows(self) -> EpochIterator:
+        """Endless batches of the job's rows (`Job.train_rows`) from where the checkpoint left
+        them."""
+        job = self.job
+        out = EpochIterator(job.train_rows, job.spec.rollout.batch_size, seed=job.spec.seed)
+        if self.resume is not None:
+            out.restore(self.resume.iterator)
+        return out
 
 
-def restore(job: Job, checkpoints: Checkpointer) -> tuple[HostState, dict] | None:
-    """The newest intact checkpoint of `checkpoints` (damaged newer ones are skipped): its host
-    state and every model's state on its home layout in this job (whatever layouts wrote it)."""
+@contextlib.contextmanager
+def start(job: Job, directory: pathlib.Path):
+    """The job's `JobStart` in checkpoint `directory` (damaged newer checkpoints are skipped);
+    leaving the context closes the checkpoints (waits for background writes)."""
     spec = job.spec
-    return checkpoints.restore_intact({
-        role: abstract_state(model, job.plan.home(spec.graph, role), spec.optimizers.get(role))
-        for role, model in spec.model_configs().items()})
+    with contextlib.closing(Checkpointer(directory, spec.checkpoint)) as checkpoints:
+        restored = checkpoints.restore_intact({
+            role: abstract_state(model, job.plan.home(spec.graph, role), spec.optimizers.get(role))
+            for role, model in spec.model_configs().items()})
+        yield JobStart(job, checkpoints, *(restored or (None, None)))
 
 
 def runner(job: Job, states: dict, pools, host: dict | None = None) -> Runner:

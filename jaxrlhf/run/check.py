@@ -3,8 +3,8 @@
 `check_config(config, workdir)` builds the run spec (`jaxrlhf.spec.run_spec`), loads the
 tokenizer, checks the reward functions, model directories and vocabularies, resolves the
 placement (`placement.kind=auto` searches here, once), reads the run's data (a bad row of a user
-file is named by file:line), and refuses checkpoints in the workdir that another run wrote
-(`checkpoint.resume`). The job then runs what was checked.
+file is named by file:line), makes the warm start a job of its own, and refuses checkpoints in the
+workdir that another run wrote (`checkpoint.resume`). The job then runs what was checked.
 """
 
 from __future__ import annotations
@@ -15,16 +15,19 @@ import tempfile
 
 from ml_collections import ConfigDict
 
+from jaxrlhf.algorithms import sft
 from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.checkpoint import CHECKPOINT_DIR, check_resume
 from jaxrlhf.data.rewards import resolve_reward
 from jaxrlhf.data.sources import Data, read_data, read_pairs
 from jaxrlhf.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from jaxrlhf.dataflow.graph import build_graph
 from jaxrlhf.engine.microbatch import num_microbatches
 from jaxrlhf.fingerprint import run_fingerprint
+from jaxrlhf.mfc import Role
 from jaxrlhf.models import hf_io
 from jaxrlhf.run import roles
-from jaxrlhf.run.layouts import RunPlan, place
+from jaxrlhf.run.layouts import RunPlan, place, single
 from jaxrlhf.schema import ConfigError, field
 from jaxrlhf.spec import RunSpec, run_spec
 
@@ -39,6 +42,7 @@ class Job:
     workdir: pathlib.Path
     fingerprint: dict[str, str]  # what defines the run (checkpoints resume only their own)
     data: Data  # its rows, read (and the built-in task written) once
+    warm_start: Job | None = None  # its supervised warm start, a job of its own (`_warm_start`)
 
     @property
     def train_rows(self) -> list:
@@ -84,21 +88,33 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     roles.starts(spec)  # every role has weights to start from
     with field("placement"):
         plan = place(spec)
-    w = spec.warm_start
-    if w.steps:  # it trains the actor on the trained model's layout (`rl.begin`)
-        home = plan.home(spec.graph, spec.algorithm.trained_role)
-        if w.batch_size % home.dp_size:
-            raise ConfigError(f"warm_start.batch_size={w.batch_size}: does not split "
-                              f"{home.dp_size} ways over the trained model's layout {home}")
-        # The warm start micro-batches its batches the same way.
-        with field(f"micro_batches: warm start (warm_start.batch_size={w.batch_size})"):
-            num_microbatches(spec.micro, w.batch_size, spec.rollout.seq_len, home.dp_size)
     fingerprint = run_fingerprint(spec.config_json)
     job = Job(spec, tokenizer, plan, workdir, fingerprint, load_data(spec, workdir, tokenizer))
+    job = dataclasses.replace(job, warm_start=_warm_start(job))
     _check_batches(job)
     with field("checkpoint"):  # another run's checkpoints are refused
         check_resume(workdir / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
     return job
+
+
+def _warm_start(job: Job) -> Job | None:
+    """The warm start as a job of its own (None without one): `warm_start.sft_steps` steps of
+    SFT of the actor alone, with the warm start's optimizer and batch size, on the trained
+    model's home (reward modelling then starts its reward model from the actor's trunk)."""
+    spec, w, algorithm = job.spec, job.spec.warm_start, sft.make()
+    if not w.steps:
+        return None
+    home = job.plan.home(spec.graph, spec.algorithm.trained_role)
+    if w.batch_size % home.dp_size:
+        raise ConfigError(f"warm_start.batch_size={w.batch_size}: does not split "
+                          f"{home.dp_size} ways over the trained model's layout {home}")
+    with field(f"micro_batches: warm start (warm_start.batch_size={w.batch_size})"):
+        micro = num_microbatches(spec.micro, w.batch_size, spec.rollout.seq_len, home.dp_size)
+    sft_spec = dataclasses.replace(
+        spec, algorithm=algorithm, graph=build_graph(algorithm.mfcs), steps=w.steps,
+        models={Role.ACTOR: spec.base}, rewards={}, optimizers={Role.ACTOR: w.optimizer},
+        rollout=dataclasses.replace(spec.rollout, batch_size=w.batch_size, group_size=1))
+    return dataclasses.replace(job, spec=sft_spec, plan=single(algorithm.mfcs[0].name, home, micro))
 
 
 def _check_batches(job: Job) -> None:
@@ -106,13 +122,13 @@ def _check_batches(job: Job) -> None:
     spec, data = job.spec, job.spec.data
     source = {BatchKind.PROMPTS: data.train_path, BatchKind.SFT_ROWS: data.sft_path,
               BatchKind.PAIRS: data.preference_path}[spec.algorithm.batches]
-    batch, w, sft = spec.rollout.batch_size, spec.warm_start, job.data.sft
+    batch, w, sft_rows = spec.rollout.batch_size, spec.warm_start, job.data.sft
     if len(job.train_rows) < batch:
         raise ConfigError(f"rollout.batch_size={batch}: more than the {len(job.train_rows)} "
                           f"rows of {source or 'the built-in task'}")
-    if w.steps and not sft:  # user data without SFT rows: nothing to warm-start on
+    if w.steps and not sft_rows:  # user data without SFT rows: nothing to warm-start on
         raise ConfigError(f"warm_start.sft_steps={w.steps}: there are no SFT rows (set "
                           "data.sft_path, or warm_start.sft_steps=0)")
-    if w.steps and len(sft) < w.batch_size:
-        raise ConfigError(f"warm_start.batch_size={w.batch_size}: more than the {len(sft)} "
+    if w.steps and len(sft_rows) < w.batch_size:
+        raise ConfigError(f"warm_start.batch_size={w.batch_size}: more than the {len(sft_rows)} "
                           f"SFT rows of {data.sft_path or 'the built-in task'}")

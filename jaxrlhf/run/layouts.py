@@ -134,6 +134,6 @@ def place(spec: RunSpec) -> RunPlan:
 
 
 def single(name: str, layout: Layout, micro_batches: int = 1) -> RunPlan:
-    """A one-MFC plan (the warm start's SFT step on the actor's home layout)."""
+    """A one-MFC plan (the warm start's SFT step on the trained model's home)."""
     choice = CallChoice.of(layout.strategy, micro_batches=micro_batches)
     return RunPlan(ExecutionPlan.of({name: choice}), {name: layout})

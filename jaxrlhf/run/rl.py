@@ -6,17 +6,23 @@ timelines to the workdir, and returns a summary (held-out figures before/after, 
 the entry point prints as its last line. RL steps generate from prompts; offline steps (SFT,
 reward modelling, DPO) train on a fixed dataset, preference pairs batched as chosen rows then
 rejected rows (`algorithms.pairs`), and report what the algorithm's `Evaluation` says
-(`run/evaluate.py`). A workdir that holds checkpoints resumes from the
-latest (no warm start, no 'before' evaluation: both are in the checkpoint) and repeats the
-uninterrupted run's steps exactly; one that holds only warm-start checkpoints resumes the warm
-start (`run/warm_start.py`); `python -m jaxrlhf.export` writes the trained model as a Hugging
-Face directory.
+(`run/evaluate.py`). `python -m jaxrlhf.export` writes the trained model as a Hugging Face
+directory.
+
+The warm start (`warm_start.sft_steps` > 0) fine-tunes the actor on the SFT rows first: a job of
+its own (`Job.warm_start`) stepped by the same loop, with its own optimizer and checkpoints in
+`workdir/checkpoints/warm_start/<steps done>/` (saved on the `checkpoint.every` cadence, when
+asked to stop, and at its end).
+
+A workdir that holds checkpoints resumes from the newest intact one (no warm start, no
+'before' evaluation: both are in the checkpoint) and repeats the uninterrupted run's steps
+exactly; one that holds only warm-start checkpoints resumes the warm start (one at its end: it
+is skipped) and then goes on as the uninterrupted run did.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 
 import jax
@@ -25,7 +31,7 @@ from tqdm import tqdm
 
 from jaxrlhf import checkpoint
 from jaxrlhf.algorithms.spec import BatchKind
-from jaxrlhf.data import datasets
+from jaxrlhf.data.datasets import EpochIterator
 from jaxrlhf.data.encode import preference_batch, prompt_batch, sft_batch
 from jaxrlhf.dataflow.timeline import draw_timeline, time_table
 from jaxrlhf.metrics import METRICS_FILE, MetricsWriter
@@ -34,54 +40,49 @@ from jaxrlhf.run import async_loop, build
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut, evaluator, held_out_layout
 from jaxrlhf.run.runner import LoopResult, Runner, StepResult
-from jaxrlhf.run.warm_start import WarmStart
-
-
-@dataclasses.dataclass
-class Start:
-    """Where a run begins (`begin`): its checkpoints, and the newest intact checkpoint (`resume`
-    its host state, `states` its model states on this run's layouts) or else the warm start."""
-
-    checkpoints: checkpoint.Checkpointer
-    resume: checkpoint.HostState | None
-    states: dict | None
-    warm: WarmStart | None
-
-    def runner(self, job: Job, writer, pools) -> Runner | None:
-        """The run's runner: continuing the checkpoint, else fresh from the (warm-started)
-        actor; None when the warm start was stopped (its own checkpoint saved)."""
-        if self.resume is not None:
-            return build.runner(job, self.states, pools, self.resume.runner)
-        params = self.warm.run(writer, rl_loop)
-        return None if params is None else build.fresh_runner(job, pools, params)
-
-    def rows(self, job: Job) -> datasets.EpochIterator:
-        """Endless batches of the job's rows from where the checkpoint left them."""
-        return build.batches(job, None if self.resume is None else self.resume.iterator)
 
 
 @contextlib.contextmanager
 def begin(job: Job):
-    """The run's `Start`: opens its checkpoints and restores the newest intact one (damaged
-    newer ones are skipped; its layouts may differ from this run's), else prepares the warm
-    start; drops the records of metrics.jsonl that the run writes again (all of them when it
-    starts afresh). Leaving the context closes the checkpoints (waits for background writes)."""
-    spec = job.spec
-    checkpoints = checkpoint.Checkpointer(job.workdir / checkpoint.CHECKPOINT_DIR,
-                                          spec.checkpoint)
-    with contextlib.closing(checkpoints):
-        restored = build.restore(job, checkpoints)
-        if restored is None:
-            # The warm start trains the actor on the trained model's layout (reward modelling
-            # then starts its reward model from the actor's trunk).
-            warm = WarmStart(job, job.plan.home(spec.graph, spec.algorithm.trained_role))
-            checkpoint.trim_metrics(job.workdir / METRICS_FILE, 0, warm.start_step)
-            yield Start(checkpoints, None, None, warm)
-        else:
-            print(f"resuming from checkpoint {restored[0].step} in {checkpoints.directory}",
+    """(the run's `build.JobStart`, its warm start's (`Job.warm_start`; None when the run resumes
+    or has none)).
+
+    Drops the records of metrics.jsonl that the run writes again (all of them when it starts
+    afresh, but those of the warm-start steps its checkpoint keeps). Leaving the context closes
+    the checkpoints (waits for background writes)."""
+    metrics = job.workdir / METRICS_FILE
+    with build.start(job, job.workdir / checkpoint.CHECKPOINT_DIR) as start:
+        if start.resume is not None:
+            print(f"resuming from checkpoint {start.step} in {start.checkpoints.directory}",
                   flush=True)
-            checkpoint.trim_metrics(job.workdir / METRICS_FILE, restored[0].step)
-            yield Start(checkpoints, *restored, None)
+            checkpoint.trim_metrics(metrics, start.step)
+            yield start, None
+            return
+        if job.warm_start is None:
+            checkpoint.trim_metrics(metrics, 0, 0)
+            yield start, None
+            return
+        directory = job.workdir / checkpoint.CHECKPOINT_DIR / checkpoint.WARM_START_DIR
+        with build.start(job.warm_start, directory) as warm:
+            checkpoint.trim_metrics(metrics, 0, warm.step)
+            yield start, warm
+
+
+def _warm_started(start: build.JobStart, writer):
+    """The actor's parameters after the warm start (from its `start`), or None when it was
+    stopped (its checkpoint saved: the rerun goes on from it)."""
+    where = start.checkpoints.directory
+    if start.step >= start.job.spec.steps:
+        print(f"the warm start is done: its checkpoint {start.step} in {where}", flush=True)
+        return start.states.pop(Role.ACTOR).params  # not kept: its optimizer state goes
+    if start.resume is not None:
+        print(f"resuming the warm start from checkpoint {start.step} in {where}", flush=True)
+    runner = start.runner({})
+    with contextlib.closing(runner):
+        result = rl_loop(start.job, runner, start.rows(), writer, start.checkpoints, {},
+                         what="warm-start", prefix="sft/")
+    start.checkpoints.wait()  # its saves on disk before the run goes on
+    return None if result.interrupted else runner.runtimes[Role.ACTOR].state.params
 
 
 def encode(job: Job, rows: list) -> dict[str, np.ndarray]:
@@ -116,7 +117,7 @@ def _rl_figures(job: Job, runner: Runner, held_out: HeldOut | None, step: int,
         draw_timeline(result.timing, job.plan.specs, str(job.workdir / f"timeline_{step}.png"))
 
 
-def rl_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
+def rl_loop(job: Job, runner: Runner, rows: EpochIterator, writer,
             checkpoints: checkpoint.Checkpointer, evaluation_before: dict[str, float],
             held_out: HeldOut | None = None, *, what: str = "", prefix: str = "") -> LoopResult:
     """The synchronous loop (RL, offline, the warm start): steps from the runner's step index to
@@ -150,7 +151,7 @@ def rl_loop(job: Job, runner: Runner, rows: datasets.EpochIterator, writer,
     return LoopResult(timings, False, guard.skipped)
 
 
-def summary(job: Job, t0: float, start: Start, runner: Runner | None,
+def summary(job: Job, t0: float, start: build.JobStart, runner: Runner | None,
             loop: LoopResult | None, before: dict, after: dict | None) -> dict:
     """The job's last line: each held-out figure (accuracy and reward at least) before and
     after training (None where not measured) and how the run went; no runner or loop when the
@@ -176,12 +177,13 @@ def run(job: Job) -> dict:
     t0 = time.perf_counter()
     spec, workdir, offline = job.spec, job.workdir, job.spec.algorithm.offline
     what = _name(job)
-    with (begin(job) as start, MetricsWriter(workdir) as writer,
+    with (begin(job) as (start, warm), MetricsWriter(workdir) as writer,
           HeldOut(job, held_out_layout(job), job.data.eval) as held_out,
           build.host_pools(spec) as pools):  # offline graphs have no host MFCs
-        runner = start.runner(job, writer, pools)
-        if runner is None:  # stopped in the warm start, its checkpoint saved
+        params = None if warm is None else _warm_started(warm, writer)
+        if warm is not None and params is None:  # stopped, its checkpoint saved
             return summary(job, t0, start, None, None, {}, None)
+        runner = start.runner(pools, params)
         evaluate = evaluator(job, runner, held_out)
         with contextlib.closing(runner):
             before = (evaluate() if start.resume is None
@@ -189,7 +191,7 @@ def run(job: Job) -> dict:
             print(f"held-out before {what}: {_shown(before)}", flush=True)
             # async_rl.max_staleness > 0: generation runs ahead (run/async_loop.py)
             loop_fn = async_loop.rl_loop if spec.async_rl.max_staleness else rl_loop
-            loop = loop_fn(job, runner, start.rows(job), writer, start.checkpoints, before,
+            loop = loop_fn(job, runner, start.rows(), writer, start.checkpoints, before,
                            held_out)
         after = None if loop.interrupted else evaluate()
         if after is not None and offline:

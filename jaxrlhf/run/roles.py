@@ -46,8 +46,9 @@ def start_of(spec: RunSpec, role: Role) -> Start:
     """How `role`'s parameters begin (see the module docstring).
 
     Raises:
-      ConfigError: a role without a path where the config requires one, a frozen reward/cost model without a path, or a critic that cannot start
-        from a pretrained actor of another size.
+      ConfigError: a role without a path where the config requires one, a frozen reward or
+        cost model without a path, or a critic that cannot start from a pretrained actor of
+        another size.
     """
     model = spec.models[role]
     if model.path:
