@@ -137,7 +137,7 @@ def test_the_evaluation_reward_pool_closes_when_the_run_raises(tmp_path):
     evaluation in a `with`); this used to leak them when the RL loop raised."""
     job = check_config(_config(), str(tmp_path))
     with pytest.raises(RuntimeError, match="the RL loop failed"):
-        with HeldOut(job, job.plan.layouts["actor_gen"], job.data.eval) as held_out:
+        with HeldOut(job, job.plan.layouts["actor_gen"]) as held_out:
             rows = job.data.eval[:2]
             scores, errors = held_out._function_scores(rows, [r.answer for r in rows])
             workers = [w.process for w in held_out._pool._workers]

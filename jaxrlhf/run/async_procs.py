@@ -145,7 +145,7 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
         if jax.process_index() == 0:
             periodic = held_out is not None and job.spec.evaluation.every > 0
             # the same evaluation on the trainer's own devices, with a reward pool of its own
-            with (HeldOut(job, on_process(held_out.layout, 0), job.data.eval) if periodic
+            with (HeldOut(job, on_process(held_out.layout, 0)) if periodic
                   else contextlib.nullcontext()) as evaluation:
                 result = _Trainer(job, runner, gen, shardings, chan, save, evaluation).run(
                     prompts, writer, checkpoints)

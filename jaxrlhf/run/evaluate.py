@@ -127,20 +127,20 @@ class HeldOut:
     """The held-out evaluation of one run (see the module docstring).
 
     Args:
-      job: the checked job (spec, tokenizer, plan).
-      layout: the generation layout the actor's parameters are given on.
-      rows: held-out prompt rows.
+      job: the checked job (spec, tokenizer, plan, its held-out rows).
+      layout: the generation layout the actor's parameters are given on (default: the actor's
+        generation layout, or an offline run's trained model's home, where its parameters are).
     """
 
-    def __init__(self, job: Job, layout: Layout, rows: Sequence[PromptRow]):
-        spec = job.spec
-        self._job, self.layout = job, layout
+    def __init__(self, job: Job, layout: Layout | None = None):
+        spec, rows = job.spec, job.data.eval
+        self._job, self.layout = job, _layout(job) if layout is None else layout
         self._rows = list(rows[:spec.evaluation.max_prompts] if spec.evaluation.max_prompts
                           else rows)
         self.has_answers = bool(self._rows) and all(r.answer is not None for r in self._rows)
         r = spec.rollout
         gen = lambda greedy: make_generate_fn(
-            spec.base.config, r.generate(job.tokenizer, greedy=greedy), layout,
+            spec.base.config, r.generate(job.tokenizer, greedy=greedy), self.layout,
             prompt_buckets=(r.max_prompt_len,))
         self._greedy = gen(True)
         self._sampling = gen(False) if spec.evaluation.samples else None
@@ -257,8 +257,7 @@ Evaluator = Callable[[], dict[str, float]]
 
 def evaluator(job: Job, runner: Runner, held_out: HeldOut) -> Evaluator:
     """The run's held-out evaluation before and after training, by its algorithm's
-    `Evaluation` (module docstring), on `held_out`'s layout: RL's actor generation layout, an
-    offline run's trained model's home (`held_out_layout`)."""
+    `Evaluation` (module docstring), on `held_out`'s layout."""
     runtime = runner.runtimes[job.spec.algorithm.trained_role]
     pairs = job.data.eval_pairs
     prompts = [p.prompt for p in pairs]
@@ -298,9 +297,8 @@ def evaluator(job: Job, runner: Runner, held_out: HeldOut) -> Evaluator:
             return dpo_metrics
 
 
-def held_out_layout(job: Job) -> Layout:
-    """Where the held-out evaluation generates: the actor's generation layout, or an offline
-    run's trained model's home (where its parameters are)."""
+def _layout(job: Job) -> Layout:
+    """Where the held-out evaluation generates by default (`HeldOut`)."""
     spec, layouts = job.spec, job.plan.layouts
     return next((layouts[m.name] for m in spec.graph.mfcs
                  if m.role is Role.ACTOR and m.call is Call.GENERATE),

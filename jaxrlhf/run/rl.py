@@ -38,7 +38,7 @@ from jaxrlhf.metrics import METRICS_FILE, MetricsWriter
 from jaxrlhf.mfc import Role
 from jaxrlhf.run import async_loop, build
 from jaxrlhf.run.check import Job
-from jaxrlhf.run.evaluate import HeldOut, evaluator, held_out_layout
+from jaxrlhf.run.evaluate import HeldOut, evaluator
 from jaxrlhf.run.runner import LoopResult, Runner, StepResult
 
 
@@ -178,7 +178,7 @@ def run(job: Job) -> dict:
     spec, workdir, offline = job.spec, job.workdir, job.spec.algorithm.offline
     what = _name(job)
     with (begin(job) as (start, warm), MetricsWriter(workdir) as writer,
-          HeldOut(job, held_out_layout(job), job.data.eval) as held_out,
+          HeldOut(job) as held_out,
           build.host_pools(spec) as pools):  # offline graphs have no host MFCs
         params = None if warm is None else _warm_started(warm, writer)
         if warm is not None and params is None:  # stopped, its checkpoint saved
