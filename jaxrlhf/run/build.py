@@ -167,7 +167,8 @@ class JobStart:
         """The job's runner: continuing the checkpoint, else fresh (`fresh_runner`)."""
         if self.resume is None:
             return fresh_runner(self.job, pools, actor_params)
-        out = runner(self.job, self.states, pools, self.resume.runner)
+        out = runner(self.job, self.states, pools)
+        out.restore(self.resume.runner)
         self.states = None  # the runner's now (its steps donate them)
         return out
 
@@ -193,19 +194,15 @@ def start(job: Job, directory: pathlib.Path):
         yield JobStart(job, checkpoints, *(restored or (None, None)))
 
 
-def runner(job: Job, states: dict, pools, host: dict | None = None) -> Runner:
-    """The job's runner around `states` (see `initial_states`, or a checkpoint's), continuing
-    `host` (a checkpoint's `Runner.state()`) when given."""
+def runner(job: Job, states: dict, pools) -> Runner:
+    """The job's runner around `states` (see `initial_states`, or a checkpoint's)."""
     spec, plan = job.spec, job.plan
     calls = {m.name: engine_call(m, spec.models[m.role].config, plan.layouts[m.name],
                                  plan.micro_batches(m.name), spec.rollout, job.tokenizer,
                                  spec.algorithm, spec.optimizers.get(m.role))
              for m in spec.algorithm.mfcs if not m.host}
-    out = Runner(spec.algorithm, spec.graph, plan, runtimes(spec, plan, states), calls,
-                 job.tokenizer, pools, spec.seed)
-    if host is not None:
-        out.restore(host)
-    return out
+    return Runner(spec.algorithm, spec.graph, plan, runtimes(spec, plan, states), calls,
+                  job.tokenizer, pools, spec.seed)
 
 
 def fresh_runner(job: Job, pools, actor_params=None) -> Runner:
