@@ -1,0 +1,56 @@
+"""Every package the installed code imports is declared in requirements.txt.
+
+`pip install -e .` installs requirements.txt alone (the README's first command), while the test
+command also installs requirements-test.txt, whose packages pull in others (torch brings
+jinja2): an import that only they satisfy passes every test and fails on a fresh machine.
+"""
+
+import ast
+import importlib.metadata
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("jaxrlhf", "kernels", "meshes", "configs")  # what pyproject.toml installs
+
+
+def _name(requirement: str) -> str:
+    """A distribution's normalised name (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", requirement).lower()
+
+
+def _declared() -> set[str]:
+    lines = (ROOT / "requirements.txt").read_text(encoding="utf-8").splitlines()
+    return {_name(re.match(r"[A-Za-z0-9_.-]+", line).group(0))
+            for line in map(str.strip, lines) if line and not line.startswith("#")}
+
+
+def _imported_modules() -> dict[str, str]:
+    """Top-level module -> the first file:line importing it, over the installed packages."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    out.setdefault(name.split(".")[0], f"{path.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+def test_every_imported_package_is_a_declared_requirement():
+    providers = importlib.metadata.packages_distributions()
+    undeclared = []
+    for module, where in sorted(_imported_modules().items()):
+        if module in sys.stdlib_module_names or module in PACKAGES or module == "__future__":
+            continue
+        dists = {_name(d) for d in providers.get(module, [module])}
+        if not dists & _declared():
+            undeclared.append(f"{module} (distribution {', '.join(sorted(dists))}), "
+                              f"imported at {where}")
+    assert not undeclared, "imported but not in requirements.txt:\n" + "\n".join(undeclared)
