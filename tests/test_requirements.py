@@ -12,7 +12,8 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("jaxrlhf", "kernels", "meshes", "configs")  # what pyproject.toml installs
+# What pyproject.toml installs, and the benchmarks, which run in an installed tree.
+FOLDERS = ("jaxrlhf", "kernels", "meshes", "configs", "benchmarks")
 
 
 def _name(requirement: str) -> str:
@@ -27,10 +28,10 @@ def _declared() -> set[str]:
 
 
 def _imported_modules() -> dict[str, str]:
-    """Top-level module -> the first file:line importing it, over the installed packages."""
+    """Top-level module -> the first file:line importing it, over FOLDERS."""
     out = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, ast.Import):
                     names = [alias.name for alias in node.names]
@@ -47,7 +48,7 @@ def test_every_imported_package_is_a_declared_requirement():
     providers = importlib.metadata.packages_distributions()
     undeclared = []
     for module, where in sorted(_imported_modules().items()):
-        if module in sys.stdlib_module_names or module in PACKAGES or module == "__future__":
+        if module in sys.stdlib_module_names or module in FOLDERS or module == "__future__":
             continue
         dists = {_name(d) for d in providers.get(module, [module])}
         if not dists & _declared():
