@@ -11,6 +11,8 @@ exactly one JSON object is printed: {"text", "token_ids", "logprobs", "prompt_to
 `seconds` is the wall time of the generate call (compilation included). Prompt ids are those of
 `transformers.AutoTokenizer(HF_DIR)(PROMPT)`; with --chat, those of
 `apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)`.
+A directory or layout that cannot work is one line `error: --FLAG=VALUE: problem` on stderr,
+exit code 2, before anything compiles.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import sys
 import time
 
 from absl import app, flags
+
+from jaxrlhf.schema import ConfigError, field
 
 _MODEL = flags.DEFINE_string("model", None, "HF checkpoint directory (config.json, "
                              "safetensors, tokenizer.json).", required=True)
@@ -68,19 +72,23 @@ def _run() -> dict:
     from jaxrlhf.models.sizes import abstract_params
     from jaxrlhf.parallel import make_layout
 
-    tokenizer = HFTokenizer.from_dir(_MODEL.value)
     match _DTYPE.value:
         case "float32":
             dtype = jnp.float32
         case "bfloat16":
             dtype = jnp.bfloat16
-    model_config = hf_io.load_hf_config(_MODEL.value, dtype=dtype)
-    check_vocab(tokenizer, model_config.vocab_size)
-    layout = make_layout(_LAYOUT.value, model=model_config)
-    model_config, params = hf_io.load_hf(
-        _MODEL.value, dtype=dtype,
-        shardings=lambda config: layout.param_shardings(abstract_params(config)),
-    )
+    model = f"--model={_MODEL.value}"
+    with field(model):
+        tokenizer = HFTokenizer.from_dir(_MODEL.value)
+        model_config = hf_io.load_hf_config(_MODEL.value, dtype=dtype)
+        check_vocab(tokenizer, model_config.vocab_size)
+    with field(f"--layout={_LAYOUT.value}"):
+        layout = make_layout(_LAYOUT.value, model=model_config)
+    with field(model):
+        model_config, params = hf_io.load_hf(
+            _MODEL.value, dtype=dtype,
+            shardings=lambda config: layout.param_shardings(abstract_params(config)),
+        )
     gen_config = GenerateConfig(
         max_new_tokens=_MAX_NEW_TOKENS.value, eos_token_id=tokenizer.stop_ids,
         pad_token_id=tokenizer.pad_id, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
@@ -90,8 +98,8 @@ def _run() -> dict:
     if _CHAT.value:
         template = tokenizer.chat_template  # tokenizer_config.json's or chat_template.jinja
         if template is None:
-            raise app.UsageError(f"--chat: {_MODEL.value} has no chat_template in "
-                                 "tokenizer_config.json nor a chat_template.jinja")
+            raise ConfigError(f"--chat: {_MODEL.value} has no chat_template in "
+                              "tokenizer_config.json nor a chat_template.jinja")
         prompt_ids = encode_chat(tokenizer, template, [{"role": "user", "content": _PROMPT.value}])
     else:
         prompt_ids = encode_prompt(tokenizer, _PROMPT.value)
@@ -117,7 +125,11 @@ def _run() -> dict:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    result = _run()
+    try:
+        result = _run()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if _JSON.value:
         print(json.dumps(result))
     else:

@@ -68,3 +68,25 @@ def test_cli_json_greedy_matches_hf(tmp_path):
     ]
     np.testing.assert_allclose(result["logprobs"], hf_logprobs, atol=1e-5, rtol=0)
     assert result["text"] == backend.decode(hf_tokens, skip_special_tokens=True)
+
+
+@pytest.mark.entry
+@pytest.mark.parametrize("case", ["no_tokenizer", "bad_layout", "no_chat_template"])
+def test_cli_bad_input_is_one_line_naming_the_flag(tmp_path, case):
+    """A directory, layout or --chat that cannot work: `error: --FLAG...: problem` in one line,
+    exit code 2, no traceback."""
+    path, hf_model = make_tiny_hf_model(tmp_path, "llama")
+    if case != "no_tokenizer":
+        _write_word_tokenizer(path, hf_model.config.vocab_size)
+    flag = {"no_tokenizer": [], "bad_layout": ["--layout=0-1:t3"],
+            "no_chat_template": ["--chat"]}[case]
+    expected = {"no_tokenizer": f"error: --model={path}: no tokenizer.json in {path}",
+                "bad_layout": "error: --layout=0-1:t3: ",
+                "no_chat_template": f"error: --chat: {path} has no chat_template"}[case]
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrlhf.generate", f"--model={path}", f"--prompt={PROMPT}", *flag],
+        capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300,
+        cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr[-3000:]
