@@ -24,9 +24,10 @@ import statistics
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
+from jaxrlhf import cli
 from jaxrlhf.backend import use_cpu_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config", lock_config=True)
@@ -95,8 +96,7 @@ def mfc_figures(setup, runner, config, timings, machine_peak: float):
     return figures, memory, raised_by
 
 
-def main(argv):
-    del argv
+def main():
     config = _CONFIG.value
     use_cpu_devices(config.cpu_devices)
     import jax
@@ -149,4 +149,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    app.run(main)
+    cli.run(main)

@@ -33,9 +33,11 @@ import dataclasses
 import json
 import pathlib
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from jaxrlhf import cli
 from jaxrlhf.mfc import Role
+from jaxrlhf.schema import ConfigError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "the run's workdir (holds checkpoints/)",
                                required=True)
@@ -102,11 +104,12 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path, role: Role = Ro
     return Exported(pathlib.Path(out), host.step, tokenizer_dir)
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main() -> None:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it opens at INFO
-    result = export(_WORKDIR.value, _OUT.value, Role(_ROLE.value), _STEP.value)
+    try:
+        result = export(_WORKDIR.value, _OUT.value, Role(_ROLE.value), _STEP.value)
+    except (FileNotFoundError, ValueError) as e:  # what `export` raises for its input
+        raise ConfigError(f"--workdir={_WORKDIR.value}: {e}") from None
     if result.tokenizer_dir is None:
         print("tokenizer: the byte tokenizer has no Hugging Face form; ids 0-255 are UTF-8 "
               "bytes, 256 pad, 257 BOS, 258 EOS (`python -m jaxrlhf.export --help`)")
@@ -115,4 +118,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

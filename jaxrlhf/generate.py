@@ -22,8 +22,9 @@ import re
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
+from jaxrlhf import cli
 from jaxrlhf.schema import ConfigError, field
 
 _MODEL = flags.DEFINE_string("model", None, "HF checkpoint directory (config.json, "
@@ -47,7 +48,7 @@ _DASHED_FLAG = re.compile(r"^(--?)([A-Za-z][\w-]*)(=.*)?$", re.DOTALL)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl parsing, accepting `--max-new-tokens` as a spelling of `--max_new_tokens`."""
+    """`cli.parse_flags`, accepting `--max-new-tokens` as a spelling of `--max_new_tokens`."""
 
     def undash(arg: str) -> str:
         match = _DASHED_FLAG.match(arg)
@@ -56,7 +57,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
         dashes, name, value = match.groups()
         return dashes + name.replace("-", "_") + (value or "")
 
-    return flags.FLAGS([argv[0], *map(undash, argv[1:])])
+    return cli.parse_flags([argv[0], *map(undash, argv[1:])])
 
 
 def _run() -> dict:
@@ -122,14 +123,8 @@ def _run() -> dict:
     }
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    try:
-        result = _run()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+def main() -> None:
+    result = _run()
     if _JSON.value:
         print(json.dumps(result))
     else:
@@ -138,4 +133,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    cli.run(main, flags_parser=_parse_flags)

@@ -7,8 +7,10 @@ devices: it only builds and validates the graph.
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from jaxrlhf import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config", lock_config=True)
 _OUT = flags.DEFINE_string("out", "dfg.png", "output picture (.png, .pdf or .svg)")
@@ -62,8 +64,7 @@ def draw(graph, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv):
-    del argv
+def main():
     from jaxrlhf.spec import run_spec
 
     spec = run_spec(_CONFIG.value)
@@ -75,4 +76,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    app.run(main)
+    cli.run(main)

@@ -17,9 +17,9 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxrlhf import distributed
+from jaxrlhf import cli, distributed
 from jaxrlhf.backend import use_cpu_devices
-from jaxrlhf.schema import ConfigError, unknown_key
+from jaxrlhf.schema import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
                                           lock_config=True)
@@ -39,32 +39,13 @@ _WAIT_TIMEOUT = flags.DEFINE_float("wait_timeout", 600.0, "seconds a cross-proce
                                    "transfer, a barrier, a step's device work) may last before "
                                    "the job stops with a message naming it")
 
-EXIT_CONFIG_ERROR = 2
-
 
 def _config_error(message, dist: distributed.DistributedConfig | None = None) -> None:
-    """`error: message` in one line on stderr, exit 2. Multi-process: the job stops at once (no
-    exit barrier: a process whose check passed must not wait for this one)."""
-    line = f"error: {' '.join(str(message).split())}"
+    """`error: message` in one line on stderr, exit 2 (`cli.bad_input`). Multi-process: the job
+    stops at once (no exit barrier: a process whose check passed must not wait for this one)."""
     if dist is not None and dist.multi_process:
-        distributed.abort(line, EXIT_CONFIG_ERROR)
-    print(line, file=sys.stderr, flush=True)
-    sys.exit(EXIT_CONFIG_ERROR)
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parsing, with a `--config=FILE[:VARIANT]` naming no file, a `--config.KEY=...`
-    whose KEY is not in jaxrlhf/schema.py, and absl's own errors reported in one line."""
-    for arg in argv:
-        name, _, value = arg.partition("=")
-        if name == "--config" and not os.path.isfile(path := value.split(":", 1)[0]):
-            _config_error(f"--config={path}: no such config file")
-        if name.startswith("--config.") and (error := unknown_key(name[len("--config."):])):
-            _config_error(f"--config.{error}")
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _config_error(e)
+        distributed.abort(cli.error_line(message), cli.EXIT_BAD_INPUT)
+    cli.bad_input(message)
 
 
 def main(argv):
@@ -116,4 +97,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -29,7 +29,7 @@ LAYERS = {
     "jaxrlhf.fingerprint": 7,
     "jaxrlhf.spec": 8,
     "jaxrlhf.run": 9,
-    "jaxrlhf.calibration": 10,
+    "jaxrlhf.calibration": 10, "jaxrlhf.cli": 10,
     # entry points: flags -> spec -> run
     "jaxrlhf.train": 11, "jaxrlhf.bench": 11, "jaxrlhf.generate": 11, "jaxrlhf.export": 11,
     "jaxrlhf.graph": 11, "jaxrlhf.plan.__main__": 11,

@@ -24,11 +24,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
+from jaxrlhf import cli
 from jaxrlhf.plan import report as report_lib
 from jaxrlhf.plan.allocation import AllocationError, parse_allocation, plan_of
 from jaxrlhf.plan.choice import ExecutionPlan
@@ -36,6 +36,7 @@ from jaxrlhf.plan.cluster import Cluster, load_cluster, save_calibration
 from jaxrlhf.plan.evaluate import Evaluator, SimOptions
 from jaxrlhf.plan.search import PlanResult, SearchOptions, search
 from jaxrlhf.plan.simulator import dispatch_order
+from jaxrlhf.schema import ConfigError, field
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
 _CLUSTER = flags.DEFINE_string("cluster", None, "cluster file, e.g. meshes/a100_16x8.py")
@@ -64,10 +65,10 @@ def _use_devices(cluster: Cluster) -> None:
     import jax
 
     if jax.process_count() > 1:
-        raise app.UsageError("--calibrate/--validate run on one host (one process)")
+        raise ConfigError("--calibrate/--validate run on one host (one process)")
     if jax.device_count() != cluster.num_devices:
-        raise app.UsageError(f"cluster {cluster.name} has {cluster.num_devices} devices but this "
-                             f"machine presents {jax.device_count()} ({jax.devices()[0].platform})")
+        raise ConfigError(f"--cluster: {cluster.name} has {cluster.num_devices} devices but this "
+                          f"machine presents {jax.device_count()} ({jax.devices()[0].platform})")
 
 
 def _calibrate(config, cluster: Cluster) -> None:
@@ -122,17 +123,11 @@ def _configured_plan(spec) -> ExecutionPlan | None:
             workload.rows_per_device(spec.graph.mfc(name).call, choice.dp_size,
                                      choice.micro_batches)
     except (AllocationError, ValueError, KeyError) as e:
-        _config_error(f"placement.allocation: {e}")
+        raise ConfigError(f"placement.allocation: {e}") from None
     missing = [m.name for m in spec.experiment().model_mfcs() if m.name not in plans]
     if missing:
-        _config_error(f"placement.allocation: no entry for MFC(s) {missing}")
+        raise ConfigError(f"placement.allocation: no entry for MFC(s) {missing}")
     return ExecutionPlan.of(plans)
-
-
-def _config_error(message: str) -> None:
-    """Bad config input: one line on stderr, exit code 2 (as `jaxrlhf.train`)."""
-    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 def _search(config, cluster: Cluster) -> None:
@@ -164,14 +159,11 @@ def _search(config, cluster: Cluster) -> None:
               f"{report_lib.allocation(report.searched)}")
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    if _CONFIG.value is None or _CLUSTER.value is None:
-        raise app.UsageError("--config and --cluster are required")
+def main():
     if _CALIBRATE.value and _VALIDATE.value:
-        raise app.UsageError("--calibrate and --validate are separate runs")
-    cluster = load_cluster(_CLUSTER.value, workdir=_WORKDIR.value)
+        raise ConfigError("--calibrate and --validate are separate runs")
+    with field(f"--cluster={_CLUSTER.value}"):
+        cluster = load_cluster(_CLUSTER.value, workdir=_WORKDIR.value)
     if not (_CALIBRATE.value or _VALIDATE.value):
         import jax
 
@@ -189,4 +181,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    flags.mark_flags_as_required(["config", "cluster"])
+    cli.run(main)
