@@ -105,7 +105,8 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path, role: Role = Ro
 
 
 def main() -> None:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every file it opens at INFO
+    # orbax logs every file it opens (INFO) and that the checkpoints open read-only (WARNING)
+    logging.set_verbosity(logging.ERROR)
     try:
         result = export(_WORKDIR.value, _OUT.value, Role(_ROLE.value), _STEP.value)
     except (FileNotFoundError, ValueError) as e:  # what `export` raises for its input
