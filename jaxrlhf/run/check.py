@@ -118,17 +118,21 @@ def _warm_start(job: Job) -> Job | None:
 
 
 def _check_batches(job: Job) -> None:
-    """The rows fill one batch of the run's steps, and of its warm start's."""
-    spec, data = job.spec, job.spec.data
-    source = {BatchKind.PROMPTS: data.train_path, BatchKind.SFT_ROWS: data.sft_path,
-              BatchKind.PAIRS: data.preference_path}[spec.algorithm.batches]
-    batch, w, sft_rows = spec.rollout.batch_size, spec.warm_start, job.data.sft
-    if len(job.train_rows) < batch:
-        raise ConfigError(f"rollout.batch_size={batch}: more than the {len(job.train_rows)} "
-                          f"rows of {source or 'the built-in task'}")
-    if w.steps and not sft_rows:  # user data without SFT rows: nothing to warm-start on
+    """The rows fill one batch of the run's steps, and of its warm start's (`Job.warm_start`)."""
+    _check_rows(job, "rollout.batch_size", "rows")
+    w = job.spec.warm_start
+    if w.steps and not job.data.sft:  # user data without SFT rows: nothing to warm-start on
         raise ConfigError(f"warm_start.sft_steps={w.steps}: there are no SFT rows (set "
                           "data.sft_path, or warm_start.sft_steps=0)")
-    if w.steps and len(sft_rows) < w.batch_size:
-        raise ConfigError(f"warm_start.batch_size={w.batch_size}: more than the {len(sft_rows)} "
-                          f"SFT rows of {data.sft_path or 'the built-in task'}")
+    if job.warm_start is not None:
+        _check_rows(job.warm_start, "warm_start.batch_size", "SFT rows")
+
+
+def _check_rows(job: Job, key: str, rows: str) -> None:
+    """`job.train_rows` fill one of its batches; else a ConfigError naming `key`, its batch size."""
+    data, batch = job.spec.data, job.spec.rollout.batch_size
+    source = {BatchKind.PROMPTS: data.train_path, BatchKind.SFT_ROWS: data.sft_path,
+              BatchKind.PAIRS: data.preference_path}[job.spec.algorithm.batches]
+    if len(job.train_rows) < batch:
+        raise ConfigError(f"{key}={batch}: more than the {len(job.train_rows)} {rows} of "
+                          f"{source or 'the built-in task'}")
