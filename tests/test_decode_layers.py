@@ -21,22 +21,25 @@ _CONFIG = get_size("tiny", dtype=jnp.float32, num_layers=3)  # 4 heads over 2 kv
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_single_query_attention_equals_the_reference(dtype):
-    """Left padding, a padding query row, GQA, a traced slot: as `_xla_attention` with
-    q_len 1 (fp32 to rounding; bf16 to one bf16 step, its probabilities rounded alike)."""
+@pytest.mark.parametrize("per_row", [False, True])
+def test_cached_query_attention_equals_the_reference(dtype, per_row):
+    """Left padding, a padding query row, GQA, a traced slot (one for all rows, or each row's
+    own): as `_xla_attention` with q_len 1 on the [b, S, k, d] cache (fp32 to rounding; bf16 to
+    one bf16 step, its probabilities rounded alike)."""
     batch, slots, heads, kv_heads, dim = 3, 9, 4, 2, 8
     keys = jax.random.split(jax.random.key(0), 3)
     q_b1hd = jax.random.normal(keys[0], (batch, 1, heads, dim), dtype)
     k_bskd, v_bskd = (jax.random.normal(k, (batch, slots, kv_heads, dim), dtype)
                       for k in keys[1:])
+    (cache,) = decode_layers.split_cache(KVCache(k_bskd[None], v_bskd[None]))
     kv_seg_bs = jnp.asarray([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9, [0] * 9], jnp.int32)
     q_seg_b1 = jnp.asarray([[1], [1], [0]], jnp.int32)
-    run = jax.jit(lambda fn, slot: fn(q_b1hd, k_bskd, v_bskd, q_seg_b1, kv_seg_bs, slot),
-                  static_argnums=0)
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
-    for slot in (2, 6):
-        got = run(attention.single_query_attention, slot)
-        want = run(attention._xla_attention, slot)
+    for slot in ((2, 6, 4), (6, 3, 8)) if per_row else (2, 6):
+        slot = jnp.asarray(slot, jnp.int32)
+        got = jax.jit(attention.cached_query_attention)(q_b1hd, *cache, q_seg_b1, kv_seg_bs, slot)
+        want = jax.jit(attention._xla_attention)(q_b1hd, k_bskd, v_bskd, q_seg_b1, kv_seg_bs,
+                                                 slot)
         assert got.dtype == want.dtype == dtype
         np.testing.assert_allclose(np.asarray(got[:2], np.float32),
                                    np.asarray(want[:2], np.float32), **tol)

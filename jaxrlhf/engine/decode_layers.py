@@ -9,11 +9,11 @@ read), and each layer's keys and values once or twice more (transposed for the a
 dots). W-cpu's generation (d4t2) spent about 40% of its op time in these copies.
 
 Here the weights are sliced out once, before the token loop (`split_params`; the loop then
-only reads them), the cache is cut into one [b, S, k, d] array per layer (`split_cache`),
-and the layers are unrolled (`LayerByLayer`): layer l writes its new keys and values into its
-own cache in place and attends over that array as it is (`attention.single_query_attention`
-for a one-token step with the XLA implementation: multiply and reduce read the cache where
-it lies, where a dot would copy it into the layout it wants).
+only reads them), the cache is cut into one `DecodeKV` per layer (keys [b, k, d, S], values
+[b, k, S, d]; `split_cache`), and the layers are unrolled (`LayerByLayer`): layer l writes its
+new keys and values into its own cache in place and attends over it as it lies
+(`attention.cached_query_attention`: two batched matrix products whose operands XLA:CPU's dots
+read in place).
 
 W-cpu generation, scanned -> layer by layer (same tokens, log-probs within 1e-6): d4t2 0.75 ->
 0.63 s, d2t2 0.69 -> 0.66 s (`benchmarks/engine_calls.py --calls=generate --layouts=0-7:d4t2,
@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.models.transformer import KVCache, LayerFn, LayerInputs
+from jaxrlhf.models.transformer import DecodeKV, KVCache, LayerFn, LayerInputs
 
 
 def split_layers(layers) -> tuple:
@@ -47,9 +47,11 @@ def split_params(params) -> dict:
     return {**params, "layers": split_layers(params["layers"])}
 
 
-def split_cache(cache: KVCache) -> tuple[KVCache, ...]:
-    """One KVCache of [b, S, k, d] arrays per layer, from the stacked [L, b, S, k, d] one."""
-    return tuple(KVCache(k, v) for k, v in zip(cache.k_lbskd, cache.v_lbskd))
+def split_cache(cache: KVCache) -> tuple[DecodeKV, ...]:
+    """One `DecodeKV` per layer (keys [b, k, d, S], values [b, k, S, d]), from the stacked
+    [L, b, S, k, d] cache: one transposing copy, before a token loop."""
+    return tuple(DecodeKV(jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)))
+                 for k, v in zip(cache.k_lbskd, cache.v_lbskd))
 
 
 _SEGMENTS = 4
@@ -72,16 +74,19 @@ def segment_ends(n_new: int) -> tuple[int, ...]:
     return tuple(range(size, n_new, size)) + (n_new,)
 
 
-def grow_cache(caches: tuple[KVCache, ...], length: int) -> tuple[KVCache, ...]:
-    """Each layer's [b, S, k, d] cache zero-padded to `length` slots."""
-    def grow(x_bskd):
-        return jnp.pad(x_bskd, ((0, 0), (0, length - x_bskd.shape[1]), (0, 0), (0, 0)))
-    return tuple(KVCache(grow(c.k_lbskd), grow(c.v_lbskd)) for c in caches)
+def grow_cache(caches: tuple[DecodeKV, ...], length: int) -> tuple[DecodeKV, ...]:
+    """Each layer's cache zero-padded to `length` slots."""
+    def grow(x, axis):
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, length - x.shape[axis])
+        return jnp.pad(x, widths)
+    return tuple(DecodeKV(grow(c.kT_bkds, 3), grow(c.v_bksd, 2)) for c in caches)
 
 
-def stack_cache(caches: tuple[KVCache, ...]) -> KVCache:
+def stack_cache(caches: tuple[DecodeKV, ...]) -> KVCache:
     """The stacked [L, b, S, k, d] KVCache of per-layer ones (`split_cache` undone)."""
-    return KVCache(jnp.stack([c.k_lbskd for c in caches]), jnp.stack([c.v_lbskd for c in caches]))
+    return KVCache(jnp.stack([jnp.transpose(c.kT_bkds, (0, 3, 1, 2)) for c in caches]),
+                   jnp.stack([jnp.transpose(c.v_bksd, (0, 2, 1, 3)) for c in caches]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +102,7 @@ class LayerByLayer:
     def __call__(self, layer_fn: LayerFn, params_l, x_btd: jax.Array, cache, inputs: LayerInputs,
                  cache_index, unroll: bool) -> tuple[jax.Array, Any]:
         params_l = split_layers(params_l)
-        if isinstance(cache, tuple) and not isinstance(cache, KVCache):
+        if isinstance(cache, tuple) and isinstance(cache[0], DecodeKV):
             caches = []
             for params, layer_cache in zip(params_l, cache, strict=True):
                 x_btd, layer_cache = layer_fn(params, (x_btd, layer_cache), None, inputs,

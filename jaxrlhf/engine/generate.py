@@ -1,22 +1,26 @@
-"""The `generate` call kind: batched autoregressive sampling with a KV cache, one jit per layout.
+"""The `generate` call kind: sampling after a batch of prompts, one jit per layout and bucket.
+
+`Generator` hands the rows to the rollout engine (`engine.rollout`): every row is queued, a
+slot whose row finished takes the next one, and when the queue is empty and the live rows fit
+in half the slots they are compacted into a smaller state; the cache holds only what the live
+rows can reach (capacity buckets), and a GRPO group's n rows share one prefill. Pipelined
+layouts decode the static batch of `generate` (below) instead: their stages decode every row
+at one slot.
 
 Prompts arrive LEFT-padded to a bucketed length P (so every row's last prompt token sits in the
-same slot and one prefill yields every row's first next-token logits). The KV cache has
-P + max_new_tokens slots (layer by layer on XLA:CPU it grows to that in a few segments, so a
-step attends over fewer unwritten slots); response token i of every row goes to slot P + i.
-A `lax.while_loop` (one per segment) decodes one token per iteration and stops as soon as every
-row has emitted EOS (or after max_new_tokens). Each row's RoPE positions count only its real
-tokens, so a left-padded row is computed exactly like the same prompt without padding.
+same slot and one prefill yields every row's first next-token logits); response token i of a
+row goes to cache slot P + i. Each row's RoPE positions count only its real tokens, so a
+left-padded row is computed exactly like the same prompt without padding. Row r of a call with
+key `rng` samples token i with fold_in(fold_in(rng, i), r), wherever and whenever it decodes.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,58 +28,19 @@ import numpy as np
 from jaxrlhf.engine import buckets, decode_layers, pipelined_decode
 from jaxrlhf.engine.call import BucketedCall
 from jaxrlhf.engine.decode_layers import LayerByLayer
-from jaxrlhf.engine.sampling import SamplingParams, sample, token_logprobs
+from jaxrlhf.engine.decoding import (  # noqa: F401  (GenerateConfig, decode_model: public here)
+    GenerateConfig, constrain_cache, decode_model, draw, prefill,
+)
+from jaxrlhf.engine.rollout import Rollout
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
-from jaxrlhf.parallel.pipeline import layer_stack
+from jaxrlhf.parallel.pipeline import Pipeline, layer_stack
 from jaxrlhf.parallel.reshard import transfer
 
-# KVCache [l, b, s, k, d]; a pipeline keeps each stage's layers on its own devices.
-_CACHE_AXES = ("layers", "batch", None, "act_kv_heads", "head_dim")
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateConfig:
-    """Static generation settings (hashable; closed over by the jitted function).
-
-    Attributes:
-      max_new_tokens: response slots N per row.
-      eos_token_id: a row is finished after emitting it, or any of them when a tuple (Llama-3
-        instruct has several stop ids); the EOS itself is part of the response.
-      pad_token_id: fills prompt padding and response slots after a row finished.
-      temperature: 0 = greedy; log-probs are then reported at temperature 1.
-      top_k: 0 = off.
-      top_p: 1.0 = off.
-      force_max_length: ignore EOS and always emit N tokens (benchmarks measure this way).
-    """
-
-    max_new_tokens: int
-    eos_token_id: int | tuple[int, ...]
-    pad_token_id: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    force_max_length: bool = False
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        _ = self.sampling  # validates temperature / top_k / top_p
-        # Normalise lists (JSON configs) and numpy ints so the config stays hashable.
-        eos = self.eos_token_id
-        eos = tuple(int(t) for t in eos) if isinstance(eos, (list, tuple)) else int(eos)
-        object.__setattr__(self, "eos_token_id", eos)
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        eos = self.eos_token_id
-        return eos if isinstance(eos, tuple) else (eos,)
+# Tokens decoded between looks at which rows finished (a sync point on a few scalars).
+CHUNK_TOKENS = 32
 
 
 class GenerateOutput(NamedTuple):
@@ -110,7 +75,7 @@ class _DecodeState(NamedTuple):
     logits_bv: jax.Array  # float32 [b, vocab]: the model's prediction of token `step`
     last_token_b: jax.Array  # int32 [b]: response token step-1
     done_b: jax.Array  # bool [b]
-    cache: KVCache
+    cache: KVCache | tuple
     response_bn: jax.Array
     logprobs_bn: jax.Array
     mask_bn: jax.Array
@@ -118,16 +83,6 @@ class _DecodeState(NamedTuple):
 
 def _unfinished(state: _DecodeState, n_new: int) -> jax.Array:
     return (state.step < n_new) & ~jnp.all(state.done_b)
-
-
-def draw(logits_bv, keys_b, active_b, cfg: GenerateConfig):
-    """One token per row: (token_b (pad_token_id where not active), its log-prob logp_b,
-    stopped_b: an active row emitted a stop id (never with force_max_length))."""
-    token_b = sample(logits_bv, keys_b, cfg.sampling)
-    logp_b = token_logprobs(logits_bv, token_b, cfg.sampling.logprob_temperature)
-    token_b = jnp.where(active_b, token_b, cfg.pad_token_id)
-    stopped_b = active_b & jnp.isin(token_b, jnp.asarray(cfg.stop_ids))
-    return token_b, logp_b, stopped_b & (not cfg.force_max_length)
 
 
 def _choose(state: _DecodeState, rng, cfg: GenerateConfig) -> _DecodeState:
@@ -149,38 +104,6 @@ def _choose(state: _DecodeState, rng, cfg: GenerateConfig) -> _DecodeState:
     )
 
 
-def _constrain_cache(cache: KVCache | tuple[KVCache, ...]):
-    """The stacked cache, or each layer's own (`decode_layers.split_cache`), sharded alike."""
-    if isinstance(cache, KVCache):
-        return KVCache(*(nn.with_logical_constraint(x, _CACHE_AXES) for x in cache))
-    return tuple(KVCache(*(nn.with_logical_constraint(x, _CACHE_AXES[1:]) for x in c))
-                 for c in cache)
-
-
-def _prefill(apply, config: ModelConfig, cfg: GenerateConfig, prompt_tokens_bp, prompt_mask_bp,
-             kv_segment_ids_bs) -> _DecodeState:
-    """Runs the prompts through the model, filling a cache as long as `kv_segment_ids_bs`;
-    returns the initial state."""
-    batch, _ = prompt_tokens_bp.shape
-    n_new = cfg.max_new_tokens
-    positions_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=1, dtype=jnp.int32) - 1, 0)
-    cache = _constrain_cache(KVCache.zeros(config, batch, kv_segment_ids_bs.shape[1]))
-    logits_b1v, cache = apply(
-        prompt_tokens_bp, positions_bp, prompt_mask_bp.astype(jnp.int32), cache, 0,
-        kv_segment_ids_bs, last_only=True,
-    )
-    return _DecodeState(
-        step=jnp.zeros((), jnp.int32),
-        logits_bv=logits_b1v[:, 0],  # left padding: every row's last prompt token is here
-        last_token_b=jnp.zeros((batch,), jnp.int32),
-        done_b=jnp.zeros((batch,), bool),
-        cache=_constrain_cache(cache),
-        response_bn=jnp.full((batch, n_new), cfg.pad_token_id, jnp.int32),
-        logprobs_bn=jnp.zeros((batch, n_new), jnp.float32),
-        mask_bn=jnp.zeros((batch, n_new), bool),
-    )
-
-
 def generate(
     model: Transformer,
     cfg: GenerateConfig,
@@ -189,7 +112,10 @@ def generate(
     prompt_mask_bp: jax.Array,
     rng: jax.Array,
 ) -> GenerateOutput:
-    """Samples up to `cfg.max_new_tokens` tokens after each left-padded prompt (traceable).
+    """Samples up to `cfg.max_new_tokens` tokens after each left-padded prompt (traceable), as
+    one static batch: every row decodes until the last one stops. Pipelined layouts decode
+    this way (ReaL's schedule across tokens); elsewhere `Generator` runs the rollout engine,
+    for which this function is the reference (same tokens and log-probs).
 
     Args:
       model: the LM-head decoder.
@@ -216,8 +142,13 @@ def generate(
     )
     # Layer by layer, the caches grow segment by segment (`decode_layers.segment_ends`).
     ends = decode_layers.segment_ends(n_new) if layer_by_layer else (n_new,)
-    state = _prefill(apply, model.config, cfg, prompt_tokens_bp, prompt_mask_bp,
-                     kv_segment_ids_bs[:, :prompt_len + ends[0]])
+    logits_bv, cache = prefill(apply, model.config, prompt_tokens_bp, prompt_mask_bp,
+                               kv_segment_ids_bs[:, :prompt_len + ends[0]])
+    state = _DecodeState(
+        step=jnp.zeros((), jnp.int32), logits_bv=logits_bv,
+        last_token_b=jnp.zeros((batch,), jnp.int32), done_b=jnp.zeros((batch,), bool),
+        cache=cache, response_bn=jnp.full((batch, n_new), cfg.pad_token_id, jnp.int32),
+        logprobs_bn=jnp.zeros((batch, n_new), jnp.float32), mask_bn=jnp.zeros((batch, n_new), bool))
 
     def decode_one(s: _DecodeState, kv_segment_ids_bs) -> _DecodeState:
         fed = s.step - 1  # index of the response token being fed
@@ -225,14 +156,14 @@ def generate(
             s.last_token_b[:, None], (prompt_lengths_b + fed)[:, None],
             jnp.ones((batch, 1), jnp.int32), s.cache, prompt_len + fed, kv_segment_ids_bs,
         )
-        s = s._replace(logits_bv=logits_b1v[:, 0], cache=_constrain_cache(cache))
+        s = s._replace(logits_bv=logits_b1v[:, 0], cache=constrain_cache(cache))
         return _choose(s, rng, cfg)
 
     # Token 0 comes from the prefill's logits; each iteration feeds the last token and samples
     # the next, so the loop body has no `lax.cond` (whose branches would copy the KV cache).
     state = _choose(state, rng, cfg)
     if layer_by_layer:
-        state = state._replace(cache=_constrain_cache(decode_layers.split_cache(state.cache)))
+        state = state._replace(cache=constrain_cache(decode_layers.split_cache(state.cache)))
     if pipelined_decode.runs_across_tokens(model):  # ReaL's schedule on a pipelined layout
         state = pipelined_decode.decode_across_tokens(
             model, cfg, params, state, rng, prompt_lengths_b, prompt_len, kv_segment_ids_bs)
@@ -243,7 +174,7 @@ def generate(
             state = jax.lax.while_loop(
                 functools.partial(_unfinished, n_new=end),
                 functools.partial(decode_one, kv_segment_ids_bs=kv_segment_ids_bs[:, :length]),
-                state._replace(cache=_constrain_cache(cache)))
+                state._replace(cache=constrain_cache(cache)))
     prompt_bp = jnp.where(prompt_mask_bp, prompt_tokens_bp, cfg.pad_token_id).astype(jnp.int32)
     return GenerateOutput(
         sequences_bs=jnp.concatenate([prompt_bp, state.response_bn], axis=1),
@@ -255,30 +186,98 @@ def generate(
     )
 
 
-def decode_model(model_config: ModelConfig, layout: Layout) -> Transformer:
-    """The model a generate call runs on `layout`: its layout's layer stack (a pipeline keeps
-    stages apart); on XLA:CPU `decode_layers.LayerByLayer`, or with fsdp the scanned stack,
-    whatever `scan_layers` says (the parameter tree is the same).
+def _compacted_size(live: int, slots: int, dp: int) -> int:
+    """Slots to compact `live` rows into: `slots` halved while the half holds them and stays a
+    multiple of the data-parallel size."""
+    while slots // 2 >= max(live, 1) and (slots // 2) % dp == 0:
+        slots //= 2
+    return slots
 
-    Why: inside the token loop both the scanned and the unrolled scan copy every layer's
-    weights and cache once per token on XLA:CPU; layer by layer on weights sliced out once,
-    each layer's cache is read where it lies (`engine.decode_layers`). With fsdp every token
-    all-gathers each layer's weights anyway, and unrolled the gathered layers would all be
-    live at once: that stays scanned.
+
+class Occupancy(NamedTuple):
+    """Decode work of the calls so far: slot_steps (slots times decode steps run over them,
+    busy or not) and tokens (tokens sampled in them); tokens / slot_steps is the share of the
+    decoded rows that were live."""
+
+    slot_steps: int
+    tokens: int
+
+
+def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
+                prompt_mask_bp: np.ndarray, keys: list, rows_b: np.ndarray, slots: int,
+                chunk_tokens: int = CHUNK_TOKENS) -> tuple[dict[str, np.ndarray], Occupancy]:
+    """Every row generated on the engine: queued, decoded in `slots` slots refilled as rows
+    finish, compacted into fewer slots when the queue is empty and half of them are idle.
+
+    Args:
+      engine: the rollout engine (its prompt length P).
+      params: the weights (version 0).
+      prompt_tokens_bp, prompt_mask_bp: [b, P] left-padded prompts (host).
+      keys: b PRNG keys, rows_b int [b]: row i samples token t with
+        fold_in(fold_in(keys[i], t), rows_b[i]).
+      slots: rows decoded at once (a multiple of the data-parallel size).
+      chunk_tokens: tokens decoded between looks at which rows finished.
+
+    Returns:
+      ({Rows field: host array [b, ...]} in row order, the decode work done).
     """
-    stack = layer_stack(layout)
-    if stack is None and layout.mesh.devices.flat[0].platform == "cpu":
-        if layout.strategy.fsdp == 1:
-            return Transformer(model_config, LayerByLayer())
-        model_config = model_config.replace(scan_layers=True)
-    return Transformer(model_config, stack)
+    batch = len(prompt_tokens_bp)
+    queue = collections.deque(range(batch))
+    state = engine.empty(slots)
+    row_of = [-1] * slots  # the row in each slot, -1 if free
+    out: dict[str, np.ndarray] = {}
+    longest, counts = 0, np.zeros(3, np.int64)
+    done_b = np.ones(slots, bool)
+
+    def harvest(slot_list):
+        if not slot_list:
+            return
+        for name, x in engine.rows(state)._asdict().items():
+            target = out.setdefault(name, np.zeros((batch, *x.shape[1:]), x.dtype))
+            target[[row_of[s] for s in slot_list]] = x[slot_list]
+        for s in slot_list:
+            row_of[s] = -1
+
+    while True:
+        free = [s for s in range(len(row_of)) if row_of[s] < 0]
+        if queue and free:
+            take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+            targets = engine.spread(free, len(row_of))[:len(take)]
+            state = engine.fill(state, params, 0, targets, prompt_tokens_bp[take],
+                                prompt_mask_bp[take], [keys[i] for i in take], rows_b[take])
+            for s, i in zip(targets, take):
+                row_of[s] = i
+            longest = max(longest, 1)
+        state = engine.advance(state, params, 0, chunk_tokens, longest)
+        done_b, step_counts = engine.poll(state)
+        counts = step_counts.astype(np.int64)
+        longest = int(counts[2])
+        finished = [s for s, row in enumerate(row_of) if row >= 0 and done_b[s]]
+        live = [s for s, row in enumerate(row_of) if row >= 0 and not done_b[s]]
+        if not live and not queue:
+            harvest(finished)
+            return out, Occupancy(int(counts[0]), int(counts[1]))
+        if queue:  # their slots take queued rows
+            harvest(finished)
+            continue
+        size = _compacted_size(len(live), len(row_of), engine.layout.dp_size)
+        if size < len(row_of):
+            harvest(finished)
+            keep = live + [s for s in range(len(row_of)) if s not in live][:size - len(live)]
+            state = engine.compact(state, keep)
+            row_of = [row_of[s] for s in keep]
 
 
 class Generator(BucketedCall):
     """The generate call kind of one model on one layout (use `make_generate_fn`).
 
-    Calling it left-pads the prompts to the next prompt bucket, then runs the executable
-    compiled for (bucket, batch) on this layout, compiling it on first use.
+    Calling it left-pads the prompts to the next prompt bucket and decodes them on the rollout
+    engine of that bucket (`decode_rows`), or, on a pipelined layout, runs the static-batch
+    executable compiled for (bucket, batch). Every executable is compiled on first use and
+    counted in `compile_cache`.
+
+    Attributes:
+      occupancy: decode work of the engine's calls so far (`Occupancy`).
     """
 
     def __init__(self, model_config: ModelConfig, gen_config: GenerateConfig, layout: Layout,
@@ -286,22 +285,30 @@ class Generator(BucketedCall):
         if model_config.head is not HeadKind.LM:
             raise ValueError(f"generate needs an LM head, got {model_config.head}")
         super().__init__("generate", layout)
-        self.gen_config = gen_config
+        self.model_config, self.gen_config = model_config, gen_config
         self.prompt_buckets = tuple(sorted(prompt_buckets))
+        self.occupancy = Occupancy(0, 0)
+        self._engines: dict[int, Rollout] = {}
         row, rows = layout.batch_sharding(1), layout.batch_sharding(2)
         self._rows, self._rng_sharding = rows, layout.replicated()
-        self._jitted = jax.jit(
-            functools.partial(generate, decode_model(model_config, layout),
-                              gen_config),
-            in_shardings=(
-                layout.param_shardings(abstract_params(model_config)), rows, rows,
-                self._rng_sharding,
-            ),
-            out_shardings=GenerateOutput(rows, rows, rows, rows, rows, row),
-        )
+        self._out_shardings = GenerateOutput(rows, rows, rows, rows, rows, row)
+        self._static = isinstance(layer_stack(layout), Pipeline)
+        if self._static:
+            self._jitted = jax.jit(
+                functools.partial(generate, decode_model(model_config, layout), gen_config),
+                in_shardings=(layout.param_shardings(abstract_params(model_config)), rows, rows,
+                              self._rng_sharding),
+                out_shardings=self._out_shardings)
 
     def _jit_for(self, *args) -> jax.stages.Wrapped:
         return self._jitted
+
+    def _engine(self, prompt_len: int, slots: int) -> Rollout:
+        if prompt_len not in self._engines:
+            self._engines[prompt_len] = Rollout(self.model_config, self.gen_config, self.layout,
+                                                prompt_len, slots,
+                                                compile_cache=self.compile_cache)
+        return self._engines[prompt_len]
 
     def __call__(self, params, prompt_tokens_bp, prompt_mask_bp, rng) -> GenerateOutput:
         """Generates for a batch of left-padded prompts.
@@ -320,16 +327,29 @@ class Generator(BucketedCall):
         check_batch_divisible(self.layout, batch, "generate batch")
         bucket = buckets.bucket_length(prompt_len, self.prompt_buckets)
         pad = functools.partial(buckets.pad_axis, length=bucket, axis=1, left=True)
-        tokens_bp = pad(prompt_tokens_bp, value=self.gen_config.pad_token_id)
-        mask_bp = pad(prompt_mask_bp, value=False)
-        tokens_bp, mask_bp = jax.device_put(
-            (tokens_bp.astype(jnp.int32), mask_bp.astype(bool)), self._rows
-        )
         rng = transfer(rng, self._rng_sharding)  # device_put refuses keys multi-process
-        # Raw uint32 and typed keys need different executables.
-        key = (bucket, batch, rng.shape, str(rng.dtype))
-        compiled = self._executable(key, params, tokens_bp, mask_bp, rng)
-        return compiled(params, tokens_bp, mask_bp, rng)
+        if self._static:
+            tokens_bp = pad(prompt_tokens_bp, value=self.gen_config.pad_token_id)
+            mask_bp = pad(prompt_mask_bp, value=False)
+            tokens_bp, mask_bp = jax.device_put(
+                (tokens_bp.astype(jnp.int32), mask_bp.astype(bool)), self._rows)
+            # Raw uint32 and typed keys need different executables.
+            key = (bucket, batch, rng.shape, str(rng.dtype))
+            return self._executable(key, params, tokens_bp, mask_bp, rng)(
+                params, tokens_bp, mask_bp, rng)
+        tokens_bp = pad(np.asarray(prompt_tokens_bp, np.int32),
+                        value=self.gen_config.pad_token_id)
+        mask_bp = pad(np.asarray(prompt_mask_bp, bool), value=False)
+        out, work = decode_rows(self._engine(bucket, batch), params, tokens_bp, mask_bp,
+                                [rng] * batch, np.arange(batch, dtype=np.int32), batch)
+        self.occupancy = Occupancy(*(a + b for a, b in zip(self.occupancy, work)))
+        response_mask_bn = out["response_mask_bn"]
+        host = GenerateOutput(
+            sequences_bs=out["sequences_bs"], prompt_mask_bp=mask_bp,
+            response_bn=out["sequences_bs"][:, bucket:], response_mask_bn=response_mask_bn,
+            logprobs_bn=out["logprobs_bn"],
+            response_lengths_b=response_mask_bn.sum(axis=1, dtype=np.int32))
+        return GenerateOutput(*jax.device_put(tuple(host), tuple(self._out_shardings)))
 
 
 def make_generate_fn(

@@ -1,30 +1,40 @@
-"""Continuous, interruptible generation: decode slots refilled as rows finish, new weights
-swapped in mid-sequence.
+"""The rollout engine: rows decoded in slots, each at its own position, refilled as rows finish,
+compacted as they thin out, over a KV cache sized to what the live rows can reach.
 
-AReaL's rollout workers wait neither for the trainer (sequences being decoded continue under
-new weights) nor for a batch's longest response (a slot whose row finished takes the next
-prompt). This module keeps `slots` rows on the device, each at its own response position, and
-runs the `generate` call kind's prefill, sampling and KV-cache layout
-(jaxrlhf/engine/generate.py) on them:
+Every generation runs here: the synchronous `generate` call kind (jaxrlhf/engine/generate.py
+drives it through `engine.batching`) and the asynchronous rollout workers
+(jaxrlhf/run/rollout_worker.py). The engine keeps S rows ("slots") on the device, each at its
+own response position, and offers:
 
-  empty()                                     every slot free
-  fill(state, params, version, slots, rows)   prefills prompts into free slots; first tokens
-  advance(state, params, version, k)          up to k more tokens in every busy slot
-  poll(state)                                 which slots are done (host)
-  rows(state)                                 every slot's sequence so far (host)
+  empty(slots, capacity)                      every slot free
+  fill(state, params, version, slots, rows)   prefills prompts into free slots (each distinct
+                                              prompt once: a GRPO group's n rows share its
+                                              prefill) and samples their first tokens
+  advance(state, params, version, k, longest) up to k more tokens in every busy slot
+  compact(state, keep)                        the slots `keep` only, as a smaller state
+  poll(state) / rows(state)                   which slots are done / every slot's row (host)
+  reload(state, params, longest)              every cache recomputed under new weights
 
-Slot s's response token i sits in cache slot P + i of row s. A decode step writes each row at
-its own slot (`Transformer` with a per-row `cache_index`) and attends causally from there, so
-a refilled slot never sees its predecessor's keys: they lie after its own position until it
-overwrites them. `advance` with weights of another version than the cache's first recomputes
-every slot's cache from its prompt and response so far (an "interruption"): keys and values of
-the old policy must not be mixed with the new one's. Every sampled token records the policy
-version whose logits it was drawn from, so a sequence's versions can change part-way.
+Slot s's response token i sits in cache slot P + i of row s; a decode step writes each row at
+its own slot and attends causally from there, so a refilled slot never sees its predecessor's
+keys (they lie after its own position until it overwrites them).
+
+Why the cache has a capacity: a decode step reads its whole cache array, a static shape. The
+state's cache holds P + C slots, C a bucket (`capacity_buckets`: two per octave) just above
+what the busy rows reach in the next `advance`; `advance` grows it (or shrinks it, when long
+rows have left) before decoding, one copy each time. A step then reads at most ~1.5x the live
+slots, and the engine compiles one `advance` per (slots, capacity) bucket. On XLA:CPU each
+layer keeps its own cache laid out for one-query attention (`models.transformer.DecodeKV`,
+`engine.decode_layers`); elsewhere the stacked [L, S, P + C, k, d] cache is written by scatter.
+
+`advance` with weights of another version than the cache's first recomputes every slot's cache
+from its prompt and response so far (an "interruption"): keys and values of the old policy must
+not be mixed with the new one's. Every sampled token records the policy version whose logits it
+was drawn from, so a sequence's versions can change part-way.
 
 Sampling keys are the synchronous `generate` call's: a row with key `rng` and index r in its
 (micro-)batch samples token i with fold_in(fold_in(rng, i), r), whatever slot it sits in and
-whenever it starts, so a batch decoded on its own computes exactly what one `generate` call
-does.
+whenever it starts, so the engine computes what one static-batch `generate` call computes.
 """
 
 from __future__ import annotations
@@ -40,18 +50,34 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxrlhf.engine import decode_layers
-from jaxrlhf.engine.buckets import CompileCache, bucket_length, power_of_two_buckets
+from jaxrlhf.engine.buckets import CompileCache, bucket_length
 from jaxrlhf.engine.decode_layers import LayerByLayer
-from jaxrlhf.engine.generate import (
-    _CACHE_AXES, GenerateConfig, _constrain_cache, _prefill, decode_model, draw,
+from jaxrlhf.engine.decoding import (
+    CACHE_AXES, DECODE_AXES, GenerateConfig, constrain_cache, decode_model, draw, prefill,
 )
 from jaxrlhf.models.config import HeadKind, ModelConfig
-from jaxrlhf.models.transformer import KVCache, Transformer
+from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
 from jaxrlhf.parallel.pipeline import Pipeline
 from jaxrlhf.parallel.reshard import fetch
 
 NO_VERSION = -1  # versions_bn where no token was sampled
+_MIN_CAPACITY = 16
+
+
+def capacity_buckets(n_max: int) -> tuple[int, ...]:
+    """Response slots a state's cache may hold: 16, 24, 32, 48, 64, 96, ... (two per octave),
+    then `n_max` itself; (16, 24, 32, 48, 64, 96, 100) for 100."""
+    out, low = [], _MIN_CAPACITY
+    while low < n_max:
+        out += [low, low * 3 // 2]
+        low *= 2
+    return tuple(sorted({c for c in out if c < n_max} | {n_max}))
+
+
+def capacity_for(needed: int, n_max: int) -> int:
+    """The smallest capacity bucket >= needed (at most n_max)."""
+    return bucket_length(min(max(int(needed), 1), n_max), capacity_buckets(n_max))
 
 
 class SlotState(NamedTuple):
@@ -62,7 +88,9 @@ class SlotState(NamedTuple):
       logits_bv: float32 [S, vocab] the model's prediction of that token.
       last_token_b: int32 [S] response token step - 1.
       done_b: bool [S] nothing to decode: the row stopped (EOS or N tokens) or the slot is free.
-      cache: KVCache [L, S, P + N, kv_heads, head_dim].
+      cache: the KV cache of P + C slots: one `DecodeKV` per layer (keys [S, k, d, P + C],
+        values [S, k, P + C, d]) when the model decodes layer by layer, else one stacked
+        KVCache [L, S, P + C, k, d].
       response_bn: int32 [S, N] sampled tokens (pad_token_id after the end).
       logprobs_bn: float32 [S, N] each token's log-prob (0 where none).
       mask_bn: bool [S, N] sampled tokens.
@@ -80,7 +108,7 @@ class SlotState(NamedTuple):
     logits_bv: jax.Array
     last_token_b: jax.Array
     done_b: jax.Array
-    cache: KVCache
+    cache: KVCache | tuple[DecodeKV, ...]
     response_bn: jax.Array
     logprobs_bn: jax.Array
     mask_bn: jax.Array
@@ -108,9 +136,13 @@ class Rows(NamedTuple):
     versions_bn: np.ndarray
 
 
+def _cache_len(cache) -> int:
+    return cache.k_lbskd.shape[2] if isinstance(cache, KVCache) else cache[0].v_bksd.shape[2]
+
+
 def _segments_bs(prompt_mask_bp, n_new: int) -> jax.Array:
-    """kv segment ids [b, P + N]: real prompt tokens and every response slot (causality hides
-    slots not written yet), as `generate` sets them."""
+    """kv segment ids [b, P + n_new]: real prompt tokens and every response slot (causality
+    hides slots not written yet), as `generate` sets them."""
     batch = prompt_mask_bp.shape[0]
     return jnp.concatenate([prompt_mask_bp.astype(jnp.int32), jnp.ones((batch, n_new), jnp.int32)],
                            axis=1)
@@ -139,14 +171,25 @@ def _choose(s: SlotState, cfg: GenerateConfig, version) -> SlotState:
     )
 
 
-def _empty(config: ModelConfig, cfg: GenerateConfig, slots: int, prompt_len: int) -> SlotState:
+def _zeros_cache(config: ModelConfig, by_layer: bool, slots: int, length: int):
+    stacked = KVCache.zeros(config, slots, length)
+    if not by_layer:
+        return constrain_cache(stacked)
+    shape = lambda *dims: jnp.zeros(dims, config.dtype)
+    k, d = config.num_kv_heads, config.head_dim
+    return constrain_cache(tuple(DecodeKV(shape(slots, k, d, length), shape(slots, k, length, d))
+                                  for _ in range(config.num_layers)))
+
+
+def _empty(config: ModelConfig, by_layer: bool, cfg: GenerateConfig, slots: int, prompt_len: int,
+           capacity: int) -> SlotState:
     n_new = cfg.max_new_tokens
     return SlotState(
         step_b=jnp.zeros((slots,), jnp.int32),
         logits_bv=jnp.zeros((slots, config.vocab_size), jnp.float32),
         last_token_b=jnp.zeros((slots,), jnp.int32),
         done_b=jnp.ones((slots,), bool),
-        cache=_constrain_cache(KVCache.zeros(config, slots, prompt_len + n_new)),
+        cache=_zeros_cache(config, by_layer, slots, prompt_len + capacity),
         response_bn=jnp.full((slots, n_new), cfg.pad_token_id, jnp.int32),
         logprobs_bn=jnp.zeros((slots, n_new), jnp.float32),
         mask_bn=jnp.zeros((slots, n_new), bool),
@@ -160,56 +203,59 @@ def _empty(config: ModelConfig, cfg: GenerateConfig, slots: int, prompt_len: int
     )
 
 
-def _fill(model: Transformer, cfg: GenerateConfig, params, s: SlotState, slots_k, tokens_kp,
-          mask_kp, keys_k, rows_k, version) -> SlotState:
-    """Prefills k prompts into slots `slots_k` (an index >= S is padding, dropped) and samples
-    their first tokens; the other slots are left as they are."""
+def _write_prompts(cache, new: KVCache, slots_k, src_k, length: int):
+    """`new`'s rows `src_k` [k] written into the first `length` cache slots of rows `slots_k`
+    (an index >= S is padding, dropped); `new` is stacked [L, u, length, kv, d]."""
+    if isinstance(cache, KVCache):
+        return KVCache(*(c.at[:, slots_k, :length].set(v[:, src_k].astype(c.dtype), mode="drop")
+                         for c, v in zip(cache, new)))
+    return tuple(
+        DecodeKV(c.kT_bkds.at[slots_k, :, :, :length].set(
+                     jnp.transpose(k[src_k], (0, 2, 3, 1)).astype(c.kT_bkds.dtype), mode="drop"),
+                 c.v_bksd.at[slots_k, :, :length].set(
+                     jnp.transpose(v[src_k], (0, 2, 1, 3)).astype(c.v_bksd.dtype), mode="drop"))
+        for c, k, v in zip(cache, new.k_lbskd, new.v_lbskd))
+
+
+def _fill(model: Transformer, cfg: GenerateConfig, params, s: SlotState, slots_k, src_k,
+          tokens_up, mask_up, keys_k, rows_k, version) -> SlotState:
+    """Prefills u distinct prompts [u, P] once and puts prompt `src_k[i]` into slot
+    `slots_k[i]` (an index >= S is padding, dropped), then samples the filled slots' first
+    tokens; the other slots are left as they are."""
     apply = functools.partial(model.apply, {"params": params})
     prompt_len = s.prompt_tokens_bp.shape[1]
-    mask_kp = mask_kp.astype(bool)
+    mask_up = mask_up.astype(bool)
     # The prompt part of the cache only: later slots keep the old row's keys, hidden by
     # causality until this row's tokens overwrite them.
-    new = _prefill(apply, model.config, cfg, tokens_kp, mask_kp, _segments_bs(mask_kp, 0))
+    logits_uv, new = prefill(apply, model.config, tokens_up, mask_up, _segments_bs(mask_up, 0))
     put = lambda x, value: x.at[slots_k].set(jnp.broadcast_to(value, (len(slots_k),)
                                                               + x.shape[1:]).astype(x.dtype),
                                              mode="drop")
-    cache = KVCache(*(c.at[:, slots_k, :prompt_len].set(v.astype(c.dtype), mode="drop")
-                      for c, v in zip(s.cache, new.cache)))
     fresh_b = put(jnp.zeros_like(s.done_b), True)
     filled = s._replace(
-        step_b=put(s.step_b, 0), logits_bv=put(s.logits_bv, new.logits_bv),
-        last_token_b=put(s.last_token_b, 0), done_b=~fresh_b, cache=_constrain_cache(cache),
+        step_b=put(s.step_b, 0), logits_bv=put(s.logits_bv, logits_uv[src_k]),
+        last_token_b=put(s.last_token_b, 0), done_b=~fresh_b,
+        cache=constrain_cache(_write_prompts(s.cache, new, slots_k, src_k, prompt_len)),
         response_bn=put(s.response_bn, cfg.pad_token_id), logprobs_bn=put(s.logprobs_bn, 0.0),
         mask_bn=put(s.mask_bn, False), versions_bn=put(s.versions_bn, NO_VERSION),
-        prompt_tokens_bp=put(s.prompt_tokens_bp, tokens_kp),
-        prompt_mask_bp=put(s.prompt_mask_bp, mask_kp),
+        prompt_tokens_bp=put(s.prompt_tokens_bp, tokens_up[src_k]),
+        prompt_mask_bp=put(s.prompt_mask_bp, mask_up[src_k]),
         keys_b=s.keys_b.at[slots_k].set(keys_k, mode="drop"), row_b=put(s.row_b, rows_k))
     chosen = _choose(filled, cfg, version)
     return chosen._replace(done_b=jnp.where(fresh_b, chosen.done_b, s.done_b),
                            steps_b=s.steps_b, tokens_b=s.tokens_b)  # a prefill is no decode step
 
 
-def _advance(model: Transformer, cfg: GenerateConfig, num_steps: int, n_new: int, params,
-             s: SlotState, version) -> SlotState:
-    """Up to `num_steps` more tokens in every busy slot (generate's loop body, per slot), on
-    the cache's first P + n_new slots (n_new >= every busy slot's step_b + num_steps - 1).
-
-    Why the cut: a step attends over its whole cache array, written or not (as generate's
-    growing segments, `decode_layers.segment_ends`); slots past every busy row's end are
-    neither read nor written this call. A free slot's write past the cut is dropped.
-    """
-    full = s.cache
-    prompt_len = s.prompt_tokens_bp.shape[1]
-    cache = KVCache(*(c[:, :, :prompt_len + n_new] for c in full))
-    layer_by_layer = isinstance(model.layer_stack, LayerByLayer)
-    if layer_by_layer:  # as in generate: the loop reads each layer's own weights and cache
+def _advance(model: Transformer, cfg: GenerateConfig, params, s: SlotState, num_steps,
+             version) -> SlotState:
+    """Up to `num_steps` (traced) more tokens in every busy slot (generate's loop body, per
+    slot), on the state's cache as it is (its capacity covers every busy row's reach)."""
+    if isinstance(model.layer_stack, LayerByLayer):  # the loop reads each layer's own weights
         params = decode_layers.split_params(params)
-        cache = decode_layers.split_cache(cache)
-    s = s._replace(cache=_constrain_cache(cache))
     apply = functools.partial(model.apply, {"params": params})
-    slots = s.prompt_tokens_bp.shape[0]
+    slots, prompt_len = s.prompt_tokens_bp.shape
     prompt_lengths_b = jnp.sum(s.prompt_mask_bp, axis=1, dtype=jnp.int32)
-    segments_bs = _segments_bs(s.prompt_mask_bp, n_new)
+    segments_bs = _segments_bs(s.prompt_mask_bp, _cache_len(s.cache) - prompt_len)
 
     def body(carry: tuple[SlotState, jax.Array]) -> tuple[SlotState, jax.Array]:
         r, t = carry
@@ -217,23 +263,44 @@ def _advance(model: Transformer, cfg: GenerateConfig, num_steps: int, n_new: int
         logits_b1v, cache = apply(
             r.last_token_b[:, None], (prompt_lengths_b + fed_b)[:, None],
             jnp.ones((slots, 1), jnp.int32), r.cache, prompt_len + fed_b, segments_bs)
-        r = r._replace(logits_bv=logits_b1v[:, 0], cache=_constrain_cache(cache))
+        r = r._replace(logits_bv=logits_b1v[:, 0], cache=constrain_cache(cache))
         return _choose(r, cfg, version), t + 1
 
     cond = lambda carry: (carry[1] < num_steps) & ~jnp.all(carry[0].done_b)
     s, _ = jax.lax.while_loop(cond, body, (s, jnp.zeros((), jnp.int32)))
-    # Back into the whole (donated) cache in place, layer by layer or at once.
-    cut = s.cache if layer_by_layer else (s.cache,)
-    for layer, c in enumerate(cut):
-        at = (layer,) if layer_by_layer else (0,)
-        full = KVCache(*(jax.lax.dynamic_update_slice(
-            whole, (part[None] if layer_by_layer else part), at + (0,) * (whole.ndim - 1))
-            for whole, part in zip(full, c)))
-    return s._replace(cache=_constrain_cache(full))
+    return s
 
 
-def _recompute_cache(model: Transformer, cfg: GenerateConfig, n_new: int, params,
-                     s: SlotState) -> SlotState:
+def _resize(s: SlotState, length: int) -> SlotState:
+    """The state with a cache of `length` slots: zero-padded, or cut (the caller knows no busy
+    row reaches past the cut)."""
+    def fit(x, axis):
+        if x.shape[axis] >= length:
+            return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, length - x.shape[axis])
+        return jnp.pad(x, widths)
+
+    if isinstance(s.cache, KVCache):
+        cache = KVCache(*(fit(c, 2) for c in s.cache))
+    else:
+        cache = tuple(DecodeKV(fit(c.kT_bkds, 3), fit(c.v_bksd, 2)) for c in s.cache)
+    return s._replace(cache=constrain_cache(cache))
+
+
+def _compact(s: SlotState, keep_m) -> SlotState:
+    """The state of slots `keep_m` [m] only, in that order (rows finished or free may be among
+    them to round m up to a bucket)."""
+    take = lambda x, axis=0: jnp.take(x, keep_m, axis=axis)
+    if isinstance(s.cache, KVCache):
+        cache = KVCache(*(take(c, 1) for c in s.cache))
+    else:
+        cache = tuple(DecodeKV(take(c.kT_bkds), take(c.v_bksd)) for c in s.cache)
+    fields = {name: take(x) for name, x in s._asdict().items() if name != "cache"}
+    return SlotState(**fields, cache=constrain_cache(cache))
+
+
+def _recompute_cache(model: Transformer, n_new: int, params, s: SlotState) -> SlotState:
     """Every slot's KV cache of prompt + its first `n_new` response slots, recomputed under
     `params` (n_new >= every busy slot's step_b; the later slots keep the old keys).
 
@@ -251,11 +318,11 @@ def _recompute_cache(model: Transformer, cfg: GenerateConfig, n_new: int, params
     response_positions_bn = prompt_lengths_b[:, None] + jnp.arange(n_new, dtype=jnp.int32)
     positions_bs = jnp.concatenate([prompt_positions_bp, response_positions_bn], axis=1)
     segments_bs = _segments_bs(s.prompt_mask_bp, n_new)
-    cache = _constrain_cache(KVCache.zeros(model.config, slots, prompt_len + n_new))
-    _, cache = apply(tokens_bs, positions_bs, segments_bs, cache, 0, segments_bs, last_only=True)
-    cache = KVCache(*(jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0,) * old.ndim)
-                      for old, new in zip(s.cache, cache)))
-    return s._replace(cache=_constrain_cache(cache))
+    fresh = constrain_cache(KVCache.zeros(model.config, slots, prompt_len + n_new))
+    _, fresh = apply(tokens_bs, positions_bs, segments_bs, fresh, 0, segments_bs, last_only=True)
+    everyone = jnp.arange(slots)
+    return s._replace(cache=constrain_cache(
+        _write_prompts(s.cache, fresh, everyone, everyone, prompt_len + n_new)))
 
 
 def _rows(cfg: GenerateConfig, s: SlotState) -> Rows:
@@ -265,45 +332,46 @@ def _rows(cfg: GenerateConfig, s: SlotState) -> Rows:
                 s.logprobs_bn, s.versions_bn)
 
 
-def _response_bucket(n: int, n_max: int) -> int:
-    """Response slots to compute for rows up to n long: a power of two >= 8 (few compiles),
-    at most n_max."""
-    return bucket_length(min(int(n), n_max), power_of_two_buckets(n_max, min_len=8))
+def _pow2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
-def _fill_size(k: int, dp: int, slots: int) -> int:
-    """Rows of a fill call for k prompts: dp x a power of two, at most `slots` (few compiles;
-    the rows stay spread over the data-parallel devices)."""
-    per_device = -(-k // dp)
-    return min(slots, dp * (1 << (per_device - 1).bit_length()))
+def distinct_prompts(tokens_kp: np.ndarray, mask_kp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first_u: the index of each distinct prompt's first row, src_k: each row's distinct
+    prompt) of k left-padded prompts [k, P]: rows with equal tokens and mask share a prefill."""
+    key_kp = np.where(mask_kp, np.asarray(tokens_kp, np.int64) + 1, 0)
+    _, first_u, src_k = np.unique(key_kp, axis=0, return_index=True, return_inverse=True)
+    return first_u, src_k.reshape(-1)
 
 
 class Rollout:
-    """Continuous, interruptible generation of one model on one layout (module docstring).
+    """The rollout engine of one model on one layout (module docstring).
 
     Args:
       model_config: an LM-head model.
       gen_config: sampling settings (as for `make_generate_fn`).
       layout: where generation runs; not a pipeline (its stages decode all rows at one slot).
       prompt_len: the (bucketed) prompt length P every prompt is padded to.
-      slots: rows decoded at once (a multiple of the layout's data-parallel size).
+      slots: rows decoded at once by default (a multiple of the layout's data-parallel size);
+        `empty` and `compact` make states of other sizes.
+      compile_cache: where its executables are kept and counted (default: its own).
     """
 
     def __init__(self, model_config: ModelConfig, gen_config: GenerateConfig, layout: Layout,
-                 prompt_len: int, slots: int):
+                 prompt_len: int, slots: int, compile_cache: CompileCache | None = None):
         if model_config.head is not HeadKind.LM:
             raise ValueError(f"generate needs an LM head, got {model_config.head}")
         self.model = decode_model(model_config, layout)  # as Generator's
         if isinstance(self.model.layer_stack, Pipeline):
-            raise ValueError(f"asynchronous generation decodes each row at its own position, "
-                             f"which a pipelined layout ({layout}) cannot: give actor_gen "
-                             "a layout without pipeline stages")
+            raise ValueError(f"the rollout engine decodes each row at its own position, which a "
+                             f"pipelined layout ({layout}) cannot: give actor_gen a layout "
+                             "without pipeline stages")
         check_batch_divisible(layout, slots, "rollout slots")
         self.cfg, self.layout = gen_config, layout
         self.prompt_len, self.slots = prompt_len, slots
-        self.compile_cache = CompileCache("rollout")
+        self.by_layer = isinstance(self.model.layer_stack, LayerByLayer)
+        self.compile_cache = CompileCache("rollout") if compile_cache is None else compile_cache
         self._scalar = layout.replicated()
-        self._state = self._shardings()
         # Each data-parallel device can decode its own slots alone when it holds all weights.
         strategy = layout.strategy
         self._per_device = strategy.fsdp == 1 and strategy.tensor == 1
@@ -315,38 +383,60 @@ class Rollout:
     def compiles(self) -> int:
         return self.compile_cache.compiles
 
-    def _shardings(self) -> SlotState:
-        """Out-shardings of the state: rows over the data axes, the cache as generate's."""
-        lay, n, c = self.layout, self.cfg.max_new_tokens, self.model.config
-        cache_shape = (c.num_layers, self.slots, self.prompt_len + n, c.num_kv_heads, c.head_dim)
-        cache = lay.sharding(_CACHE_AXES, cache_shape)
+    @staticmethod
+    def size(state: SlotState) -> tuple[int, int]:
+        """(slots S, cache capacity C) of a state."""
+        return state.step_b.shape[0], _cache_len(state.cache) - state.prompt_tokens_bp.shape[1]
+
+    def _shardings(self, slots: int, capacity: int) -> SlotState:
+        """Out-shardings of a state: rows over the data axes, the cache as generate's."""
+        lay, c = self.layout, self.model.config
+        length = self.prompt_len + capacity
+        if self.by_layer:
+            shapes = ((slots, c.num_kv_heads, c.head_dim, length),
+                      (slots, c.num_kv_heads, length, c.head_dim))
+            layer = DecodeKV(*(lay.sharding(axes, shape)
+                               for axes, shape in zip(DECODE_AXES, shapes)))
+            cache = (layer,) * c.num_layers
+        else:
+            stacked = lay.sharding(CACHE_AXES, (c.num_layers, slots, length, c.num_kv_heads,
+                                                 c.head_dim))
+            cache = KVCache(stacked, stacked)
         rows1, rows2 = lay.batch_sharding(1), lay.batch_sharding(2)
-        return SlotState(rows1, rows2, rows1, rows1, KVCache(cache, cache), rows2, rows2, rows2,
+        return SlotState(rows1, rows2, rows1, rows1, cache, rows2, rows2, rows2,
                          rows2, rows2, rows2, rows1, rows1, rows1, rows1)
 
-    def _run(self, key: tuple, fn, *args, donate: tuple[int, ...] = ()) -> SlotState:
-        """Compiles `fn(*args)` once per `key` under the layout's context; the arguments
-        `donate` (the state: it is replaced by the result) lend their buffers to the result."""
-        jitted = jax.jit(fn, out_shardings=self._state, donate_argnums=donate)
+    def _run(self, key: tuple, out_size: tuple[int, int], fn, *args,
+             donate: tuple[int, ...] = ()) -> SlotState:
+        """Compiles `fn(*args)` once per `key` under the layout's context, for a result of
+        `out_size` (slots, capacity); the arguments `donate` (the state: it is replaced by the
+        result) lend their buffers to the result."""
+        jitted = jax.jit(fn, out_shardings=self._shardings(*out_size), donate_argnums=donate)
 
         def lower():
             with self.layout.activation_context():
                 return jitted.lower(*args)
 
-        return self.compile_cache.get(key, lower)(*args)
+        # The prompt length in the key: a Generator's engines share its compile cache.
+        return self.compile_cache.get((self.prompt_len, *key), lower)(*args)
 
     def _version(self, version: int) -> jax.Array:
         return jax.device_put(np.int32(version), self._scalar)
 
-    def empty(self) -> SlotState:
-        """Every slot free."""
-        fn = functools.partial(_empty, self.model.config, self.cfg, self.slots, self.prompt_len)
-        return self._run(("empty",), fn)
+    def empty(self, slots: int | None = None, capacity: int | None = None) -> SlotState:
+        """Every slot free: `slots` (default the engine's) rows with a cache of `capacity`
+        response slots (default the smallest bucket)."""
+        slots = self.slots if slots is None else slots
+        check_batch_divisible(self.layout, slots, "rollout slots")
+        capacity = capacity_for(1, self.cfg.max_new_tokens) if capacity is None else capacity
+        fn = functools.partial(_empty, self.model.config, self.by_layer, self.cfg, slots,
+                               self.prompt_len, capacity)
+        return self._run(("empty", slots, capacity), (slots, capacity), fn)
 
     def fill(self, state: SlotState, params, version: int, slots_k, prompt_tokens_kp,
              prompt_mask_kp, keys, rows_k) -> SlotState:
         """Prefills k left-padded prompts [k, P] into free slots `slots_k` under `params` (of
-        policy `version`) and samples their first tokens.
+        policy `version`) and samples their first tokens; equal prompts are prefilled once.
 
         Args:
           slots_k: int [k] free slots.
@@ -358,59 +448,77 @@ class Rollout:
         if prompt_len != self.prompt_len:
             raise ValueError(f"rollout prompts must be padded to {self.prompt_len}, got "
                              f"{prompt_len}")
+        tokens_kp = np.asarray(prompt_tokens_kp, np.int32)
+        mask_kp = np.asarray(prompt_mask_kp, bool)
+        slots_k, rows_k = np.asarray(slots_k, np.int32), np.asarray(rows_k, np.int32)
+        keys = list(keys)
         if self._per_device:
-            return self._fill_on_each_device(state, params, version, np.asarray(slots_k),
-                                             prompt_tokens_kp, prompt_mask_kp, keys, rows_k)
-        size = _fill_size(k, self.layout.dp_size, self.slots)
-        # Padding rows repeat the last one into slot S: out of range, their writes are dropped.
-        pad = lambda x: np.concatenate([x, np.repeat(x[-1:], size - k, 0)])
+            return self._fill_on_each_device(state, params, version, slots_k, tokens_kp, mask_kp,
+                                             keys, rows_k)
+        slots, capacity = self.size(state)
+        dp = self.layout.dp_size
+        first_u, src_k = distinct_prompts(tokens_kp, mask_kp)
+        # Few compiles: distinct prompts and targets each padded to dp x a power of two.
+        u, size = (_pow2(-(-n // dp)) * dp for n in (len(first_u), k))
+        pad = lambda x, n: np.concatenate([x, np.repeat(x[-1:], n - len(x), 0)])
         rows = self.layout.batch_sharding(1), self.layout.batch_sharding(2)
-        tokens_kp, mask_kp = jax.device_put(
-            (pad(np.asarray(prompt_tokens_kp, np.int32)), pad(np.asarray(prompt_mask_kp, bool))),
-            rows[1])
-        keys_k = jax.device_put(jnp.stack(list(keys) + [keys[-1]] * (size - k)), rows[0])
-        rows_k = jax.device_put(pad(np.asarray(rows_k, np.int32)), rows[0])
-        slots_k = jax.device_put(np.concatenate([np.asarray(slots_k, np.int32),
-                                                 np.full(size - k, self.slots, np.int32)]),
-                                 self._scalar)
+        tokens_up, mask_up = jax.device_put(
+            (pad(tokens_kp[first_u], u), pad(mask_kp[first_u], u)), rows[1])
+        # Padding targets point at slot S: out of range, their writes are dropped.
+        slots_k = np.concatenate([slots_k, np.full(size - k, slots, np.int32)])
+        index = jax.device_put((slots_k, pad(src_k.astype(np.int32), size)), self._scalar)
+        keys_k = jax.device_put(jnp.stack(keys + keys[-1:] * (size - k)), rows[0])
+        rows_k = jax.device_put(pad(rows_k, size), rows[0])
         fn = functools.partial(_fill, self.model, self.cfg)
-        return self._run(("fill", size), fn, params, state, slots_k, tokens_kp, mask_kp, keys_k,
-                         rows_k, self._version(version), donate=(1,))
+        return self._run(("fill", slots, capacity, u, size), (slots, capacity), fn, params, state,
+                         *index, tokens_up, mask_up, keys_k, rows_k, self._version(version),
+                         donate=(1,))
 
-    def _fill_on_each_device(self, state: SlotState, params, version: int, slots_k,
-                             prompt_tokens_kp, prompt_mask_kp, keys, rows_k) -> SlotState:
+    def _fill_on_each_device(self, state: SlotState, params, version: int, slots_k, tokens_kp,
+                             mask_kp, keys, rows_k) -> SlotState:
         """`fill` with each prompt prefilled on its slot's own device (`shard_map`).
 
         Why: SPMD, the prompts lie spread over the devices whatever slots they go to, so the
         fill gathered them (five all-gathers per call) for the slot writes.
 
-        Each device takes m rows (a power of two: few compiles): its prompts, then padding rows
-        (a copy of prompt 0) aimed at a local slot out of range, whose writes are dropped.
+        Each device takes m targets and prefills its u distinct prompts (powers of two: few
+        compiles), padding targets aimed at a local slot out of range, whose writes are
+        dropped.
         """
-        per_device = self.slots // self.layout.dp_size
+        slots, capacity = self.size(state)
+        dp = self.layout.dp_size
+        per_device = slots // dp
         device_k = slots_k // per_device
-        m = 1 << (int(np.bincount(device_k).max()) - 1).bit_length()
-        pick = np.zeros(self.layout.dp_size * m, np.int64)
-        local = np.full(self.layout.dp_size * m, per_device, np.int32)
-        for device in np.unique(device_k):
-            mine = np.flatnonzero(device_k == device)
-            at = slice(device * m, device * m + len(mine))
-            pick[at], local[at] = mine, slots_k[mine] - device * per_device
+        mine = [np.flatnonzero(device_k == device) for device in range(dp)]
+        distinct = [distinct_prompts(tokens_kp[m], mask_kp[m]) if len(m) else
+                    (np.zeros(0, np.int64), np.zeros(0, np.int64)) for m in mine]
+        m = _pow2(max(len(x) for x in mine))
+        u = _pow2(max(len(first) for first, _ in distinct))
+        pick_t = np.zeros(dp * m, np.int64)  # target row -> input row
+        local = np.full(dp * m, per_device, np.int32)
+        src = np.zeros(dp * m, np.int32)
+        pick_u = np.zeros(dp * u, np.int64)  # distinct prompt -> input row
+        for device, (rows_here, (first, src_here)) in enumerate(zip(mine, distinct)):
+            if not len(rows_here):
+                continue
+            at = slice(device * m, device * m + len(rows_here))
+            pick_t[at], local[at], src[at] = rows_here, slots_k[rows_here] - device * per_device, \
+                src_here
+            pick_u[device * u:device * u + len(first)] = rows_here[first]
         row, rows = self.layout.batch_sharding(1), self.layout.batch_sharding(2)
-        tokens_kp, mask_kp = jax.device_put(
-            (np.asarray(prompt_tokens_kp, np.int32)[pick], np.asarray(prompt_mask_kp, bool)[pick]),
-            rows)
-        keys_k = jax.device_put(jnp.stack([keys[i] for i in pick]), row)
-        rows_k, local_k = jax.device_put((np.asarray(rows_k, np.int32)[pick], local), row)
-        fn = self._on_each_device(functools.partial(_fill, self.model, self.cfg),
-                                  row.spec, rows.spec, rows.spec, row.spec, row.spec)
-        return self._run(("fill", m), fn, params, state, local_k, tokens_kp, mask_kp, keys_k,
-                         rows_k, self._version(version), donate=(1,))
+        tokens_up, mask_up = jax.device_put((tokens_kp[pick_u], mask_kp[pick_u]), rows)
+        keys_k = jax.device_put(jnp.stack([keys[i] for i in pick_t]), row)
+        rows_k, local_k, src_k = jax.device_put((rows_k[pick_t], local, src), row)
+        fn = self._on_each_device(functools.partial(_fill, self.model, self.cfg), slots, capacity,
+                                  row.spec, row.spec, rows.spec, rows.spec, row.spec, row.spec)
+        return self._run(("fill", slots, capacity, u, m), (slots, capacity), fn, params, state,
+                         local_k, src_k, tokens_up, mask_up, keys_k, rows_k,
+                         self._version(version), donate=(1,))
 
-    def spread(self, free: list[int]) -> list[int]:
+    def spread(self, free: list[int], slots: int | None = None) -> list[int]:
         """Free slots in the order to fill them: taking turns over the devices (a fill
         prefills as many rows on every device as on its busiest)."""
-        per_device = self.slots // self.layout.dp_size
+        per_device = (self.slots if slots is None else slots) // self.layout.dp_size
         taken = collections.Counter()
         order = []
         for slot in sorted(free):
@@ -419,18 +527,31 @@ class Rollout:
             taken[device] += 1
         return [slot for *_, slot in sorted(order)]
 
+    def fit(self, state: SlotState, needed: int) -> SlotState:
+        """The state with the capacity bucket of `needed` response slots: grown when it holds
+        fewer, cut when it holds more than twice as many (long rows have left); as it is
+        otherwise."""
+        slots, capacity = self.size(state)
+        want = capacity_for(needed, self.cfg.max_new_tokens)
+        if want <= capacity <= 2 * want:
+            return state
+        fn = functools.partial(_resize, length=self.prompt_len + want)
+        return self._run(("resize", slots, capacity, want), (slots, want), fn, state)
+
     def reload(self, state: SlotState, params, longest: int | None = None) -> SlotState:
         """Every slot's cache recomputed under new weights (an interruption).
 
         Args:
           longest: at least every busy slot's response length so far (`poll`'s third count);
-            the cache is recomputed that far, rounded up to a power of two (few compiles).
-            None: all max_new_tokens slots.
+            the cache is recomputed that far, rounded up to a capacity bucket. None: all of
+            the state's cache.
         """
-        n_max = self.cfg.max_new_tokens
-        n_new = n_max if longest is None else _response_bucket(longest, n_max)
-        fn = functools.partial(_recompute_cache, self.model, self.cfg, n_new)
-        return self._run(("reload", n_new), fn, params, state, donate=(1,))
+        slots, capacity = self.size(state)
+        n_new = capacity if longest is None else min(
+            capacity_for(longest, self.cfg.max_new_tokens), capacity)
+        fn = functools.partial(_recompute_cache, self.model, n_new)
+        return self._run(("reload", slots, capacity, n_new), (slots, capacity), fn, params, state,
+                         donate=(1,))
 
     def advance(self, state: SlotState, params, version: int, num_steps: int,
                 longest: int | None = None) -> SlotState:
@@ -439,19 +560,30 @@ class Rollout:
 
         Args:
           longest: at least every busy slot's response length so far (`poll`'s third count;
-            a slot filled since has 1): the steps attend over as many cache slots as such rows
-            can reach in this call, rounded up to a power of two. None: all of them.
+            a slot filled since has 1): the cache is first fitted to what such rows reach in
+            this call (`fit`). None: all max_new_tokens response slots.
         """
         n_max = self.cfg.max_new_tokens
-        n_new = (n_max if longest is None
-                 else _response_bucket(max(int(longest), 1) + num_steps, n_max))
-        fn = functools.partial(_advance, self.model, self.cfg, num_steps, n_new)
+        needed = n_max if longest is None else max(int(longest), 1) + num_steps
+        state = self.fit(state, needed)
+        slots, capacity = self.size(state)
+        fn = functools.partial(_advance, self.model, self.cfg)
         if self._per_device:
-            fn = self._on_each_device(fn)
-        return self._run(("advance", num_steps, n_new), fn, params, state,
-                         self._version(version), donate=(1,))
+            fn = self._on_each_device(fn, slots, capacity, PartitionSpec())
+        steps = jax.device_put(np.int32(num_steps), self._scalar)
+        return self._run(("advance", slots, capacity), (slots, capacity), fn, params, state,
+                         steps, self._version(version), donate=(1,))
 
-    def _on_each_device(self, fn, *arg_specs: PartitionSpec):
+    def compact(self, state: SlotState, keep: list[int]) -> SlotState:
+        """The slots `keep` only, in that order, as a state of len(keep) slots (a multiple of
+        the data-parallel size)."""
+        slots, capacity = self.size(state)
+        check_batch_divisible(self.layout, len(keep), "compacted slots")
+        keep_m = jax.device_put(np.asarray(keep, np.int32), self._scalar)
+        return self._run(("compact", slots, capacity, len(keep)), (len(keep), capacity),
+                         _compact, state, keep_m)
+
+    def _on_each_device(self, fn, slots: int, capacity: int, *arg_specs: PartitionSpec):
         """`fn(params, state, *args, version)` run by each device on its own slots
         (`shard_map`; the weights are replicated), `args` split as `arg_specs` say.
 
@@ -461,7 +593,7 @@ class Rollout:
         2 devices): each device's own loop stops when its own slots are done. A fill gathered
         its prompts (five all-gathers per call) for the slot writes.
         """
-        specs = jax.tree.map(lambda sharding: sharding.spec, self._state)
+        specs = jax.tree.map(lambda sharding: sharding.spec, self._shardings(slots, capacity))
 
         def local(*args):
             with nn.logical_axis_rules(()):  # local shapes: no sharding constraints inside

@@ -129,33 +129,42 @@ def _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax
     return out_btkgd.reshape(batch, q_len, heads, head_dim)
 
 
-def single_query_attention(q_b1hd, k_bskd, v_bskd, q_seg_b1, kv_seg_bs, q_offset) -> jax.Array:
-    """`dot_product_attention` of one query per row (a decode step), in XLA, as multiplies and
-    reductions that read the keys and values where they lie.
+def cached_query_attention(q_b1hd, kT_bkds, v_bksd, q_seg_b1, kv_seg_bs, q_offset,
+                           impl: AttentionImpl = AttentionImpl.XLA) -> jax.Array:
+    """`dot_product_attention` of one query per row (a decode step) against a layer's own cache
+    laid out as `models.transformer.DecodeKV`: keys [b, k, d, S], values [b, k, S, d].
 
-    Why: XLA:CPU feeds its dots with operands in the layout they want, so the two attention
-    dots of a decode step copied (and for the values transposed) the whole cache of the layer
-    every token, several times the dots' own cost; a multiply-reduce reads each cache entry
-    once. Scores and outputs accumulate in fp32, the probabilities are rounded to q's dtype
-    as in `_xla_attention`.
+    With XLA both products are batched matrix products over (row, kv head) whose operands lie
+    as the dot reads them (scores: q [g, d] x K^T [d, S]; output: p [g, S] x V [S, d]), so the
+    cache is read once, in place. Scores and softmax in fp32, probabilities rounded to q's
+    dtype, as `_xla_attention`. Other implementations get the cache in their own layout
+    (a transpose per call: the Pallas kernels in interpret mode on CPU, for tests).
 
-    Args and result: as `dot_product_attention` with q_len 1.
+    Args:
+      q_b1hd: [b, 1, heads, head_dim] one query per row.
+      kT_bkds, v_bksd: the cache, written up to each row's query slot.
+      q_seg_b1, kv_seg_bs, q_offset: as `dot_product_attention`.
+      impl: the implementation.
+
+    Returns:
+      [b, 1, heads, head_dim] in q's dtype.
     """
+    if resolve_impl(impl) is not AttentionImpl.XLA:
+        k_bskd, v_bskd = jnp.moveaxis(kT_bkds, 3, 1), jnp.moveaxis(v_bksd, 2, 1)
+        return dot_product_attention(q_b1hd, k_bskd, v_bskd, q_seg_b1, kv_seg_bs, q_offset, impl)
     batch, _, heads, head_dim = q_b1hd.shape
-    k_len, kv_heads = k_bskd.shape[1], k_bskd.shape[2]
+    kv_heads, k_len = kT_bkds.shape[1], kT_bkds.shape[3]
     dtype = q_b1hd.dtype
     q_slot_b1 = _query_slots(q_offset, batch, 1)
     k_slot_bs = jnp.broadcast_to(jnp.arange(k_len), (batch, k_len))
-    mask_bs11 = attention_mask(q_slot_b1, q_seg_b1, k_slot_bs, kv_seg_bs)[:, 0, 0, 0, :, None, None]
-    groups = heads // kv_heads
-    q_b1kgd = q_b1hd.reshape(batch, 1, kv_heads, groups, head_dim).astype(jnp.float32)
-    k_bsk1d = k_bskd.astype(dtype).astype(jnp.float32)[:, :, :, None, :]
-    scores_bskg = jnp.sum(q_b1kgd * k_bsk1d, axis=-1) / math.sqrt(head_dim)
-    scores_bskg = jnp.where(mask_bs11, scores_bskg, _NEG_INF)
-    probs_bskg = jax.nn.softmax(scores_bskg, axis=1).astype(dtype)
-    v_bsk1d = v_bskd.astype(dtype).astype(jnp.float32)[:, :, :, None, :]
-    out_bkgd = jnp.sum(probs_bskg.astype(jnp.float32)[..., None] * v_bsk1d, axis=1)
-    return out_bkgd.astype(dtype).reshape(batch, 1, heads, head_dim)
+    mask_b11s = attention_mask(q_slot_b1, q_seg_b1, k_slot_bs, kv_seg_bs)[:, 0, 0]
+    q_bkgd = q_b1hd.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    scores_bkgs = jnp.einsum("bkgd,bkds->bkgs", q_bkgd, kT_bkds.astype(dtype),
+                             preferred_element_type=jnp.float32) / math.sqrt(head_dim)
+    scores_bkgs = jnp.where(mask_b11s[:, None], scores_bkgs, _NEG_INF)
+    probs_bkgs = jax.nn.softmax(scores_bkgs, axis=-1).astype(dtype)
+    out_bkgd = jnp.einsum("bkgs,bksd->bkgd", probs_bkgs, v_bksd.astype(dtype))
+    return out_bkgd.reshape(batch, 1, heads, head_dim)
 
 
 # --- cuDNN (jax.nn.dot_product_attention) -------------------------------------------------

@@ -1,0 +1,123 @@
+"""What every decode loop shares: the sampling settings, the prefill of a KV cache, one sampled
+token per row, the cache's sharding, and the model a layout decodes with.
+
+Used by the rollout engine (`engine.rollout`, where every generation runs) and by the
+static-batch decode of `engine.generate` (pipelined layouts and the reference the engine is
+tested against).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxrlhf.engine.decode_layers import LayerByLayer
+from jaxrlhf.engine.sampling import SamplingParams, sample, token_logprobs
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer
+from jaxrlhf.parallel.layout import Layout
+from jaxrlhf.parallel.pipeline import layer_stack
+
+# KVCache [l, b, s, k, d]; a pipeline keeps each stage's layers on its own devices.
+CACHE_AXES = ("layers", "batch", None, "act_kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    """Static generation settings (hashable; closed over by the jitted function).
+
+    Attributes:
+      max_new_tokens: response slots N per row.
+      eos_token_id: a row is finished after emitting it, or any of them when a tuple (Llama-3
+        instruct has several stop ids); the EOS itself is part of the response.
+      pad_token_id: fills prompt padding and response slots after a row finished.
+      temperature: 0 = greedy; log-probs are then reported at temperature 1.
+      top_k: 0 = off.
+      top_p: 1.0 = off.
+      force_max_length: ignore EOS and always emit N tokens (benchmarks measure this way).
+    """
+
+    max_new_tokens: int
+    eos_token_id: int | tuple[int, ...]
+    pad_token_id: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    force_max_length: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _ = self.sampling  # validates temperature / top_k / top_p
+        # Normalise lists (JSON configs) and numpy ints so the config stays hashable.
+        eos = self.eos_token_id
+        eos = tuple(int(t) for t in eos) if isinstance(eos, (list, tuple)) else int(eos)
+        object.__setattr__(self, "eos_token_id", eos)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        eos = self.eos_token_id
+        return eos if isinstance(eos, tuple) else (eos,)
+
+
+def draw(logits_bv, keys_b, active_b, cfg: GenerateConfig):
+    """One token per row: (token_b (pad_token_id where not active), its log-prob logp_b,
+    stopped_b: an active row emitted a stop id (never with force_max_length))."""
+    token_b = sample(logits_bv, keys_b, cfg.sampling)
+    logp_b = token_logprobs(logits_bv, token_b, cfg.sampling.logprob_temperature)
+    token_b = jnp.where(active_b, token_b, cfg.pad_token_id)
+    stopped_b = active_b & jnp.isin(token_b, jnp.asarray(cfg.stop_ids))
+    return token_b, logp_b, stopped_b & (not cfg.force_max_length)
+
+
+# DecodeKV: keys [b, k, d, S], values [b, k, S, d].
+DECODE_AXES = DecodeKV(("batch", "act_kv_heads", "head_dim", None),
+                        ("batch", "act_kv_heads", None, "head_dim"))
+
+
+def constrain_cache(cache: KVCache | tuple[DecodeKV, ...]):
+    """The stacked cache, or each layer's own (`decode_layers.split_cache`), sharded alike."""
+    if isinstance(cache, KVCache):
+        return KVCache(*(nn.with_logical_constraint(x, CACHE_AXES) for x in cache))
+    return tuple(DecodeKV(*(nn.with_logical_constraint(x, axes)
+                            for x, axes in zip(c, DECODE_AXES))) for c in cache)
+
+
+def prefill(apply, config: ModelConfig, prompt_tokens_bp, prompt_mask_bp, kv_segment_ids_bs):
+    """Runs left-padded prompts [b, P] through the model, filling a stacked cache as long as
+    `kv_segment_ids_bs` [b, S]; returns (logits_bv float32 [b, vocab]: every row's prediction
+    of its first response token, the cache)."""
+    batch, _ = prompt_tokens_bp.shape
+    positions_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=1, dtype=jnp.int32) - 1, 0)
+    cache = constrain_cache(KVCache.zeros(config, batch, kv_segment_ids_bs.shape[1]))
+    logits_b1v, cache = apply(
+        prompt_tokens_bp, positions_bp, prompt_mask_bp.astype(jnp.int32), cache, 0,
+        kv_segment_ids_bs, last_only=True,
+    )
+    # Left padding: every row's last prompt token is at the last position.
+    return logits_b1v[:, 0], constrain_cache(cache)
+
+
+def decode_model(model_config: ModelConfig, layout: Layout) -> Transformer:
+    """The model a generate call runs on `layout`: its layout's layer stack (a pipeline keeps
+    stages apart); on XLA:CPU `decode_layers.LayerByLayer`, or with fsdp the scanned stack,
+    whatever `scan_layers` says (the parameter tree is the same).
+
+    Why: inside the token loop both the scanned and the unrolled scan copy every layer's
+    weights and cache once per token on XLA:CPU; layer by layer on weights sliced out once,
+    each layer's cache is read where it lies (`engine.decode_layers`). With fsdp every token
+    all-gathers each layer's weights anyway, and unrolled the gathered layers would all be
+    live at once: that stays scanned.
+    """
+    stack = layer_stack(layout)
+    if stack is None and layout.mesh.devices.flat[0].platform == "cpu":
+        if layout.strategy.fsdp == 1:
+            return Transformer(model_config, LayerByLayer())
+        model_config = model_config.replace(scan_layers=True)
+    return Transformer(model_config, stack)
