@@ -226,8 +226,8 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
     state = engine.empty(slots)
     row_of = [-1] * slots  # the row in each slot, -1 if free
     out: dict[str, np.ndarray] = {}
-    longest, counts = 0, np.zeros(3, np.int64)
-    done_b = np.ones(slots, bool)
+    longest = 0
+    done = np.zeros(2, np.int64)  # decode counts of states compacted away
 
     def harvest(slot_list):
         if not slot_list:
@@ -249,14 +249,13 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
                 row_of[s] = i
             longest = max(longest, 1)
         state = engine.advance(state, params, 0, chunk_tokens, longest)
-        done_b, step_counts = engine.poll(state)
-        counts = step_counts.astype(np.int64)
+        done_b, counts = engine.poll(state)
         longest = int(counts[2])
         finished = [s for s, row in enumerate(row_of) if row >= 0 and done_b[s]]
         live = [s for s, row in enumerate(row_of) if row >= 0 and not done_b[s]]
         if not live and not queue:
             harvest(finished)
-            return out, Occupancy(int(counts[0]), int(counts[1]))
+            return out, Occupancy(*(int(x) for x in done + counts[:2]))
         if queue:  # their slots take queued rows
             harvest(finished)
             continue
@@ -265,6 +264,7 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
             harvest(finished)
             keep = live + [s for s in range(len(row_of)) if s not in live][:size - len(live)]
             state = engine.compact(state, keep)
+            done += counts[:2]
             row_of = [row_of[s] for s in keep]
 
 
@@ -281,10 +281,11 @@ class Generator(BucketedCall):
     """
 
     def __init__(self, model_config: ModelConfig, gen_config: GenerateConfig, layout: Layout,
-                 prompt_buckets: Sequence[int]):
+                 prompt_buckets: Sequence[int], chunk_tokens: int = CHUNK_TOKENS):
         if model_config.head is not HeadKind.LM:
             raise ValueError(f"generate needs an LM head, got {model_config.head}")
         super().__init__("generate", layout)
+        self.chunk_tokens = chunk_tokens
         self.model_config, self.gen_config = model_config, gen_config
         self.prompt_buckets = tuple(sorted(prompt_buckets))
         self.occupancy = Occupancy(0, 0)
@@ -341,7 +342,8 @@ class Generator(BucketedCall):
                         value=self.gen_config.pad_token_id)
         mask_bp = pad(np.asarray(prompt_mask_bp, bool), value=False)
         out, work = decode_rows(self._engine(bucket, batch), params, tokens_bp, mask_bp,
-                                [rng] * batch, np.arange(batch, dtype=np.int32), batch)
+                                [rng] * batch, np.arange(batch, dtype=np.int32), batch,
+                                self.chunk_tokens)
         self.occupancy = Occupancy(*(a + b for a, b in zip(self.occupancy, work)))
         response_mask_bn = out["response_mask_bn"]
         host = GenerateOutput(
@@ -358,6 +360,7 @@ def make_generate_fn(
     layout: Layout,
     *,
     prompt_buckets: Sequence[int] | None = None,
+    chunk_tokens: int = CHUNK_TOKENS,
 ) -> Generator:
     """The generate call kind: `(params, prompt_tokens_bp, prompt_mask_bp, rng) -> GenerateOutput`.
 
@@ -367,7 +370,9 @@ def make_generate_fn(
       layout: devices, mesh and sharding rules to compile for.
       prompt_buckets: allowed prompt lengths; default powers of two from 16, capped at
         `model_config.max_position_embeddings`.
+      chunk_tokens: tokens the engine decodes between looks at which rows finished (the
+        rows are compacted, and queued rows take free slots, only then).
     """
     if prompt_buckets is None:
         prompt_buckets = buckets.power_of_two_buckets(model_config.max_position_embeddings)
-    return Generator(model_config, gen_config, layout, prompt_buckets)
+    return Generator(model_config, gen_config, layout, prompt_buckets, chunk_tokens)

@@ -290,14 +290,16 @@ def _resize(s: SlotState, length: int) -> SlotState:
 
 def _compact(s: SlotState, keep_m) -> SlotState:
     """The state of slots `keep_m` [m] only, in that order (rows finished or free may be among
-    them to round m up to a bucket)."""
+    them to round m up to a bucket), its decode counts (steps_b, tokens_b) restarted at 0."""
     take = lambda x, axis=0: jnp.take(x, keep_m, axis=axis)
     if isinstance(s.cache, KVCache):
         cache = KVCache(*(take(c, 1) for c in s.cache))
     else:
         cache = tuple(DecodeKV(take(c.kT_bkds), take(c.v_bksd)) for c in s.cache)
     fields = {name: take(x) for name, x in s._asdict().items() if name != "cache"}
-    return SlotState(**fields, cache=constrain_cache(cache))
+    zeros = jnp.zeros(keep_m.shape, jnp.int32)
+    return SlotState(**{**fields, "steps_b": zeros, "tokens_b": zeros},
+                     cache=constrain_cache(cache))
 
 
 def _recompute_cache(model: Transformer, n_new: int, params, s: SlotState) -> SlotState:
@@ -576,7 +578,7 @@ class Rollout:
 
     def compact(self, state: SlotState, keep: list[int]) -> SlotState:
         """The slots `keep` only, in that order, as a state of len(keep) slots (a multiple of
-        the data-parallel size)."""
+        the data-parallel size); `poll`'s decode counts restart at 0."""
         slots, capacity = self.size(state)
         check_batch_divisible(self.layout, len(keep), "compacted slots")
         keep_m = jax.device_put(np.asarray(keep, np.int32), self._scalar)
