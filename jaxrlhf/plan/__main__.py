@@ -5,8 +5,9 @@ Searches an execution plan for an experiment on a cluster and prints it beside t
 ReaL's Tables 2-6, with the step time of each and the searched plan's speedup; `--json` prints
 one JSON object instead ({"plans": {NAME: {"step_seconds", "mfc_seconds", "mfcs", ...}}}).
 With `--config.placement.kind=manual --config.placement.allocation=...` the given plan is
-priced too, as plan `configured` (an MFC without `@N` gets the run's default micro-batches). The searched
-plan's `placement.allocation` line (micro-batches included, `@N`) can be pasted into a run
+priced too, as plan `configured`: the plan the run would run (`run.layouts.execution_plan`; an
+MFC without `@N` gets the run's default micro-batches). The searched plan's
+`placement.allocation` line (micro-batches included, `@N`) can be pasted into a run
 (`placement.kind=manual`); `placement.kind=auto` runs the same plan object.
 
 Two modes run the config's MFCs on this machine's devices, which must be the cluster's:
@@ -29,14 +30,16 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from jaxrlhf import cli
+from jaxrlhf.dataflow.placement import Placement
 from jaxrlhf.plan import report as report_lib
-from jaxrlhf.plan.allocation import AllocationError, parse_allocation, plan_of
 from jaxrlhf.plan.choice import ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster, load_cluster, save_calibration
 from jaxrlhf.plan.evaluate import Evaluator, SimOptions
 from jaxrlhf.plan.search import PlanResult, SearchOptions, search
 from jaxrlhf.plan.simulator import dispatch_order
+from jaxrlhf.run.layouts import execution_plan
 from jaxrlhf.schema import ConfigError, field
+from jaxrlhf.spec import run_spec
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
 _CLUSTER = flags.DEFINE_string("cluster", None, "cluster file, e.g. meshes/a100_16x8.py")
@@ -103,39 +106,20 @@ def _validate(config, cluster: Cluster) -> None:
     print(validate.memory_table(result))
 
 
-def _configured_plan(spec) -> ExecutionPlan | None:
-    """placement.kind=manual: the allocation as a plan (train_step micro-batches default to the
-    run's `micro_batches`, other calls to 1, as the runtime's placement does)."""
-    from jaxrlhf.dataflow.placement import Placement
-    from jaxrlhf.engine.microbatch import MicrobatchMode
-    from jaxrlhf.mfc import Call
-
+def _configured_plan(spec, cluster: Cluster) -> ExecutionPlan | None:
+    """placement.kind=manual: the plan the run would run (`run.layouts.execution_plan`, the
+    runtime's one door from a placement to a plan: an MFC without `@N` gets the run's default),
+    on the cluster's devices."""
     if spec.placement.kind is not Placement.MANUAL:
         return None
-    try:
-        entries = parse_allocation(spec.placement.allocation)
-        train = spec.micro.value if spec.micro.mode is MicrobatchMode.COUNT else 1
-        plans = {name: plan_of({name: entry}, train if spec.graph.mfc(name).call is
-                               Call.TRAIN_STEP else 1)[name]
-                 for name, entry in entries.items()}
-        workload = spec.experiment().workload
-        for name, choice in plans.items():  # raises naming the split that fails
-            workload.rows_per_device(spec.graph.mfc(name).call, choice.dp_size,
-                                     choice.micro_batches)
-    except (AllocationError, ValueError, KeyError) as e:
-        raise ConfigError(f"placement.allocation: {e}") from None
-    missing = [m.name for m in spec.experiment().model_mfcs() if m.name not in plans]
-    if missing:
-        raise ConfigError(f"placement.allocation: no entry for MFC(s) {missing}")
-    return ExecutionPlan.of(plans)
+    with field("placement.allocation"):
+        return execution_plan(spec, cluster.num_devices)
 
 
 def _search(config, cluster: Cluster) -> None:
-    from jaxrlhf.spec import run_spec
-
     spec = run_spec(config)
     experiment = spec.experiment()
-    configured = _configured_plan(spec)
+    configured = _configured_plan(spec, cluster)
     options = SearchOptions(iterations=_ITERATIONS.value, time_limit_s=_TIME_LIMIT.value,
                             seed=_SEED.value)
     sim = SimOptions(overlap_steps=_OVERLAP.value)
@@ -180,6 +164,11 @@ def main():
         _validate(_CONFIG.value, cluster)
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The command line: flags parsed, bad input one line (jaxrlhf/cli.py), then `main`."""
     flags.mark_flags_as_required(["config", "cluster"])
     cli.run(main)
+
+
+if __name__ == "__main__":
+    run()
