@@ -16,6 +16,7 @@ module, one call), so that nothing of its folder's layer lives there.
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -168,3 +169,14 @@ def test_main_hooks_only_forward(module):
 def test_nothing_imports_a_main_hook():
     assert not {m: sorted(filter(_is_hook, imps)) for m, imps in GRAPH.items()
                 if any(map(_is_hook, imps))}
+
+
+def test_the_code_cites_documents_of_the_repository():
+    """A `*.md` file named in the library, its tests or configs exists in this repository."""
+    missing = set()
+    for folder in ("jaxrlhf", "kernels", "configs", "meshes", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for cited in re.findall(r"[\w./-]+\.md\b", path.read_text()):
+                if not (ROOT / cited).is_file():
+                    missing.add(f"{path.relative_to(ROOT)}: {cited}")
+    assert (ROOT / "docs/ARCHITECTURE.md").is_file() and not missing, sorted(missing)
