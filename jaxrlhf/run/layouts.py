@@ -144,8 +144,8 @@ def place(spec: RunSpec) -> RunPlan:
     devices = jax.devices()
     plan = execution_plan(spec, len(devices))
     layouts = {}
-    for name, choice in plan.items():
-        mfc = spec.graph.mfc(name)
+    for name in filter(plan.__contains__, spec.graph.order):  # graph order, as MFCs run
+        mfc, choice = spec.graph.mfc(name), plan[name]
         # a pipelined MFC's layout carries the micro-batches its pipeline streams
         micro = choice.micro_batches if choice.pipeline > 1 else None
         try:
