@@ -4,8 +4,14 @@ import pytest
 
 from jaxrlhf.dataflow.graph import MFC, Call, GraphError, Role, build_graph
 from jaxrlhf.dataflow.placement import Placement, PlacementError, resolve_placement
+from jaxrlhf.parallel.strategy import parse_strategy
 
 R, C = Role, Call
+
+
+def _resolved(graph, kind, n, **kw) -> dict[str, str]:
+    """resolve_placement's strategies, written as the grammar writes them."""
+    return {name: str(s) for name, s in resolve_placement(graph, kind, n, **kw).items()}
 
 
 def ppo_like():
@@ -44,14 +50,14 @@ def test_graph_errors(mfcs, message):
 
 def test_placements_cover_every_model_mfc():
     g = build_graph(ppo_like())
-    split = resolve_placement(g, Placement.SPLIT, 8)
+    split = _resolved(g, Placement.SPLIT, 8)
     assert split["actor_gen"] == "0-3:d4" and split["critic_inf"] == "4-7:d4"
     assert "reward" not in split  # host MFC
-    inter = resolve_placement(g, Placement.INTERLEAVE, 8)
+    inter = _resolved(g, Placement.INTERLEAVE, 8)
     assert inter["ref_inf"] == "0-3:d4" and inter["actor_train"] == "0-7:d8"
-    colo = resolve_placement(g, Placement.COLOCATE, 8, strategy="d2f2t2")
+    colo = _resolved(g, Placement.COLOCATE, 8, strategy="d2f2t2")
     assert set(colo.values()) == {"0-7:d2f2t2"}
-    alone = resolve_placement(g, Placement.STANDALONE, 8)
+    alone = _resolved(g, Placement.STANDALONE, 8)
     assert alone["actor_gen"] == "0-3:d4" and alone["critic_train"] == "4-5:d2"
     assert alone["ref_inf"] == "6-7:d2"
 
@@ -60,6 +66,7 @@ def test_manual_placement_errors_name_the_mfc():
     g = build_graph(ppo_like())
     with pytest.raises(PlacementError, match=r"no layout for MFC\(s\) \['critic_inf'"):
         resolve_placement(g, Placement.MANUAL, 8, allocation={
-            "actor_gen": "0-7:d8", "ref_inf": "0-3:d4", "actor_train": "0-7:d8"})
+            name: parse_strategy(text) for name, text in
+            {"actor_gen": "0-7:d8", "ref_inf": "0-3:d4", "actor_train": "0-7:d8"}.items()})
     with pytest.raises(PlacementError, match="unknown MFCs: \\['nope'\\]"):
-        resolve_placement(g, Placement.MANUAL, 8, allocation={"nope": "0-7:d8"})
+        resolve_placement(g, Placement.MANUAL, 8, allocation={"nope": parse_strategy("0-7:d8")})

@@ -1,19 +1,28 @@
-"""DESIGN.md's layer table, enforced on the import graph (module- and function-level imports).
+"""The layers of docs/ARCHITECTURE.md, enforced on the import graph (module- and function-level
+imports).
 
 Every `import` statement of the library is read with `ast` (also those inside functions, which
 run later but are dependencies all the same). Checked: no import cycles between files; the
 library never imports `configs/` or `meshes/`; each layer imports only its own layer and the
 layers below it (models < parallel < engine < algorithms < data < dataflow < planner < ... <
-run stack < entry points); `meshes/` holds data (cluster files import only the planner).
+run stack < entry points), with no exception for any file; `meshes/` holds data (cluster files
+import only the planner).
+
+A package's `__main__.py` is what `python -m PACKAGE` runs, so Python wants it inside the
+package's folder; it is an entry point's hook, not part of that package. It counts as an entry
+point, and `test_main_hooks_only_forward` holds it to forwarding (one import of an entry-point
+module, one call), so that nothing of its folder's layer lives there.
 """
 
 import ast
 import pathlib
+import re
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+ENTRY = 11  # the entry points' layer, the top
 # Layer of each top-level part of the library, bottom up: a module imports only modules of
 # its own part or of a lower layer.
 LAYERS = {
@@ -31,8 +40,8 @@ LAYERS = {
     "jaxrlhf.run": 9,
     "jaxrlhf.calibration": 10, "jaxrlhf.cli": 10,
     # entry points: flags -> spec -> run
-    "jaxrlhf.train": 11, "jaxrlhf.bench": 11, "jaxrlhf.generate": 11, "jaxrlhf.export": 11,
-    "jaxrlhf.graph": 11, "jaxrlhf.plan.__main__": 11,
+    "jaxrlhf.train": ENTRY, "jaxrlhf.bench": ENTRY, "jaxrlhf.generate": ENTRY,
+    "jaxrlhf.export": ENTRY, "jaxrlhf.graph": ENTRY, "jaxrlhf.plan_cli": ENTRY,
 }
 OURS = ("jaxrlhf", "kernels", "configs", "meshes")
 
@@ -68,8 +77,20 @@ def _imports(path: pathlib.Path) -> set[str]:
 GRAPH = {name: _imports(path) for name, path in MODULES.items()}
 
 
+def _within(module: str, part: str) -> bool:
+    return module == part or module.startswith(part + ".")
+
+
+def _is_hook(module: str) -> bool:
+    """A package's `__main__`: the hook of `python -m PACKAGE`."""
+    return module.endswith(".__main__")
+
+
 def _layer(module: str) -> tuple[str, int]:
-    """(the LAYERS key `module` falls under, its layer): the longest matching key."""
+    """(the LAYERS key `module` falls under, its layer): the longest matching key; a package's
+    `__main__` is an entry point (itself its key)."""
+    if _is_hook(module):
+        return module, ENTRY
     keys = [k for k in LAYERS if module == k or module.startswith(k + ".")]
     if not keys:
         raise AssertionError(f"{module} is in no layer of tests/test_layers.py")
@@ -108,7 +129,7 @@ def test_library_never_imports_configs_or_meshes():
 def test_meshes_hold_data():
     for module, imports in GRAPH.items():
         if module.startswith("meshes"):
-            assert all(i.startswith("jaxrlhf.plan") for i in imports), (module, imports)
+            assert all(_within(i, "jaxrlhf.plan") for i in imports), (module, imports)
 
 
 @pytest.mark.parametrize("module", sorted(m for m in GRAPH if not m.startswith("meshes")))
@@ -120,9 +141,42 @@ def test_imports_point_down(module):
 
 
 def test_the_planner_never_imports_the_run_stack():
+    above = ("jaxrlhf.run", "jaxrlhf.calibration", "jaxrlhf.spec", "jaxrlhf.train",
+             "jaxrlhf.plan_cli")
     for module, imports in GRAPH.items():
-        if module.startswith("jaxrlhf.plan") and module != "jaxrlhf.plan.__main__":
-            bad = [i for i in imports if i.split(".")[:2] in (
-                ["jaxrlhf", "run"], ["jaxrlhf", "calibration"], ["jaxrlhf", "spec"],
-                ["jaxrlhf", "train"])]
+        if _within(module, "jaxrlhf.plan") and not _is_hook(module):
+            bad = [i for i in imports if any(_within(i, a) for a in above)]
             assert not bad, (module, bad)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _is_hook(m)))
+def test_main_hooks_only_forward(module):
+    """A `__main__.py` holds a docstring, one `from <entry point> import f` and
+    `if __name__ == "__main__": f()`: the command line itself lives in the entry point."""
+    body = ast.parse(MODULES[module].read_text()).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    imports = [n for n in body if isinstance(n, ast.ImportFrom)]
+    assert len(imports) == 1 and len(imports[0].names) == 1, f"{module}: one import only"
+    (target,) = GRAPH[module]
+    assert not _is_hook(target) and _layer(target)[1] == ENTRY, (module, target)
+    guard = [n for n in body if n not in imports]
+    assert len(guard) == 1 and isinstance(guard[0], ast.If), f"{module}: one guarded call only"
+    (call,) = guard[0].body
+    assert ast.unparse(call) == f"{imports[0].names[0].name}()", (module, ast.unparse(call))
+
+
+def test_nothing_imports_a_main_hook():
+    assert not {m: sorted(filter(_is_hook, imps)) for m, imps in GRAPH.items()
+                if any(map(_is_hook, imps))}
+
+
+def test_the_code_cites_documents_of_the_repository():
+    """A `*.md` file named in the library, its tests or configs exists in this repository."""
+    missing = set()
+    for folder in ("jaxrlhf", "kernels", "configs", "meshes", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for cited in re.findall(r"[\w./-]+\.md\b", path.read_text()):
+                if not (ROOT / cited).is_file():
+                    missing.add(f"{path.relative_to(ROOT)}: {cited}")
+    assert (ROOT / "docs/ARCHITECTURE.md").is_file() and not missing, sorted(missing)

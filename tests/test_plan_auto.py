@@ -1,5 +1,6 @@
-"""Plans stay objects: `placement.kind=auto` runs exactly the searched plan, and the allocation
-text of a plan (micro-batches included) round-trips."""
+"""Plans stay objects: `placement.kind=auto` runs exactly the searched plan, every placement kind
+becomes its plan through one function (`run.layouts.execution_plan`), and the allocation text
+of a plan (micro-batches included) round-trips."""
 
 import jax
 import numpy as np
@@ -13,6 +14,8 @@ from jaxrlhf.plan.allocation import AllocationError, format_allocation, parse_al
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.run import build
 from jaxrlhf.run.check import check_config
+from jaxrlhf.run.layouts import execution_plan
+from jaxrlhf.spec import run_spec
 
 ROWS = 16
 
@@ -82,13 +85,37 @@ def test_allocation_text_round_trips():
     assert plan["actor_train"].micro_batches == 4 and plan["ref_inf"].dp_size == 4
     assert format_allocation(plan) == text
     assert plan_of(parse_allocation(format_allocation(plan))) == plan
-    assert parse_allocation("a=0-1:d2")["a"].micro_batches is None  # the run's default
+    entry = parse_allocation("a=0-1:d2")["a"]
+    assert entry.micro_batches is None and str(entry) == "0-1:d2"  # the run's default
+    with pytest.raises(AllocationError, match=r"MFC 'a' \(0-1:d2\) has no micro-batch count"):
+        plan_of({"a": entry})  # without the run's default, a count is needed
+
+
+def test_every_placement_kind_becomes_the_plan_the_run_runs():
+    """An MFC without `@N` gets the run's default: the configured train_step count; one for
+    generate and inference, or on a pipeline up to its stage count."""
+    config = get_config()
+    config.micro_batches = 2
+    config.placement.update(kind="manual", allocation=(
+        "actor_gen=0-7:d8,ref_inf=0-3:d2p2,critic_inf=4-7:d4@2,actor_train=0-7:d8,"
+        "critic_train=4-7:d4@1"))
+    plan = execution_plan(run_spec(config), 8)
+    assert plan.micro_batches() == {"actor_gen": 1, "ref_inf": 2, "critic_inf": 2,
+                                    "actor_train": 2, "critic_train": 1}
+    assert plan["ref_inf"].pipeline == 2 and plan["actor_train"].devices.size == 8
+    config.placement.update(kind="colocate", strategy="d4t2", allocation="")
+    colocated = execution_plan(run_spec(config), 8)
+    assert {str(c) for _, c in colocated.items()} == {"0-7:d4t2@1", "0-7:d4t2@2"}
+    assert colocated["actor_train"].micro_batches == 2
 
 
 @pytest.mark.parametrize("text,message", [
     ("actor_gen0-3:d4", "is not MFC=RANGE:STRATEGY"),
     ("actor_gen=0-3:d4@0", "micro-batches '0' is not a count >= 1"),
     ("actor_gen=0-3:d4@x", "micro-batches 'x' is not a count >= 1"),
+    ("actor_gen=0-3:x4", r"MFC 'actor_gen' \(0-3:x4\): unknown axis letter 'x'"),
+    ("actor_gen=0-3:d2", r"MFC 'actor_gen' \(0-3:d2\): strategy '0-3:d2' uses 2 devices"),
+    ("actor_gen=d4@2", r"MFC 'actor_gen' \(d4\): strategy d4 has no device range"),
 ])
 def test_bad_allocation_text(text, message):
     with pytest.raises(AllocationError, match=message):

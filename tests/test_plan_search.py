@@ -235,9 +235,9 @@ def test_cli_configured_allocation_that_does_not_split_is_a_config_error(tmp_pat
     out = subprocess.run(
         [sys.executable, "-m", "jaxrlhf.plan", f"--config={config}",
          "--cluster=meshes/a100_16x8.py", "--config.placement.kind=manual",
-         "--config.placement.allocation=actor_gen=0-127:d128@8"],
+         "--config.placement.allocation=" + CONFIGURED.replace("d16t8@1", "d128@8")],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
-    assert out.stderr.strip().splitlines() == [
-        "error: placement.allocation: 512 sequences do not split over data×fsdp×micro-batches "
-        "= 128×8"]
+    assert out.stderr.strip().splitlines() == [  # the run's own check (run.layouts), word for word
+        "error: placement.allocation: MFC 'actor_gen': 8 micro-batches do not split 512 rows "
+        "into equal parts with a multiple of 128 rows each; valid counts: [1, 2, 4]"]

@@ -1,7 +1,8 @@
-"""Placement strategies of the papers, resolved to one layout spec per MFC.
+"""Placement strategies of the papers, resolved to one `Strategy` per MFC.
 
-A layout spec is the strategy grammar's string, a device range plus parallel degrees, e.g.
-"0-3:d2t2". The strategies:
+A placement gives every model MFC a `parallel.strategy.Strategy` with a device range: where it
+runs and its parallel degrees (written "0-3:d2t2" in logs and configs). The micro-batches are
+the run's to choose (`jaxrlhf.run.layouts.execution_plan`). The strategies:
 
   colocate    every MFC on all devices (DeepSpeed-Chat, ReaL's heuristic), one strategy.
   standalone  every model on its own devices: the actor half of them, the rest halved in turn.
@@ -16,7 +17,8 @@ A layout spec is the strategy grammar's string, a device range plus parallel deg
               trainer comes first so that, multi-process, it is process 0 (which writes the
               metrics and the summary). The trainer feeds generation new weights through
               `parallel.reshard`; with `async_rl.max_staleness` > 0 the two overlap.
-  manual      one spec per MFC, given in the config.
+  manual      one strategy per MFC, given in the config (its allocation, parsed by
+              `jaxrlhf.plan.allocation`); here only checked to name every model MFC once.
   auto        the planner (jaxrlhf.plan) searches the plan for a cluster; the run stack
               (jaxrlhf.run.layouts) runs that ExecutionPlan as is, without coming here.
 """
@@ -27,6 +29,7 @@ import enum
 from collections.abc import Mapping
 
 from jaxrlhf.dataflow.graph import Call, DataflowGraph, Role
+from jaxrlhf.parallel.strategy import DeviceRange, Strategy, parse_strategy
 
 
 class Placement(enum.Enum):
@@ -47,8 +50,23 @@ _ROLE_PRIORITY = (Role.ACTOR, Role.CRITIC, Role.COST_CRITIC, Role.REF, Role.REWA
 _TRAINED = (Role.ACTOR, Role.CRITIC, Role.COST_CRITIC)
 
 
-def _span(start: int, size: int) -> str:
-    return f"{start}-{start + size - 1}"
+def _span(start: int, size: int) -> DeviceRange:
+    return DeviceRange(start, start + size - 1)
+
+
+def _data_parallel(start: int, size: int) -> Strategy:
+    """Pure data parallelism over devices start..start+size-1."""
+    return Strategy(data=size, devices=_span(start, size))
+
+
+def _colocated(name: str, start: int, size: int, degrees: str) -> Strategy:
+    """`placement.strategy`'s degrees (config text, e.g. "d2f2t2") on one device block; errors
+    name the MFC and the field."""
+    text = f"{_span(start, size)}:{degrees}"
+    try:
+        return parse_strategy(text)
+    except ValueError as e:
+        raise PlacementError(f"placement.strategy: MFC {name!r} ({text}): {e}") from None
 
 
 def _halves(num_devices: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -92,7 +110,7 @@ def _role_blocks(kind: Placement, roles: list[Role], n: int) -> dict[Role, tuple
     raise PlacementError(f"placement.kind={kind.value} has no role blocks")
 
 
-def _disaggregated(model_mfcs, num_devices: int, gen_replicas: int) -> dict[str, str]:
+def _disaggregated(model_mfcs, num_devices: int, gen_replicas: int) -> dict[str, Strategy]:
     """Training calls on the first of 1 + gen_replicas equal device blocks, generate calls on
     the second (the first replica's)."""
     if not any(m.call is Call.GENERATE for m in model_mfcs):
@@ -104,8 +122,8 @@ def _disaggregated(model_mfcs, num_devices: int, gen_replicas: int) -> dict[str,
                              f"not split into {blocks} equal blocks (trainer + replicas)")
     size = num_devices // blocks
     train, gen = (0, size), (size, size)
-    return {m.name: f"{_span(*block)}:d{block[1]}"
-            for m in model_mfcs for block in [gen if m.call is Call.GENERATE else train]}
+    return {m.name: _data_parallel(*(gen if m.call is Call.GENERATE else train))
+            for m in model_mfcs}
 
 
 def resolve_placement(
@@ -113,22 +131,24 @@ def resolve_placement(
     kind: Placement,
     num_devices: int,
     strategy: str = "",
-    allocation: Mapping[str, str] | None = None,
+    allocation: Mapping[str, Strategy] | None = None,
     gen_replicas: int = 1,
-) -> dict[str, str]:
-    """One layout spec per model-backed MFC.
+) -> dict[str, Strategy]:
+    """One strategy, with its device range, per model-backed MFC.
 
     Args:
       graph: the algorithm's graph; host MFCs get no layout.
       kind: the placement strategy.
       num_devices: devices in the cluster.
-      strategy: parallel degrees for colocate (e.g. "d2f2t2"); default pure data parallel.
-      allocation: for manual placement, MFC name -> layout spec.
+      strategy: `placement.strategy`, colocate's degrees as the config writes them (e.g.
+        "d2f2t2"), read here with the device range so that errors name the MFC; default pure
+        data parallel.
+      allocation: for manual placement, MFC name -> its strategy (with a device range).
       gen_replicas: for disaggregate, the generation replicas (each a device block).
 
     Returns:
-      MFC name -> layout spec such as "0-7:d8". Specs are validated later against the model
-      and the batch (`jaxrlhf.run.layouts.place`), before anything compiles.
+      MFC name -> Strategy (e.g. data=8 on devices 0-7), in graph order. They are checked
+      against the batch and the model later (`jaxrlhf.run.layouts`), before anything compiles.
     """
     model_mfcs = [graph.mfc(n) for n in graph.order if not graph.mfc(n).host]
     if kind is Placement.AUTO:
@@ -146,9 +166,10 @@ def resolve_placement(
         return _disaggregated(model_mfcs, num_devices, gen_replicas)
     roles = [r for r in _ROLE_PRIORITY if any(m.role is r for m in model_mfcs)]
     blocks = _role_blocks(kind, roles, num_devices)
-    specs = {}
+    strategies = {}
     for mfc in model_mfcs:
         start, size = blocks[mfc.role]
-        degrees = strategy if (kind is Placement.COLOCATE and strategy) else f"d{size}"
-        specs[mfc.name] = f"{_span(start, size)}:{degrees}"
-    return specs
+        strategies[mfc.name] = (_colocated(mfc.name, start, size, strategy)
+                                if kind is Placement.COLOCATE and strategy
+                                else _data_parallel(start, size))
+    return strategies

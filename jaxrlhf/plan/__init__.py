@@ -4,7 +4,9 @@ Modules, bottom up: `cluster` (what a cluster is), `profile` (a model in numbers
 (graph + models + workload), `choice` (a plan), `cost` and `memory` (the analytic models: MFC
 time, parameter movements, bytes per device), `simulator` (ReaL's Algorithm 1), `evaluate`
 (scoring with caches), `space` (legal choices), `search` (baselines, annealing, exhaustive),
-`allocation` (a plan as text, round-tripping), `report`; `python -m jaxrlhf.plan` is the CLI.
+`allocation` (a plan before all its micro-batches are known, and its text), `report`. The
+planner is pure and sits below the run stack; its command line, `python -m jaxrlhf.plan`, is the
+entry point `jaxrlhf/plan_cli.py` (`__main__.py` here only forwards to it).
 """
 
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan

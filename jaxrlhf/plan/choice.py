@@ -1,8 +1,9 @@
 """An execution plan: for every model MFC, its device range, parallel degrees and micro-batches.
 
 `CallChoice` is one MFC's decision and `ExecutionPlan` the whole assignment. Both are frozen and
-hashable, so the search caches costs and evaluations by them. `ExecutionPlan.layout_specs()`
-gives the strategy strings the runtime takes (`placement.kind=manual`, `placement.allocation`).
+hashable, so the search caches costs and evaluations by them. They travel as objects from the
+planner and the config to the runtime; `str(choice)` is the allocation grammar's text of one MFC
+(`RANGE:STRATEGY@MICRO_BATCHES`, see `plan.allocation`), for logs and printouts.
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ class CallChoice:
         """`RANGE:STRATEGY`, as `parallel.strategy.parse_strategy` reads it."""
         return str(self.strategy)
 
+    def __str__(self) -> str:
+        """`RANGE:STRATEGY@MICRO_BATCHES`, one MFC's entry of an allocation."""
+        return f"{self.strategy}@{self.micro_batches}"
+
     def overlaps(self, other: "CallChoice") -> bool:
         return self.devices.first <= other.devices.last and other.devices.first <= self.devices.last
 
@@ -118,10 +123,6 @@ class ExecutionPlan:
 
     def replace(self, **changes: CallChoice) -> "ExecutionPlan":
         return ExecutionPlan.of({**dict(self.choices), **changes})
-
-    def layout_specs(self) -> dict[str, str]:
-        """MFC name -> strategy string, e.g. {"actor_gen": "0-7:d2t4", ...}."""
-        return {name: choice.spec() for name, choice in self.choices}
 
     def micro_batches(self) -> dict[str, int]:
         return {name: choice.micro_batches for name, choice in self.choices}

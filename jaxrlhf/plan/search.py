@@ -35,7 +35,7 @@ import random
 import time
 
 from jaxrlhf.dataflow.placement import Placement, PlacementError, resolve_placement
-from jaxrlhf.parallel.strategy import DeviceRange, parse_strategy
+from jaxrlhf.parallel.strategy import DeviceRange
 from jaxrlhf.parallel.submesh import check_submesh
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster
@@ -185,17 +185,16 @@ def placed(menu: Menu, kind: Placement) -> PlanResult:
     experiment, cluster = menu.evaluator.experiment, menu.evaluator.cluster
     name = kind.value
     try:
-        specs = resolve_placement(experiment.graph, kind, cluster.num_devices)
+        strategies = resolve_placement(experiment.graph, kind, cluster.num_devices)
     except PlacementError as e:
         return PlanResult(name, None, None, str(e))
     ranges = {}
-    for mfc_name, spec in specs.items():
-        devices = parse_strategy(spec).devices
+    for mfc_name, strategy in strategies.items():
         try:
-            check_submesh(cluster.shape, devices)
+            check_submesh(cluster.shape, strategy.devices)
         except ValueError as e:
             return PlanResult(name, None, None, f"MFC {mfc_name}: {e}")
-        ranges[mfc_name] = devices
+        ranges[mfc_name] = strategy.devices
     allowed = {n: menu.configs[n].get(ranges[n].size, []) for n in ranges}
     return descend(menu, ranges, allowed, name)
 

@@ -1,11 +1,14 @@
 """Where every MFC runs: the spec's placement resolved, once, into a `RunPlan`.
 
 A `RunPlan` is the planner's `ExecutionPlan` (each MFC's devices, degrees and micro-batches)
-plus the layouts built from it on this machine's devices. `placement.kind=auto` runs exactly
-the searched plan, micro-batches included; the other kinds are written as the same object
-(train_step micro-batches from `micro_batches`/`micro_batch_tokens` unless `@N` says otherwise,
-one for generate and inference, or on a pipeline up to its stage count). A pipelined MFC's layout
-carries its count (`Layout.micro_batches`): the micro-batches its pipeline streams.
+plus the layouts built from it on this machine's devices. Every placement kind becomes an
+allocation (`plan.allocation.Entry` per MFC, objects throughout) and `plan_of` turns it into the
+plan: `placement.kind=auto` runs exactly the searched plan, micro-batches included; for the
+other kinds an MFC without `@N` gets the run's default (train_step: `micro_batches` or
+`micro_batch_tokens`; generate and inference: one, or on a pipeline up to its stage count).
+A pipelined MFC's layout carries its count (`Layout.micro_batches`): the micro-batches its
+pipeline streams. Text appears only where the config gives it (`placement.allocation`,
+`placement.strategy`) and in `RunPlan.specs`, for logs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from jaxrlhf.dataflow.placement import Placement, PlacementError, resolve_placem
 from jaxrlhf.engine.microbatch import MicrobatchConfig, num_microbatches
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.parallel.layout import Layout, make_layout
-from jaxrlhf.plan.allocation import Entry, parse_allocation
+from jaxrlhf.plan.allocation import Entry, parse_allocation, plan_of
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import load_cluster
 from jaxrlhf.plan.search import search
@@ -39,7 +42,7 @@ class RunPlan:
     @property
     def specs(self) -> dict[str, str]:
         """MFC name -> its allocation entry (`RANGE:STRATEGY@N`), for reports."""
-        return {name: f"{c.spec()}@{c.micro_batches}" for name, c in self.plan.items()}
+        return {name: str(choice) for name, choice in self.plan.items()}
 
     def micro_batches(self, name: str) -> int:
         return self.plan[name].micro_batches
@@ -71,39 +74,52 @@ def searched_plan(spec: RunSpec, devices: int | None = None) -> ExecutionPlan:
     return report.searched.plan
 
 
-def _entries(spec: RunSpec, n: int) -> tuple[dict[str, Entry], str]:
-    """(MFC name -> Entry, the field the entries come from) on `n` devices."""
+def _field(kind: Placement) -> str:
+    """The config field a placement of this kind comes from, for error messages."""
+    match kind:
+        case Placement.AUTO:
+            return "placement"
+        case Placement.MANUAL:
+            return "placement.allocation"
+    return "placement.strategy"
+
+
+def _allocation(spec: RunSpec, n: int) -> dict[str, Entry]:
+    """The placement on `n` devices as an allocation: MFC name -> Entry, in graph order (a
+    searched plan's entries carry their micro-batches, the other kinds' only where `@N` says)."""
     p, graph = spec.placement, spec.graph
     match p.kind:
         case Placement.AUTO:
             plan = searched_plan(spec, n)
-            return {k: Entry(c.spec(), c.micro_batches) for k, c in plan.items()}, "placement"
+            return {k: Entry(c.strategy, c.micro_batches) for k, c in plan.items()}
         case Placement.MANUAL:
-            entries = parse_allocation(p.allocation)
-            specs = resolve_placement(graph, p.kind, n, allocation={
-                k: e.spec for k, e in entries.items()})
-            return {k: entries[k] for k in specs}, "placement.allocation"
-    specs = resolve_placement(graph, p.kind, n, p.strategy, gen_replicas=p.gen_replicas)
-    return {k: Entry(s) for k, s in specs.items()}, "placement.strategy"
+            entries = parse_allocation(p.allocation)  # the config's text, read once
+            strategies = resolve_placement(graph, p.kind, n, allocation={
+                k: e.strategy for k, e in entries.items()})
+            return {k: entries[k] for k in strategies}
+    strategies = resolve_placement(graph, p.kind, n, p.strategy, gen_replicas=p.gen_replicas)
+    return {k: Entry(s) for k, s in strategies.items()}
 
 
-def _micro_batches(spec: RunSpec, mfc: MFC, layout: Layout, entry: Entry, where: str) -> int:
-    rows = spec.step_rows
+def _micro_batches(spec: RunSpec, mfc: MFC, entry: Entry, where: str) -> int:
+    """The micro-batches `mfc` runs with: the entry's count or the run's default, checked
+    against the batch; raises PlacementError naming the MFC and the field."""
+    rows, strategy = spec.step_rows, entry.strategy
     per_update = rows // spec.mini_batches if mfc.call is Call.TRAIN_STEP else rows
-    if per_update % layout.dp_size:
+    if per_update % strategy.dp_size:
         raise PlacementError(
-            f"{where}: MFC {mfc.name!r} ({entry.spec}) splits the batch {layout.dp_size} ways, "
+            f"{where}: MFC {mfc.name!r} ({strategy}) splits the batch {strategy.dp_size} ways, "
             f"which does not divide its batch of {per_update} (rollout.batch_size × group_size "
             f"/ mini-batches)")
     if entry.micro_batches is None and mfc.call is not Call.TRAIN_STEP:
         # 1, or on a pipeline the most up to its stage count that split the rows evenly over
         # its data-parallel devices (fewer leave stages idle: the bubble is (p-1)/(M+p-1))
-        return max(k for k in range(1, layout.pipeline + 1)
-                   if per_update % k == 0 and (per_update // k) % layout.dp_size == 0)
+        return max(k for k in range(1, strategy.pipeline + 1)
+                   if per_update % k == 0 and (per_update // k) % strategy.dp_size == 0)
     micro = (spec.micro if entry.micro_batches is None
              else MicrobatchConfig.by_count(entry.micro_batches))
     try:
-        count = num_microbatches(micro, per_update, spec.rollout.seq_len, layout.dp_size)
+        count = num_microbatches(micro, per_update, spec.rollout.seq_len, strategy.dp_size)
         if mfc.call is Call.TRAIN_STEP and spec.algorithm.batches is BatchKind.PAIRS:
             # a pair's loss needs its chosen and its rejected row in one micro-batch
             check_pair_split(spec.rollout.batch_size, count, "the number of micro-batches")
@@ -113,24 +129,32 @@ def _micro_batches(spec: RunSpec, mfc: MFC, layout: Layout, entry: Entry, where:
         raise PlacementError(f"{field}: MFC {mfc.name!r}: {e}") from None
 
 
+def execution_plan(spec: RunSpec, num_devices: int) -> ExecutionPlan:
+    """The plan the run runs on `num_devices` devices, whatever `placement.kind` says: every
+    model MFC's devices, degrees and micro-batches, checked against the batch (not yet against
+    the devices or the model: `place`). The planner's command line prices this same plan."""
+    where = _field(spec.placement.kind)
+    return plan_of(_allocation(spec, num_devices), lambda name, entry: _micro_batches(
+        spec, spec.graph.mfc(name), entry, where))
+
+
 def place(spec: RunSpec) -> RunPlan:
-    """Resolves and validates every model MFC's layout and micro-batches; raises naming the MFC
-    and the field."""
+    """Resolves and validates every model MFC's layout and micro-batches on this machine's
+    devices; raises naming the MFC and the field."""
     devices = jax.devices()
-    entries, where = _entries(spec, len(devices))
-    choices, layouts = {}, {}
-    for name, entry in entries.items():
-        mfc = spec.graph.mfc(name)
+    plan = execution_plan(spec, len(devices))
+    layouts = {}
+    for name in filter(plan.__contains__, spec.graph.order):  # graph order, as MFCs run
+        mfc, choice = spec.graph.mfc(name), plan[name]
+        # a pipelined MFC's layout carries the micro-batches its pipeline streams
+        micro = choice.micro_batches if choice.pipeline > 1 else None
         try:
-            layout = make_layout(entry.spec, model=spec.models[mfc.role].config, devices=devices)
+            layouts[name] = make_layout(choice.strategy, model=spec.models[mfc.role].config,
+                                        devices=devices, micro_batches=micro)
         except ValueError as e:
-            raise PlacementError(f"{where}: MFC {name!r} ({entry.spec}): {e}") from None
-        micro = _micro_batches(spec, mfc, layout, entry, where)
-        if layout.pipeline > 1:  # the pipeline streams `micro` micro-batches through its stages
-            layout = dataclasses.replace(layout, micro_batches=micro)
-        layouts[name] = layout
-        choices[name] = CallChoice.of(layout.strategy, micro_batches=micro)
-    return RunPlan(ExecutionPlan.of(choices), layouts)
+            raise PlacementError(f"{_field(spec.placement.kind)}: MFC {name!r} "
+                                 f"({choice.strategy}): {e}") from None
+    return RunPlan(plan, layouts)
 
 
 def single(name: str, layout: Layout, micro_batches: int = 1) -> RunPlan:

@@ -1,0 +1,177 @@
+"""The planner's command line, `python -m jaxrlhf.plan` (`jaxrlhf/plan/__main__.py` forwards
+here: an entry point sits above the run stack, the planner below it).
+
+  python -m jaxrlhf.plan --config=configs/ppo_70b.py --cluster=meshes/a100_16x8.py [--json]
+
+Searches an execution plan for an experiment on a cluster and prints it beside the baselines
+(colocate, standalone, split, interleave, and ReaL's Megatron-rule `heuristic`), as tables like
+ReaL's Tables 2-6, with the step time of each and the searched plan's speedup; `--json` prints
+one JSON object instead ({"plans": {NAME: {"step_seconds", "mfc_seconds", "mfcs", ...}}}).
+With `--config.placement.kind=manual --config.placement.allocation=...` the given plan is
+priced too, as plan `configured`: the plan the run would run (`run.layouts.execution_plan`; an
+MFC without `@N` gets the run's default micro-batches). The searched plan's
+`placement.allocation` line (micro-batches included, `@N`) can be pasted into a run
+(`placement.kind=manual`); `placement.kind=auto` runs the same plan object.
+
+Two modes run the config's MFCs on this machine's devices, which must be the cluster's:
+  * `--calibrate` times the MFCs under a few strategies and batch sizes (`--probes`, default
+    `calibrate.default_probes`), fits the cluster's efficiencies and overheads
+    (`cost.fit_calibration`) and writes them to `<workdir>/calibration/NAME.json`, or
+    `meshes/calibration/NAME.json` beside the cluster file, where `load_cluster` finds them;
+  * `--validate` runs the configured plan (`placement.*`) for `--steps` steps and prints the
+    calibrated prediction beside the measurement: seconds per MFC and per step, and the memory
+    model beside `memory_analysis()` of each compiled MFC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from absl import flags, logging
+from ml_collections import config_flags
+
+from jaxrlhf import cli
+from jaxrlhf.dataflow.placement import Placement
+from jaxrlhf.plan import report as report_lib
+from jaxrlhf.plan.choice import ExecutionPlan
+from jaxrlhf.plan.cluster import Cluster, load_cluster, save_calibration
+from jaxrlhf.plan.evaluate import Evaluator, SimOptions
+from jaxrlhf.plan.search import PlanResult, SearchOptions, search
+from jaxrlhf.plan.simulator import dispatch_order
+from jaxrlhf.run.layouts import execution_plan
+from jaxrlhf.schema import ConfigError, field
+from jaxrlhf.spec import run_spec
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file")
+_CLUSTER = flags.DEFINE_string("cluster", None, "cluster file, e.g. meshes/a100_16x8.py")
+_JSON = flags.DEFINE_bool("json", False, "print one JSON object")
+_SEED = flags.DEFINE_integer("seed", 0, "seed of the annealing proposals")
+_ITERATIONS = flags.DEFINE_integer("iterations", SearchOptions.iterations, "annealing proposals")
+_TIME_LIMIT = flags.DEFINE_float("time_limit", SearchOptions.time_limit_s,
+                                 "annealing wall-clock budget in seconds")
+_OVERLAP = flags.DEFINE_bool("overlap_steps", SimOptions.overlap_steps,
+                             "let consecutive steps overlap where dependencies allow")
+_WORKDIR = flags.DEFINE_string("workdir", None, "run directory whose calibration/ wins")
+_CALIBRATE = flags.DEFINE_bool("calibrate", False, "time MFCs here and fit efficiencies")
+_VALIDATE = flags.DEFINE_bool("validate", False,
+                              "run the configured plan here: predicted vs measured")
+_PROBES = flags.DEFINE_string("probes", "", "calibration runs, e.g. d8@32,d4t2@128 "
+                              "(STRATEGY@PROMPTS); empty: calibrate.default_probes")
+_REPEATS = flags.DEFINE_integer("repeats", 7, "calibration: timed runs of each MFC")
+_STEPS = flags.DEFINE_integer("steps", 5, "validation: timed steps after the compiling one")
+
+
+def _use_devices(cluster: Cluster) -> None:
+    """Presents the cluster's devices: on a CPU, that many virtual devices (before JAX starts)."""
+    flag = f"--xla_force_host_platform_device_count={cluster.num_devices}"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    import jax
+
+    if jax.process_count() > 1:
+        raise ConfigError("--calibrate/--validate run on one host (one process)")
+    if jax.device_count() != cluster.num_devices:
+        raise ConfigError(f"--cluster: {cluster.name} has {cluster.num_devices} devices but this "
+                          f"machine presents {jax.device_count()} ({jax.devices()[0].platform})")
+
+
+def _calibrate(config, cluster: Cluster) -> None:
+    from jaxrlhf.calibration import calibrate
+
+    probes = (calibrate.parse_probes(_PROBES.value) if _PROBES.value
+              else calibrate.default_probes(config, cluster))
+    print(f"calibrating {cluster.name} on {len(probes)} probes: "
+          f"{', '.join(map(str, probes))}", flush=True)
+    log = lambda line: print(line, flush=True)
+    import jax
+
+    # Virtual CPU devices share the host's cores with whatever else runs: interleave the probes.
+    interleave = jax.devices()[0].platform == "cpu"
+    calibration, records = calibrate.calibrate(config, cluster, probes, _REPEATS.value,
+                                               interleave, log)
+    fitted = cluster.calibrated(calibration)
+    print(calibrate.records_table(records, cluster, fitted))
+    print(f"cluster file: {calibrate.describe(cluster.calibration())}")
+    print(f"fitted:       {calibrate.describe(calibration)}")
+    path = calibrate.calibration_path(_CLUSTER.value, cluster, _WORKDIR.value)
+    print(f"wrote {save_calibration(path, calibration)}")
+
+
+def _validate(config, cluster: Cluster) -> None:
+    from jaxrlhf.calibration import validate
+
+    source = cluster.calibration().source or "uncalibrated: the cluster file's efficiencies"
+    print(f"validating the configured plan on {cluster.name} ({source})", flush=True)
+    result = validate.validate(config, cluster, _STEPS.value)
+    print(validate.time_table(result) + "\n")
+    print(validate.memory_table(result))
+
+
+def _configured_plan(spec, cluster: Cluster) -> ExecutionPlan | None:
+    """placement.kind=manual: the plan the run would run (`run.layouts.execution_plan`, the
+    runtime's one door from a placement to a plan: an MFC without `@N` gets the run's default),
+    on the cluster's devices."""
+    if spec.placement.kind is not Placement.MANUAL:
+        return None
+    with field("placement.allocation"):
+        return execution_plan(spec, cluster.num_devices)
+
+
+def _search(config, cluster: Cluster) -> None:
+    spec = run_spec(config)
+    experiment = spec.experiment()
+    configured = _configured_plan(spec, cluster)
+    options = SearchOptions(iterations=_ITERATIONS.value, time_limit_s=_TIME_LIMIT.value,
+                            seed=_SEED.value)
+    sim = SimOptions(overlap_steps=_OVERLAP.value)
+    report = search(experiment, cluster, options, sim)
+    if configured is not None:
+        evaluation = Evaluator(experiment, cluster, sim).evaluate(configured)
+        reason = "; ".join(str(v) for v in evaluation.memory.violations)
+        report = dataclasses.replace(
+            report, configured=PlanResult("configured", configured, evaluation, reason))
+    if _JSON.value:
+        print(json.dumps(report_lib.to_json(report, cluster, experiment.decode), indent=1,
+                         sort_keys=True))
+        return
+    order = dispatch_order(experiment)
+    for result in report.plans().values():
+        print(report_lib.plan_table(result, cluster, order) + "\n")
+    print(report_lib.summary(report))
+    print(f"pipelined generation priced with the {experiment.decode.value} decode schedule")
+    if report.searched.plan is not None:
+        print(f"\nplacement.kind=manual placement.allocation="
+              f"{report_lib.allocation(report.searched)}")
+
+
+def main():
+    if _CALIBRATE.value and _VALIDATE.value:
+        raise ConfigError("--calibrate and --validate are separate runs")
+    with field(f"--cluster={_CLUSTER.value}"):
+        cluster = load_cluster(_CLUSTER.value, workdir=_WORKDIR.value)
+    if not (_CALIBRATE.value or _VALIDATE.value):
+        import jax
+
+        # The search only evaluates shapes abstractly; on a GPU host, keep JAX off the
+        # accelerator (it would otherwise reserve most of its memory).
+        jax.config.update("jax_platforms", "cpu")
+        _search(_CONFIG.value, cluster)
+        return
+    logging.set_verbosity(logging.WARNING)  # library INFO lines would bury the tables
+    _use_devices(cluster)
+    if _CALIBRATE.value:
+        _calibrate(_CONFIG.value, cluster)
+    else:
+        _validate(_CONFIG.value, cluster)
+
+
+def run() -> None:
+    """The command line: flags parsed, bad input one line (jaxrlhf/cli.py), then `main`."""
+    flags.mark_flags_as_required(["config", "cluster"])
+    cli.run(main)
+
+
+if __name__ == "__main__":
+    run()
