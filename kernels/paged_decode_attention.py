@@ -98,7 +98,8 @@ def paged_decode_attention(
     Args:
       q_bthd: [batch, q_len, heads, head_dim] new queries (q_len is small: 1 when decoding).
       k_pages_nskd, v_pages_nskd: [num_pages, page_size, kv_heads, head_dim] the page pool,
-        new keys written; heads must be a multiple of kv_heads.
+        new keys written; heads must be a multiple of kv_heads. Keep it in q's dtype: another
+        dtype is converted whole, every call.
       page_table_bp: int [batch, pages_per_row] page ids of each row's slots, in slot order;
         the entries covering slots [0, kv_len) must be valid ids, the rest are never read.
       q_start_b: int [batch] slot of each row's query 0 (traced is fine).
