@@ -208,4 +208,20 @@ print(f"{'step':<14} {'rc':>4} {'seconds':>8}  (all in {out})")
 for name, s in steps.items():
     print(f"{name:<14} {str(s['rc']):>4} {s.get('seconds', 0):8.1f}"
           + (f"  skipped: {s['skipped']}" if s["rc"] is None else ""))
+# The figures the suite is for, one line each (the JSON has them all).
+tests = steps.get("tests", {}).get("result") or {}
+if tests:
+    print(f"tests: {tests['passed']} passed, {tests['failed']} failed, {tests['error']} errors, "
+          f"{tests['skipped']} skipped")
+for name in ("kernels", "decode_pallas"):
+    for row in ((steps.get(name, {}).get("result") or {}).get("rows") or []):
+        figure = {"train": "mfu", "prefill": "mfu", "decode": "fraction_of_roofline"}.get(
+            row["phase"])
+        shape = ", ".join(f"{k}={row[k]}" for k in ("rows", "len", "batch", "prompt", "new")
+                          if k in row)
+        print(f"{name}: {row['phase']} ({row['runs_as']}, {shape}) {row['seconds']:.4g} s"
+              + (f", {figure} {row[figure]:.1%}" if figure else ""))
+rollout = (steps.get("rollout") or {}).get("result")
+for row in (rollout if isinstance(rollout, list) else (rollout or {}).get("rows") or []):
+    print("rollout:", json.dumps(row)[:300])
 EOF

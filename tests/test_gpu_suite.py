@@ -84,6 +84,11 @@ def test_dry_run_runs_every_step_into_one_json(tmp_path):
     assert kernels["rows"][2]["fraction_of_roofline"] > 0
     pallas = report["steps"]["decode_pallas"]["result"]
     assert [(r["phase"], r["runs_as"]) for r in pallas["rows"]] == [("decode", "pallas")]
+    # The figures, one line each, end the output (what a device call's output tail shows).
+    for line in ("tests: 0 passed, 0 failed, 0 errors, ", "kernels: train (xla, rows=2, len=8)",
+                 "kernels: decode (xla, batch=2, prompt=8, new=2)",
+                 "decode_pallas: decode (pallas, batch=2"):
+        assert line in proc.stdout, proc.stdout
 
     rollout = report["steps"]["rollout"]
     if rollout_checked:
