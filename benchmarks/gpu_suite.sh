@@ -72,6 +72,9 @@ if [[ $DRY == 1 ]]; then
   ROLLOUT=(--config=configs/rollout_bench_gpu.py:cpu,smoke --rollout=${GPU_SUITE_ROLLOUT:-4,8,tail})
 else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}  # fail, rather than measure a CPU
+  # kernels/ is written for Pallas' Triton lowering: jax 0.11 takes it on a GPU, jax 0.10 takes
+  # Mosaic GPU (where the kernels do not lower) unless this says otherwise.
+  export JAX_PALLAS_USE_MOSAIC_GPU=${JAX_PALLAS_USE_MOSAIC_GPU:-0}
   BUDGET=${GPU_SUITE_BUDGET:-480}
   SIZE=(--size=llama-3.2-1b --dtype=bfloat16 --batches=64,256 --prompt=512 --new=256
         --train_rows=8 --train_len=2048 --repeats=3)

@@ -295,3 +295,49 @@ def test_paged_decode_compiled_on_gpu_matches_reference(page_size):
     out = paged_decode_attention(q, k, v, table_bp, q_start_b, kv_len_b)
     ref = paged_reference_attention(q, k, v, table_bp, q_start_b, kv_len_b)
     np.testing.assert_allclose(out.astype(np.float32), ref.astype(np.float32), atol=2e-2)
+
+
+@pytest.fixture
+def triton_lowering():
+    """GPU lowering through Triton, which these kernels are written for: jax 0.11 lowers a GPU
+    pallas_call to Triton, jax 0.10 to Mosaic GPU unless `jax_pallas_use_mosaic_gpu` is off."""
+    name = "jax_pallas_use_mosaic_gpu"
+    if name not in jax.config.values:
+        yield
+        return
+    before = jax.config.values[name]
+    jax.config.update(name, False)
+    try:
+        yield
+    finally:
+        jax.config.update(name, before)
+
+
+def _gpu_lowering_cases():
+    """kernel -> (function, abstract bf16 arguments at a 1B model's head shapes, how many
+    Triton kernels it lowers to)."""
+    bf16, i32, s = jnp.bfloat16, jnp.int32, jax.ShapeDtypeStruct
+    q1, rows = s((4, 1, 6, 64), bf16), s((4,), i32)
+    qkv = (s((2, 128, 8, 64), bf16), s((2, 128, 2, 64), bf16), s((2, 128, 2, 64), bf16))
+    seg = (s((2, 128), i32),) * 2
+    cache, pool = s((4, 24, 2, 64), bf16), s((40, 16, 2, 64), bf16)
+    flash_loss = lambda q, k, v, sq, sk: jnp.sum(flash_attention(q, k, v, sq, sk)
+                                                 .astype(jnp.float32))
+    return {
+        "flash": (flash_attention, (*qkv, *seg), 1),
+        "flash_grads": (jax.grad(flash_loss, argnums=(0, 1, 2)), (*qkv, *seg), 3),
+        "decode": (decode_attention, (q1, cache, cache, s((4, 1), i32), s((4, 24), i32), rows,
+                                      rows), 1),
+        "paged": (paged_decode_attention, (q1, pool, pool, s((4, 10), i32), rows, rows), 1),
+    }
+
+
+@pytest.mark.parametrize("kernel", ["flash", "flash_grads", "decode", "paged"])
+def test_kernels_lower_for_a_gpu(kernel, triton_lowering):
+    """Each kernel lowered for a GPU here, without one: Pallas turns it into Triton IR, which
+    refuses blocks of sizes other than powers of two and ops Triton lacks; the decode kernels
+    with a cache length (24) that is not a power of two, the paged one reading page ids from
+    its table and pages at a dynamic index, GQA group 3."""
+    fn, args, n_kernels = _gpu_lowering_cases()[kernel]
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == n_kernels, text[:2000]
