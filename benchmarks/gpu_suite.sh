@@ -31,6 +31,7 @@
 # ml-collections and tensorboardX on the lent GPU image) are installed first into a scratch
 # folder on PYTHONPATH.
 set -u
+T0=$(date +%s)  # the budget counts from here: the wheels' install is inside it
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
@@ -80,7 +81,6 @@ else
         --train_rows=8 --train_len=2048 --repeats=3)
   ROLLOUT=(--config=configs/rollout_bench_gpu.py --rollout=${GPU_SUITE_ROLLOUT:-64,512,2048,tail})
 fi
-T0=$(date +%s)
 STEPS=()
 
 # run_step NAME CAP CMD...: CMD under `timeout`, capped by what is left of the budget (10 s
