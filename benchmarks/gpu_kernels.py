@@ -3,7 +3,7 @@ roofline, for each attention implementation asked for.
 
 `python benchmarks/gpu_kernels.py --size=llama-3.2-1b --cluster=meshes/h100_1.py
 [--attention=auto,pallas] [--batches=64,256] [--prompt=512] [--new=512] [--train_rows=8]
-[--train_len=2048] [--repeats=5] [--dtype=bfloat16]`
+[--train_len=2048] [--repeats=5] [--dtype=bfloat16] [--skip=mismatch] [--json_out=PATH]`
 
 Denominators are the cluster file's *published* peak bf16 FLOP/s and HBM bandwidth (not a
 probe), as in the papers:
@@ -19,12 +19,17 @@ Weights of prefill/decode are stored in `--dtype` (a rollout engine's copy). Inp
 tokens at full length (no padding), as ReaL measures. On CPU it runs end to end at a tiny
 size (`--size=tiny --dtype=float32 --cluster=meshes/cpu_8.py`): the figures then mean
 nothing, the point is that the script stays alive (tests/test_attention_backends.py).
+
+It prints one line per measurement; `--json_out` also writes them as rows (`phase` = train,
+prefill, decode or mismatch, with the attention asked for and what it ran as) beside the
+device, the cluster's denominators and the versions, for `benchmarks/gpu_suite.sh`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import statistics
 import time
 
@@ -42,6 +47,7 @@ def _args(argv=None):
     p.add_argument("--train_len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip", default="", help="comma list of train,prefill,decode,mismatch to skip")
+    p.add_argument("--json_out", default="", help="also write every row as JSON here")
     return p.parse_args(argv)
 
 
@@ -68,7 +74,7 @@ def _kv_bytes_per_slot(cfg) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.dtype(0).itemsize
 
 
-def _train(cfg, layout, args, peak) -> str:
+def _train(cfg, layout, args, peak) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -98,10 +104,10 @@ def _train(cfg, layout, args, peak) -> str:
 
     seconds = _median_seconds(run, args.repeats)
     mfu = call_flops(cfg, "train_step", rows, length) / (seconds * peak)
-    return f"train   rows={rows} len={length}: {seconds * 1e3:9.2f} ms/step  MFU {mfu:6.1%}"
+    return {"phase": "train", "rows": rows, "len": length, "seconds": seconds, "mfu": mfu}
 
 
-def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip) -> list[str]:
+def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -139,12 +145,12 @@ def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip) -> list[str]:
             return jnp.argmax(logits_b1v[:, 0], -1).astype(jnp.int32), cache
         return jax.lax.fori_loop(0, new, one, (token_b, cache))
 
-    lines = []
+    rows = []
     if "prefill" not in skip:
         seconds = _median_seconds(lambda: prefill(params), args.repeats)
         flops = batch * prompt * forward_flops_per_token(cfg, prompt)
-        lines.append(f"prefill batch={batch} prompt={prompt}: {seconds * 1e3:9.2f} ms  "
-                     f"MFU {flops / (seconds * peak):6.1%}")
+        rows.append({"phase": "prefill", "batch": batch, "prompt": prompt, "seconds": seconds,
+                     "mfu": flops / (seconds * peak)})
     if "decode" not in skip:
         token_b, cache = prefill(params)
         seconds = _median_seconds(lambda: decode(params, token_b, cache), args.repeats)
@@ -154,13 +160,14 @@ def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip) -> list[str]:
         # Step i reads every weight once and each row's prefix of prompt + i + 1 slots.
         valid_slots = batch * sum(prompt + i + 1 for i in range(new))
         roofline = (new * weight_bytes + valid_slots * _kv_bytes_per_slot(cfg)) / bandwidth
-        lines.append(f"decode  batch={batch} cache={prompt}+{new}: "
-                     f"{batch * new / seconds:11.0f} tok/s  {seconds / new * 1e3:7.3f} ms/step  "
-                     f"{roofline / seconds:6.1%} of HBM roofline")
-    return lines
+        rows.append({"phase": "decode", "batch": batch, "prompt": prompt, "new": new,
+                     "seconds": seconds, "tokens_per_second": batch * new / seconds,
+                     "ms_per_step": seconds / new * 1e3, "roofline_seconds": roofline,
+                     "fraction_of_roofline": roofline / seconds})
+    return rows
 
 
-def _mismatch(cfg, batch, args) -> str:
+def _mismatch(cfg, batch, args) -> dict:
     """bf16 train-vs-rollout log-prob mismatch on sampled responses (temperature 1).
 
     The rollout samples with weights stored in `--dtype`; the trainer recomputes the same
@@ -194,8 +201,28 @@ def _mismatch(cfg, batch, args) -> str:
     train_logp_bn = np.asarray(infer(params32, seqs).logprobs_bt)[:, start:start + args.new]
     mask_bn = np.asarray(out.response_mask_bn)
     delta = np.abs(train_logp_bn - np.asarray(out.logprobs_bn))[mask_bn]
-    return (f"mismatch batch={batch} new={args.new}: mean |dlogp| {delta.mean():.2e}, "
-            f"max token prob ratio {np.exp(delta.max()):.4f}")
+    return {"phase": "mismatch", "batch": batch, "new": args.new,
+            "mean_abs_dlogp": float(delta.mean()),
+            "max_token_prob_ratio": float(np.exp(delta.max()))}
+
+
+def _line(row: dict) -> str:
+    """One row as the line printed for it."""
+    match row["phase"]:
+        case "train":
+            return (f"train   rows={row['rows']} len={row['len']}: "
+                    f"{row['seconds'] * 1e3:9.2f} ms/step  MFU {row['mfu']:6.1%}")
+        case "prefill":
+            return (f"prefill batch={row['batch']} prompt={row['prompt']}: "
+                    f"{row['seconds'] * 1e3:9.2f} ms  MFU {row['mfu']:6.1%}")
+        case "decode":
+            return (f"decode  batch={row['batch']} cache={row['prompt']}+{row['new']}: "
+                    f"{row['tokens_per_second']:11.0f} tok/s  {row['ms_per_step']:7.3f} ms/step  "
+                    f"{row['fraction_of_roofline']:6.1%} of HBM roofline")
+        case "mismatch":
+            return (f"mismatch batch={row['batch']} new={row['new']}: mean |dlogp| "
+                    f"{row['mean_abs_dlogp']:.2e}, max token prob ratio "
+                    f"{row['max_token_prob_ratio']:.4f}")
 
 
 def main(argv=None):
@@ -210,20 +237,38 @@ def main(argv=None):
     cluster = _cluster(args.cluster)
     peak, bandwidth = cluster.peak_bf16_flops, cluster.hbm_bandwidth
     skip = set(filter(None, args.skip.split(",")))
-    print(f"{jax.devices()[0].device_kind} ({jax.default_backend()}); {cluster.name}: peak "
+    report = {"device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+              "jax_version": jax.__version__, "cluster": cluster.name, "peak_flops": peak,
+              "hbm_bandwidth": bandwidth, "size": args.size, "dtype": args.dtype,
+              "args": vars(args), "rows": []}
+    print(f"{report['device_kind']} ({report['backend']}); {cluster.name}: peak "
           f"{peak / 1e12:.0f} TFLOP/s, HBM {bandwidth / 1e12:.2f} TB/s; size {args.size}, "
           f"{args.dtype}")
+
+    def write():  # after every row: a run cut short keeps what it measured
+        if args.json_out:
+            with open(args.json_out, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=1)
+
+    def emit(row, impl):
+        row = {"attention": impl.value, "runs_as": resolve_impl(impl).value, **row}
+        report["rows"].append(row)
+        print(_line(row), flush=True)
+        write()
+
+    write()
+
     for name in args.attention.split(","):
         impl = AttentionImpl(name)
         cfg = get_size(args.size, dtype=jnp.dtype(args.dtype).type, attention=impl)
         print(f"-- attention={name} (runs as {resolve_impl(impl).value})")
         if "train" not in skip:
-            print(_train(cfg, make_layout("0:d1", model=cfg), args, peak), flush=True)
+            emit(_train(cfg, make_layout("0:d1", model=cfg), args, peak), impl)
         for batch in map(int, args.batches.split(",")):
-            for line in _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip):
-                print(line, flush=True)
+            for row in _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip):
+                emit(row, impl)
             if "mismatch" not in skip:
-                print(_mismatch(cfg, batch, args), flush=True)
+                emit(_mismatch(cfg, batch, args), impl)
 
 
 if __name__ == "__main__":

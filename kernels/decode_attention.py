@@ -51,7 +51,6 @@ def _kernel(qstart_ref, kvlen_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_re
     n_blocks = (jnp.maximum(end, 0) + block_k - 1) // block_k
 
     def body(j, carry):
-        m, l, acc = carry
         # The last block may overhang the cache: load it shifted back, mask the repeats.
         start = jnp.minimum(j * block_k, cache_len - block_k)
         ks = pl.ds(start, block_k)
@@ -60,22 +59,65 @@ def _kernel(qstart_ref, kvlen_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_re
         vis = ((k_slot[None, :] <= q_slot[:, None]) & (k_slot[None, :] < kv_len)
                & (k_slot[None, :] >= j * block_k)
                & (q_seg[:, None] == k_seg[None, :]) & (k_seg[None, :] != 0))
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * scale
-        s = jnp.where(vis, s, NEG_INF)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
-        l = alpha * l + p.sum(axis=1)
-        acc = alpha[:, None] * acc + jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return m_new, l, acc
+        return online_softmax_step(carry, q, k, v, vis, scale)
 
-    n = q.shape[0]
-    init = (jnp.full((n,), NEG_INF, jnp.float32), jnp.zeros((n,), jnp.float32),
-            jnp.zeros(q.shape, jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    carry = jax.lax.fori_loop(0, n_blocks, body, online_softmax_init(q))
+    o_ref[...] = online_softmax_output(carry).astype(o_ref.dtype)
+
+
+def online_softmax_init(q_nd):
+    """(running max, running sum, fp32 accumulator) before any key block, for q [n, d]."""
+    n = q_nd.shape[0]
+    return (jnp.full((n,), NEG_INF, jnp.float32), jnp.zeros((n,), jnp.float32),
+            jnp.zeros(q_nd.shape, jnp.float32))
+
+
+def online_softmax_step(carry, q_nd, k_md, v_md, vis_nm, scale):
+    """Folds one block of m keys into the running softmax of n stacked queries (in-kernel).
+
+    Scores and sums in fp32; the unnormalised probabilities are rounded to v's dtype for the
+    second matmul (as the reference rounds its probabilities). Invisible keys add nothing.
+    """
+    m, l, acc = carry
+    s = jax.lax.dot_general(q_nd, k_md, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * scale
+    s = jnp.where(vis_nm, s, NEG_INF)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(vis_nm, jnp.exp(s - m_new[:, None]), 0.0)
+    l = alpha * l + p.sum(axis=1)
+    acc = alpha[:, None] * acc + jax.lax.dot_general(
+        p.astype(v_md.dtype), v_md, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+
+def online_softmax_output(carry):
+    """fp32 [n, d] attention output; zeros for a query that saw no key (its sum is 0)."""
+    _, l, acc = carry
+    return acc / jnp.where(l > 0, l, 1.0)[:, None]
+
+
+def stack_query_groups(q_bthd: jax.Array, kv_heads: int) -> tuple[jax.Array, int]:
+    """[b, t, k*g, d] -> ([b, k, n_pad, d], n = t*g): a kv head's whole group of queries (all
+    new tokens) as the M dimension of one matmul, zero-padded to n_pad = a power of two >= 16
+    (GPU matmuls need M >= 16). Row r of a block is query t = r // g, head k*g + r % g."""
+    batch, q_len, heads, head_dim = q_bthd.shape
+    groups = heads // kv_heads
+    n = q_len * groups
+    n_pad = max(16, pl.next_power_of_2(n))
+    q_bknd = q_bthd.reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    q_bknd = jnp.pad(q_bknd.reshape(batch, kv_heads, n, head_dim),
+                     ((0, 0), (0, 0), (0, n_pad - n), (0, 0)))
+    return q_bknd, n
+
+
+def unstack_query_groups(out_bknd: jax.Array, q_len: int, heads: int) -> jax.Array:
+    """The inverse of `stack_query_groups`: [b, k, n_pad, d] -> [b, t, heads, d]."""
+    batch, kv_heads, _, head_dim = out_bknd.shape
+    groups = heads // kv_heads
+    out_bknd = out_bknd[:, :, :q_len * groups]
+    out_btkgd = out_bknd.reshape(batch, kv_heads, q_len, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    return out_btkgd.reshape(batch, q_len, heads, head_dim)
 
 
 # Under jit the kernel is one pjit equation, which dead-code elimination drops when its output
@@ -119,14 +161,8 @@ def decode_attention(
     # Triton loads power-of-two blocks: the largest one the cache holds (the last block is
     # shifted back to end at the cache's end, so any cache length works).
     block_k = min(cfg.block_k, 1 << (cache_len.bit_length() - 1))
-    n = q_len * groups
-    # GPU matmuls need M >= 16 (and a power of two): pad the stacked queries with segment 0
-    # rows, which see no key and are sliced off.
-    n_pad = max(16, pl.next_power_of_2(n))
-    # [b, t, k*g, d] -> [b, k, t*g, d]: a kv head's whole group of queries in one block.
-    q_bknd = q_bthd.reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
-    q_bknd = jnp.pad(q_bknd.reshape(batch, kv_heads, n, head_dim),
-                     ((0, 0), (0, 0), (0, n_pad - n), (0, 0)))
+    q_bknd, n = stack_query_groups(q_bthd, kv_heads)
+    n_pad = q_bknd.shape[2]  # the padded rows carry segment 0: they see no key
     q_seg_bn = jnp.repeat(q_segment_ids_bt.astype(jnp.int32), groups, axis=1)
     q_seg_bn = jnp.pad(q_seg_bn, ((0, 0), (0, n_pad - n)))
     sq = pl.squeezed
@@ -148,6 +184,4 @@ def decode_attention(
     )(q_start_b.astype(jnp.int32), kv_lengths_b.astype(jnp.int32), q_bknd,
       k_bskd.astype(q_bthd.dtype), v_bskd.astype(q_bthd.dtype), q_seg_bn,
       kv_segment_ids_bs.astype(jnp.int32))
-    out_bknd = out_bknd[:, :, :n]
-    out_btkgd = out_bknd.reshape(batch, kv_heads, q_len, groups, head_dim).transpose(0, 2, 1, 3, 4)
-    return out_btkgd.reshape(batch, q_len, heads, head_dim)
+    return unstack_query_groups(out_bknd, q_len, heads)

@@ -68,3 +68,42 @@ def reference_attention(
     out_btkgd = jnp.einsum("bkgts,bskd->btkgd", probs.astype(q_bthd.dtype),
                            v_bskd.astype(q_bthd.dtype), preferred_element_type=jnp.float32)
     return out_btkgd.reshape(batch, q_len, heads, head_dim).astype(q_bthd.dtype)
+
+
+def gather_pages(pages_nskd: jax.Array, page_table_bp: jax.Array) -> jax.Array:
+    """A paged cache as contiguous rows: [num_pages, page_size, kv, d] pages and an int
+    [batch, pages_per_row] table -> [batch, pages_per_row * page_size, kv, d] (slot s of row b
+    is page `page_table_bp[b, s // page_size]`, offset `s % page_size`)."""
+    batch, pages_per_row = page_table_bp.shape
+    _, page_size, kv_heads, head_dim = pages_nskd.shape
+    rows_bpskd = pages_nskd[page_table_bp]
+    return rows_bpskd.reshape(batch, pages_per_row * page_size, kv_heads, head_dim)
+
+
+def paged_reference_attention(
+    q_bthd: jax.Array,
+    k_pages_nskd: jax.Array,
+    v_pages_nskd: jax.Array,
+    page_table_bp: jax.Array,
+    q_start_b: jax.Array,
+    kv_lengths_b: jax.Array,
+) -> jax.Array:
+    """`reference_attention` over a paged cache: the rows' pages gathered, every slot a real
+    token (segment 1), the prefix `kv_lengths_b` and causality doing all the masking.
+
+    Args:
+      q_bthd: [batch, q_len, heads, head_dim].
+      k_pages_nskd, v_pages_nskd: [num_pages, page_size, kv_heads, head_dim] the page pool.
+      page_table_bp: int [batch, pages_per_row] page ids per row, in slot order.
+      q_start_b: int [batch] slot of query 0 per row.
+      kv_lengths_b: int [batch] live slots per row.
+
+    Returns:
+      [batch, q_len, heads, head_dim] in q's dtype; zeros where a query sees no key.
+    """
+    k_bskd = gather_pages(k_pages_nskd, page_table_bp)
+    v_bskd = gather_pages(v_pages_nskd, page_table_bp)
+    batch, q_len = q_bthd.shape[:2]
+    return reference_attention(
+        q_bthd, k_bskd, v_bskd, jnp.ones((batch, q_len), jnp.int32),
+        jnp.ones(k_bskd.shape[:2], jnp.int32), q_start_b, kv_lengths_b)

@@ -4,6 +4,7 @@ same numbers as XLA (fp32): a packed/padded forward with gradients, and a sample
 
 import functools
 import importlib.util
+import json
 import pathlib
 
 import flax.linen as nn
@@ -125,8 +126,9 @@ def test_cudnn_bf16_matches_xla_on_gpu():
 
 
 @pytest.mark.slow  # ~15 s alone: three compiles of a model
-def test_gpu_benchmark_script_runs_on_cpu(capsys):
-    """benchmarks/gpu_kernels.py end to end at a tiny size (figures meaningless on CPU)."""
+def test_gpu_benchmark_script_runs_on_cpu(capsys, tmp_path):
+    """benchmarks/gpu_kernels.py end to end at a tiny size (figures meaningless on CPU), its
+    lines printed and its rows in --json_out."""
     root = pathlib.Path(__file__).resolve().parents[1]
     path = root / "benchmarks" / "gpu_kernels.py"
     module_spec = importlib.util.spec_from_file_location("gpu_kernels", path)
@@ -134,7 +136,13 @@ def test_gpu_benchmark_script_runs_on_cpu(capsys):
     module_spec.loader.exec_module(bench)
     bench.main(["--size=tiny", "--dtype=float32", f"--cluster={root / 'meshes' / 'cpu_8.py'}",
                 "--attention=xla", "--batches=2", "--prompt=8", "--new=2", "--train_rows=2",
-                "--train_len=8", "--repeats=1"])
+                "--train_len=8", "--repeats=1", f"--json_out={tmp_path / 'k.json'}"])
     out = capsys.readouterr().out
     for phase in ("train ", "prefill ", "decode ", "mismatch "):
         assert phase in out, out
+    report = json.loads((tmp_path / "k.json").read_text())
+    assert [r["phase"] for r in report["rows"]] == ["train", "prefill", "decode", "mismatch"]
+    assert all(r["attention"] == r["runs_as"] == "xla" for r in report["rows"])
+    decode = report["rows"][2]
+    assert decode["batch"] == 2 and 0 < decode["fraction_of_roofline"], decode
+    assert report["backend"] == "cpu" and report["jax_version"] == jax.__version__

@@ -1,4 +1,5 @@
-"""Pallas attention kernels vs their pure-jnp reference, in interpret mode on CPU (fp32)."""
+"""Pallas attention kernels vs their pure-jnp reference, in interpret mode on CPU (fp32, and bf16
+for the paged kernel), and compiled on a GPU (`-m gpu`)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,8 @@ import pytest
 
 from kernels.decode_attention import DecodeConfig, decode_attention
 from kernels.flash_attention import FlashConfig, flash_attention
-from kernels.reference import reference_attention
+from kernels.paged_decode_attention import PagedDecodeConfig, paged_decode_attention
+from kernels.reference import paged_reference_attention, reference_attention
 
 _TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -117,7 +119,7 @@ def test_kernels_compiled_on_gpu_match_reference():
     np.testing.assert_allclose(out.astype(np.float32), ref.astype(np.float32), atol=2e-2)
 
 
-@pytest.mark.parametrize("kernel", ["flash", "decode"])
+@pytest.mark.parametrize("kernel", ["flash", "decode", "paged"])
 def test_an_unused_kernel_call_is_dead_code(kernel):
     """A kernel call whose output nobody reads drops out of a traced program, as any jnp op
     does. flax >= 0.12.10's nn.scan traces the layer body that way and rejects one whose kept
@@ -132,7 +134,10 @@ def test_an_unused_kernel_call_is_dead_code(kernel):
     call = {"flash": lambda q, k, v: flash_attention(q, k, v, seg[:, :1], seg,
                                                      FlashConfig(q_offset=15, interpret=True)),
             "decode": lambda q, k, v: decode_attention(q, k, v, seg[:, :1], seg, kv_len_b - 1,
-                                                       kv_len_b, DecodeConfig(interpret=True))}
+                                                       kv_len_b, DecodeConfig(interpret=True)),
+            "paged": lambda q, k, v: paged_decode_attention(
+                q, k.reshape(8, 4, 1, 8), v.reshape(8, 4, 1, 8), jnp.arange(8).reshape(2, 4),
+                kv_len_b - 1, kv_len_b, PagedDecodeConfig(interpret=True))}
     closed = jax.make_jaxpr(lambda q, k, v: (call[kernel](q, k, v), q.sum())[1])(q, k, v)
     _, used = pe.dce_jaxpr(closed.jaxpr, [True])
     assert used == [True, False, False], "the unused kernel call still reads k and v"
@@ -171,3 +176,168 @@ def test_decode_blocks_are_powers_of_two_for_any_cache_length(cache_len):
     assert all(min(s) >= 16 for s in shapes if len(s) == 2), shapes
     ref = reference_attention(q, k, v, seg[:, :1], seg, kv_len_b - 1, kv_len_b)
     np.testing.assert_allclose(call(q, k, v, True), ref, **_TOL)
+
+
+# --- paged decode ---------------------------------------------------------------------------
+
+_PAGED_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _paged_case(rng, page_size, q_len, heads, kv_heads, head_dim=8, dtype=jnp.float32):
+    """Five rows over a shuffled pool of pages, 4 pages per row, lengths ragged: 0 (a free
+    slot), q_len (the queries alone, from slot 0), a page boundary exactly, a chunk of queries before the row's end (the
+    causal edge inside the prefix), the whole table. Rows 1 and 2 share their first page (a
+    GRPO group's prompt). Table entries past a row's live pages and every page no live slot
+    uses point at (or are) `dead_pages`, which the kernel must never read.
+
+    Returns q, k_pages, v_pages, page_table_bp, q_start_b, kv_lengths_b, dead_pages.
+    """
+    batch, pages_per_row = 5, 4
+    kv_len_b = np.array([0, q_len, 2 * page_size, 3 * page_size - 1, 4 * page_size], np.int32)
+    q_start_b = kv_len_b - q_len
+    q_start_b[3] = page_size + 1  # queries at slots page_size + 1 ...: later live keys hidden
+    num_pages = batch * pages_per_row + 2
+    order = rng.permutation(num_pages)
+    table_bp = order[:batch * pages_per_row].reshape(batch, pages_per_row).astype(np.int32)
+    table_bp[2, 0] = table_bp[1, 0]
+    live = [int(-(-min(n, s + q_len) // page_size)) for n, s in zip(kv_len_b, q_start_b)]
+    dead = sorted(set(range(num_pages)) - {int(table_bp[b, j]) for b in range(batch)
+                                            for j in range(live[b])})
+    for b in range(batch):
+        table_bp[b, live[b]:] = dead[0]
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+    pool = (num_pages, page_size, kv_heads, head_dim)
+    return (normal(batch, q_len, heads, head_dim), normal(*pool), normal(*pool),
+            jnp.asarray(table_bp), jnp.asarray(q_start_b), jnp.asarray(kv_len_b), dead)
+
+
+@pytest.mark.parametrize("page_size,q_len,heads,kv_heads", [
+    (4, 1, 4, 1), (8, 2, 4, 2), (16, 1, 6, 2), (16, 3, 2, 2)])
+def test_paged_decode_matches_reference(page_size, q_len, heads, kv_heads):
+    """Ragged lengths over shuffled, partly shared pages; GQA groups of 1 to 4; several page
+    sizes and query counts."""
+    rng = np.random.default_rng(page_size * 10 + q_len)
+    q, k, v, table_bp, q_start_b, kv_len_b, _ = _paged_case(rng, page_size, q_len, heads,
+                                                            kv_heads)
+    out = paged_decode_attention(q, k, v, table_bp, q_start_b, kv_len_b,
+                                 PagedDecodeConfig(interpret=True))
+    ref = paged_reference_attention(q, k, v, table_bp, q_start_b, kv_len_b)
+    np.testing.assert_allclose(out, ref, **_PAGED_TOL)
+    assert not np.any(out[0]), "a row of length 0 must output zeros"
+    assert np.all(np.any(out[1:] != 0, axis=-1)), "every query of a live row sees a key"
+
+
+def test_paged_decode_never_reads_dead_pages():
+    """NaN in every page no live slot lives in (table entries past a row's live pages point
+    at one) must not reach the output."""
+    rng = np.random.default_rng(5)
+    q, k, v, table_bp, q_start_b, kv_len_b, dead = _paged_case(rng, 8, 1, 4, 2)
+    poison = lambda x: x.at[jnp.asarray(dead)].set(jnp.nan)
+    out = paged_decode_attention(q, poison(k), poison(v), table_bp, q_start_b, kv_len_b,
+                                 PagedDecodeConfig(interpret=True))
+    ref = paged_reference_attention(q, k, v, table_bp, q_start_b, kv_len_b)
+    np.testing.assert_allclose(out, ref, **_PAGED_TOL)
+
+
+def test_paged_decode_bf16_matches_reference():
+    """bf16 pages and queries (what a rollout engine keeps), fp32 accumulation in both."""
+    rng = np.random.default_rng(9)
+    q, k, v, table_bp, q_start_b, kv_len_b, _ = _paged_case(rng, 16, 1, 8, 2, head_dim=64,
+                                                            dtype=jnp.bfloat16)
+    out = paged_decode_attention(q, k, v, table_bp, q_start_b, kv_len_b,
+                                 PagedDecodeConfig(interpret=True))
+    ref = paged_reference_attention(q, k, v, table_bp, q_start_b, kv_len_b)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(np.float32), ref.astype(np.float32), atol=2e-2)
+
+
+def test_paged_reference_is_the_contiguous_reference():
+    """The paged reference gathers each row's pages in table order: against the contiguous
+    reference on rows assembled page by page here."""
+    rng = np.random.default_rng(2)
+    q, k, v, table_bp, q_start_b, kv_len_b, _ = _paged_case(rng, 4, 2, 4, 2)
+    rows = lambda pages: jnp.asarray(np.stack([np.concatenate([pages[p] for p in row])
+                                               for row in np.asarray(table_bp)]))
+    seg = jnp.ones((5, table_bp.shape[1] * 4), jnp.int32)
+    want = reference_attention(q, rows(np.asarray(k)), rows(np.asarray(v)), seg[:, :2], seg,
+                               q_start_b, kv_len_b)
+    np.testing.assert_array_equal(
+        paged_reference_attention(q, k, v, table_bp, q_start_b, kv_len_b), want)
+
+
+def test_paged_decode_blocks_are_powers_of_two():
+    """As the GPU would lower it: every page load is [page_size, head_dim], powers of two."""
+    rng = np.random.default_rng(4)
+    q, k, v, table_bp, q_start_b, kv_len_b, _ = _paged_case(rng, 16, 1, 6, 2, head_dim=16)
+    shapes = _kernel_block_shapes(
+        lambda q, k, v: paged_decode_attention(q, k, v, table_bp, q_start_b, kv_len_b), q, k, v)
+    assert (16, 16) in shapes, shapes
+    assert all(d >= 1 and d & (d - 1) == 0 for s in shapes for d in s), shapes
+    assert all(min(s) >= 16 for s in shapes if len(s) == 2), shapes
+
+
+@pytest.mark.parametrize("page_size,head_dim", [(8, 16), (24, 16), (16, 12)])
+def test_paged_decode_compiled_rejects_pages_triton_cannot_load(page_size, head_dim):
+    rng = np.random.default_rng(0)
+    q, k, v, table_bp, q_start_b, kv_len_b, _ = _paged_case(rng, page_size, 1, 2, 1, head_dim)
+    with pytest.raises(ValueError, match="needs (page_size|head_dim) a power of two"):
+        paged_decode_attention(q, k, v, table_bp, q_start_b, kv_len_b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiles the kernels for a GPU")
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_decode_compiled_on_gpu_matches_reference(page_size):
+    """The paged kernel lowered for the GPU (not interpreted), bf16, GQA 4, ragged rows."""
+    rng = np.random.default_rng(page_size)
+    q, k, v, table_bp, q_start_b, kv_len_b, _ = _paged_case(rng, page_size, 1, 8, 2, head_dim=64,
+                                                            dtype=jnp.bfloat16)
+    out = paged_decode_attention(q, k, v, table_bp, q_start_b, kv_len_b)
+    ref = paged_reference_attention(q, k, v, table_bp, q_start_b, kv_len_b)
+    np.testing.assert_allclose(out.astype(np.float32), ref.astype(np.float32), atol=2e-2)
+
+
+@pytest.fixture
+def triton_lowering():
+    """GPU lowering through Triton, which these kernels are written for: jax 0.11 lowers a GPU
+    pallas_call to Triton, jax 0.10 to Mosaic GPU unless `jax_pallas_use_mosaic_gpu` is off."""
+    name = "jax_pallas_use_mosaic_gpu"
+    if name not in jax.config.values:
+        yield
+        return
+    before = jax.config.values[name]
+    jax.config.update(name, False)
+    try:
+        yield
+    finally:
+        jax.config.update(name, before)
+
+
+def _gpu_lowering_cases():
+    """kernel -> (function, abstract bf16 arguments at a 1B model's head shapes, how many
+    Triton kernels it lowers to)."""
+    bf16, i32, s = jnp.bfloat16, jnp.int32, jax.ShapeDtypeStruct
+    q1, rows = s((4, 1, 6, 64), bf16), s((4,), i32)
+    qkv = (s((2, 128, 8, 64), bf16), s((2, 128, 2, 64), bf16), s((2, 128, 2, 64), bf16))
+    seg = (s((2, 128), i32),) * 2
+    cache, pool = s((4, 24, 2, 64), bf16), s((40, 16, 2, 64), bf16)
+    flash_loss = lambda q, k, v, sq, sk: jnp.sum(flash_attention(q, k, v, sq, sk)
+                                                 .astype(jnp.float32))
+    return {
+        "flash": (flash_attention, (*qkv, *seg), 1),
+        "flash_grads": (jax.grad(flash_loss, argnums=(0, 1, 2)), (*qkv, *seg), 3),
+        "decode": (decode_attention, (q1, cache, cache, s((4, 1), i32), s((4, 24), i32), rows,
+                                      rows), 1),
+        "paged": (paged_decode_attention, (q1, pool, pool, s((4, 10), i32), rows, rows), 1),
+    }
+
+
+@pytest.mark.parametrize("kernel", ["flash", "flash_grads", "decode", "paged"])
+def test_kernels_lower_for_a_gpu(kernel, triton_lowering):
+    """Each kernel lowered for a GPU here, without one: Pallas turns it into Triton IR, which
+    refuses blocks of sizes other than powers of two and ops Triton lacks; the decode kernels
+    with a cache length (24) that is not a power of two, the paged one reading page ids from
+    its table and pages at a dynamic index, GQA group 3."""
+    fn, args, n_kernels = _gpu_lowering_cases()[kernel]
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == n_kernels, text[:2000]
