@@ -14,6 +14,11 @@ still runs faster than the probe allows, every row's peak is raised by that rati
 fraction of the floor or MFU exceeds 1. It prints that table, then one JSON line with every figure
 and the host's RSS.
 `--profile=DIR` writes a JAX profiler trace of one more step (not counted).
+
+`--rollout=64,512,2048,tail` measures generation alone instead, one row per entry
+(`jaxrlhf.perf.rollout_rows`: the rollout engine against the static batch, useful tokens/s,
+slot occupancy, compiles, the floor counted on live tokens), with `--steps` timed calls per
+row; `--json_out=PATH` also writes the rows as JSON.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from jaxrlhf.backend import use_cpu_devices
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config", lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 3, "measured steps (after one compile step)")
 _PROFILE = flags.DEFINE_string("profile", "", "write a JAX profiler trace of one step here")
+_ROLLOUT = flags.DEFINE_string("rollout", "", "generation alone, one row per entry: new-token "
+                               "counts and tail[:MAX] (e.g. 64,512,2048,tail)")
+_JSON_OUT = flags.DEFINE_string("json_out", "", "also write the figures as JSON here")
 
 
 def synthetic_prompts(config, tokenizer, seed: int) -> dict:
@@ -96,10 +104,60 @@ def mfc_figures(setup, runner, config, timings, machine_peak: float):
     return figures, memory, raised_by
 
 
+def rollout_main(config, spec: str) -> dict:
+    """The rollout rows (module docstring): prints their table, returns their figures."""
+    import tempfile
+
+    import jax
+
+    from jaxrlhf.parallel.layout import init_params
+    from jaxrlhf.perf import floor, rollout_rows
+    from jaxrlhf.run.check import check_config
+
+    try:
+        rows = rollout_rows.parse_rows(spec, config.rollout.batch_size * config.rollout.group_size)
+    except ValueError as e:
+        cli.bad_input(str(e))
+    job = check_config(config, tempfile.mkdtemp(prefix="jaxrlhf-bench-"))
+    r, tokenizer = job.spec.rollout, job.tokenizer
+    gen_mfc = next(m for m in job.spec.graph.mfcs if m.call.value == "generate")
+    layout = job.plan.layouts[gen_mfc.name]
+    model = job.spec.model_configs()[gen_mfc.role]
+    # Positions past the model's maximum: RoPE computes them like any other (shape benchmark).
+    longest = max(int(row.lengths_b.max()) for row in rows)
+    model = model.replace(max_position_embeddings=max(model.max_position_embeddings,
+                                                      r.max_prompt_len + longest))
+    params = init_params(model, layout, jax.random.key(0))
+    tokens_bp, mask_bp = rollout_rows.grouped_prompts(
+        r.batch_size, r.group_size, r.max_prompt_len, tokenizer.vocab_size,
+        (tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id, *tokenizer.stop_ids), seed=0)
+    peak = floor.machine_peak(model.dtype)
+    figures = []
+    for row in rows:
+        figures.append(rollout_rows.measure_row(row, model, layout, params, tokens_bp, mask_bp,
+                                                r.generate(tokenizer), _STEPS.value, peak))
+        print(f"row {row.name}: engine {figures[-1]['engine_seconds']:.3f} s", flush=True)
+    peak = max(peak, floor.machine_peak(model.dtype, again=True))
+    for f in figures:  # the better probe: load only slows it
+        f["fraction_of_floor_live"] = f["floor_seconds_live"] / f["engine_seconds"]
+    print(rollout_rows.table(figures))
+    return {"mode": "rollout", "layout": str(layout), "devices": len(jax.devices()),
+            "device_kind": jax.devices()[0].device_kind, "peak_gflops_per_s": peak / 1e9,
+            "dtype": jax.numpy.dtype(model.dtype).name, "rows": figures}
+
+
 def main():
     config = _CONFIG.value
     use_cpu_devices(config.cpu_devices)
     import jax
+
+    if _ROLLOUT.value:
+        figures = rollout_main(config, _ROLLOUT.value)
+        print(json.dumps(figures))
+        if _JSON_OUT.value:
+            with open(_JSON_OUT.value, "w") as f:
+                json.dump(figures, f, indent=1)
+        return
 
     from jaxrlhf.data.tokenizer import load_tokenizer
     from jaxrlhf.dataflow.timeline import time_table

@@ -205,7 +205,8 @@ class Occupancy(NamedTuple):
 
 def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
                 prompt_mask_bp: np.ndarray, keys: list, rows_b: np.ndarray, slots: int,
-                chunk_tokens: int = CHUNK_TOKENS) -> tuple[dict[str, np.ndarray], Occupancy]:
+                chunk_tokens: int = CHUNK_TOKENS, limits_b: np.ndarray | None = None,
+                ) -> tuple[dict[str, np.ndarray], Occupancy]:
     """Every row generated on the engine: queued, decoded in `slots` slots refilled as rows
     finish, compacted into fewer slots when the queue is empty and half of them are idle.
 
@@ -217,6 +218,7 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
         fold_in(fold_in(keys[i], t), rows_b[i]).
       slots: rows decoded at once (a multiple of the data-parallel size).
       chunk_tokens: tokens decoded between looks at which rows finished.
+      limits_b: int [b] the most response tokens of each row (default: the engine's N).
 
     Returns:
       ({Rows field: host array [b, ...]} in row order, the decode work done).
@@ -244,7 +246,8 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
             take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
             targets = engine.spread(free, len(row_of))[:len(take)]
             state = engine.fill(state, params, 0, targets, prompt_tokens_bp[take],
-                                prompt_mask_bp[take], [keys[i] for i in take], rows_b[take])
+                                prompt_mask_bp[take], [keys[i] for i in take], rows_b[take],
+                                None if limits_b is None else limits_b[take])
             for s, i in zip(targets, take):
                 row_of[s] = i
             longest = max(longest, 1)
@@ -311,7 +314,8 @@ class Generator(BucketedCall):
                                                 compile_cache=self.compile_cache)
         return self._engines[prompt_len]
 
-    def __call__(self, params, prompt_tokens_bp, prompt_mask_bp, rng) -> GenerateOutput:
+    def __call__(self, params, prompt_tokens_bp, prompt_mask_bp, rng,
+                 max_new_tokens_b=None) -> GenerateOutput:
         """Generates for a batch of left-padded prompts.
 
         Args:
@@ -320,6 +324,9 @@ class Generator(BucketedCall):
             over the layout's data-parallel size.
           prompt_mask_bp: bool [b, P], True on real tokens.
           rng: PRNG key.
+          max_new_tokens_b: int [b] the most response tokens of each row (with
+            `force_max_length`: exactly as many); default `max_new_tokens` for every row. Not
+            on a pipelined layout.
 
         Returns:
           GenerateOutput whose prompt part has the bucketed length (>= P).
@@ -330,6 +337,9 @@ class Generator(BucketedCall):
         pad = functools.partial(buckets.pad_axis, length=bucket, axis=1, left=True)
         rng = transfer(rng, self._rng_sharding)  # device_put refuses keys multi-process
         if self._static:
+            if max_new_tokens_b is not None:
+                raise ValueError(f"per-row response lengths need the rollout engine, which a "
+                                 f"pipelined layout ({self.layout}) does not run")
             tokens_bp = pad(prompt_tokens_bp, value=self.gen_config.pad_token_id)
             mask_bp = pad(prompt_mask_bp, value=False)
             tokens_bp, mask_bp = jax.device_put(
@@ -343,7 +353,7 @@ class Generator(BucketedCall):
         mask_bp = pad(np.asarray(prompt_mask_bp, bool), value=False)
         out, work = decode_rows(self._engine(bucket, batch), params, tokens_bp, mask_bp,
                                 [rng] * batch, np.arange(batch, dtype=np.int32), batch,
-                                self.chunk_tokens)
+                                self.chunk_tokens, max_new_tokens_b)
         self.occupancy = Occupancy(*(a + b for a, b in zip(self.occupancy, work)))
         response_mask_bn = out["response_mask_bn"]
         host = GenerateOutput(

@@ -99,6 +99,7 @@ class SlotState(NamedTuple):
       prompt_mask_bp: bool [S, P].
       keys_b: PRNG keys [S]: each row's (micro-)batch key.
       row_b: int32 [S] each row's index in its (micro-)batch (its sampling stream).
+      limit_b: int32 [S] the most response tokens each row may have (<= N).
       steps_b: int32 [S] decode steps run over each slot, busy or not; tokens_b: int32 [S]
         tokens each slot sampled in them (the slots' occupancy; per slot, so a step needs no
         reduction across devices, and each device may stop when its own slots are done).
@@ -117,6 +118,7 @@ class SlotState(NamedTuple):
     prompt_mask_bp: jax.Array
     keys_b: jax.Array
     row_b: jax.Array
+    limit_b: jax.Array
     steps_b: jax.Array
     tokens_b: jax.Array
 
@@ -161,7 +163,7 @@ def _choose(s: SlotState, cfg: GenerateConfig, version) -> SlotState:
     return s._replace(
         step_b=step_b,
         last_token_b=jnp.where(active_b, token_b, s.last_token_b),
-        done_b=s.done_b | stopped_b | (step_b >= n_new),
+        done_b=s.done_b | stopped_b | (step_b >= s.limit_b),
         response_bn=put(s.response_bn, token_b),
         logprobs_bn=put(s.logprobs_bn, logp_b),
         mask_bn=s.mask_bn | at_bn,
@@ -198,6 +200,7 @@ def _empty(config: ModelConfig, by_layer: bool, cfg: GenerateConfig, slots: int,
         prompt_mask_bp=jnp.zeros((slots, prompt_len), bool),
         keys_b=jax.random.split(jax.random.key(0), slots),
         row_b=jnp.zeros((slots,), jnp.int32),
+        limit_b=jnp.full((slots,), n_new, jnp.int32),
         steps_b=jnp.zeros((slots,), jnp.int32),
         tokens_b=jnp.zeros((slots,), jnp.int32),
     )
@@ -218,7 +221,7 @@ def _write_prompts(cache, new: KVCache, slots_k, src_k, length: int):
 
 
 def _fill(model: Transformer, cfg: GenerateConfig, params, s: SlotState, slots_k, src_k,
-          tokens_up, mask_up, keys_k, rows_k, version) -> SlotState:
+          tokens_up, mask_up, keys_k, rows_k, limits_k, version) -> SlotState:
     """Prefills u distinct prompts [u, P] once and puts prompt `src_k[i]` into slot
     `slots_k[i]` (an index >= S is padding, dropped), then samples the filled slots' first
     tokens; the other slots are left as they are."""
@@ -240,7 +243,8 @@ def _fill(model: Transformer, cfg: GenerateConfig, params, s: SlotState, slots_k
         mask_bn=put(s.mask_bn, False), versions_bn=put(s.versions_bn, NO_VERSION),
         prompt_tokens_bp=put(s.prompt_tokens_bp, tokens_up[src_k]),
         prompt_mask_bp=put(s.prompt_mask_bp, mask_up[src_k]),
-        keys_b=s.keys_b.at[slots_k].set(keys_k, mode="drop"), row_b=put(s.row_b, rows_k))
+        keys_b=s.keys_b.at[slots_k].set(keys_k, mode="drop"), row_b=put(s.row_b, rows_k),
+        limit_b=put(s.limit_b, limits_k))
     chosen = _choose(filled, cfg, version)
     return chosen._replace(done_b=jnp.where(fresh_b, chosen.done_b, s.done_b),
                            steps_b=s.steps_b, tokens_b=s.tokens_b)  # a prefill is no decode step
@@ -406,7 +410,7 @@ class Rollout:
             cache = KVCache(stacked, stacked)
         rows1, rows2 = lay.batch_sharding(1), lay.batch_sharding(2)
         return SlotState(rows1, rows2, rows1, rows1, cache, rows2, rows2, rows2,
-                         rows2, rows2, rows2, rows1, rows1, rows1, rows1)
+                         rows2, rows2, rows2, rows1, rows1, rows1, rows1, rows1)
 
     def _run(self, key: tuple, out_size: tuple[int, int], fn, *args,
              donate: tuple[int, ...] = ()) -> SlotState:
@@ -436,7 +440,7 @@ class Rollout:
         return self._run(("empty", slots, capacity), (slots, capacity), fn)
 
     def fill(self, state: SlotState, params, version: int, slots_k, prompt_tokens_kp,
-             prompt_mask_kp, keys, rows_k) -> SlotState:
+             prompt_mask_kp, keys, rows_k, limits_k=None) -> SlotState:
         """Prefills k left-padded prompts [k, P] into free slots `slots_k` under `params` (of
         policy `version`) and samples their first tokens; equal prompts are prefilled once.
 
@@ -445,6 +449,7 @@ class Rollout:
           prompt_tokens_kp, prompt_mask_kp: [k, P] host arrays.
           keys: k PRNG keys: each row's (micro-)batch key.
           rows_k: int [k] each row's index in its (micro-)batch.
+          limits_k: int [k] the most response tokens of each row (default N: up to EOS).
         """
         k, prompt_len = np.shape(prompt_tokens_kp)
         if prompt_len != self.prompt_len:
@@ -453,10 +458,13 @@ class Rollout:
         tokens_kp = np.asarray(prompt_tokens_kp, np.int32)
         mask_kp = np.asarray(prompt_mask_kp, bool)
         slots_k, rows_k = np.asarray(slots_k, np.int32), np.asarray(rows_k, np.int32)
+        n_max = self.cfg.max_new_tokens
+        limits_k = np.full(k, n_max, np.int32) if limits_k is None else np.minimum(
+            np.asarray(limits_k, np.int32), n_max)
         keys = list(keys)
         if self._per_device:
             return self._fill_on_each_device(state, params, version, slots_k, tokens_kp, mask_kp,
-                                             keys, rows_k)
+                                             keys, rows_k, limits_k)
         slots, capacity = self.size(state)
         dp = self.layout.dp_size
         first_u, src_k = distinct_prompts(tokens_kp, mask_kp)
@@ -470,14 +478,14 @@ class Rollout:
         slots_k = np.concatenate([slots_k, np.full(size - k, slots, np.int32)])
         index = jax.device_put((slots_k, pad(src_k.astype(np.int32), size)), self._scalar)
         keys_k = jax.device_put(jnp.stack(keys + keys[-1:] * (size - k)), rows[0])
-        rows_k = jax.device_put(pad(rows_k, size), rows[0])
+        rows_k, limits_k = jax.device_put((pad(rows_k, size), pad(limits_k, size)), rows[0])
         fn = functools.partial(_fill, self.model, self.cfg)
         return self._run(("fill", slots, capacity, u, size), (slots, capacity), fn, params, state,
-                         *index, tokens_up, mask_up, keys_k, rows_k, self._version(version),
-                         donate=(1,))
+                         *index, tokens_up, mask_up, keys_k, rows_k, limits_k,
+                         self._version(version), donate=(1,))
 
     def _fill_on_each_device(self, state: SlotState, params, version: int, slots_k, tokens_kp,
-                             mask_kp, keys, rows_k) -> SlotState:
+                             mask_kp, keys, rows_k, limits_k) -> SlotState:
         """`fill` with each prompt prefilled on its slot's own device (`shard_map`).
 
         Why: SPMD, the prompts lie spread over the devices whatever slots they go to, so the
@@ -510,11 +518,13 @@ class Rollout:
         row, rows = self.layout.batch_sharding(1), self.layout.batch_sharding(2)
         tokens_up, mask_up = jax.device_put((tokens_kp[pick_u], mask_kp[pick_u]), rows)
         keys_k = jax.device_put(jnp.stack([keys[i] for i in pick_t]), row)
-        rows_k, local_k, src_k = jax.device_put((rows_k[pick_t], local, src), row)
+        rows_k, limits_k, local_k, src_k = jax.device_put(
+            (rows_k[pick_t], limits_k[pick_t], local, src), row)
         fn = self._on_each_device(functools.partial(_fill, self.model, self.cfg), slots, capacity,
-                                  row.spec, row.spec, rows.spec, rows.spec, row.spec, row.spec)
+                                  row.spec, row.spec, rows.spec, rows.spec, row.spec, row.spec,
+                                  row.spec)
         return self._run(("fill", slots, capacity, u, m), (slots, capacity), fn, params, state,
-                         local_k, src_k, tokens_up, mask_up, keys_k, rows_k,
+                         local_k, src_k, tokens_up, mask_up, keys_k, rows_k, limits_k,
                          self._version(version), donate=(1,))
 
     def spread(self, free: list[int], slots: int | None = None) -> list[int]:
