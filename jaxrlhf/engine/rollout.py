@@ -157,8 +157,11 @@ def _choose(s: SlotState, cfg: GenerateConfig, version) -> SlotState:
     keys_b = jax.vmap(stream)(s.keys_b, s.step_b, s.row_b)
     active_b = ~s.done_b
     token_b, logp_b, stopped_b = draw(s.logits_bv, keys_b, active_b, cfg)
-    at_bn = (jnp.arange(n_new)[None, :] == s.step_b[:, None]) & active_b[:, None]
-    put = lambda x_bn, value_b: jnp.where(at_bn, value_b[:, None], x_bn)
+    # Each active row's column step_b; a finished row's write goes to column N, dropped (a
+    # select over the whole [S, N] arrays would rewrite them every token).
+    rows_b, at_b = jnp.arange(len(s.step_b)), jnp.where(active_b, s.step_b, n_new)
+    put = lambda x_bn, value_b: x_bn.at[rows_b, at_b].set(
+        jnp.broadcast_to(value_b, at_b.shape).astype(x_bn.dtype), mode="drop")
     step_b = s.step_b + active_b
     return s._replace(
         step_b=step_b,
@@ -166,8 +169,8 @@ def _choose(s: SlotState, cfg: GenerateConfig, version) -> SlotState:
         done_b=s.done_b | stopped_b | (step_b >= s.limit_b),
         response_bn=put(s.response_bn, token_b),
         logprobs_bn=put(s.logprobs_bn, logp_b),
-        mask_bn=s.mask_bn | at_bn,
-        versions_bn=put(s.versions_bn, jnp.broadcast_to(version, step_b.shape).astype(jnp.int32)),
+        mask_bn=put(s.mask_bn, True),
+        versions_bn=put(s.versions_bn, version),
         steps_b=s.steps_b + 1,
         tokens_b=s.tokens_b + active_b,
     )
