@@ -70,7 +70,7 @@ if [[ $DRY == 1 ]]; then
   BUDGET=${GPU_SUITE_BUDGET:-240}
   SIZE=(--size=tiny --dtype=float32 --batches=2 --prompt=8 --new=2 --train_rows=2
         --train_len=8 --repeats=1)
-  ROLLOUT=(--config=configs/rollout_bench_gpu.py:cpu,smoke --rollout=${GPU_SUITE_ROLLOUT:-4,8,tail})
+  ROLLOUT=(--config=configs/rollout_bench_gpu.py:cpu,smoke --rollout=${GPU_SUITE_ROLLOUT:-4,8,tail:16} --steps=1)
 else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}  # fail, rather than measure a CPU
   # kernels/ is written for Pallas' Triton lowering: jax 0.11 takes it on a GPU, jax 0.10 takes
@@ -79,7 +79,7 @@ else
   BUDGET=${GPU_SUITE_BUDGET:-480}
   SIZE=(--size=llama-3.2-1b --dtype=bfloat16 --batches=64,256 --prompt=512 --new=256
         --train_rows=8 --train_len=2048 --repeats=3)
-  ROLLOUT=(--config=configs/rollout_bench_gpu.py --rollout=${GPU_SUITE_ROLLOUT:-64,512,2048,tail})
+  ROLLOUT=(--config=configs/rollout_bench_gpu.py --rollout=${GPU_SUITE_ROLLOUT:-64,512,2048,tail} --steps=1)
 fi
 STEPS=()
 

@@ -2,21 +2,16 @@
 
 `--dry-run` runs every step of the suite (preflight, the GPU numerics tests, gpu_kernels.py, the
 rollout rows of `jaxrlhf.bench`, gpu_kernels.py's Pallas decode) on the CPU at tiny sizes, and
-the one JSON file must hold every step with rc 0 and the figures each step is there for. The
-rollout step's rc is left unchecked only while `jaxrlhf.bench` has no `--rollout` flag (the
-rollout mode is being added beside this suite); once the flag exists it is checked like every
-other step.
+the one JSON file must hold every step with rc 0 and the figures each step is there for.
 """
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
@@ -38,12 +33,6 @@ def _suite(tmp_path, *args, env=None, timeout=200) -> tuple[subprocess.Completed
     return proc, json.loads(out.read_text())
 
 
-def _bench_has_rollout_flag() -> bool:
-    proc = subprocess.run([sys.executable, "-m", "jaxrlhf.bench", "--helpfull"], env=_env(),
-                          capture_output=True, text=True, timeout=120)
-    return re.search(r"^\s*--rollout\b", proc.stdout + proc.stderr, re.M) is not None
-
-
 def _rows(result) -> list:
     """A step's JSON rows: a list of rows, or an object holding them under "rows"."""
     return result if isinstance(result, list) else result["rows"]
@@ -59,12 +48,10 @@ def test_dry_run_runs_every_step_into_one_json(tmp_path):
     assert report["jax_version"] == jax.__version__
     assert report["total_seconds"] <= report["budget_seconds"] == 170
     assert (tmp_path / "suite" / "gpu_suite.log").stat().st_size > 0
-    rollout_checked = _bench_has_rollout_flag()
     for name, step in report["steps"].items():
         assert step["command"] and step["log_tail"], (name, step)
         assert not step["timed_out"] and 0 < step["seconds"] <= step["cap_seconds"], (name, log)
-        if name != "rollout" or rollout_checked:
-            assert step["rc"] == 0, (name, log)
+        assert step["rc"] == 0, (name, log)
 
     pre = report["steps"]["preflight"]["result"]
     assert not [k for k, v in pre["imports"].items() if str(v).startswith("error")], pre
@@ -90,14 +77,10 @@ def test_dry_run_runs_every_step_into_one_json(tmp_path):
                  "decode_pallas: decode (pallas, batch=2"):
         assert line in proc.stdout, proc.stdout
 
-    rollout = report["steps"]["rollout"]
-    if rollout_checked:
-        assert len(_rows(rollout["result"])) == 3, rollout  # --rollout=4,8,tail
-    else:
-        # A failed step is recorded and the suite goes on (decode_pallas ran after it).
-        assert rollout["rc"] != 0 and rollout["result"] is None, rollout
-        pytest.skip("every step checked but the rollout rows: jaxrlhf.bench has no --rollout "
-                    "flag yet")
+    rows = _rows(report["steps"]["rollout"]["result"])  # --rollout=4,8,tail:16
+    assert [r["row"] for r in rows] == ["4", "8", "tail:16"], rows
+    assert all(r["useful_tokens_per_s"] > 0 and r["recompiles_after_warmup"] == 0 for r in rows)
+    assert "rollout:" in proc.stdout, proc.stdout
 
 
 def test_without_a_gpu_the_gpu_run_stops_after_preflight(tmp_path):

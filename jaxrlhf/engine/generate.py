@@ -186,10 +186,15 @@ def generate(
     )
 
 
+# Fewer slots are not worth their compiles: a step of 8 rows costs little more than one of 1
+# (reading the weights), and every slot bucket compiles its own decode loop per capacity.
+MIN_SLOTS = 8
+
+
 def _compacted_size(live: int, slots: int, dp: int) -> int:
-    """Slots to compact `live` rows into: `slots` halved while the half holds them and stays a
-    multiple of the data-parallel size."""
-    while slots // 2 >= max(live, 1) and (slots // 2) % dp == 0:
+    """Slots to compact `live` rows into: `slots` halved while the half holds them, stays a
+    multiple of the data-parallel size and holds at least MIN_SLOTS."""
+    while (slots // 2 >= max(live, MIN_SLOTS, 1) and (slots // 2) % dp == 0):
         slots //= 2
     return slots
 
