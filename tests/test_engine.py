@@ -142,3 +142,24 @@ def test_a_group_is_prefilled_once():
     fills = [key for key in engine.compile_cache._executables if key[1] == "fill"]
     assert fills == [(P, "fill", 16, 8, 4, 16)]  # (P, fill, slots, capacity, prompts, rows)
 
+
+
+@pytest.mark.parametrize("spec", ["0:d1", "0-1:d2"])
+def test_micro_batches_queue_for_a_fraction_of_the_slots(spec):
+    """micro_batches=4: 16 rows in 4 slots, rows j::4 sampling as the static batch of
+    micro-batch j with fold_in(rng, j); every row as there, in its place."""
+    layout, params = _setup(spec)
+    cfg = GenerateConfig(24, STOPS, 0, temperature=1.0)
+    tokens, mask = _prompts(16, group=2, seed=3)
+    rng = jax.random.key(11)
+    gen = make_generate_fn(CONFIG, cfg, layout, prompt_buckets=(P,), chunk_tokens=4)
+    got = gen(params, tokens, mask, rng, micro_batches=4)
+    for j in range(4):
+        want = _reference(layout, params, cfg, tokens[j::4], mask[j::4],
+                          jax.random.fold_in(rng, j))
+        np.testing.assert_array_equal(np.asarray(got.response_bn)[j::4], want.response_bn)
+        np.testing.assert_array_equal(np.asarray(got.response_mask_bn)[j::4],
+                                      want.response_mask_bn)
+        np.testing.assert_allclose(np.asarray(got.logprobs_bn)[j::4], want.logprobs_bn,
+                                   rtol=1e-5, atol=1e-5)
+    assert got.response_bn.shape == (16, 24)

@@ -100,8 +100,12 @@ def generate_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator: 
     its outputs in order: sequence tokens [b, s], sequence mask [b, s], response mask [b, n],
     behaviour log-probs [b, n]. Keys come from the MFC, so a graph can hold several generate
     calls (ReMax's sampled and greedy responses). With `micro_batches` k > 1, micro-batch j
-    samples with fold_in(step rng, j)."""
+    samples with fold_in(step rng, j); on the rollout engine its rows queue for b/k slots
+    in one call (a slot whose row finished takes the next), else the micro-batches run one
+    after the other."""
     prompt_keys = mfc.inputs[:2]
+    outputs = lambda out: (out.sequences_bs, out.sequence_mask_bs, out.response_mask_bn,
+                           out.logprobs_bn)
 
     def run(buf: Buffer):
         inputs = _inputs(mfc, buf, layout, prompt_keys)
@@ -109,11 +113,13 @@ def generate_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator: 
 
         def call(part, j: int):
             key = rng if micro_batches == 1 else jax.random.fold_in(rng, j)
-            out = generator(params, *(part[k] for k in prompt_keys), key)
-            return (out.sequences_bs, out.sequence_mask_bs, out.response_mask_bn,
-                    out.logprobs_bn)
+            return outputs(generator(params, *(part[k] for k in prompt_keys), key))
 
-        arrays = in_micro_batches(call, inputs, micro_batches)
+        if generator.on_engine:  # one call: the micro-batches' rows queue for b/k slots
+            arrays = outputs(generator(params, *(inputs[k] for k in prompt_keys), rng,
+                                       micro_batches=micro_batches))
+        else:
+            arrays = in_micro_batches(call, inputs, micro_batches)
         arrays = cut_responses(arrays, generator.gen_config.max_new_tokens)
         return dict(zip(mfc.outputs, arrays, strict=True))
 

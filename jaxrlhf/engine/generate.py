@@ -37,7 +37,7 @@ from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
 from jaxrlhf.parallel.pipeline import Pipeline, layer_stack
-from jaxrlhf.parallel.reshard import transfer
+from jaxrlhf.parallel.reshard import fetch, transfer
 
 # Tokens decoded between looks at which rows finished (a sync point on a few scalars).
 CHUNK_TOKENS = 32
@@ -319,8 +319,13 @@ class Generator(BucketedCall):
                                                 compile_cache=self.compile_cache)
         return self._engines[prompt_len]
 
+    @property
+    def on_engine(self) -> bool:
+        """Whether calls run on the rollout engine (not a pipelined layout's static batch)."""
+        return not self._static
+
     def __call__(self, params, prompt_tokens_bp, prompt_mask_bp, rng,
-                 max_new_tokens_b=None) -> GenerateOutput:
+                 max_new_tokens_b=None, micro_batches: int = 1) -> GenerateOutput:
         """Generates for a batch of left-padded prompts.
 
         Args:
@@ -332,6 +337,9 @@ class Generator(BucketedCall):
           max_new_tokens_b: int [b] the most response tokens of each row (with
             `force_max_length`: exactly as many); default `max_new_tokens` for every row. Not
             on a pipelined layout.
+          micro_batches: k > 1: rows j::k form micro-batch j, which samples with
+            fold_in(rng, j) (row i as row i // k of it), decoded in b / k slots that take
+            the queued rows as others finish. Not on a pipelined layout.
 
         Returns:
           GenerateOutput whose prompt part has the bucketed length (>= P).
@@ -342,7 +350,7 @@ class Generator(BucketedCall):
         pad = functools.partial(buckets.pad_axis, length=bucket, axis=1, left=True)
         rng = transfer(rng, self._rng_sharding)  # device_put refuses keys multi-process
         if self._static:
-            if max_new_tokens_b is not None:
+            if max_new_tokens_b is not None or micro_batches > 1:
                 raise ValueError(f"per-row response lengths need the rollout engine, which a "
                                  f"pipelined layout ({self.layout}) does not run")
             tokens_bp = pad(prompt_tokens_bp, value=self.gen_config.pad_token_id)
@@ -353,12 +361,19 @@ class Generator(BucketedCall):
             key = (bucket, batch, rng.shape, str(rng.dtype))
             return self._executable(key, params, tokens_bp, mask_bp, rng)(
                 params, tokens_bp, mask_bp, rng)
+        # The engine schedules rows on the host: the prompts' whole values, on every process.
+        prompt_tokens_bp, prompt_mask_bp = fetch((prompt_tokens_bp, prompt_mask_bp))
         tokens_bp = pad(np.asarray(prompt_tokens_bp, np.int32),
                         value=self.gen_config.pad_token_id)
         mask_bp = pad(np.asarray(prompt_mask_bp, bool), value=False)
-        out, work = decode_rows(self._engine(bucket, batch), params, tokens_bp, mask_bp,
-                                [rng] * batch, np.arange(batch, dtype=np.int32), batch,
-                                self.chunk_tokens, max_new_tokens_b)
+        slots = batch // micro_batches
+        check_batch_divisible(self.layout, slots, "generate micro-batch")
+        keys = [rng] if micro_batches == 1 else [jax.random.fold_in(rng, j)
+                                                 for j in range(micro_batches)]
+        rows = np.arange(batch, dtype=np.int32)
+        out, work = decode_rows(self._engine(bucket, slots), params, tokens_bp, mask_bp,
+                                [keys[i % micro_batches] for i in rows], rows // micro_batches,
+                                slots, self.chunk_tokens, max_new_tokens_b)
         self.occupancy = Occupancy(*(a + b for a, b in zip(self.occupancy, work)))
         response_mask_bn = out["response_mask_bn"]
         host = GenerateOutput(
