@@ -57,7 +57,7 @@ from jaxrlhf.run.async_steps import drain_limit, draw_async_timeline, trainer_ru
 from jaxrlhf.run.guards import StopRequest
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.rollout_worker import Generated, RolloutWorker
-from jaxrlhf.run.runner import LoopResult, Runner
+from jaxrlhf.run.runner import Runner
 
 
 _DENSE = 0.5  # occupied share of the generation slots worth a decode step beside an update
@@ -85,7 +85,7 @@ class _Trainer:
 
 
 def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
-            evaluation_before: dict[str, float], held_out=None) -> LoopResult:
+            evaluation_before: dict[str, float], held_out=None) -> loop.LoopResult:
     """RL steps from the runner's step index to spec.steps, asynchronously (module docstring):
     `loop.train` on a `LocalSource`; arguments as its. A multi-process job runs
     `async_procs.rl_loop` instead (a trainer process and generation replica processes)."""

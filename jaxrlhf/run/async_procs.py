@@ -64,7 +64,8 @@ from jaxrlhf.run.rollout_worker import Generated, RolloutWorker
 from jaxrlhf.run.channel import Channel, Deadline
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut
-from jaxrlhf.run.runner import LoopResult, Runner
+from jaxrlhf.run.loop import LoopResult
+from jaxrlhf.run.runner import Runner
 from jaxrlhf.engine.rollout import Rollout
 
 _POLL_S = 0.002
@@ -242,12 +243,11 @@ class RemoteSource:
     def __init__(self, job: Job, runner: Runner, gen, shardings: list, chan: Channel, prompts):
         self.job, self.spec, self.gen, self.rows = job, job.spec, gen, prompts
         self.runner = trainer_runner(runner, gen.name)
-        self.desc = f"{runner.algorithm.name} (async η={job.spec.async_rl.max_staleness}, " \
-                    f"{len(shardings)} replicas)"
         self.actor = runner.runtimes[Role.ACTOR]
         self.shardings, self.chan = shardings, chan
         self.eta = job.spec.async_rl.max_staleness
         self.replicas = len(shardings)
+        self.desc = f"{runner.algorithm.name} (async η={self.eta}, {self.replicas} replicas)"
         self.outstanding: dict[int, _Order] = {}
         self.arrivals: list[int] = []  # indices, in order of arrival
         self.orders = [0] * self.replicas

@@ -38,9 +38,26 @@ from jaxrlhf.mfc import Role
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut
 from jaxrlhf.run.guards import NanGuard, StopRequest
-from jaxrlhf.run.runner import LoopResult, Runner, StepResult
+from jaxrlhf.run.runner import Runner, StepResult
 
 Train = Callable[[dict], tuple[StepResult, bool]]  # batch -> (its step's figures, discarded)
+
+
+@dataclasses.dataclass
+class LoopResult:
+    """How the loop ended (`train`'s result).
+
+    Attributes:
+      timings: the steps' schedules (StepTiming), in order.
+      interrupted: stopped by Ctrl-C/SIGTERM (after saving a checkpoint).
+      skipped: steps discarded by nan_policy=skip.
+      extra: more figures for the job's summary line.
+    """
+
+    timings: list
+    interrupted: bool
+    skipped: int
+    extra: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

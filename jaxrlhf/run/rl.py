@@ -1,5 +1,6 @@
 """The training job, RL or offline: data, optional supervised warm start, held-out evaluation,
-the step loop, reports.
+the training loop (`run/loop.py`, fed by the synchronous `StepSource` here or, with
+`async_rl.max_staleness` > 0, by an asynchronous source), reports.
 
 `run(job)` prints a progress bar, writes metrics.jsonl, TensorBoard events and (RL) per-step
 timelines to the workdir, and returns a summary (held-out figures before/after, seconds) that
@@ -39,7 +40,7 @@ from jaxrlhf.run import async_loop, build, loop
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut, evaluator
 from jaxrlhf.run.guards import StopRequest
-from jaxrlhf.run.runner import LoopResult, Runner
+from jaxrlhf.run.runner import Runner
 
 
 @contextlib.contextmanager
@@ -128,7 +129,8 @@ class StepSource:
 
 def rl_loop(job: Job, runner: Runner, rows: EpochIterator, writer,
             checkpoints: checkpoint.Checkpointer, evaluation_before: dict[str, float],
-            held_out: HeldOut | None = None, *, what: str = "", prefix: str = "") -> LoopResult:
+            held_out: HeldOut | None = None, *, what: str = "",
+            prefix: str = "") -> loop.LoopResult:
     """The synchronous loop (RL, offline, the warm start): `loop.train` on a `StepSource`;
     arguments as its."""
     return loop.train(job, StepSource(job, runner, rows), writer, checkpoints,
@@ -136,7 +138,7 @@ def rl_loop(job: Job, runner: Runner, rows: EpochIterator, writer,
 
 
 def summary(job: Job, t0: float, start: build.JobStart, runner: Runner | None,
-            loop: LoopResult | None, before: dict, after: dict | None) -> dict:
+            ended: loop.LoopResult | None, before: dict, after: dict | None) -> dict:
     """The job's last line: each held-out figure (accuracy and reward at least) before and
     after training (None where not measured) and how the run went; no runner or loop when the
     warm start was stopped."""
@@ -146,8 +148,8 @@ def summary(job: Job, t0: float, start: build.JobStart, runner: Runner | None,
             "seconds": time.perf_counter() - t0, "steps": job.spec.steps,
             "workdir": str(job.workdir), "recompiles": runner and runner.compiles,
             "resumed_from": None if start.resume is None else start.resume.step,
-            "interrupted": loop is None or loop.interrupted,
-            "skipped_steps": loop and loop.skipped, **(loop and loop.extra or {})}
+            "interrupted": ended is None or ended.interrupted,
+            "skipped_steps": ended and ended.skipped, **(ended and ended.extra or {})}
 
 
 def _shown(metrics: dict[str, float]) -> str:
