@@ -83,6 +83,7 @@ def batch_metrics(done: Generated, version: int, eta: int) -> dict[str, float]:
     out["async/decode_padding_frac"] = done.slots_idle
     return out
 
+
 class Pace:
     """The updates of an asynchronous source, one after the other: each update's window (the
     wall time since the previous one ended: its throughput's seconds), the generation and
@@ -91,7 +92,7 @@ class Pace:
 
     Args:
       job: the checked job.
-      clock: seconds on the clock the busy times are measured on.
+      clock: the windows' clock (seconds; the events of the source's timeline use it too).
     """
 
     def __init__(self, job: Job, clock=time.perf_counter):
