@@ -1,5 +1,5 @@
-"""Checkpoints of a run (RL or offline), and the guards that keep them good (non-finite steps,
-Ctrl-C, SIGTERM).
+"""Checkpoints of a run (RL or offline): storage only (the loop's guards, which decide when a
+run saves or stops, are `jaxrlhf/run/guards.py`).
 
 A checkpoint is one orbax step directory under `workdir/checkpoints/<steps done>/` with items
 
@@ -27,8 +27,8 @@ killed mid-save leaves the previous checkpoint as the latest), keep the newest `
 `async_save` write files in the background. The device-to-host copy finishes before `save`
 returns, so the next train_step may donate the saved buffers.
 
-A checkpoint never holds a non-finite value: `Checkpointer.save` refuses one, and `NanGuard`
-stops the run (the last checkpoint stays the last good state) or discards the bad step.
+A checkpoint never holds a non-finite value: `Checkpointer.save` refuses one (and the loop's
+`NanGuard` stops the run or discards the bad step before it could be saved).
 """
 
 from __future__ import annotations
@@ -36,21 +36,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import math
 import os
 import pathlib
-import signal
 import sys
-import threading
 import time
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
 from jaxrlhf.engine.optimizer import OptimizerConfig, make_optimizer
@@ -68,13 +63,6 @@ CHECKPOINT_DIR = "checkpoints"
 WARM_START_DIR = "warm_start"  # inside CHECKPOINT_DIR: the warm start's own checkpoints
 
 ModelState = Any  # a TrainState (trained model) or a parameter tree (frozen model)
-
-
-class NanPolicy(enum.Enum):
-    """What a step with a non-finite loss, gradient norm or model state does."""
-
-    STOP = "stop"  # raise NonFiniteError; the latest checkpoint is the last good state
-    SKIP = "skip"  # discard the step's updates and controller change; go on with the next batch
 
 
 class NonFiniteError(RuntimeError):
@@ -456,155 +444,3 @@ def save_run(checkpoints: Checkpointer, runner, prompts, evaluation_before: dict
     for runtime in runtimes.values():
         runtime.after_call()  # a no-op for trained models and models that stay on devices
     return saved
-
-
-def trim_metrics(path: pathlib.Path, step: int, warm_start_step: int | None = None) -> None:
-    """Drops the records a resumed run writes again from a metrics.jsonl, before it runs.
-
-    A killed run may have logged steps past its latest checkpoint; the resumed run repeats
-    them. Kept: training records of steps before `step`, warm-start records (every key
-    `sft/...`) of warm-start steps before `warm_start_step` (None: all of them, the warm start
-    is over), and nothing half-written. A run starting afresh passes (0, 0): the file is
-    emptied. Process 0 rewrites the file (a shared workdir has one).
-    """
-    if not path.exists() or jax.process_index() != 0:
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the last line of a run killed mid-write
-        if all(k == "step" or k.startswith("sft/") for k in record):  # the warm start's
-            keep = warm_start_step is None or record["step"] < warm_start_step
-        else:
-            keep = record["step"] < step
-        if keep:
-            kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _bad_metrics(metrics: dict[str, float]) -> list[str]:
-    return [f"{k}={v}" for k, v in metrics.items()
-            if k.endswith(("/loss", "/grad_norm")) and not math.isfinite(v)]
-
-
-class NanGuard:
-    """Checks every training step for NaN/inf and applies the NaN policy.
-
-    With SKIP, the trained models' states and the controller are copied before each step (the
-    train_step donates its input state), which costs one extra copy of every trained model's
-    parameters and optimizer state in device memory.
-
-    Args:
-      policy: stop or skip.
-      checkpoints: where the last good checkpoint is (for the message).
-      what: the loop's name in messages ("RL", "warm-start", "dpo", ...).
-    """
-
-    def __init__(self, policy: NanPolicy, checkpoints: Checkpointer, what: str = "RL"):
-        self.policy, self.checkpoints, self.what = policy, checkpoints, what
-        self.skipped = 0
-
-    def before_step(self, runner) -> tuple[dict, dict] | None:
-        """The state to go back to if the step turns out bad (None under STOP)."""
-        if self.policy is NanPolicy.STOP:
-            return None
-        states = {role: jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False),
-                                     rt.state)
-                  for role, rt in runner.runtimes.items() if rt.trainable}
-        return states, dict(runner.controller)
-
-    def after_step(self, runner, metrics: dict[str, float], step: int, saved) -> bool:
-        """True if step `step` was bad and discarded; raises NonFiniteError under STOP."""
-        bad = _bad_metrics(metrics)
-        trained = [rt.state for rt in runner.runtimes.values() if rt.trainable]
-        if not bad and all_finite(trained):
-            return False
-        problem = ", ".join(bad) or "a non-finite parameter or optimizer state"
-        match self.policy:
-            case NanPolicy.STOP:
-                raise NonFiniteError(
-                    f"{self.what} step {step}: {problem}. Stopped without saving; the latest "
-                    f"checkpoint (step {self.checkpoints.latest_step()}) in "
-                    f"{self.checkpoints.directory} is the last good state and a rerun resumes "
-                    "from it. Lower the learning rate, or set --config.nan_policy=skip to "
-                    "discard such steps.")
-            case NanPolicy.SKIP:
-                states, controller = saved
-                for role, state in states.items():
-                    runner.runtimes[role].update(state)
-                runner.controller = controller
-                self.skipped += 1
-                print(f"{self.what} step {step}: {problem}; step discarded (nan_policy=skip, "
-                      f"{self.skipped} so far)", flush=True)
-                return True
-
-
-def save_if_due(checkpoints: Checkpointer, stop: "StopRequest", steps_done: int, save,
-                what: str) -> bool:
-    """After a step of a checkpointed loop: saves (`save()`) on the cadence or when a stop was
-    asked; True when the loop must stop now (its checkpoint is then on disk).
-
-    Args:
-      checkpoints: the loop's checkpoints (cadence, directory).
-      stop: the loop's StopRequest (every process stops at the same step).
-      steps_done: steps done so far (the checkpoint's number).
-      save: writes checkpoint `steps_done`.
-      what: the loop's name for the message ("RL", "warm-start", "sft", ...).
-    """
-    stopping = stop.agreed()
-    if checkpoints.cfg.due(steps_done) or stopping:
-        save()
-    if stopping:
-        checkpoints.wait()
-        print(f"interrupted after {what} step {steps_done - 1}: checkpoint {steps_done} saved "
-              f"in {checkpoints.directory}; run the same command again to resume", flush=True)
-    return stopping
-
-
-class StopRequest:
-    """Ctrl-C (SIGINT) or SIGTERM asks the loop to stop after the current step, save, return.
-
-    SIGTERM is what SLURM sends at the time limit or on preemption (`launch/slurm.sbatch` asks
-    for it early with `--signal`) and what Kubernetes sends on eviction; the loop finishes the
-    step it is in, saves a checkpoint and exits, and rerunning the same command resumes there.
-    (Multi-process, this handler replaces JAX's preemption notifier for SIGTERM: processes agree
-    on the step through `agreed`, as for Ctrl-C.) A second signal of the same kind acts at once
-    (the previous handler is back: Ctrl-C raises KeyboardInterrupt). Outside the main thread,
-    where Python cannot install signal handlers, this does nothing.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        del frame
-        self.requested = True
-        signal.signal(signum, self._previous[signum])
-        name = "interrupt" if signum == signal.SIGINT else "SIGTERM"
-        print(f"\n{name}: finishing this step, then saving a checkpoint "
-              "(the same signal again stops at once)", flush=True)
-
-    def agreed(self) -> bool:
-        """Whether any process was asked to stop (every process must stop at the same step:
-        the save is collective). One tiny all-gather per call when there are several."""
-        if jax.process_count() == 1:
-            return self.requested
-        flags = multihost_utils.process_allgather(np.array(self.requested))
-        return bool(np.any(flags))
-
-    def __exit__(self, *exc) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous = {}

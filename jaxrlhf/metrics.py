@@ -2,7 +2,7 @@
 
 metrics.jsonl is the record; the TensorBoard events mirror it. A resumed run repeats the steps
 its killed predecessor logged after its last checkpoint: the run first trims those records from
-metrics.jsonl (`checkpoint.trim_metrics`), and opening a `MetricsWriter` then writes the event
+metrics.jsonl (`run.loop.trim_metrics`), and opening a `MetricsWriter` then writes the event
 files anew from what is left, so that TensorBoard shows every (tag, step) once, with the
 resumed run's value.
 """

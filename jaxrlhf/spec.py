@@ -22,7 +22,7 @@ from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.reward_norm import RewardNormConfig, with_reward_norm
 from jaxrlhf.algorithms.spec import Algorithm, BatchKind
-from jaxrlhf.checkpoint import CheckpointConfig, NanPolicy
+from jaxrlhf.checkpoint import CheckpointConfig
 from jaxrlhf.data import tasks
 from jaxrlhf.data.chat import ChatTemplateMode
 from jaxrlhf.data.long_prompts import parse_long_prompts
@@ -38,6 +38,14 @@ from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.plan.experiment import Experiment, Workload
 from jaxrlhf.schema import ConfigError, check_keys, check_ranges, enum_value, field
+
+
+class NanPolicy(enum.Enum):
+    """What a step with a non-finite loss, gradient norm or model state does (the loop's
+    `run.guards.NanGuard`)."""
+
+    STOP = "stop"  # raise NonFiniteError; the latest checkpoint is the last good state
+    SKIP = "skip"  # discard the step's updates and controller change; go on with the next batch
 
 
 class AlgorithmName(enum.Enum):

@@ -1,9 +1,13 @@
 """Asynchronous RL (jaxrlhf.run.async_loop): η = 0 through the async path reproduces the
 synchronous run's metrics exactly; η > 0 trains with staleness never above η (from per-token
-versions), with generation really running ahead; checkpoints drain the pipeline."""
+versions), with generation really running ahead; checkpoints drain the pipeline. The
+multi-process source of the one loop (`async_procs.RemoteSource`) is tested here through
+checkpoints, evaluation, SIGTERM and Ctrl-C and resume; the one-process source through resume,
+stops and the NaN policy in tests/test_resume.py."""
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -400,10 +404,12 @@ def test_two_processes_trainer_and_generation_replica(tmp_path, replicas):
 
 @pytest.mark.slow
 @pytest.mark.entry
-def test_sigterm_to_two_process_async_job_drains_saves_and_resumes(tmp_path):
-    """SIGTERM to both processes: the trainer stops issuing work, trains every batch already
-    issued, saves (the replica takes part), both exit 0; the same command resumes there and
-    ends with every step trained exactly once (no prompt lost, none trained twice)."""
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_sigterm_to_two_process_async_job_drains_saves_and_resumes(tmp_path, signame):
+    """SIGTERM (or Ctrl-C: SIGINT) to both processes: the trainer stops issuing work, trains
+    every batch already issued, saves (the replica takes part), both exit 0; the same command
+    resumes there and ends with every step trained exactly once (no prompt lost, none trained
+    twice)."""
     import os
     import signal
     import time
@@ -417,7 +423,7 @@ def test_sigterm_to_two_process_async_job_drains_saves_and_resumes(tmp_path):
                 work / "metrics.jsonl").read_text():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)  # local.sh passes it to both processes
+        proc.send_signal(getattr(signal, signame))  # local.sh passes it to both
         out, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
@@ -436,6 +442,42 @@ def test_sigterm_to_two_process_async_job_drains_saves_and_resumes(tmp_path):
     rl_rows = [r for r in rows if "async/staleness_max" in r]
     assert [r["step"] for r in rl_rows] == list(range(6))
     assert sorted(r["async/batch"] for r in rl_rows) == list(range(6))  # none lost or repeated
+
+
+@pytest.mark.slow
+@pytest.mark.entry
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_nan_policy_in_a_two_process_async_job(tmp_path, policy):
+    """A reward gone wild (1e30: the critic's squared error overflows, every critic loss is
+    inf) in a two-process job: nan_policy=stop ends the job at the trainer's first update with
+    the loop's one message and no checkpoint; =skip discards every update and finishes."""
+    (tmp_path / "wild.py").write_text("def reward(prompt, completion, answer):\n"
+                                      "    return 1e30\n")
+    proc = _two_process_train(tmp_path / "run", [
+        f"--config.reward.function={tmp_path / 'wild.py'}:reward",
+        f"--config.nan_policy={policy}", "--config.checkpoint.every=3"])
+    try:
+        out, _ = proc.communicate(timeout=1800)
+    finally:
+        if proc.poll() is None:
+            import os
+            import signal
+
+            os.killpg(proc.pid, signal.SIGKILL)
+    checkpoints = tmp_path / "run/checkpoints"
+    saved = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    if policy == "stop":
+        assert proc.returncode != 0, out[-3000:]
+        assert re.search(r"NonFiniteError: RL step 0: .*critic/loss=inf", out), out[-3000:]
+        assert saved == [], saved
+        return
+    assert proc.returncode == 0, out[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["skipped_steps"] == 6
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    rl_rows = [r for r in rows if "async/staleness_max" in r]
+    assert [r["step"] for r in rl_rows] == list(range(6))
+    assert all(r["nan_skipped"] == 1.0 for r in rl_rows)
+    assert saved == [3, 6], saved
 
 
 if __name__ == "__main__":

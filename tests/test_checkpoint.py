@@ -1,10 +1,9 @@
 """Checkpointer: restore onto other layouts and device counts, retention, refusal of non-finite
-states, donation-safe async saves, metrics trimming, Ctrl-C handling."""
+states, donation-safe async saves (the loop's metrics trimming and Ctrl-C handling:
+tests/test_loop.py)."""
 
 import json
 import math
-import os
-import signal
 
 import flax.linen as nn
 import jax
@@ -22,6 +21,7 @@ from jaxrlhf.mfc import Role
 from jaxrlhf.models.config import HeadKind
 from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.parallel.layout import make_layout
+from jaxrlhf.spec import NanPolicy
 
 ACTOR = get_size("tiny", dtype=jnp.float32)  # fp32 compute, as jaxrlhf/schema.py has it
 CRITIC = get_size("tiny", dtype=jnp.float32, head=HeadKind.SCALAR)
@@ -136,32 +136,6 @@ def test_non_finite_state_is_never_saved(tmp_path):
     assert checkpoint.all_finite([good]) and not checkpoint.all_finite([bad])
 
 
-def test_trim_metrics_keeps_warm_start_and_steps_before_the_checkpoint(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    rows = [{"step": 0, "sft/actor/loss": 1.0}, {"step": 5, "sft/actor/loss": 0.5},
-            {"step": 0, "reward": 0.1}, {"step": 1, "reward": 0.2}, {"step": 2, "reward": 0.3}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "rew')
-    checkpoint.trim_metrics(path, 2)
-    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:4]
-    checkpoint.trim_metrics(tmp_path / "absent.jsonl", 2)  # a fresh workdir has none
-
-
-def test_ctrl_c_requests_a_stop_and_a_second_one_interrupts():
-    # Python's own Ctrl-C handler before the request, whatever this test process had (a pytest
-    # worker's handler depends on what ran in it before).
-    worker_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with checkpoint.StopRequest() as stop:
-            assert not stop.requested
-            os.kill(os.getpid(), signal.SIGINT)
-            assert stop.requested  # and no KeyboardInterrupt: the step goes on
-            with pytest.raises(KeyboardInterrupt):
-                os.kill(os.getpid(), signal.SIGINT)
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        signal.signal(signal.SIGINT, worker_handler)
-
-
 def test_checkpoint_config_validates():
     config = base_config()
     assert CheckpointConfig.of(config) == CheckpointConfig(every=20, keep=3, async_save=True)
@@ -169,7 +143,7 @@ def test_checkpoint_config_validates():
     assert not CheckpointConfig(every=0, keep=1, async_save=True).due(40)
     with pytest.raises(ValueError, match="keep=0"):
         CheckpointConfig(every=1, keep=0, async_save=True)
-    assert checkpoint.NanPolicy(config.nan_policy) is checkpoint.NanPolicy.STOP
+    assert NanPolicy(config.nan_policy) is NanPolicy.STOP
 
 
 def test_host_state_round_trips_and_reads_an_older_checkpoints_accuracy():

@@ -4,7 +4,8 @@ and export, through the real offline job (`run.rl.run`) on tiny shapes.
 For each algorithm, an uninterrupted run with checkpoints 2 and 4 is the reference; a run that
 "died" after checkpoint 2 (checkpoint 4 gone, a record cut off mid-write) is rerun and must log
 the same metrics, end with bitwise-equal model states and evaluate the same; a run stopped by
-SIGTERM saves and its rerun repeats the reference. The exported trained model loads in
+SIGTERM or Ctrl-C saves and its rerun repeats the reference; a non-finite update stops the
+run (nan_policy=stop) or is discarded (=skip). The exported trained model loads in
 transformers and computes what jaxrlhf computes (fp32, ≤1e-4): the actor of SFT and DPO as
 `*ForCausalLM` logits, the reward model of reward modelling as `*ForSequenceClassification`
 scores pooled at each sequence's last token, as the run's own held-out scorer gives them.
@@ -113,16 +114,17 @@ def test_a_killed_offline_run_resumes_exactly(full_run, tmp_path):
     _assert_items_equal(crashed, full, 4, ITEMS[algorithm])
 
 
-def test_sigterm_stops_an_offline_run_and_the_rerun_repeats_it(full_run, tmp_path, monkeypatch,
-                                                               capfd):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
+def test_sigterm_stops_an_offline_run_and_the_rerun_repeats_it(full_run, signum, tmp_path,
+                                                               monkeypatch, capfd):
     algorithm, full, summary = full_run
     real_encode, calls = rl.encode, []
 
-    def encode_then_sigterm(job, rows):  # SIGTERM (as SLURM sends) while step 1 runs
+    def encode_then_sigterm(job, rows):  # SIGTERM (as SLURM sends) or Ctrl-C in step 1
         if job.spec.algorithm.name == algorithm:  # the run's steps, not its warm start's
             calls.append(1)
         if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
         return real_encode(job, rows)
 
     monkeypatch.setattr(rl, "encode", encode_then_sigterm)
@@ -139,6 +141,33 @@ def test_sigterm_stops_an_offline_run_and_the_rerun_repeats_it(full_run, tmp_pat
     assert _without_system(resumed) == _without_system(summary)
     _assert_same_steps(_records(work), _records(full))
     _assert_items_equal(work, full, 4, ITEMS[algorithm])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the lr
+def test_nan_policy_stops_an_offline_run_or_discards_its_steps(full_run, tmp_path):
+    algorithm, full, _ = full_run
+    work = tmp_path / "work"
+    shutil.copytree(full, work)
+    config = _config(algorithm, steps=6)
+    # A learning rate float32 cannot hold: step 4's update leaves the trained model inf.
+    config.optimizer["reward" if algorithm == "rw" else "actor"].lr = 1e39
+    config.checkpoint.resume = "force"  # another optimizer makes another run
+    with pytest.raises(checkpoint.NonFiniteError, match=rf"^{algorithm} step 4: .*latest "
+                                                        r"checkpoint \(step 4\)"):
+        rl.run(check_config(config, str(work)))
+    assert sorted(p.name for p in (work / "checkpoints").iterdir() if p.name.isdigit()) == [
+        "2", "4"]
+
+    config.nan_policy = "skip"
+    summary = rl.run(check_config(config, str(work)))
+    assert summary["resumed_from"] == 4 and summary["skipped_steps"] == 2
+    records = _records(work)
+    assert [r["step"] for r in records] == list(range(7))  # 6: the evaluation
+    assert [r.get("nan_skipped", 0.0) for r in records[:6]] == [0.0] * 4 + [1.0, 1.0]
+    for item in ITEMS[algorithm]:  # both steps discarded whole: the state after step 3
+        got, want = _item(work, 6, item), _item(full, 4, item)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=item)
 
 
 def _ours_bt(model, params, tokens_bt, mask_bt) -> np.ndarray:

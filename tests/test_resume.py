@@ -2,8 +2,12 @@
 
 A run that resumes from a checkpoint must repeat the uninterrupted run's steps: equal metrics
 and bitwise-equal final model states. The fast tests run `rl.run` in-process on a small
-PPO config; the slow one kills the real `python -m jaxrlhf.train` (SIGKILL, then Ctrl-C) and
-reruns the same command.
+PPO config, once per batch source of the one loop (`run/loop.py`): generated in the step
+(synchronous) and by the one-process asynchronous source at η = 0, which computes exactly
+what the synchronous step does (tests/test_async_rl.py), so every exact check holds for it
+too; the slow one kills the real `python -m jaxrlhf.train` (SIGKILL, then Ctrl-C) and reruns
+the same command. (The multi-process source: tests/test_async_rl.py; offline runs:
+tests/test_offline_resume.py.)
 
 The runs of this module compile the same programs again and again (every run builds new
 engines); the test session's persistent compilation cache (tests/conftest.py) serves the second
@@ -27,12 +31,13 @@ import pytest
 
 from jaxrlhf.schema import base_config
 from jaxrlhf import checkpoint
-from jaxrlhf.run import rl
+from jaxrlhf.run import async_loop, rl
 from jaxrlhf.run.check import check_config
 
 REWARD = f"{pathlib.Path(__file__).parent / 'fixtures/reward_fns.py'}:digit_count"
-# Metrics that measure the machine or count since process start, not the training.
-_SYSTEM_SUFFIXES = ("_seconds", "_bytes", "recompiles", "tokens_per_second")
+# Metrics that measure the machine or count since process start, not the training (the
+# asynchronous source's busy shares of generation and training too).
+_SYSTEM_SUFFIXES = ("_seconds", "_bytes", "recompiles", "tokens_per_second", "_busy")
 
 
 def _config(steps=4):
@@ -76,17 +81,33 @@ def _assert_items_equal(a: pathlib.Path, step_a: int, b: pathlib.Path, step_b: i
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=item)
 
 
+@pytest.fixture(scope="module", params=["sync", "async"])
+def run(request):
+    """`rl.run` of a config in a workdir with one batch source: the synchronous step, or the
+    one-process asynchronous source (`async_loop.LocalSource`, which `rl.run` takes for
+    η > 0) at η = 0."""
+    def run_job(config, workdir) -> dict:
+        with pytest.MonkeyPatch.context() as patch:
+            if request.param == "async":
+                patch.setattr(rl, "rl_loop", async_loop.rl_loop)
+            summary = rl.run(check_config(config, str(workdir)))
+        assert ("staleness_max" in summary) == (request.param == "async")  # the source ran
+        return summary
+
+    return run_job
+
+
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
+def full_run(run, tmp_path_factory):
     """An uninterrupted 4-step run with checkpoints 2 and 4."""
     workdir = tmp_path_factory.mktemp("full")
-    summary = rl.run(check_config(_config(), str(workdir)))
+    summary = run(_config(), workdir)
     assert summary["resumed_from"] is None and not summary["interrupted"]
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2, 4]
     return workdir, summary
 
 
-def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path):
+def test_resume_repeats_the_uninterrupted_run(run, full_run, tmp_path):
     full, summary = full_run
     # A run that died after logging step 3 but before checkpoint 4 was complete.
     crashed = tmp_path / "crashed"
@@ -95,7 +116,7 @@ def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path):
     with (crashed / "metrics.jsonl").open("a") as f:
         f.write('{"step": 3, "reward": 0.')  # a record cut off mid-write
 
-    resumed = rl.run(check_config(_config(), str(crashed)))
+    resumed = run(_config(), crashed)
     assert resumed["resumed_from"] == 2
     assert resumed["accuracy_before"] == summary["accuracy_before"]  # from the checkpoint
     _assert_same_steps(_rl_records(crashed), _rl_records(full))
@@ -104,7 +125,7 @@ def test_resume_repeats_the_uninterrupted_run(full_run, tmp_path):
 
 
 def test_nan_policy_stop_keeps_the_last_good_checkpoint_and_skip_discards_steps(
-        full_run, tmp_path):
+        run, full_run, tmp_path):
     full = full_run[0]
     work = tmp_path / "work"
     shutil.copytree(full, work)
@@ -118,12 +139,12 @@ def test_nan_policy_stop_keeps_the_last_good_checkpoint_and_skip_discards_steps(
     config.checkpoint.resume = "force"
     with pytest.raises(checkpoint.NonFiniteError,
                        match=r"RL step 4: .*critic/loss=inf.*latest checkpoint \(step 4\)"):
-        rl.run(check_config(config, str(work)))
+        run(config, work)
     assert sorted(int(p.name) for p in (work / "checkpoints").iterdir()) == [2, 4]
     _assert_items_equal(work, 4, full, 4)  # intact
 
     config.nan_policy = "skip"
-    summary = rl.run(check_config(config, str(work)))
+    summary = run(config, work)
     assert summary["resumed_from"] == 4 and summary["skipped_steps"] == 2
     records = _rl_records(work)
     assert [r["step"] for r in records] == list(range(6))
@@ -136,14 +157,15 @@ def test_nan_policy_stop_keeps_the_last_good_checkpoint_and_skip_discards_steps(
     assert host.step == 6 and host.iterator == {"epoch": 1, "batch": 2}
 
 
-def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_one(full_run, tmp_path, capfd):
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_one(run, full_run, tmp_path,
+                                                                   capfd):
     full, summary = full_run
     work = tmp_path / "work"
     shutil.copytree(full, work)
     victim = max((p for p in (work / "checkpoints/4/actor_params").rglob("*") if p.is_file()),
                  key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 3])  # truncated
-    resumed = rl.run(check_config(_config(), str(work)))
+    resumed = run(_config(), work)
     assert resumed["resumed_from"] == 2
     assert f"warning: checkpoint {work / 'checkpoints/4'} cannot be restored" in (
         capfd.readouterr().err)
@@ -151,14 +173,14 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_one(full_run, tmp_
     assert resumed["accuracy_after"] == summary["accuracy_after"]
 
 
-def test_no_intact_checkpoint_is_one_error_line(full_run, tmp_path):
+def test_no_intact_checkpoint_is_one_error_line(run, full_run, tmp_path):
     work = tmp_path / "work"
     shutil.copytree(full_run[0], work)
     for step in (2, 4):
         shutil.rmtree(work / f"checkpoints/{step}/actor_params")
     with pytest.raises(checkpoint.CheckpointError, match=r"checkpoint: none of the checkpoints "
                        r"\[2, 4\] in .* can be restored"):
-        rl.run(check_config(_config(), str(work)))
+        run(_config(), work)
 
 
 @pytest.mark.parametrize("change, keys", [
@@ -217,40 +239,47 @@ def test_changes_that_may_come_with_a_resume_are_accepted(full_run, tmp_path, ca
     assert sorted(p.name for p in (work / "checkpoints.replaced-1").iterdir()) == ["2", "4"]
 
 
-_SIGTERM_REWARD = """
+_SIGNAL_REWARD = """
 import json, os, pathlib, signal
 
-FLAG = pathlib.Path(__file__).with_name("sigterm.json")
+FLAG = pathlib.Path(__file__).with_name("signal.json")
 
 
 def reward(prompt, completion, answer):
-    # While FLAG exists: send SIGTERM to the trainer at the FLAG's call number (as SLURM would).
+    # While FLAG exists: send the FLAG's signal to the trainer at its call number (SIGTERM as
+    # SLURM would, SIGINT as Ctrl-C does).
     if FLAG.exists():
         flag = json.loads(FLAG.read_text())
         flag["calls"] += 1
         FLAG.write_text(json.dumps(flag))
         if flag["calls"] == flag["at"]:
             FLAG.unlink()
-            os.kill(flag["pid"], signal.SIGTERM)
+            os.kill(flag["pid"], flag["signal"])
     return float(sum(c.isdigit() for c in completion))
 """
 
 
-def test_sigterm_finishes_the_step_saves_and_a_rerun_resumes(full_run, tmp_path, capfd):
+@pytest.mark.parametrize("signum, said", [(signal.SIGTERM, "SIGTERM"),
+                                          (signal.SIGINT, "interrupt")], ids=["sigterm", "ctrl_c"])
+def test_sigterm_or_ctrl_c_finishes_the_step_saves_and_a_rerun_resumes(run, full_run, signum,
+                                                                     said, tmp_path, capfd):
     full, summary = full_run
-    (tmp_path / "term.py").write_text(_SIGTERM_REWARD)
+    (tmp_path / "term.py").write_text(_SIGNAL_REWARD)
     # One reward call per prompt: 16 for the held-out evaluation before RL (its mean reward),
     # then 16 per step: call 56 falls in RL step 2 (0-based).
-    (tmp_path / "sigterm.json").write_text(json.dumps({"pid": os.getpid(), "at": 56, "calls": 0}))
+    (tmp_path / "signal.json").write_text(json.dumps({"pid": os.getpid(), "at": 56, "calls": 0,
+                                                      "signal": int(signum)}))
     config = _config()
     config.reward.function = f"{tmp_path / 'term.py'}:reward"
     work = tmp_path / "work"
-    stopped = rl.run(check_config(config, str(work)))
+    stopped = run(config, work)
     assert stopped["interrupted"] and stopped["accuracy_after"] is None
-    assert "SIGTERM: finishing this step" in capfd.readouterr().out
-    assert sorted(int(p.name) for p in (work / "checkpoints").iterdir()) == [2, 3]  # 3: SIGTERM
+    out = capfd.readouterr().out
+    assert f"{said}: finishing this step" in out
+    assert "interrupted after RL step 2: checkpoint 3 saved" in out
+    assert sorted(int(p.name) for p in (work / "checkpoints").iterdir()) == [2, 3]  # 3: the stop
 
-    resumed = rl.run(check_config(config, str(work)))
+    resumed = run(config, work)
     assert resumed["resumed_from"] == 3 and not resumed["interrupted"]
     _assert_same_steps(_rl_records(work), _rl_records(full))  # the same reward values
     assert resumed["accuracy_after"] == summary["accuracy_after"]

@@ -46,53 +46,49 @@ import concurrent.futures
 import time
 
 import jax
-from tqdm import tqdm
 
 from jaxrlhf import checkpoint
 from jaxrlhf.data.encode import prompt_batch
 from jaxrlhf.engine.rollout import Rollout
 from jaxrlhf.mfc import Call, Role
-from jaxrlhf.run import async_procs
-from jaxrlhf.run.async_steps import (batch_metrics, drain_limit, draw_async_timeline, may_start,
-                                      trainer_runner)
+from jaxrlhf.data.datasets import EpochIterator
+from jaxrlhf.run import async_procs, async_steps, loop
+from jaxrlhf.run.async_steps import drain_limit, draw_async_timeline, trainer_runner
+from jaxrlhf.run.guards import StopRequest
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.rollout_worker import Generated, RolloutWorker
-from jaxrlhf.run.runner import LoopResult, Runner
+from jaxrlhf.run.runner import Runner
 
 
 _DENSE = 0.5  # occupied share of the generation slots worth a decode step beside an update
 
 
 class _Trainer:
-    """The training side: one step at a time in a worker thread."""
+    """The training side: one update at a time in a worker thread."""
 
-    def __init__(self, runner: Runner, guard: checkpoint.NanGuard):
-        self.runner, self.guard = runner, guard
+    def __init__(self):
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="async-train")
         self.busy_seconds = 0.0
 
-    def submit(self, done: Generated) -> concurrent.futures.Future:
-        def train():
+    def submit(self, train: loop.Train, done: Generated) -> concurrent.futures.Future:
+        """(step figures, discarded, (start, end) seconds) of training `done`, in the future."""
+        def timed():
             t0 = time.perf_counter()
-            before = self.guard.before_step(self.runner)
-            result = self.runner.step(done.buffer)
-            skipped = self.guard.after_step(self.runner, result.metrics, done.index, before)
+            result, skipped = train(done.buffer)
             self.busy_seconds += time.perf_counter() - t0
             return result, skipped, (t0, time.perf_counter())
 
-        return self.pool.submit(train)
+        return self.pool.submit(timed)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
-def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
-            evaluation_before: dict[str, float], held_out=None) -> LoopResult:
-    """RL steps from the runner's step index to spec.steps, asynchronously (module docstring).
 
-    Args, checkpoints and the periodic held-out evaluation (`held_out`, run between two
-    updates) as the synchronous loop (`jaxrlhf.run.rl.rl_loop`). A multi-process job runs
-    `async_procs.rl_loop` instead (a trainer process and generation replica processes).
-    """
+def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
+            evaluation_before: dict[str, float], held_out=None) -> loop.LoopResult:
+    """RL steps from the runner's step index to spec.steps, asynchronously (module docstring):
+    `loop.train` on a `LocalSource`; arguments as its. A multi-process job runs
+    `async_procs.rl_loop` instead (a trainer process and generation replica processes)."""
     if jax.process_count() > 1:
         return async_procs.rl_loop(job, runner, prompts, writer, checkpoints,
                                    evaluation_before, held_out)
@@ -100,119 +96,117 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
         raise async_procs.TopologyError(
             f"placement.gen_replicas={job.spec.placement.gen_replicas}: replicas run in "
             f"processes of their own (launch/local.sh {1 + job.spec.placement.gen_replicas} ...)")
-    spec, r = job.spec, job.spec.rollout
-    eta = spec.async_rl.max_staleness
-    (gen,) = [m for m in spec.graph.mfcs if m.role is Role.ACTOR and m.call is Call.GENERATE]
-    gen_layout = job.plan.layouts[gen.name]
-    trainer_run = trainer_runner(runner, gen.name)
-    micro = job.plan.micro_batches(gen.name)
-    rollout = Rollout(spec.base.config, r.generate(job.tokenizer), gen_layout, r.max_prompt_len,
-                      r.rows // micro)
-    worker = RolloutWorker(gen, rollout, gen_layout, spec.base.config, spec.seed,
-                           spec.async_rl.chunk_tokens, micro)
-    shared_cores = gen_layout.mesh.devices.flat[0].platform == "cpu"  # with the trainer
-    actor = runner.runtimes[Role.ACTOR]
-    trainer = _Trainer(trainer_run, checkpoint.NanGuard(spec.nan_policy, checkpoints))
-    clock_zero = time.perf_counter()
-    now = lambda: time.perf_counter() - clock_zero
-    version = trained = next_index = trainer_run.step_index
-    worker.publish(actor.params, version)
-    ready: dict[int, Generated] = {}  # finished batches by index (they finish in any order)
-    pending, pending_batch = None, None
-    timings, events, tokens_per_s, staleness_max = [], [], [], 0.0
-    last_end, busy_marks = now(), (0.0, 0.0)
-    bar = tqdm(range(trained, spec.steps), desc=f"{trainer_run.algorithm.name} (async η={eta})",
-               initial=trained, total=spec.steps, mininterval=1)
-    save = lambda: checkpoint.save_run(checkpoints, trainer_run, prompts, evaluation_before,
-                                       spec.config_json, job.fingerprint)
-    interrupted = False
-    with checkpoint.StopRequest() as stop:
-        while trained < spec.steps:
-            limit = drain_limit(trained, spec.steps, checkpoints.cfg.every)
-            can_start = next_index < limit and may_start(
-                next_index, version=worker.version, eta=eta,
-                next_needed=trained + (pending is not None), finished=ready)
-            # The CPU's cores are the trainer's too: a decode step with most slots idle there
-            # only delays the update beside it, so sparse slots decode only when the
-            # trainer waits for them (on accelerators generation has devices of its own).
-            needed = pending is None and trained not in ready
-            sparse = shared_cores and worker.occupancy < _DENSE
-            gen_can_work = (can_start and worker.accepts()) or (
-                worker.busy and (needed or not sparse))
-            if pending is not None and (pending.done() or not gen_can_work):
-                result, skipped, (t_start, t_end) = pending.result()
-                done, pending = pending_batch, None
-                trained = version = version + 1
-                worker.publish(actor.params, version)  # interrupts the batch in flight
-                window = max(now() - last_end, 1e-9)
-                last_end = now()
-                m = result.metrics
-                m.update(batch_metrics(done, version - 1, eta))
-                tokens = (result.stats[Role.ACTOR]["response_length"] + r.max_prompt_len) * r.rows
-                m["throughput/tokens_per_second"] = tokens / window
-                gen_busy, train_busy = worker.busy_seconds, trainer.busy_seconds
-                m["async/gen_busy"] = (gen_busy - busy_marks[0]) / window
-                m["async/train_busy"] = (train_busy - busy_marks[1]) / window
-                busy_marks = (gen_busy, train_busy)
-                if skipped:
-                    m["nan_skipped"] = 1.0
-                if held_out is not None and held_out.due(trained):  # no update is running
-                    m.update(held_out.periodic(actor.params_on(held_out.layout), trained,
-                                               runner.runtimes.get(Role.REWARD)))
-                staleness_max = max(staleness_max, m["async/staleness_max"])
-                if trained > 1:
-                    tokens_per_s.append((tokens, window))
-                writer.write(done.index, m)
-                timings.append(result.timing)
-                events += [(f"gen {done.index}", *done.seconds),
-                           (f"train {done.index}", t_start - clock_zero, t_end - clock_zero)]
-                bar.update(1)
-                bar.set_postfix(result.postfix(trainer_run.algorithm.shown))
-                stopping = stop.agreed()
-                if stopping:
-                    _rewind(prompts, ready, worker.drop())
-                if checkpoints.cfg.due(trained) or stopping:
-                    save()
-                if stopping:
-                    checkpoints.wait()
-                    print(f"interrupted after RL step {trained - 1}: checkpoint {trained} saved "
-                          f"in {checkpoints.directory}; run the same command again to resume",
-                          flush=True)
-                    interrupted = True
-                    break
-                continue
-            if pending is None and trained in ready:  # batch k is trained by update k
-                done = ready.pop(trained)
-                stale = done.staleness_bn(version).max()
-                if stale > eta:  # the throttle's invariant (module docstring)
-                    raise AssertionError(f"batch {done.index}: a token {stale} versions old "
-                                         f"(async_rl.max_staleness={eta})")
-                pending, pending_batch = trainer.submit(done), done
-                continue
-            if can_start and worker.accepts():
-                before = prompts.state()
-                batch = prompt_batch(next(prompts), job.tokenizer, r.max_prompt_len,
-                                     r.group_size)
-                worker.start(next_index, batch, before, now())
-                next_index += 1
-            elif gen_can_work:
-                ready.update((g.index, g) for g in worker.step(now))
-            elif pending is None:
-                raise AssertionError(f"async loop stalled at step {trained}: nothing to "
-                                     "generate or train")
-    trainer.close()
-    bar.close()
-    if not interrupted:
-        save()
-    if events and jax.process_index() == 0:
-        train = [m for m in spec.graph.calls_of(Role.ACTOR) if m.call is Call.TRAIN_STEP][0]
-        specs = {"gen": job.plan.specs[gen.name], "train": job.plan.specs[train.name]}
-        draw_async_timeline(events, str(job.workdir / "timeline_async.png"), specs)
-    seconds = sum(w for _, w in tokens_per_s)
-    extra = {"staleness_max": staleness_max,
-             "tokens_per_second": sum(t for t, _ in tokens_per_s) / seconds if seconds else None,
-             "weights_published_bytes": worker.published_bytes}
-    return LoopResult(timings, interrupted, trainer.guard.skipped, extra)
+    return loop.train(job, LocalSource(job, runner, prompts), writer, checkpoints,
+                      evaluation_before, held_out)
+
+
+class LocalSource:
+    """Generation in this thread runs ahead of training in a worker thread (`loop.Source`; the
+    module docstring has the schedule)."""
+
+    def __init__(self, job: Job, runner: Runner, prompts: EpochIterator):
+        spec, r = job.spec, job.spec.rollout
+        self.job, self.rows, self.eta = job, prompts, spec.async_rl.max_staleness
+        (self.gen,) = [m for m in spec.graph.mfcs
+                       if m.role is Role.ACTOR and m.call is Call.GENERATE]
+        gen_layout = job.plan.layouts[self.gen.name]
+        self.runner = trainer_runner(runner, self.gen.name)
+        self.desc = f"{runner.algorithm.name} (async η={self.eta})"
+        micro = job.plan.micro_batches(self.gen.name)
+        rollout = Rollout(spec.base.config, r.generate(job.tokenizer), gen_layout,
+                          r.max_prompt_len, r.rows // micro)
+        self.worker = RolloutWorker(self.gen, rollout, gen_layout, spec.base.config, spec.seed,
+                                    spec.async_rl.chunk_tokens, micro)
+        self.shared_cores = gen_layout.mesh.devices.flat[0].platform == "cpu"  # with training
+        self.actor = runner.runtimes[Role.ACTOR]
+        self.trainer = _Trainer()
+        self.clock_zero = time.perf_counter()
+        self.pace = async_steps.Pace(job, self.now)
+        self.version = self.next_index = self.runner.step_index  # = updates done
+        self.worker.publish(self.actor.params, self.version)
+        self.ready: dict[int, Generated] = {}  # finished batches by index (in any order)
+        self.pending: tuple[concurrent.futures.Future, Generated] | None = None
+        self.events = []  # (name, start, end) of every batch's generation and update
+
+    def now(self) -> float:
+        return time.perf_counter() - self.clock_zero
+
+    def next_update(self, train: loop.Train, stop: StopRequest) -> loop.Update:
+        del stop  # checked between updates (`stop_now`)
+        while True:
+            update = self._advance(train)
+            if update is not None:
+                return update
+
+    def _advance(self, train: loop.Train) -> loop.Update | None:
+        """One scheduling decision: collect the update, start one, admit a batch or decode."""
+        trained, worker = self.version, self.worker
+        limit = drain_limit(trained, self.job.spec.steps, self.job.spec.checkpoint.every)
+        can_start = self.next_index < limit and async_steps.may_start(
+            self.next_index, version=worker.version, eta=self.eta,
+            next_needed=trained + (self.pending is not None), finished=self.ready)
+        # The CPU's cores are the trainer's too: a decode step with most slots idle there only
+        # delays the update beside it, so sparse slots decode only when the trainer waits for
+        # them (on accelerators generation has devices of its own).
+        needed = self.pending is None and trained not in self.ready
+        sparse = self.shared_cores and worker.occupancy < _DENSE
+        gen_can_work = (can_start and worker.accepts()) or (
+            worker.busy and (needed or not sparse))
+        if self.pending is not None and (self.pending[0].done() or not gen_can_work):
+            return self._collect()
+        if self.pending is None and trained in self.ready:  # batch k is trained by update k
+            done = self.ready.pop(trained)
+            async_steps.check_staleness(done, self.version, self.eta)  # the throttle's
+            self.pending = self.trainer.submit(train, done), done
+        elif can_start and worker.accepts():
+            r = self.job.spec.rollout
+            before = self.rows.state()
+            batch = prompt_batch(next(self.rows), self.job.tokenizer, r.max_prompt_len,
+                                 r.group_size)
+            worker.start(self.next_index, batch, before, self.now())
+            self.next_index += 1
+        elif gen_can_work:
+            self.ready.update((g.index, g) for g in worker.step(self.now))
+        elif self.pending is None:
+            raise AssertionError(f"async loop stalled at step {trained}: nothing to generate "
+                                 "or train")
+        return None
+
+    def _collect(self) -> loop.Update:
+        """The pending update's result; the new weights go to generation."""
+        future, done = self.pending
+        result, skipped, (t_start, t_end) = future.result()
+        self.pending = None
+        self.version += 1
+        self.worker.publish(self.actor.params, self.version)  # interrupts the batch in flight
+        self.events += [(f"gen {done.index}", *done.seconds),
+                        (f"train {done.index}", t_start - self.clock_zero,
+                         t_end - self.clock_zero)]
+        return self.pace.update(done, result, skipped, self.version - 1,
+                                self.worker.busy_seconds, self.trainer.busy_seconds)
+
+    def stop_now(self, stop: StopRequest) -> bool:
+        """Stops at once: the generated-but-untrained batches are dropped and the prompts
+        rewound to the first of them (`_rewind`)."""
+        stopping = stop.agreed()
+        if stopping:
+            _rewind(self.rows, self.ready, self.worker.drop())
+        return stopping
+
+    def save(self, write) -> None:
+        write()
+
+    def close(self, interrupted: bool) -> dict:
+        self.trainer.close()
+        if self.events and jax.process_index() == 0:
+            spec = self.job.spec
+            train = [m for m in spec.graph.calls_of(Role.ACTOR)
+                     if m.call is Call.TRAIN_STEP][0]
+            specs = {"gen": self.job.plan.specs[self.gen.name],
+                     "train": self.job.plan.specs[train.name]}
+            draw_async_timeline(self.events, str(self.job.workdir / "timeline_async.png"),
+                                specs)
+        return {**self.pace.summary(), "weights_published_bytes": self.worker.published_bytes}
 
 
 def _rewind(prompts, ready: dict, inflight) -> None:

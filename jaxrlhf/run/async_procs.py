@@ -57,12 +57,15 @@ from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.parallel import watchdog
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.reshard import process_local, reshard
-from jaxrlhf.run.async_steps import batch_metrics, drain_limit, draw_async_timeline, trainer_runner
+from jaxrlhf.run import async_steps, loop
+from jaxrlhf.run.async_steps import drain_limit, draw_async_timeline, trainer_runner
+from jaxrlhf.run.guards import StopRequest
 from jaxrlhf.run.rollout_worker import Generated, RolloutWorker
 from jaxrlhf.run.channel import Channel, Deadline
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut
-from jaxrlhf.run.runner import LoopResult, Runner
+from jaxrlhf.run.loop import LoopResult
+from jaxrlhf.run.runner import Runner
 from jaxrlhf.engine.rollout import Rollout
 
 _POLL_S = 0.002
@@ -124,21 +127,16 @@ def _publish(params, shardings: list, version: int, mine: int):
 
 def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
             evaluation_before: dict[str, float], held_out=None) -> LoopResult:
-    """The asynchronous loop of a multi-process job (module docstring): the trainer's part in
-    process 0, a replica's in the others. Arguments as `async_loop.rl_loop`'s. The periodic
-    held-out evaluation (`held_out`, every `eval.every` updates) runs on the trainer alone, on
-    the generation layout moved onto its own devices: between updates only the trainer holds
-    the newest weights and runs, so a job-wide evaluation would wait for busy replicas."""
+    """The asynchronous loop of a multi-process job (module docstring): `loop.train` on a
+    `RemoteSource` in process 0, a replica's part (`_serve`) in the others. Arguments as
+    `async_loop.rl_loop`'s. The periodic held-out evaluation (`held_out`, every `eval.every`
+    updates) runs on the trainer alone, on the generation layout moved onto its own devices:
+    between updates only the trainer holds the newest weights and runs, so a job-wide
+    evaluation would wait for busy replicas."""
     (gen,) = [m for m in job.spec.graph.mfcs if m.role is Role.ACTOR and m.call is Call.GENERATE]
     layouts = replica_layouts(job, gen.name)
     shardings = [lay.param_shardings(abstract_params(job.spec.base.config)) for lay in layouts]
     chan = Channel(f"jaxrlhf/async/{runner.step_index}")
-
-    def save(run: Runner) -> None:  # every process, as one SPMD section (orbax is collective)
-        with process_local(False):
-            checkpoint.save_run(checkpoints, run, prompts, evaluation_before, job.spec.config_json,
-                                job.fingerprint)
-
     for runtime in runner.runtimes.values():
         runtime.drop_copies()  # from here the processes hold different parameter versions
     with process_local():
@@ -147,17 +145,19 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
             # the same evaluation on the trainer's own devices, with a reward pool of its own
             with (HeldOut(job, on_process(held_out.layout, 0)) if periodic
                   else contextlib.nullcontext()) as evaluation:
-                result = _Trainer(job, runner, gen, shardings, chan, save, evaluation).run(
-                    prompts, writer, checkpoints)
+                result = loop.train(job, RemoteSource(job, runner, gen, shardings, chan, prompts),
+                                    writer, checkpoints, evaluation_before, evaluation)
         else:
-            result = _serve(job, runner, gen, layouts, shardings, chan, save, prompts)
+            result = _serve(job, runner, gen, layouts, shardings, chan, prompts,
+                            lambda: loop.save(job, checkpoints, runner, prompts,
+                                              evaluation_before))
     for runtime in runner.runtimes.values():
         runtime.drop_copies()  # the SPMD program resumes: nobody keeps a stale copy
     return result
 
 
 def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list, chan: Channel,
-           save, prompts) -> LoopResult:
+           prompts, save) -> LoopResult:
     """Generation replica r = this process: publishes, work orders, batches until "stop"."""
     spec, r = job.spec, jax.process_index()
     layout = layouts[r - 1]
@@ -172,7 +172,7 @@ def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list
     orders, queue = 0, collections.deque()
     deadline = Deadline(watchdog.timeout_s() or 600.0, r)
     interrupted = False
-    with checkpoint.StopRequest():  # a signal to every process: the trainer decides
+    with StopRequest():  # a signal to every process: the trainer decides
         while True:
             if chan.peek(f"pub/{version + 1}"):
                 version += 1
@@ -189,7 +189,8 @@ def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list
                     case "save":
                         runner.restore(order["runner"])
                         prompts.restore(order["iterator"])
-                        save(runner)
+                        with process_local(False):  # every process: orbax is collective
+                            save()
                     case "stop":
                         interrupted = order["interrupted"]
                         break
@@ -235,24 +236,31 @@ class _Order:
     arrived: tuple | None = None  # (Generated, meta) once back
 
 
-class _Trainer:
-    """Process 0: issues work, trains arrived batches, publishes weights, saves."""
+class RemoteSource:
+    """Process 0 (`loop.Source`): issues work to the replicas, trains the batches they send
+    back, publishes weights; a stop drains (every issued batch is trained first)."""
 
-    def __init__(self, job: Job, runner: Runner, gen, shardings: list, chan: Channel, save,
-                 held_out: HeldOut | None = None):
-        self.job, self.spec, self.gen, self.held_out = job, job.spec, gen, held_out
+    def __init__(self, job: Job, runner: Runner, gen, shardings: list, chan: Channel, prompts):
+        self.job, self.spec, self.gen, self.rows = job, job.spec, gen, prompts
         self.runner = trainer_runner(runner, gen.name)
         self.actor = runner.runtimes[Role.ACTOR]
-        self.shardings, self.chan, self.save = shardings, chan, save
+        self.shardings, self.chan = shardings, chan
         self.eta = job.spec.async_rl.max_staleness
         self.replicas = len(shardings)
+        self.desc = f"{runner.algorithm.name} (async η={self.eta}, {self.replicas} replicas)"
         self.outstanding: dict[int, _Order] = {}
         self.arrivals: list[int] = []  # indices, in order of arrival
         self.orders = [0] * self.replicas
         self.queued = [0] * self.replicas
         self.gen_busy = [0.0] * self.replicas
+        self.train_busy = 0.0
         self.published_bytes = 0
         self.deadline = Deadline(watchdog.timeout_s() or 600.0, 0)
+        self.pace = async_steps.Pace(job, time.time)
+        self.events = []  # (name, start, end) of every batch's generation and update
+        self.stopping = False
+        self.version = self.next_index = self.runner.step_index  # = updates done
+        self._publish(self.version)
 
     def _order(self, replica: int, message: dict) -> None:
         self.chan.put(f"order/{replica}/{self.orders[replica - 1]}", message)
@@ -262,12 +270,13 @@ class _Trainer:
         self.chan.put(f"pub/{version}", {})
         self.published_bytes += _publish(self.actor.params, self.shardings, version, 0)[1]
 
-    def _issue(self, prompts, index: int, version: int) -> None:
+    def _issue(self, index: int, version: int) -> None:
         """Batch `index` to the replica with the fewest orders."""
         replica = 1 + int(np.argmin(self.queued))
-        before = prompts.state()
+        before = self.rows.state()
         r = self.spec.rollout
-        batch = prompt_batch(next(prompts), self.job.tokenizer, r.max_prompt_len, r.group_size)
+        batch = prompt_batch(next(self.rows), self.job.tokenizer, r.max_prompt_len,
+                             r.group_size)
         self._order(replica, {"kind": "gen", "index": index, "iterator": before.to_dict()})
         self.queued[replica - 1] += 1
         self.outstanding[index] = _Order(index, replica, version + self.eta, batch)
@@ -296,106 +305,66 @@ class _Trainer:
                 return self.outstanding[index]
         return None
 
-    def run(self, prompts, writer, checkpoints) -> LoopResult:
-        spec, eta, r = self.spec, self.eta, self.spec.rollout
-        version = trained = next_index = self.runner.step_index
-        self._publish(version)
-        guard = checkpoint.NanGuard(spec.nan_policy, checkpoints)
-        timings, events, tokens_per_s, staleness_max = [], [], [], 0.0
-        last_end, train_busy, marks = time.time(), 0.0, (0.0, 0.0)
-        stopping = interrupted = False
-        with checkpoint.StopRequest() as stop:
-            while trained < spec.steps:
-                stopping = stopping or stop.requested
-                limit = (next_index if stopping
-                         else drain_limit(trained, spec.steps, checkpoints.cfg.every))
-                while (next_index < limit and min(self.queued) <= _QUEUE and schedulable(
-                        [o.deadline for o in self.outstanding.values()] + [version + eta],
-                        version)):
-                    self._issue(prompts, next_index, version)
-                    next_index += 1
-                self._receive()
-                order = self._choose(version)
-                if order is None:
-                    if not self.outstanding and stopping:
-                        interrupted = self._stop(prompts, checkpoints, trained)
-                        break
-                    self.deadline.check(lambda: waiting_for(trained, {
-                        k: o.replica for k, o in self.outstanding.items()}))
-                    time.sleep(_POLL_S)
-                    continue
-                done, meta = order.arrived
-                stale = done.staleness_bn(version).max()
-                if stale > eta:  # the schedule's invariant (module docstring)
-                    raise AssertionError(f"batch {done.index}: a token {stale} versions old "
-                                         f"(async_rl.max_staleness={eta})")
-                del self.outstanding[order.index]
-                self.arrivals.remove(order.index)
-                t0 = time.time()
-                before = guard.before_step(self.runner)
-                result = self.runner.step(done.buffer)
-                skipped = guard.after_step(self.runner, result.metrics, done.index, before)
-                t1 = time.time()
-                train_busy += t1 - t0
-                trained = version = version + 1
-                self._publish(version)
-                self.deadline.progress()
-                window = max(time.time() - last_end, 1e-9)
-                last_end = time.time()
-                m = result.metrics
-                m.update(batch_metrics(done, version - 1, eta))
-                tokens = (result.stats[Role.ACTOR]["response_length"] + r.max_prompt_len) * r.rows
-                m["throughput/tokens_per_second"] = tokens / window
-                m["async/gen_busy"] = (sum(self.gen_busy) - marks[0]) / window / self.replicas
-                m["async/train_busy"] = (train_busy - marks[1]) / window
-                m["async/replica"] = float(meta["replica"])
-                m["async/batch"] = float(done.index)  # batches arrive (and train) in any order
-                marks = (sum(self.gen_busy), train_busy)
-                if skipped:
-                    m["nan_skipped"] = 1.0
-                if self.held_out is not None and self.held_out.due(trained):
-                    m.update(self.held_out.periodic(
-                        self.actor.params_on(self.held_out.layout), trained,
-                        self.runner.runtimes.get(Role.REWARD)))
-                    self.deadline.progress()  # evaluating is not waiting for the replicas
-                staleness_max = max(staleness_max, m["async/staleness_max"])
-                if trained > 1:
-                    tokens_per_s.append((tokens, window))
-                writer.write(trained - 1, m)  # the update's number: rows stay in order
-                timings.append(result.timing)
-                events += [(f"gen {done.index}", *done.seconds), (f"train {done.index}", t0, t1)]
-                if stopping and not self.outstanding:
-                    interrupted = self._stop(prompts, checkpoints, trained)
-                    break
-                if not self.outstanding and checkpoints.cfg.due(trained):
-                    self._save(prompts)
-        if not interrupted:
-            self._save(prompts)
-        for replica in range(1, self.replicas + 1):
-            self._order(replica, {"kind": "stop", "interrupted": interrupted})
-        self._draw(events)
-        seconds = sum(w for _, w in tokens_per_s)
-        extra = {"staleness_max": staleness_max,
-                 "tokens_per_second": sum(t for t, _ in tokens_per_s) / seconds if seconds
-                 else None,
-                 "weights_published_bytes": self.published_bytes,
-                 "gen_replicas": self.replicas}
-        return LoopResult(timings, interrupted, guard.skipped, extra)
+    def next_update(self, train: loop.Train, stop: StopRequest) -> loop.Update | None:
+        self.deadline.progress()  # the loop's own work (evaluation, saves) is not waiting
+        while True:
+            self.stopping = self.stopping or stop.requested
+            limit = (self.next_index if self.stopping else
+                     drain_limit(self.version, self.spec.steps, self.spec.checkpoint.every))
+            while (self.next_index < limit and min(self.queued) <= _QUEUE and schedulable(
+                    [o.deadline for o in self.outstanding.values()] + [self.version + self.eta],
+                    self.version)):
+                self._issue(self.next_index, self.version)
+                self.next_index += 1
+            self._receive()
+            order = self._choose(self.version)
+            if order is not None:
+                return self._train(train, order)
+            if not self.outstanding and self.stopping:
+                return None
+            self.deadline.check(lambda: waiting_for(self.version, {
+                k: o.replica for k, o in self.outstanding.items()}))
+            time.sleep(_POLL_S)
 
-    def _stop(self, prompts, checkpoints, trained: int) -> bool:
-        """A stop, drained: every issued batch is trained; save, say so."""
-        self._save(prompts)
-        checkpoints.wait()
-        print(f"interrupted after RL step {trained - 1}: checkpoint {trained} saved in "
-              f"{checkpoints.directory}; run the same command again to resume", flush=True)
-        return True
+    def _train(self, train: loop.Train, order: _Order) -> loop.Update:
+        """The update on an arrived batch; the new weights go to every replica."""
+        done, meta = order.arrived
+        async_steps.check_staleness(done, self.version, self.eta)  # the schedule's invariant
+        del self.outstanding[order.index]
+        self.arrivals.remove(order.index)
+        t0 = time.time()
+        result, skipped = train(done.buffer)
+        t1 = time.time()
+        self.train_busy += t1 - t0
+        self.version += 1
+        self._publish(self.version)
+        self.deadline.progress()
+        self.events += [(f"gen {done.index}", *done.seconds), (f"train {done.index}", t0, t1)]
+        update = self.pace.update(done, result, skipped, self.version - 1,
+                                  sum(self.gen_busy) / self.replicas, self.train_busy)
+        update.figures["async/replica"] = float(meta["replica"])
+        update.figures["async/batch"] = float(done.index)  # batches arrive in any order
+        return update
 
-    def _save(self, prompts) -> None:
+    def stop_now(self, stop: StopRequest) -> bool:
+        """Stops once a stop was asked and every issued batch is trained (drained)."""
+        self.stopping = self.stopping or stop.requested
+        return self.stopping and not self.outstanding
+
+    def save(self, write) -> None:
         """Collective: every replica saves with this runner's state and prompt position."""
         for replica in range(1, self.replicas + 1):
             self._order(replica, {"kind": "save", "runner": self.runner.state(),
-                                  "iterator": prompts.state().to_dict()})
-        self.save(self.runner)
+                                  "iterator": self.rows.state().to_dict()})
+        with process_local(False):  # every process, as one SPMD section (orbax is collective)
+            write()
+
+    def close(self, interrupted: bool) -> dict:
+        for replica in range(1, self.replicas + 1):
+            self._order(replica, {"kind": "stop", "interrupted": interrupted})
+        self._draw(self.events)
+        return {**self.pace.summary(), "weights_published_bytes": self.published_bytes,
+                "gen_replicas": self.replicas}
 
     def _draw(self, events) -> None:
         if not events:

@@ -1,11 +1,13 @@
-"""What both asynchronous loops do around a training step (one process: async_loop.py;
+"""What both asynchronous sources do around a training step (one process: async_loop.py;
 trainer and replica processes: async_procs.py): the trainer's part of the graph, the
-checkpoint drain, a batch's staleness metrics, the generation/training timeline, the result.
+checkpoint drain, a batch's staleness metrics, the updates' pace (windows, busy shares, the
+summary's figures), the generation/training timeline.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Container
 
 import numpy as np
@@ -13,8 +15,10 @@ import numpy as np
 from jaxrlhf.dataflow.graph import build_graph
 from jaxrlhf.dataflow.scheduler import MFCTiming, Scheduler, StepTiming
 from jaxrlhf.dataflow.timeline import draw_timeline
+from jaxrlhf.run import loop
+from jaxrlhf.run.check import Job
 from jaxrlhf.run.rollout_worker import Generated
-from jaxrlhf.run.runner import Runner
+from jaxrlhf.run.runner import Runner, StepResult
 
 
 def trainer_runner(runner: Runner, gen_name: str) -> Runner:
@@ -46,6 +50,16 @@ def may_start(index: int, *, version: int, eta: int, next_needed: int,
     return index <= version + eta and (index <= next_needed or next_needed not in finished)
 
 
+def check_staleness(done: Generated, version: int, eta: int) -> None:
+    """Before batch `done` is trained with weights of `version`: no token of it may be more
+    than η versions old (the invariant both schedules keep; module docstrings of
+    async_loop.py and async_procs.py)."""
+    stale = done.staleness_bn(version).max()
+    if stale > eta:
+        raise AssertionError(f"batch {done.index}: a token {stale} versions old "
+                             f"(async_rl.max_staleness={eta})")
+
+
 def batch_metrics(done: Generated, version: int, eta: int) -> dict[str, float]:
     """Staleness distribution and interruptions of the batch trained at `version`, with its
     generation seconds, its longest response and the decode padding: the share of the
@@ -68,6 +82,45 @@ def batch_metrics(done: Generated, version: int, eta: int) -> dict[str, float]:
     out["async/response_length_longest"] = float(longest)
     out["async/decode_padding_frac"] = done.slots_idle
     return out
+
+
+class Pace:
+    """The updates of an asynchronous source, one after the other: each update's window (the
+    wall time since the previous one ended: its throughput's seconds), the generation and
+    training busy shares in it, its batch's staleness figures; and the summary's staleness
+    maximum and tokens/s (over the updates after the first, which compiles).
+
+    Args:
+      job: the checked job.
+      clock: the windows' clock (seconds; the events of the source's timeline use it too).
+    """
+
+    def __init__(self, job: Job, clock=time.perf_counter):
+        self.job, self.clock = job, clock
+        self.last_end, self.busy_marks = clock(), (0.0, 0.0)
+        self.staleness_max, self.tokens_windows = 0.0, []
+
+    def update(self, done: Generated, result: StepResult, skipped: bool, version: int,
+               gen_busy: float, train_busy: float) -> loop.Update:
+        """The update that trained batch `done` with weights of `version` (then version + 1),
+        with generation busy `gen_busy` and training `train_busy` seconds so far."""
+        window = max(self.clock() - self.last_end, 1e-9)
+        self.last_end = self.clock()
+        figures = batch_metrics(done, version, self.job.spec.async_rl.max_staleness)
+        figures["async/gen_busy"] = (gen_busy - self.busy_marks[0]) / window
+        figures["async/train_busy"] = (train_busy - self.busy_marks[1]) / window
+        self.busy_marks = (gen_busy, train_busy)
+        self.staleness_max = max(self.staleness_max, figures["async/staleness_max"])
+        if version > 0:
+            self.tokens_windows.append((loop.tokens(self.job, result), window))
+        return loop.Update(result, skipped, window, figures)
+
+    def summary(self) -> dict:
+        seconds = sum(w for _, w in self.tokens_windows)
+        return {"staleness_max": self.staleness_max,
+                "tokens_per_second": (sum(t for t, _ in self.tokens_windows) / seconds
+                                      if seconds else None)}
+
 
 def draw_async_timeline(events: list, path: str, specs: dict[str, str]) -> None:
     """The generation and training timeline (one bar per batch and per update) as a PNG: a

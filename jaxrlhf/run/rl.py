@@ -1,5 +1,6 @@
 """The training job, RL or offline: data, optional supervised warm start, held-out evaluation,
-the step loop, reports.
+the training loop (`run/loop.py`, fed by the synchronous `StepSource` here or, with
+`async_rl.max_staleness` > 0, by an asynchronous source), reports.
 
 `run(job)` prints a progress bar, writes metrics.jsonl, TensorBoard events and (RL) per-step
 timelines to the workdir, and returns a summary (held-out figures before/after, seconds) that
@@ -27,7 +28,6 @@ import time
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from jaxrlhf import checkpoint
 from jaxrlhf.algorithms.spec import BatchKind
@@ -36,10 +36,11 @@ from jaxrlhf.data.encode import preference_batch, prompt_batch, sft_batch
 from jaxrlhf.dataflow.timeline import draw_timeline, time_table
 from jaxrlhf.metrics import METRICS_FILE, MetricsWriter
 from jaxrlhf.mfc import Role
-from jaxrlhf.run import async_loop, build
+from jaxrlhf.run import async_loop, build, loop
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut, evaluator
-from jaxrlhf.run.runner import LoopResult, Runner, StepResult
+from jaxrlhf.run.guards import StopRequest
+from jaxrlhf.run.runner import Runner
 
 
 @contextlib.contextmanager
@@ -55,16 +56,16 @@ def begin(job: Job):
         if start.resume is not None:
             print(f"resuming from checkpoint {start.step} in {start.checkpoints.directory}",
                   flush=True)
-            checkpoint.trim_metrics(metrics, start.step)
+            loop.trim_metrics(metrics, start.step)
             yield start, None
             return
         if job.warm_start is None:
-            checkpoint.trim_metrics(metrics, 0, 0)
+            loop.trim_metrics(metrics, 0, 0)
             yield start, None
             return
         directory = job.workdir / checkpoint.CHECKPOINT_DIR / checkpoint.WARM_START_DIR
         with build.start(job.warm_start, directory) as warm:
-            checkpoint.trim_metrics(metrics, 0, warm.step)
+            loop.trim_metrics(metrics, 0, warm.step)
             yield start, warm
 
 
@@ -97,62 +98,47 @@ def encode(job: Job, rows: list) -> dict[str, np.ndarray]:
             return preference_batch(rows, tokenizer, r.max_prompt_len, r.max_new_tokens)
 
 
-def _name(job: Job) -> str:
-    """What the job's messages call its training ("RL", or the offline algorithm's name)."""
-    return job.spec.algorithm.name if job.spec.algorithm.offline else "RL"
+class StepSource:
+    """The synchronous source (`loop.Source`): each update runs the runner's whole graph on the
+    next rows (RL: generated in the step from prompts; offline: the training rows); RL draws
+    the first and last steps' timelines."""
 
+    def __init__(self, job: Job, runner: Runner, rows: EpochIterator):
+        self.job, self.runner, self.rows = job, runner, rows
+        self.desc = runner.algorithm.name
 
-def _rl_figures(job: Job, runner: Runner, held_out: HeldOut | None, step: int,
-                result: StepResult, record: dict) -> None:
-    """An RL step's own figures in its record: throughput, the held-out evaluation every
-    `eval.every` steps (eval/*); and the first and last steps' timelines."""
-    r = job.spec.rollout
-    tokens = result.stats[Role.ACTOR]["response_length"] + r.max_prompt_len
-    record["throughput/tokens_per_second"] = tokens * r.rows / result.timing.seconds
-    if held_out is not None and held_out.due(step + 1):
-        actor = runner.runtimes[Role.ACTOR]
-        record.update(held_out.periodic(actor.params_on(held_out.layout), step + 1,
-                                        runner.runtimes.get(Role.REWARD)))
-    if step in (0, job.spec.steps - 1) and jax.process_index() == 0:
-        draw_timeline(result.timing, job.plan.specs, str(job.workdir / f"timeline_{step}.png"))
+    def next_update(self, train: loop.Train, stop: StopRequest) -> loop.Update:
+        del stop  # a step always ends at a boundary the loop can stop at
+        step, spec = self.runner.step_index, self.job.spec
+        result, skipped = train(encode(self.job, next(self.rows)))
+        if (not spec.algorithm.offline and step in (0, spec.steps - 1)
+                and jax.process_index() == 0):
+            draw_timeline(result.timing, self.job.plan.specs,
+                          str(self.job.workdir / f"timeline_{step}.png"))
+        return loop.Update(result, skipped, result.timing.seconds)
+
+    def stop_now(self, stop: StopRequest) -> bool:
+        return stop.agreed()
+
+    def save(self, write) -> None:
+        write()
+
+    def close(self, interrupted: bool) -> dict:
+        return {}
 
 
 def rl_loop(job: Job, runner: Runner, rows: EpochIterator, writer,
             checkpoints: checkpoint.Checkpointer, evaluation_before: dict[str, float],
-            held_out: HeldOut | None = None, *, what: str = "", prefix: str = "") -> LoopResult:
-    """The synchronous loop (RL, offline, the warm start): steps from the runner's step index to
-    spec.steps on `encode(job, next(rows))`, with the NaN policy and checkpoints (on the
-    cadence, on Ctrl-C/SIGTERM: the loop stops, and at the end); RL steps add `_rl_figures`.
-    `what` names the loop in the stop message (default `_name(job)`); `prefix` goes before
-    every metric name (the warm start's "sft/")."""
-    spec, what = job.spec, what or _name(job)
-    guard = checkpoint.NanGuard(spec.nan_policy, checkpoints, what)
-    save = lambda: checkpoint.save_run(checkpoints, runner, rows, evaluation_before,
-                                       spec.config_json, job.fingerprint)
-    timings = []
-    bar = tqdm(range(runner.step_index, spec.steps), desc=runner.algorithm.name,
-               initial=runner.step_index, total=spec.steps, mininterval=1)
-    with checkpoint.StopRequest() as stop:
-        for step in bar:
-            batch = encode(job, next(rows))
-            saved = guard.before_step(runner)
-            result = runner.step(batch)
-            record = result.metrics
-            if guard.after_step(runner, record, step, saved):
-                record["nan_skipped"] = 1.0
-            if not spec.algorithm.offline:
-                _rl_figures(job, runner, held_out, step, result, record)
-            writer.write(step, {prefix + k: v for k, v in record.items()})
-            timings.append(result.timing)
-            bar.set_postfix(result.postfix(runner.algorithm.shown))
-            if checkpoint.save_if_due(checkpoints, stop, step + 1, save, what):
-                return LoopResult(timings, True, guard.skipped)
-    save()
-    return LoopResult(timings, False, guard.skipped)
+            held_out: HeldOut | None = None, *, what: str = "",
+            prefix: str = "") -> loop.LoopResult:
+    """The synchronous loop (RL, offline, the warm start): `loop.train` on a `StepSource`;
+    arguments as its."""
+    return loop.train(job, StepSource(job, runner, rows), writer, checkpoints,
+                      evaluation_before, held_out, what=what, prefix=prefix)
 
 
 def summary(job: Job, t0: float, start: build.JobStart, runner: Runner | None,
-            loop: LoopResult | None, before: dict, after: dict | None) -> dict:
+            ended: loop.LoopResult | None, before: dict, after: dict | None) -> dict:
     """The job's last line: each held-out figure (accuracy and reward at least) before and
     after training (None where not measured) and how the run went; no runner or loop when the
     warm start was stopped."""
@@ -162,8 +148,8 @@ def summary(job: Job, t0: float, start: build.JobStart, runner: Runner | None,
             "seconds": time.perf_counter() - t0, "steps": job.spec.steps,
             "workdir": str(job.workdir), "recompiles": runner and runner.compiles,
             "resumed_from": None if start.resume is None else start.resume.step,
-            "interrupted": loop is None or loop.interrupted,
-            "skipped_steps": loop and loop.skipped, **(loop and loop.extra or {})}
+            "interrupted": ended is None or ended.interrupted,
+            "skipped_steps": ended and ended.skipped, **(ended and ended.extra or {})}
 
 
 def _shown(metrics: dict[str, float]) -> str:
@@ -176,7 +162,7 @@ def run(job: Job) -> dict:
     """The whole job; returns the summary dict printed as the last line."""
     t0 = time.perf_counter()
     spec, workdir, offline = job.spec, job.workdir, job.spec.algorithm.offline
-    what = _name(job)
+    what = loop.name(job)
     with (begin(job) as (start, warm), MetricsWriter(workdir) as writer,
           HeldOut(job) as held_out,
           build.host_pools(spec) as pools):  # offline graphs have no host MFCs
@@ -191,9 +177,9 @@ def run(job: Job) -> dict:
             print(f"held-out before {what}: {_shown(before)}", flush=True)
             # async_rl.max_staleness > 0: generation runs ahead (run/async_loop.py)
             loop_fn = async_loop.rl_loop if spec.async_rl.max_staleness else rl_loop
-            loop = loop_fn(job, runner, start.rows(), writer, start.checkpoints, before,
-                           held_out)
-        after = None if loop.interrupted else evaluate()
+            ended = loop_fn(job, runner, start.rows(), writer, start.checkpoints, before,
+                            held_out)
+        after = None if ended.interrupted else evaluate()
         if after is not None and offline:
             writer.write(spec.steps, {f"eval/{k}_{when}": v for when, m in
                                       (("before", before), ("after", after))
@@ -201,5 +187,5 @@ def run(job: Job) -> dict:
     if after is not None:
         print(f"held-out after {what}:  {_shown(after)}")
     if not offline:
-        print(time_table(loop.timings[1:] or loop.timings, job.plan.specs))
-    return summary(job, t0, start, runner, loop, before, after)
+        print(time_table(ended.timings[1:] or ended.timings, job.plan.specs))
+    return summary(job, t0, start, runner, ended, before, after)

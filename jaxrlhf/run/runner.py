@@ -66,23 +66,6 @@ class StepResult:
         return out
 
 
-@dataclasses.dataclass
-class LoopResult:
-    """How a training loop (synchronous or asynchronous) ended.
-
-    Attributes:
-      timings: the steps' schedules (StepTiming), in order.
-      interrupted: stopped by Ctrl-C/SIGTERM (after saving a checkpoint).
-      skipped: steps discarded by nan_policy=skip.
-      extra: more figures for the job's summary line.
-    """
-
-    timings: list
-    interrupted: bool
-    skipped: int
-    extra: dict = dataclasses.field(default_factory=dict)
-
-
 class Runner:
     """One algorithm on one placement.
 
