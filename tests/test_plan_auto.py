@@ -21,11 +21,11 @@ ROWS = 16
 
 
 def _rows_per_call(engine) -> int:
-    """Rows of the token batch one compiled call of a generate/inference engine takes."""
-    (compiled,) = engine.compile_cache.executables()
-    ints = [a for a in jax.tree.leaves(compiled.args_info) if a.dtype == np.int32 and
-            len(a.shape) == 2]
-    return ints[0].shape[0]
+    """Rows of the token batch one call of a generate/inference engine takes: the most rows
+    of any int32 [rows, length] argument of its executables (the rollout engine's slots)."""
+    return max(a.shape[0] for compiled in engine.compile_cache.executables()
+               for a in jax.tree.leaves(compiled.args_info)
+               if a.dtype == np.int32 and len(a.shape) == 2)
 
 
 def runtime_plan(runner, batch_rows: int) -> ExecutionPlan:

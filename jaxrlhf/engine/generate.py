@@ -381,7 +381,7 @@ class Generator(BucketedCall):
             response_bn=out["sequences_bs"][:, bucket:], response_mask_bn=response_mask_bn,
             logprobs_bn=out["logprobs_bn"],
             response_lengths_b=response_mask_bn.sum(axis=1, dtype=np.int32))
-        return GenerateOutput(*jax.device_put(tuple(host), tuple(self._out_shardings)))
+        return GenerateOutput(*transfer(tuple(host), tuple(self._out_shardings)))
 
 
 def make_generate_fn(

@@ -59,7 +59,7 @@ from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
 from jaxrlhf.parallel.pipeline import Pipeline
-from jaxrlhf.parallel.reshard import fetch
+from jaxrlhf.parallel.reshard import fetch, transfer
 
 NO_VERSION = -1  # versions_bn where no token was sampled
 _MIN_CAPACITY = 16
@@ -430,7 +430,7 @@ class Rollout:
         return self.compile_cache.get((self.prompt_len, *key), lower)(*args)
 
     def _version(self, version: int) -> jax.Array:
-        return jax.device_put(np.int32(version), self._scalar)
+        return transfer(np.int32(version), self._scalar)
 
     def empty(self, slots: int | None = None, capacity: int | None = None) -> SlotState:
         """Every slot free: `slots` (default the engine's) rows with a cache of `capacity`
@@ -475,13 +475,14 @@ class Rollout:
         u, size = (_pow2(-(-n // dp)) * dp for n in (len(first_u), k))
         pad = lambda x, n: np.concatenate([x, np.repeat(x[-1:], n - len(x), 0)])
         rows = self.layout.batch_sharding(1), self.layout.batch_sharding(2)
-        tokens_up, mask_up = jax.device_put(
-            (pad(tokens_kp[first_u], u), pad(mask_kp[first_u], u)), rows[1])
+        tokens_up, mask_up = transfer(
+            (pad(tokens_kp[first_u], u), pad(mask_kp[first_u], u)), (rows[1], rows[1]))
         # Padding targets point at slot S: out of range, their writes are dropped.
         slots_k = np.concatenate([slots_k, np.full(size - k, slots, np.int32)])
-        index = jax.device_put((slots_k, pad(src_k.astype(np.int32), size)), self._scalar)
-        keys_k = jax.device_put(jnp.stack(keys + keys[-1:] * (size - k)), rows[0])
-        rows_k, limits_k = jax.device_put((pad(rows_k, size), pad(limits_k, size)), rows[0])
+        index = transfer((slots_k, pad(src_k.astype(np.int32), size)),
+                         (self._scalar, self._scalar))
+        keys_k = transfer(jnp.stack(keys + keys[-1:] * (size - k)), rows[0])
+        rows_k, limits_k = transfer((pad(rows_k, size), pad(limits_k, size)), (rows[0], rows[0]))
         fn = functools.partial(_fill, self.model, self.cfg)
         return self._run(("fill", slots, capacity, u, size), (slots, capacity), fn, params, state,
                          *index, tokens_up, mask_up, keys_k, rows_k, limits_k,
@@ -519,10 +520,10 @@ class Rollout:
                 src_here
             pick_u[device * u:device * u + len(first)] = rows_here[first]
         row, rows = self.layout.batch_sharding(1), self.layout.batch_sharding(2)
-        tokens_up, mask_up = jax.device_put((tokens_kp[pick_u], mask_kp[pick_u]), rows)
-        keys_k = jax.device_put(jnp.stack([keys[i] for i in pick_t]), row)
-        rows_k, limits_k, local_k, src_k = jax.device_put(
-            (rows_k[pick_t], limits_k[pick_t], local, src), row)
+        tokens_up, mask_up = transfer((tokens_kp[pick_u], mask_kp[pick_u]), (rows, rows))
+        keys_k = transfer(jnp.stack([keys[i] for i in pick_t]), row)
+        rows_k, limits_k, local_k, src_k = transfer(
+            (rows_k[pick_t], limits_k[pick_t], local, src), (row,) * 4)
         fn = self._on_each_device(functools.partial(_fill, self.model, self.cfg), slots, capacity,
                                   row.spec, row.spec, rows.spec, rows.spec, row.spec, row.spec,
                                   row.spec)
@@ -585,7 +586,7 @@ class Rollout:
         fn = functools.partial(_advance, self.model, self.cfg)
         if self._per_device:
             fn = self._on_each_device(fn, slots, capacity, PartitionSpec())
-        steps = jax.device_put(np.int32(num_steps), self._scalar)
+        steps = transfer(np.int32(num_steps), self._scalar)
         return self._run(("advance", slots, capacity), (slots, capacity), fn, params, state,
                          steps, self._version(version), donate=(1,))
 
@@ -594,7 +595,7 @@ class Rollout:
         the data-parallel size); `poll`'s decode counts restart at 0."""
         slots, capacity = self.size(state)
         check_batch_divisible(self.layout, len(keep), "compacted slots")
-        keep_m = jax.device_put(np.asarray(keep, np.int32), self._scalar)
+        keep_m = transfer(np.asarray(keep, np.int32), self._scalar)
         return self._run(("compact", slots, capacity, len(keep)), (len(keep), capacity),
                          _compact, state, keep_m)
 

@@ -10,7 +10,11 @@ One MFC on its own (`call_memory`), per device:
     the head run one after the other, so the larger of one layer's forward peak and the logits
     phase (generation adds the second cache copy its layer scan writes); the runtime's
     attention materialises fp32 scores [heads, query, slot], which dominate at long context;
-  * kv_cache (generate): keys and values of every slot of every row;
+  * kv_cache (pipelined generate): keys and values of every slot of every row;
+  * state (generate on the rollout engine): its slots' KV cache at full capacity, an argument
+    every executable of the engine takes and gives back (donated: one copy), so XLA counts it
+    with the batch arguments, not the temporaries; the prefill (a fill) and the decode loop (an
+    advance) are executables of their own, and the larger of the two is the peak;
   * logits (train): fp32 logits over the (tensor-sharded) vocabulary, with the log-softmax and
     its gradient;
   * gathered: a layer's largest weight matrix sliced out of the scanned stack or all-gathered
@@ -63,6 +67,7 @@ class MemoryBreakdown:
     kv_cache: int = 0
     logits: int = 0
     gathered: int = 0
+    state: int = 0
 
     @property
     def arguments(self) -> int:
@@ -75,7 +80,7 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> int:
-        return self.arguments + self.temporaries
+        return self.arguments + self.state + self.temporaries
 
     def describe(self) -> str:
         parts = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
@@ -217,7 +222,16 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             peak = max(forward_peak_bytes(p, tokens, s, t), _logit_bytes(p, tokens, t, 2))
             return MemoryBreakdown(params=params, gathered=gathered,
                                    activations=int(peak + _stage_buffers(p, choice, tokens)))
-        case Call.GENERATE:
+        case Call.GENERATE if stages == 1:  # the rollout engine (`engine.rollout`)
+            kv_per_token = p.kv_bytes_per_token() / t
+            tokens = rows * work.prompt_len
+            # A fill prefills the prompts into a fresh cache of their own, then into the slots.
+            prefill = (max(forward_peak_bytes(p, tokens, work.prompt_len, t),
+                           _logit_bytes(p, rows, t, 1)) + tokens * kv_per_token)
+            decode = forward_peak_bytes(p, rows, s, t) + _logit_bytes(p, rows, t, 2)
+            return MemoryBreakdown(params=params, activations=int(max(prefill, decode)),
+                                   gathered=gathered, state=int(rows * s * kv_per_token))
+        case Call.GENERATE:  # a pipeline's static batch
             tokens = rows * work.prompt_len  # the prefill, then a decode step is far smaller
             # Pipelined decoding keeps every micro-batch in flight, each stage its layers' cache.
             in_flight = choice.micro_batches if stages > 1 else 1
