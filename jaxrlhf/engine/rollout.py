@@ -379,6 +379,11 @@ class Rollout:
         self.cfg, self.layout = gen_config, layout
         self.prompt_len, self.slots = prompt_len, slots
         self.by_layer = isinstance(self.model.layer_stack, LayerByLayer)
+        # Prompts (a fill, a reload) run many tokens through each layer once: the scanned stack
+        # slices one layer's weights at a time, where layer by layer holds a copy of them all
+        # (worth it only inside the token loop, `engine.decode_layers`).
+        self.prefill_model = (Transformer(model_config.replace(scan_layers=True))
+                              if self.by_layer else self.model)
         self.compile_cache = CompileCache("rollout") if compile_cache is None else compile_cache
         self._scalar = layout.replicated()
         # Each data-parallel device can decode its own slots alone when it holds all weights.
@@ -483,7 +488,7 @@ class Rollout:
                          (self._scalar, self._scalar))
         keys_k = transfer(jnp.stack(keys + keys[-1:] * (size - k)), rows[0])
         rows_k, limits_k = transfer((pad(rows_k, size), pad(limits_k, size)), (rows[0], rows[0]))
-        fn = functools.partial(_fill, self.model, self.cfg)
+        fn = functools.partial(_fill, self.prefill_model, self.cfg)
         return self._run(("fill", slots, capacity, u, size), (slots, capacity), fn, params, state,
                          *index, tokens_up, mask_up, keys_k, rows_k, limits_k,
                          self._version(version), donate=(1,))
@@ -524,7 +529,8 @@ class Rollout:
         keys_k = transfer(jnp.stack([keys[i] for i in pick_t]), row)
         rows_k, limits_k, local_k, src_k = transfer(
             (rows_k[pick_t], limits_k[pick_t], local, src), (row,) * 4)
-        fn = self._on_each_device(functools.partial(_fill, self.model, self.cfg), slots, capacity,
+        fn = self._on_each_device(functools.partial(_fill, self.prefill_model, self.cfg), slots,
+                                  capacity,
                                   row.spec, row.spec, rows.spec, rows.spec, row.spec, row.spec,
                                   row.spec)
         return self._run(("fill", slots, capacity, u, m), (slots, capacity), fn, params, state,
@@ -565,7 +571,7 @@ class Rollout:
         slots, capacity = self.size(state)
         n_new = capacity if longest is None else min(
             capacity_for(longest, self.cfg.max_new_tokens), capacity)
-        fn = functools.partial(_recompute_cache, self.model, n_new)
+        fn = functools.partial(_recompute_cache, self.prefill_model, n_new)
         return self._run(("reload", slots, capacity, n_new), (slots, capacity), fn, params, state,
                          donate=(1,))
 
@@ -615,8 +621,11 @@ class Rollout:
             with nn.logical_axis_rules(()):  # local shapes: no sharding constraints inside
                 return fn(*args)
 
+        # check_vma off: a scanned prefill's fresh cache (zeros, the same on every device)
+        # would have to be cast to varying before it may carry each device's own keys.
         return jax.shard_map(local, mesh=self.layout.mesh, out_specs=specs,
-                             in_specs=(PartitionSpec(), specs, *arg_specs, PartitionSpec()))
+                             in_specs=(PartitionSpec(), specs, *arg_specs, PartitionSpec()),
+                             check_vma=False)
 
     def poll(self, state: SlotState) -> tuple[np.ndarray, np.ndarray]:
         """(done_b bool [S], counts int32 [3]: slot-steps decoded, tokens sampled in them, the

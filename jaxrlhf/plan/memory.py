@@ -225,11 +225,15 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
         case Call.GENERATE if stages == 1:  # the rollout engine (`engine.rollout`)
             kv_per_token = p.kv_bytes_per_token() / t
             tokens = rows * work.prompt_len
-            # A fill prefills the prompts into a fresh cache of their own, then into the slots.
-            prefill = (max(forward_peak_bytes(p, tokens, work.prompt_len, t),
-                           _logit_bytes(p, rows, t, 1)) + tokens * kv_per_token)
-            decode = forward_peak_bytes(p, rows, s, t) + _logit_bytes(p, rows, t, 2)
-            return MemoryBreakdown(params=params, activations=int(max(prefill, decode)),
+            # A fill prefills the prompts into a fresh cache of their own (then into the slots)
+            # on the scanned stack, one layer's weights sliced at a time; an advance runs the
+            # token loop on the weights held `gathered`. The larger executable is the peak.
+            fill = (max(forward_peak_bytes(p, tokens, work.prompt_len, t),
+                        _logit_bytes(p, rows, t, 1)) + tokens * kv_per_token
+                    + _gathered_bytes(p, choice, scanned=True))
+            advance = (forward_peak_bytes(p, rows, s, t) + _logit_bytes(p, rows, t, 2)
+                       + gathered)
+            return MemoryBreakdown(params=params, activations=int(max(fill, advance) - gathered),
                                    gathered=gathered, state=int(rows * s * kv_per_token))
         case Call.GENERATE:  # a pipeline's static batch
             tokens = rows * work.prompt_len  # the prefill, then a decode step is far smaller
