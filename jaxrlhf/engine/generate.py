@@ -235,6 +235,7 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
     out: dict[str, np.ndarray] = {}
     longest = 0
     done = np.zeros(2, np.int64)  # decode counts of states compacted away
+    lockstep = batch <= slots  # every row is filled at once: all decode the same step
 
     def harvest(slot_list):
         if not slot_list:
@@ -256,7 +257,7 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
             for s, i in zip(targets, take):
                 row_of[s] = i
             longest = max(longest, 1)
-        state = engine.advance(state, params, 0, chunk_tokens, longest)
+        state = engine.advance(state, params, 0, chunk_tokens, longest, lockstep)
         done_b, counts = engine.poll(state)
         longest = int(counts[2])
         finished = [s for s, row in enumerate(row_of) if row >= 0 and done_b[s]]
@@ -270,7 +271,12 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
         size = _compacted_size(len(live), len(row_of), engine.layout.dp_size)
         if size < len(row_of):
             harvest(finished)
-            keep = live + [s for s in range(len(row_of)) if s not in live][:size - len(live)]
+            # The live rows taking turns over the devices (each decodes its own slots), free
+            # slots after them.
+            rest = sorted(set(range(len(row_of))) - set(live))
+            keep = [0] * size
+            for new, old in zip(engine.spread(list(range(size)), size), live + rest):
+                keep[new] = old
             state = engine.compact(state, keep)
             done += counts[:2]
             row_of = [row_of[s] for s in keep]

@@ -150,18 +150,26 @@ def _segments_bs(prompt_mask_bp, n_new: int) -> jax.Array:
                            axis=1)
 
 
-def _choose(s: SlotState, cfg: GenerateConfig, version) -> SlotState:
-    """Samples response token `step_b` of every busy slot (generate's `_choose`, per slot)."""
+def _choose(s: SlotState, cfg: GenerateConfig, version, lockstep: bool = False) -> SlotState:
+    """Samples response token `step_b` of every busy slot (generate's `_choose`, per slot);
+    `lockstep`: every busy slot is at the same step (`_advance`)."""
     n_new = s.response_bn.shape[1]
     stream = lambda key, i, r: jax.random.fold_in(jax.random.fold_in(key, i), r)
     keys_b = jax.vmap(stream)(s.keys_b, s.step_b, s.row_b)
     active_b = ~s.done_b
     token_b, logp_b, stopped_b = draw(s.logits_bv, keys_b, active_b, cfg)
-    # Each active row's column step_b; a finished row's write goes to column N, dropped (a
-    # select over the whole [S, N] arrays would rewrite them every token).
-    rows_b, at_b = jnp.arange(len(s.step_b)), jnp.where(active_b, s.step_b, n_new)
-    put = lambda x_bn, value_b: x_bn.at[rows_b, at_b].set(
-        jnp.broadcast_to(value_b, at_b.shape).astype(x_bn.dtype), mode="drop")
+    if lockstep:  # one column for every row, written where the rows lie (as `generate`)
+        at = jnp.max(jnp.where(active_b, s.step_b, 0))
+        column = functools.partial(jax.lax.dynamic_index_in_dim, index=at, axis=1,
+                                   keepdims=False)
+        put = lambda x_bn, value_b: jax.lax.dynamic_update_index_in_dim(
+            x_bn, jnp.where(active_b, value_b, column(x_bn)).astype(x_bn.dtype), at, axis=1)
+    else:
+        # Each active row's column step_b; a finished row's write goes to column N, dropped (a
+        # select over the whole [S, N] arrays would rewrite them every token).
+        rows_b, at_b = jnp.arange(len(s.step_b)), jnp.where(active_b, s.step_b, n_new)
+        put = lambda x_bn, value_b: x_bn.at[rows_b, at_b].set(
+            jnp.broadcast_to(value_b, at_b.shape).astype(x_bn.dtype), mode="drop")
     step_b = s.step_b + active_b
     return s._replace(
         step_b=step_b,
@@ -253,10 +261,16 @@ def _fill(model: Transformer, cfg: GenerateConfig, params, s: SlotState, slots_k
                            steps_b=s.steps_b, tokens_b=s.tokens_b)  # a prefill is no decode step
 
 
-def _advance(model: Transformer, cfg: GenerateConfig, params, s: SlotState, num_steps,
-             version) -> SlotState:
+def _advance(model: Transformer, cfg: GenerateConfig, lockstep: bool, params, s: SlotState,
+             num_steps, version) -> SlotState:
     """Up to `num_steps` (traced) more tokens in every busy slot (generate's loop body, per
-    slot), on the state's cache as it is (its capacity covers every busy row's reach)."""
+    slot), on the state's cache as it is (its capacity covers every busy row's reach).
+
+    `lockstep`: every busy row is at the same step (they started together), so a step writes
+    every row's keys at one cache slot (a dynamic update in place; a finished row's slot past
+    its end takes garbage it never reads) instead of scattering each row's to its own; under
+    GSPMD with kv heads split over devices the scatter cost more than the step.
+    """
     if isinstance(model.layer_stack, LayerByLayer):  # the loop reads each layer's own weights
         params = decode_layers.split_params(params)
     apply = functools.partial(model.apply, {"params": params})
@@ -267,11 +281,12 @@ def _advance(model: Transformer, cfg: GenerateConfig, params, s: SlotState, num_
     def body(carry: tuple[SlotState, jax.Array]) -> tuple[SlotState, jax.Array]:
         r, t = carry
         fed_b = r.step_b - 1  # each row's response token being fed (free slots: harmless)
+        slot = prompt_len + (jnp.max(jnp.where(r.done_b, 0, fed_b)) if lockstep else fed_b)
         logits_b1v, cache = apply(
             r.last_token_b[:, None], (prompt_lengths_b + fed_b)[:, None],
-            jnp.ones((slots, 1), jnp.int32), r.cache, prompt_len + fed_b, segments_bs)
+            jnp.ones((slots, 1), jnp.int32), r.cache, slot, segments_bs)
         r = r._replace(logits_bv=logits_b1v[:, 0], cache=constrain_cache(cache))
-        return _choose(r, cfg, version), t + 1
+        return _choose(r, cfg, version, lockstep), t + 1
 
     cond = lambda carry: (carry[1] < num_steps) & ~jnp.all(carry[0].done_b)
     s, _ = jax.lax.while_loop(cond, body, (s, jnp.zeros((), jnp.int32)))
@@ -576,7 +591,7 @@ class Rollout:
                          donate=(1,))
 
     def advance(self, state: SlotState, params, version: int, num_steps: int,
-                longest: int | None = None) -> SlotState:
+                longest: int | None = None, lockstep: bool = False) -> SlotState:
         """Up to `num_steps` more tokens in every busy slot under `params` (of policy `version`,
         the weights its cache was computed with: `reload` first after new weights).
 
@@ -584,16 +599,18 @@ class Rollout:
           longest: at least every busy slot's response length so far (`poll`'s third count;
             a slot filled since has 1): the cache is first fitted to what such rows reach in
             this call (`fit`). None: all max_new_tokens response slots.
+          lockstep: every busy slot is at the same step (filled together, none since).
         """
         n_max = self.cfg.max_new_tokens
         needed = n_max if longest is None else max(int(longest), 1) + num_steps
         state = self.fit(state, needed)
         slots, capacity = self.size(state)
-        fn = functools.partial(_advance, self.model, self.cfg)
+        fn = functools.partial(_advance, self.model, self.cfg, lockstep)
         if self._per_device:
             fn = self._on_each_device(fn, slots, capacity, PartitionSpec())
         steps = transfer(np.int32(num_steps), self._scalar)
-        return self._run(("advance", slots, capacity), (slots, capacity), fn, params, state,
+        return self._run(("advance", slots, capacity, lockstep), (slots, capacity), fn, params,
+                         state,
                          steps, self._version(version), donate=(1,))
 
     def compact(self, state: SlotState, keep: list[int]) -> SlotState:

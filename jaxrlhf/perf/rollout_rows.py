@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.engine.generate import GenerateConfig, decode_model, generate, make_generate_fn
+from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.perf.flops import call_flops
 
 TAIL_MEDIAN, TAIL_SIGMA, TAIL_LOW, TAIL_HIGH = 64, 1.0, 4, 1024
@@ -87,10 +88,14 @@ def measure_row(row: RolloutRow, model_config, layout, params, tokens_bp, mask_b
                               force_max_length=True)
     prompt_len = tokens_bp.shape[1]
     engine = make_generate_fn(model_config, cfg, layout, prompt_buckets=(prompt_len,))
-    static = jax.jit(functools.partial(generate, decode_model(model_config, layout), cfg))
+    rows = layout.batch_sharding(2)
+    static = jax.jit(functools.partial(generate, decode_model(model_config, layout), cfg),
+                     in_shardings=(layout.param_shardings(abstract_params(model_config)), rows,
+                                   rows, layout.replicated()))
     rng = jax.random.key(0)
+    placed = jax.device_put((tokens_bp, mask_bp), rows)
     calls = {"engine": lambda: engine(params, tokens_bp, mask_bp, rng, lengths_b),
-             "static": lambda: static(params, tokens_bp, mask_bp, rng)}
+             "static": lambda: static(params, *placed, rng)}
     warm = {name: _timed(call) for name, call in calls.items()}  # compiles
     compiles, occupancy = engine.compiles, engine.occupancy
     seconds = {name: [] for name in calls}
