@@ -150,16 +150,15 @@ def _segments_bs(prompt_mask_bp, n_new: int) -> jax.Array:
                            axis=1)
 
 
-def _choose(s: SlotState, cfg: GenerateConfig, version, lockstep: bool = False) -> SlotState:
+def _choose(s: SlotState, cfg: GenerateConfig, version, at=None) -> SlotState:
     """Samples response token `step_b` of every busy slot (generate's `_choose`, per slot);
-    `lockstep`: every busy slot is at the same step (`_advance`)."""
+    `at` (scalar): the step every busy slot is at, in lockstep (`_advance`)."""
     n_new = s.response_bn.shape[1]
     stream = lambda key, i, r: jax.random.fold_in(jax.random.fold_in(key, i), r)
     keys_b = jax.vmap(stream)(s.keys_b, s.step_b, s.row_b)
     active_b = ~s.done_b
     token_b, logp_b, stopped_b = draw(s.logits_bv, keys_b, active_b, cfg)
-    if lockstep:  # one column for every row, written where the rows lie (as `generate`)
-        at = jnp.max(jnp.where(active_b, s.step_b, 0))
+    if at is not None:  # one column for every row, written where the rows lie (as `generate`)
         column = functools.partial(jax.lax.dynamic_index_in_dim, index=at, axis=1,
                                    keepdims=False)
         put = lambda x_bn, value_b: jax.lax.dynamic_update_index_in_dim(
@@ -278,15 +277,20 @@ def _advance(model: Transformer, cfg: GenerateConfig, lockstep: bool, params, s:
     prompt_lengths_b = jnp.sum(s.prompt_mask_bp, axis=1, dtype=jnp.int32)
     segments_bs = _segments_bs(s.prompt_mask_bp, _cache_len(s.cache) - prompt_len)
 
+    # In lockstep the busy rows' step is one scalar, found once (not a reduction over the
+    # rows, across devices, every token).
+    first = jnp.max(jnp.where(s.done_b, 0, s.step_b)) if lockstep else None
+
     def body(carry: tuple[SlotState, jax.Array]) -> tuple[SlotState, jax.Array]:
         r, t = carry
         fed_b = r.step_b - 1  # each row's response token being fed (free slots: harmless)
-        slot = prompt_len + (jnp.max(jnp.where(r.done_b, 0, fed_b)) if lockstep else fed_b)
+        at = None if first is None else first + t
+        slot = prompt_len + (fed_b if at is None else at - 1)
         logits_b1v, cache = apply(
             r.last_token_b[:, None], (prompt_lengths_b + fed_b)[:, None],
             jnp.ones((slots, 1), jnp.int32), r.cache, slot, segments_bs)
         r = r._replace(logits_bv=logits_b1v[:, 0], cache=constrain_cache(cache))
-        return _choose(r, cfg, version, lockstep), t + 1
+        return _choose(r, cfg, version, at), t + 1
 
     cond = lambda carry: (carry[1] < num_steps) & ~jnp.all(carry[0].done_b)
     s, _ = jax.lax.while_loop(cond, body, (s, jnp.zeros((), jnp.int32)))
