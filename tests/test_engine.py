@@ -64,8 +64,15 @@ CASES = {  # name: (GenerateConfig overrides)
 }
 
 
-@pytest.mark.parametrize("spec", ["0:d1", "0-1:d2", "0-1:t2"])
-@pytest.mark.parametrize("case", list(CASES))
+# Every case on one device; the per-device (d2) and GSPMD (t2) paths on two cases each in the
+# default suite, every pair with -m slow.
+PAIRS = [pytest.param(spec, case, marks=() if spec == "0:d1" or pick else pytest.mark.slow)
+         for spec in ("0:d1", "0-1:d2", "0-1:t2") for case in CASES
+         for pick in [(spec, case) in {("0-1:d2", "eos-sampled"), ("0-1:d2", "forced-sampled"),
+                                       ("0-1:t2", "eos-top-k"), ("0-1:t2", "eos-greedy")}]]
+
+
+@pytest.mark.parametrize("spec,case", PAIRS)
 def test_engine_equals_the_static_batch(spec, case):
     """16 rows (4 prompts x 4), 40 new tokens, decoded in chunks of 4: the capacity grows
     chunk by chunk, and EOS-stopped rows leave slots to be compacted."""
@@ -140,7 +147,8 @@ def test_a_group_is_prefilled_once():
     engine.fill(engine.empty(), params, 0, np.arange(16), tokens, mask,
                 [jax.random.key(0)] * 16, np.arange(16))
     fills = [key for key in engine.compile_cache._executables if key[1] == "fill"]
-    assert fills == [(P, "fill", 16, 8, 4, 16)]  # (P, fill, slots, capacity, prompts, rows)
+    # (P, fill, slots, capacity, distinct prompts, rows, distinct keys)
+    assert fills == [(P, "fill", 16, 8, 4, 16, 1)]
 
 
 

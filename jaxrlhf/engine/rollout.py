@@ -231,10 +231,11 @@ def _write_prompts(cache, new: KVCache, slots_k, src_k, length: int):
 
 
 def _fill(model: Transformer, cfg: GenerateConfig, params, s: SlotState, slots_k, src_k,
-          tokens_up, mask_up, keys_k, rows_k, limits_k, version) -> SlotState:
+          tokens_up, mask_up, key_table, key_k, rows_k, limits_k, version) -> SlotState:
     """Prefills u distinct prompts [u, P] once and puts prompt `src_k[i]` into slot
-    `slots_k[i]` (an index >= S is padding, dropped), then samples the filled slots' first
-    tokens; the other slots are left as they are."""
+    `slots_k[i]` (an index >= S is padding, dropped) with key `key_table[key_k[i]]`, then
+    samples the filled slots' first tokens; the other slots are left as they are."""
+    keys_k = key_table[key_k]
     apply = functools.partial(model.apply, {"params": params})
     prompt_len = s.prompt_tokens_bp.shape[1]
     mask_up = mask_up.astype(bool)
@@ -488,10 +489,17 @@ class Rollout:
         n_max = self.cfg.max_new_tokens
         limits_k = np.full(k, n_max, np.int32) if limits_k is None else np.minimum(
             np.asarray(limits_k, np.int32), n_max)
-        keys = list(keys)
+        # The rows' keys as indices into a table of the distinct ones (a synchronous call has
+        # one, a worker one per batch): no stacking of a key per row on the host each fill.
+        distinct = {id(key): key for key in keys}
+        where = {ident: i for i, ident in enumerate(distinct)}
+        key_k = np.array([where[id(key)] for key in keys], np.int32)
+        table = list(distinct.values())
+        table = transfer(jnp.stack(table + table[-1:] * (_pow2(len(table)) - len(table))),
+                         self._scalar)
         if self._per_device:
             return self._fill_on_each_device(state, params, version, slots_k, tokens_kp, mask_kp,
-                                             keys, rows_k, limits_k)
+                                             table, key_k, rows_k, limits_k)
         slots, capacity = self.size(state)
         dp = self.layout.dp_size
         first_u, src_k = distinct_prompts(tokens_kp, mask_kp)
@@ -505,15 +513,15 @@ class Rollout:
         slots_k = np.concatenate([slots_k, np.full(size - k, slots, np.int32)])
         index = transfer((slots_k, pad(src_k.astype(np.int32), size)),
                          (self._scalar, self._scalar))
-        keys_k = transfer(jnp.stack(keys + keys[-1:] * (size - k)), rows[0])
-        rows_k, limits_k = transfer((pad(rows_k, size), pad(limits_k, size)), (rows[0], rows[0]))
+        key_k, rows_k, limits_k = transfer(
+            (pad(key_k, size), pad(rows_k, size), pad(limits_k, size)), (rows[0],) * 3)
         fn = functools.partial(_fill, self.prefill_model, self.cfg)
-        return self._run(("fill", slots, capacity, u, size), (slots, capacity), fn, params, state,
-                         *index, tokens_up, mask_up, keys_k, rows_k, limits_k,
-                         self._version(version), donate=(1,))
+        return self._run(("fill", slots, capacity, u, size, len(table)), (slots, capacity), fn,
+                         params, state, *index, tokens_up, mask_up, table, key_k, rows_k,
+                         limits_k, self._version(version), donate=(1,))
 
     def _fill_on_each_device(self, state: SlotState, params, version: int, slots_k, tokens_kp,
-                             mask_kp, keys, rows_k, limits_k) -> SlotState:
+                             mask_kp, table, key_k, rows_k, limits_k) -> SlotState:
         """`fill` with each prompt prefilled on its slot's own device (`shard_map`).
 
         Why: SPMD, the prompts lie spread over the devices whatever slots they go to, so the
@@ -545,16 +553,15 @@ class Rollout:
             pick_u[device * u:device * u + len(first)] = rows_here[first]
         row, rows = self.layout.batch_sharding(1), self.layout.batch_sharding(2)
         tokens_up, mask_up = transfer((tokens_kp[pick_u], mask_kp[pick_u]), (rows, rows))
-        keys_k = transfer(jnp.stack([keys[i] for i in pick_t]), row)
-        rows_k, limits_k, local_k, src_k = transfer(
-            (rows_k[pick_t], limits_k[pick_t], local, src), (row,) * 4)
+        key_k, rows_k, limits_k, local_k, src_k = transfer(
+            (key_k[pick_t], rows_k[pick_t], limits_k[pick_t], local, src), (row,) * 5)
         fn = self._on_each_device(functools.partial(_fill, self.prefill_model, self.cfg), slots,
                                   capacity,
-                                  row.spec, row.spec, rows.spec, rows.spec, row.spec, row.spec,
-                                  row.spec)
-        return self._run(("fill", slots, capacity, u, m), (slots, capacity), fn, params, state,
-                         local_k, src_k, tokens_up, mask_up, keys_k, rows_k, limits_k,
-                         self._version(version), donate=(1,))
+                                  row.spec, row.spec, rows.spec, rows.spec, PartitionSpec(),
+                                  row.spec, row.spec, row.spec)
+        return self._run(("fill", slots, capacity, u, m, len(table)), (slots, capacity), fn,
+                         params, state, local_k, src_k, tokens_up, mask_up, table, key_k, rows_k,
+                         limits_k, self._version(version), donate=(1,))
 
     def spread(self, free: list[int], slots: int | None = None) -> list[int]:
         """Free slots in the order to fill them: taking turns over the devices (a fill
