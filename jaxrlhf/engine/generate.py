@@ -234,7 +234,7 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
     row_of = [-1] * slots  # the row in each slot, -1 if free
     out: dict[str, np.ndarray] = {}
     longest = 0
-    done = np.zeros(2, np.int64)  # decode counts of states compacted away
+    compacted = np.zeros(2, np.int64)  # decode counts of the states compacted away
     lockstep = batch <= slots  # every row is filled at once: all decode the same step
 
     def harvest(slot_list):
@@ -264,7 +264,7 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
         live = [s for s, row in enumerate(row_of) if row >= 0 and not done_b[s]]
         if not live and not queue:
             harvest(finished)
-            return out, Occupancy(*(int(x) for x in done + counts[:2]))
+            return out, Occupancy(*(int(x) for x in compacted + counts[:2]))
         if queue:  # their slots take queued rows
             harvest(finished)
             continue
@@ -278,7 +278,7 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
             for new, old in zip(engine.spread(list(range(size)), size), live + rest):
                 keep[new] = old
             state = engine.compact(state, keep)
-            done += counts[:2]
+            compacted += counts[:2]
             row_of = [row_of[s] for s in keep]
 
 

@@ -548,8 +548,8 @@ class Rollout:
             if not len(rows_here):
                 continue
             at = slice(device * m, device * m + len(rows_here))
-            pick_t[at], local[at], src[at] = rows_here, slots_k[rows_here] - device * per_device, \
-                src_here
+            pick_t[at], src[at] = rows_here, src_here
+            local[at] = slots_k[rows_here] - device * per_device
             pick_u[device * u:device * u + len(first)] = rows_here[first]
         row, rows = self.layout.batch_sharding(1), self.layout.batch_sharding(2)
         tokens_up, mask_up = transfer((tokens_kp[pick_u], mask_kp[pick_u]), (rows, rows))
