@@ -48,6 +48,15 @@ def _config_error(message, dist: distributed.DistributedConfig | None = None) ->
     cli.bad_input(message)
 
 
+def _stopped(error: Exception, dist: distributed.DistributedConfig) -> None:
+    """`stopped: ...` (one or two lines: the reason, what was saved) on stderr, exit 1."""
+    message = "\n".join(" ".join(line.split()) for line in str(error).splitlines())
+    if dist.multi_process:
+        distributed.abort(f"stopped: {message}", 1)
+    print(f"stopped: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 def main(argv):
     del argv
     try:
@@ -76,6 +85,7 @@ def main(argv):
     # Imported only now: JAX must not start a backend before the device flags and
     # jax.distributed are set.
     from jaxrlhf.checkpoint import CheckpointError
+    from jaxrlhf.run.loop import STOPS
     from jaxrlhf.run import rl
     from jaxrlhf.run.check import check_config
 
@@ -85,6 +95,8 @@ def main(argv):
         summary = rl.run(job)
     except (ConfigError, CheckpointError) as e:  # no checkpoint restores: one line as well
         _config_error(e, dist)
+    except STOPS as e:  # a stop for a reason: what and what was saved, no traceback
+        _stopped(e, dist)
     except Exception as e:  # noqa: BLE001 - see below
         if not dist.multi_process:
             raise

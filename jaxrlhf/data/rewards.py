@@ -15,6 +15,7 @@ caller collects with `.result()` after dispatching device work.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import importlib
@@ -131,11 +132,30 @@ def _check_value(value) -> tuple[ErrorKind | None, float | str]:
     return None, float(value)
 
 
+# Ctrl-C in a terminal, and SIGTERM from `timeout`, Slurm or Kubernetes, reach the whole process
+# group; the trainer handles them (it finishes its step, saves a checkpoint and closes the
+# pool), so a worker must not die mid-call and zero a reward, or break the pool under the step.
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked():
+    """Blocks SIGINT and SIGTERM in the calling thread while it starts a worker: the child (and
+    a forkserver started now) inherits the blocked mask from its first instruction, so that no
+    stop signal sent to the group can kill it before `_worker_main` ignores them. A signal that
+    comes meanwhile waits, and reaches the trainer once they are unblocked."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def _worker_main(spec: str, conn: multiprocessing.connection.Connection) -> None:
-    """Worker loop: resolve the function, then answer (id, prompt, completion, answer) requests."""
-    # A terminal's Ctrl-C reaches the whole process group; the trainer handles it (it saves a
-    # checkpoint and closes the pool), so a worker must not die mid-call and zero a reward.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Worker loop: resolve the function, then answer (id, prompt, completion, answer) requests.
+    It ignores stop signals (`_STOP_SIGNALS`): the trainer closes the pool when it is done."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     try:
         fn = resolve_reward(spec)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which stops the pool
@@ -361,7 +381,8 @@ class RewardPool:
         process = self._ctx.Process(
             target=_worker_main, args=(self._spec, child_conn), name="reward-worker", daemon=True
         )
-        process.start()
+        with _stop_signals_blocked():
+            process.start()
         child_conn.close()  # so the worker sees EOF if this process goes away
         return _Worker(process, parent_conn, _State.STARTING, time.monotonic())
 

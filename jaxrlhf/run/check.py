@@ -1,10 +1,11 @@
 """A config checked end to end, once, before anything compiles: a `Job`.
 
-`check_config(config, workdir)` builds the run spec (`jaxrlhf.spec.run_spec`), loads the
-tokenizer, checks the reward functions, model directories and vocabularies, resolves the
-placement (`placement.kind=auto` searches here, once), reads the run's data (a bad row of a user
-file is named by file:line), makes the warm start a job of its own, and refuses checkpoints in the
-workdir that another run wrote (`checkpoint.resume`). The job then runs what was checked.
+`check_config(config, workdir)` builds the run spec (`jaxrlhf.spec.run_spec`), locks the
+workdir for this run (`run/lock.py`), loads the tokenizer, checks the reward functions, model
+directories and vocabularies, resolves the placement (`placement.kind=auto` searches here,
+once), reads the run's data (a bad row of a user file is named by file:line), makes the warm
+start a job of its own, and refuses checkpoints in the workdir that another run wrote
+(`checkpoint.resume`). The job then runs what was checked.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import pathlib
 import tempfile
 
+import jax
 from ml_collections import ConfigDict
 
 from jaxrlhf.algorithms import sft
@@ -26,7 +28,7 @@ from jaxrlhf.engine.microbatch import num_microbatches
 from jaxrlhf.fingerprint import run_fingerprint
 from jaxrlhf.mfc import Role
 from jaxrlhf.models import hf_io
-from jaxrlhf.run import roles
+from jaxrlhf.run import lock, roles
 from jaxrlhf.run.layouts import RunPlan, place, single
 from jaxrlhf.schema import ConfigError, field
 from jaxrlhf.spec import RunSpec, run_spec
@@ -69,6 +71,8 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     with field("workdir"):  # it exists and takes files
         workdir.mkdir(parents=True, exist_ok=True)
         tempfile.NamedTemporaryFile(dir=workdir, prefix=".write-check-").close()
+        if jax.process_index() == 0:  # one lock for a job (its processes share the workdir)
+            lock.hold(workdir)
     with field("tokenizer"):
         if not spec.tokenizer:  # "" would read the current directory
             raise ConfigError('tokenizer: empty; set it to "byte" or to the Hugging Face '
