@@ -4,7 +4,7 @@ What `timeout`, Slurm and Kubernetes do to a job: SIGTERM to every process of it
 trainer, its reward workers, the multiprocessing helpers), then SIGKILL after a grace period.
 The same tiny PPO command (`python -m jaxrlhf.train`, a warm start, a reward pool, checkpoints
 every other step) runs in one workdir, and is stopped `--terms` times, each at a moment of one
-of these kinds, in turn:
+of these kinds (the first three once, in order; then startup, step and save in turn):
 
 - `startup`: a random moment in the first seconds (imports, checks, compilation);
 - `warm_start`: inside the supervised warm start (its first record is logged);
@@ -121,7 +121,7 @@ def _session(sid: int, seconds: float = 5.0) -> list[str]:
 
 def outcome(log: pathlib.Path) -> dict:
     text = log.read_text()
-    resumed = re.search(r"resuming from checkpoint (\d+)", text)
+    resumed = re.search(r"resuming (?:the warm start )?from checkpoint (\d+)", text)
     saved = re.search(r"checkpoint (\d+) saved in", text)
     return {"resumed_from": int(resumed.group(1)) if resumed else None,
             "saved": int(saved.group(1)) if saved else None,
