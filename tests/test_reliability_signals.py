@@ -33,6 +33,14 @@ def _command(workdir: pathlib.Path, reward: pathlib.Path) -> list[str]:
             f"--workdir={workdir}"]
 
 
+def _wait(proc: subprocess.Popen, log: pathlib.Path, came, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not came():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"not there after {seconds} s"
+        time.sleep(0.05)
+
+
 def _rl_steps(workdir: pathlib.Path) -> list[int]:
     path, steps = workdir / "metrics.jsonl", []
     if path.exists():
@@ -53,18 +61,15 @@ def test_sigterm_to_the_process_group_saves_and_a_second_run_is_refused(tmp_path
     first = subprocess.Popen(_command(work, reward), cwd=REPO, env=env, stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while len(_rl_steps(work)) < 2:  # two RL steps done: the loop is running
-            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no RL step in 300 s"
-            time.sleep(0.05)
+        _wait(first, tmp_path / "first.log", lambda: (work / ".lock").exists()
+              and (work / ".lock").read_text().strip())
         second = subprocess.run(_command(work, reward), cwd=REPO, env=env,
                                 capture_output=True, text=True, timeout=120)
         assert second.returncode == 2, second.stderr[-2000:]
         assert second.stderr.startswith(f"error: workdir: in use by pid {first.pid} on "
                                         f"{socket.gethostname()} (")
         assert len(second.stderr.strip().splitlines()) == 1 and not second.stdout
-
+        _wait(first, tmp_path / "first.log", lambda: len(_rl_steps(work)) >= 2)  # in RL steps
         time.sleep(0.1)  # into the next step
         sent = time.monotonic()
         os.killpg(first.pid, signal.SIGTERM)  # the trainer, its reward workers, their server
