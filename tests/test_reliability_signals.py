@@ -83,8 +83,8 @@ def test_sigterm_to_the_process_group_saves_and_a_second_run_is_refused(tmp_path
     assert first.returncode == 0, output[-3000:]
     assert seconds < 60
     assert "Traceback" not in output and "\nerror:" not in output, output[-3000:]
-    saved = int(output.split("interrupted before RL step ")[1].split(":")[0])
-    assert f"checkpoint {saved} saved in {work / 'checkpoints'}" in output
+    saved = int(output.split("interrupted after RL step ")[1].split(":")[0]) + 1
+    assert f"checkpoint {saved} saved in {work / 'checkpoints'}; run the same" in output
     assert (work / "checkpoints" / str(saved) / "commit_success.txt").exists()
     assert json.loads(output.strip().splitlines()[-1])["interrupted"] is True
     assert _rl_steps(work) == list(range(saved))  # one run's steps, in order

@@ -176,9 +176,10 @@ def train(job: Job, source: Source, writer, checkpoints: checkpoint.Checkpointer
         source.save(write)  # (one that exists already is not written again)
         checkpoints.wait()
     if interrupted:
-        print(f"interrupted before {what} step {runner.step_index}: checkpoint "
-              f"{runner.step_index} saved in {checkpoints.directory}; run the same command "
-              "again to resume", flush=True)
+        done = runner.step_index
+        where = f"after {what} step {done - 1}" if done else f"before {what} step 0"
+        print(f"interrupted {where}: checkpoint {done} saved in {checkpoints.directory}; run "
+              "the same command again to resume", flush=True)
     return LoopResult(timings, interrupted, guard.skipped, source.close(interrupted))
 
 
