@@ -11,6 +11,7 @@ import contextlib
 import difflib
 import enum
 import functools
+import math
 import operator
 import re
 from collections.abc import Mapping
@@ -260,12 +261,25 @@ _BOUNDS = (
     (">", 0, ("rollout.top_p", "reward.timeout", "warm_start.lr", "optimizer.actor.lr",
               "optimizer.critic.lr")),
     ("<=", 1, ("rollout.top_p", "reward.max_error_rate", "cost.max_error_rate")),
+    (">=", 0, ("seed",)),
+    ("<", 2**32, ("seed",)),  # PRNG seeds are unsigned 32-bit
 )
-_RELATIONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
+_RELATIONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def _check_finite(config: ConfigDict, prefix: str = "") -> None:
+    """Every float of the config is a finite number (`inf` passes every `>=` bound)."""
+    for key, value in config.items():
+        if isinstance(value, ConfigDict):
+            _check_finite(value, f"{prefix}{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{key}={value}: must be a finite number")
 
 
 def check_ranges(config: ConfigDict) -> None:
-    """Every number is in its range (`_BOUNDS`); the mini-batches divide the rollout batch."""
+    """Every float is finite, every number in its range (`_BOUNDS`); the mini-batches divide
+    the rollout batch."""
+    _check_finite(config)
     for relation, bound, names in _BOUNDS:
         for name in names:
             value = functools.reduce(getattr, name.split("."), config)
