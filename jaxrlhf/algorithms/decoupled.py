@@ -21,7 +21,9 @@ of the same policy (different kernels, precisions, batch shapes): with `prox_cal
 `actor_prox` call runs whatever the number of updates, π_prox is the training engine's
 log-prob before the update, π_prox / π_behav the mismatch's importance weight, truncated at
 `PPOLossConfig.tis_cap` (truncated importance sampling, Yao et al. 2025), and every step logs
-the mismatch |log π_prox − log π_behav| over the response tokens (mean and max).
+the mismatch |log π_prox − log π_behav| over the response tokens (mean and max). (Under
+asynchronous RL, where π_behav may be older weights, the same figures measure staleness and
+mismatch together.)
 """
 
 from __future__ import annotations
