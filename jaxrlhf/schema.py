@@ -179,7 +179,7 @@ def base_config() -> ConfigDict:
             "kl_horizon": 10000.0, "kl_in_reward": True, "whiten_advantages": True,
             "clip_eps": 0.2, "value_clip": 0.2, "entropy_coef": 0.0, "mini_batches": 1,
             "epochs": 1,
-            # Mismatch correction (ppo, grpo, rloo, reinforce_pp, dapo): > 0 recomputes the
+            # Mismatch correction (ppo, grpo, rloo, reinforce_pp, dapo, gspo): > 0 recomputes the
             # response log-probs with the training engine before the update (actor_prox),
             # weighs each token's loss by min(π_train / π_generation, tis_cap) (truncated
             # importance sampling) and logs actor/mismatch_mean and actor/mismatch_max

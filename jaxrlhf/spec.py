@@ -307,7 +307,7 @@ def safe_rlhf_config(config: ConfigDict) -> safe_rlhf.SafeRLHFConfig:
 # The algorithms whose actor loss takes π_prox: the decoupled objective and the mismatch
 # correction (ppo.tis_cap) apply to them.
 _DECOUPLABLE = (AlgorithmName.PPO, AlgorithmName.GRPO, AlgorithmName.RLOO,
-                AlgorithmName.REINFORCE_PP, AlgorithmName.DAPO)
+                AlgorithmName.REINFORCE_PP, AlgorithmName.DAPO, AlgorithmName.GSPO)
 
 
 def make_algorithm(config: ConfigDict, decoupled_objective: bool = False) -> Algorithm:
@@ -332,12 +332,8 @@ def make_algorithm(config: ConfigDict, decoupled_objective: bool = False) -> Alg
     batch = config.rollout.batch_size * config.rollout.group_size
     match name:
         case AlgorithmName.PPO | AlgorithmName.GRPO | AlgorithmName.RLOO | \
-                AlgorithmName.REINFORCE_PP | AlgorithmName.DAPO:
+                AlgorithmName.REINFORCE_PP | AlgorithmName.DAPO | AlgorithmName.GSPO:
             return _decouplable(name, config, None)[0]
-        case AlgorithmName.GSPO:
-            with field("gspo"):
-                cfg = _of(gspo.GSPOConfig, config.gspo, grpo=grpo_config(config))
-            return gspo.make(cfg, reward_model=reward_model)
         case AlgorithmName.REMAX:  # PPO's settings, those of them ReMax has
             return remax.make(_of(remax.ReMaxConfig, ppo_config(config)),
                               reward_model=reward_model, batch_size=batch)
@@ -369,6 +365,12 @@ def _decouplable(name: AlgorithmName, config: ConfigDict, cap: float | None):
             cfg = reinforce_config(config, reinforce.Baseline(name.value))
             return (reinforce.make(cfg, reward_model=reward_model, batch_size=batch),
                     functools.partial(reinforce.actor_loss, cfg))
+        case AlgorithmName.GSPO:
+            with field("gspo"):
+                cfg = _of(gspo.GSPOConfig, config.gspo, grpo=grpo_config(config),
+                          tis_cap=config.ppo.tis_cap or None)
+            return (gspo.make(cfg, reward_model=reward_model),
+                    functools.partial(gspo.actor_loss, cfg))
         case AlgorithmName.DAPO:
             cfg = dapo_config(config)
             extra = (decoupled.PROX_KEY,) if config.ppo.tis_cap > 0 else ()

@@ -170,6 +170,30 @@ def test_gspo_loss_matches_loop(spread):
     assert (clipped > 0) == (spread > 1e-3)
 
 
+def test_gspo_with_the_mismatch_correction_matches_loop():
+    """Against π_prox: s_i = exp(mean_t log π_θ/π_prox), l_i weighed by min(exp(mean_t log
+    π_prox/π_behav), C)."""
+    mask = _mask()
+    behav, prox = _logps(17, mask, 0.2)
+    logp = (prox + 1e-3 * np.random.default_rng(18).standard_normal(mask.shape)).astype(np.float32)
+    adv_b = np.random.default_rng(19).standard_normal(len(LENGTHS)).astype(np.float32)
+    adv = np.broadcast_to(adv_b[:, None], mask.shape).astype(np.float32)
+    cfg = gspo.GSPOConfig(grpo=grpo.GRPOConfig(group_size=G, loss=alg.GRPOLossConfig(
+        kl_coef=0.0)), tis_cap=1.05)
+    loss_sum, _, stats = jax.jit(gspo.gspo_loss, static_argnums=5)(
+        jnp.asarray(_pad(logp, mask)), jnp.asarray(_pad(behav, mask)), jnp.asarray(_pad(behav, mask)),
+        jnp.asarray(adv), jnp.asarray(mask), cfg, proximal_logp_bn=jnp.asarray(_pad(prox, mask)))
+    want, truncated = 0.0, 0
+    for b, length in enumerate(LENGTHS):
+        mean = lambda x: float(np.sum(x[b, :length], dtype=np.float64)) / length
+        s, a = math.exp(mean(logp - prox)), float(adv_b[b])
+        w = math.exp(mean(prox.astype(np.float64) - behav))
+        truncated += w > 1.05
+        want += -min(w, 1.05) * min(s * a, min(max(s, 1 - 3e-4), 1 + 4e-4) * a)
+    np.testing.assert_allclose(float(loss_sum), want, rtol=1e-5, atol=1e-6)
+    assert 0 < truncated < len(LENGTHS) and float(stats["clip_frac"]) > 0
+
+
 def test_gspo_gradient_is_the_sequence_ratio_spread_over_tokens():
     """Unclipped and without the KL term: ∂l_i/∂log π(y_t) = −A_i · s_i / |y_i| on every token
     of response i, the same for all its tokens (one ratio per response)."""
@@ -313,6 +337,7 @@ def _config(algorithm, **overrides):
     ("dapo", 0.0, ("actor_gen", "reward", "actor_train")),  # no KL, no reference model
     ("dapo", 2.0, ("actor_gen", "reward", "actor_prox", "actor_train")),
     ("grpo", 2.0, ("actor_gen", "reward", "ref_inf", "actor_prox", "actor_train")),
+    ("gspo", 2.0, ("actor_gen", "reward", "ref_inf", "actor_prox", "actor_train")),
 ])
 def test_graphs(algorithm, tis, calls):
     spec = run_spec(_config(algorithm, **{"ppo.tis_cap": tis}))
@@ -321,7 +346,7 @@ def test_graphs(algorithm, tis, calls):
 
 
 @pytest.mark.parametrize("algorithm,overrides,message", [
-    ("gspo", {"ppo.tis_cap": 2.0}, "ppo.tis_cap=2.0: the mismatch correction runs"),
+    ("remax", {"ppo.tis_cap": 2.0}, "ppo.tis_cap=2.0: the mismatch correction runs"),
     ("dapo", {"dapo.oversample": 3}, "dapo.oversample=3 does not divide rollout.batch_size=8"),
     ("dapo", {"dapo.oversample": 2, "ppo.mini_batches": 32},
      "ppo.mini_batches=32 does not divide the 16 rows DAPO trains"),
