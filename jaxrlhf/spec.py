@@ -323,17 +323,16 @@ def make_algorithm(config: ConfigDict, decoupled_objective: bool = False) -> Alg
     if tis and name not in _DECOUPLABLE:
         raise ConfigError(f"ppo.tis_cap={config.ppo.tis_cap}: the mismatch correction runs "
                           f"{', '.join(n.value for n in _DECOUPLABLE)}, not {name.value}")
-    if name in _DECOUPLABLE and (decoupled_objective or tis):
+    if name in _DECOUPLABLE:
         cap = (a.behav_imp_weight_cap or None) if decoupled_objective else None
         algorithm, actor_loss = _decouplable(name, config, cap)
-        return decoupled.decouple(algorithm, actor_loss, prox_call=tis)
+        if decoupled_objective or tis:
+            return decoupled.decouple(algorithm, actor_loss, prox_call=tis)
+        return algorithm
     model = lambda key: enum_value(_REWARD_KINDS, config[key].kind, f"{key}.kind")
     reward_model = model("reward")
     batch = config.rollout.batch_size * config.rollout.group_size
     match name:
-        case AlgorithmName.PPO | AlgorithmName.GRPO | AlgorithmName.RLOO | \
-                AlgorithmName.REINFORCE_PP | AlgorithmName.DAPO | AlgorithmName.GSPO:
-            return _decouplable(name, config, None)[0]
         case AlgorithmName.REMAX:  # PPO's settings, those of them ReMax has
             return remax.make(_of(remax.ReMaxConfig, ppo_config(config)),
                               reward_model=reward_model, batch_size=batch)
