@@ -266,6 +266,17 @@ class InferenceFn(BucketedCall):
     def _jit_for(self, *args) -> jax.stages.Wrapped:
         return self._jitted
 
+    def _lower(self, params, batch: InferenceBatch, plan=None) -> jax.stages.Lowered:
+        """The lowered call on a batch of a bucket's length (its plan made if not given)."""
+        if plan is None:
+            plan = self._plan(batch.segment_ids_bt)
+        return super()._lower(params, batch, plan)
+
+    def _plan(self, segment_ids_bt) -> packing.PackPlan:
+        """The batch's packed rows, placed (a sync on its segment ids)."""
+        plan = packing.plan(np.asarray(fetch(segment_ids_bt)), 1, self.layout.dp_size, self.rows)
+        return transfer(plan, self._plan_shardings)
+
     def __call__(self, params, batch: InferenceBatch) -> InferenceOutput:
         """Runs the call kind.
 
@@ -283,10 +294,9 @@ class InferenceFn(BucketedCall):
         padded = InferenceBatch(
             *(buckets.pad_axis(x, bucket, axis=1).astype(jnp.int32) for x in batch)
         )
-        segment_ids_bt = buckets.pad_axis(np.asarray(fetch(batch.segment_ids_bt)), bucket, axis=1)
-        plan = packing.plan(segment_ids_bt, 1, self.layout.dp_size, self.rows)
+        plan = self._plan(buckets.pad_axis(np.asarray(fetch(batch.segment_ids_bt)), bucket,
+                                           axis=1))
         padded = jax.device_put(padded, self._rows)
-        plan = transfer(plan, self._plan_shardings)
         compiled = self._executable((bucket, batch_size, plan.rows), params, padded, plan)
         out = compiled(params, padded, plan)
         per_token = {
