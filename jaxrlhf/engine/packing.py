@@ -17,8 +17,7 @@ a multiple of the data-parallel size, so compiles stay few. Each data-parallel r
 sequences of its own block of rows into its own block of R/dp packed rows, so packing moves
 nothing between devices (a gather across shards costs XLA an all-reduce per call, and an early
 collective stalls every device's worker until the slowest arrives). Within a block sequences
-go to the least-filled row that has room (longest first), over all its rows at once: the rows
-get about the same number of tokens.
+go, longest first, to the fullest row that has room for them (best fit decreasing).
 
 `Rows.PADDED` is the same machinery with the identity plan (sequence i in row i, where it
 lies): what a pipelined layout runs, and the baseline benchmarks compare against.
@@ -27,7 +26,6 @@ lies): what a pipelined layout runs, and the baseline benchmarks compare against
 from __future__ import annotations
 
 import enum
-import heapq
 from typing import NamedTuple
 
 import jax
@@ -101,17 +99,18 @@ def row_buckets(rows: int, multiple: int) -> int:
 
 
 def _fill(length_n: np.ndarray, width: int, rows: int):
-    """Longest first, each sequence into the least-filled of `rows` rows; None if one does not
-    fit. Returns (row_n, offset_n), int64 [n]."""
+    """Longest first, each sequence into the fullest of `rows` rows it fits in (best fit
+    decreasing: few rows); None if one fits nowhere. Returns (row_n, offset_n), int64 [n]."""
     row_n = np.zeros(len(length_n), np.int64)
     offset_n = np.zeros(len(length_n), np.int64)
-    heap = [(0, r) for r in range(rows)]  # (tokens used, row): the least-filled row on top
+    used_r = np.zeros(rows, np.int64)
     for i in np.argsort(-length_n, kind="stable"):
-        used, r = heapq.heappop(heap)
-        if used + length_n[i] > width:
+        room_r = np.where(used_r + length_n[i] <= width, used_r, -1)
+        r = int(np.argmax(room_r))
+        if room_r[r] < 0:
             return None
-        row_n[i], offset_n[i] = r, used
-        heapq.heappush(heap, (used + int(length_n[i]), r))
+        row_n[i], offset_n[i] = r, used_r[r]
+        used_r[r] += length_n[i]
     return row_n, offset_n
 
 
