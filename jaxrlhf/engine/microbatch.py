@@ -112,10 +112,10 @@ def plan_microbatches(cfg: MicrobatchConfig, segment_ids_bt: np.ndarray, shards:
     """The micro-batches of a batch and their packed rows, from its segment ids (host).
 
     COUNT: `cfg.value` micro-batches. TOKEN_BUDGET: the fewest micro-batches whose packed rows
-    (R rows of the batch's width t, R from `packing.row_buckets`, a multiple of `shards`) hold
-    at most `cfg.value` slots each: with long-tailed lengths a budget fits many more short
-    sequences than padded rows would. Micro-batch j is rows j::k (`split`); within it every
-    packed row, hence every data-parallel rank, gets about the same tokens (`packing`).
+    (R rows of the batch's width t, R/shards per data-parallel shard from
+    `packing.row_buckets`) hold at most `cfg.value` slots each: with long-tailed lengths a
+    budget fits many more short sequences than padded rows would. Micro-batch j is rows j::k
+    (`split`); each shard packs its own part of it (`packing`).
 
     Args:
       cfg: the micro-batching rule.
@@ -145,12 +145,8 @@ def _count_in_budget(budget: int, segment_ids_bt: np.ndarray, shards: int,
     if rows is packing.Rows.PADDED:
         return num_microbatches(MicrobatchConfig.by_token_budget(budget), batch_size, width,
                                 shards)
-    spans = packing.sequence_spans(segment_ids_bt)
     for k in _valid_counts(batch_size, shards):
-        micro_n = spans.row_n % k
-        needed = max(packing.rows_needed(spans.length_n[micro_n == j], width, shards)
-                     for j in range(k))
-        if needed * width <= budget:
+        if packing.packed_rows(segment_ids_bt, k, shards) * width <= budget:
             return k
     raise ValueError(f"token budget {budget} is below the smallest micro-batch "
                      f"({shards} rows x {width} tokens = {shards * width})")

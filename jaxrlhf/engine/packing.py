@@ -142,23 +142,41 @@ def plan(segment_ids_bt: np.ndarray, micro_batches: int, shards: int, rows: Rows
     segment_ids_bt = np.asarray(segment_ids_bt)
     batch, width = segment_ids_bt.shape
     per_shard = batch // micro_batches // shards  # padded rows of a micro-batch on one shard
-    spans = sequence_spans(segment_ids_bt)
-    micro_n, local_n = spans.row_n % micro_batches, spans.row_n // micro_batches
-    group_n = micro_n * shards + local_n // per_shard
-    local = Spans(local_n % per_shard, spans.start_n, spans.length_n)
-    groups = [np.flatnonzero(group_n == g) for g in range(micro_batches * shards)]
+    local, groups = _blocks(segment_ids_bt, micro_batches, shards)
     if rows is Rows.PADDED:
         count = max(per_shard, -(-min_rows // shards))
         placed = [(local.row_n[g], local.start_n[g]) for g in groups]
     else:
-        count = row_buckets(max([rows_needed(local.length_n[g], width, 1) for g in groups]
-                                + [-(-min_rows // shards)]), 1)
+        count = max(_block_rows(local, groups, width), -(-min_rows // shards))
         placed = [_fill(local.length_n[g], width, count) for g in groups]
     parts = [_micro_plan(Spans(*(x[g] for x in local)), row_g, offset_g, per_shard, width,
                          count) for g, (row_g, offset_g) in zip(groups, placed)]
     # [m * shards] blocks -> [m, shards * rows of a block]
     return PackPlan(*(np.stack(arrays).reshape(micro_batches, -1, width)
                       for arrays in zip(*parts)))
+
+
+def _blocks(segment_ids_bt: np.ndarray, micro_batches: int, shards: int):
+    """(spans with rows counted within their block, [indices of the spans of block g] for
+    g = j * shards + d): block (j, d) is shard d's part of micro-batch j's rows."""
+    batch = segment_ids_bt.shape[0]
+    per_shard = batch // micro_batches // shards
+    spans = sequence_spans(segment_ids_bt)
+    micro_n, local_n = spans.row_n % micro_batches, spans.row_n // micro_batches
+    group_n = micro_n * shards + local_n // per_shard
+    local = Spans(local_n % per_shard, spans.start_n, spans.length_n)
+    return local, [np.flatnonzero(group_n == g) for g in range(micro_batches * shards)]
+
+
+def _block_rows(local: Spans, groups, width: int) -> int:
+    """Packed rows of one block: the bucket every block's sequences fit in."""
+    return row_buckets(max(rows_needed(local.length_n[g], width, 1) for g in groups), 1)
+
+
+def packed_rows(segment_ids_bt: np.ndarray, micro_batches: int, shards: int) -> int:
+    """R of `plan(..., Rows.PACKED)` for these micro-batches, without building the plan."""
+    local, groups = _blocks(np.asarray(segment_ids_bt), micro_batches, shards)
+    return shards * _block_rows(local, groups, segment_ids_bt.shape[1])
 
 
 def _micro_plan(spans: Spans, row_n, offset_n, batch: int, width: int, rows: int):
