@@ -9,6 +9,14 @@ import numpy as np
 import pytest
 
 from jaxrlhf.algorithms import dpo, grpo, losses, ppo, remax, rw, sft
+from jaxrlhf.mfc import Call
+from jaxrlhf.parallel.strategy import DeviceRange
+from jaxrlhf.plan.choice import CallChoice
+from jaxrlhf.plan.cluster import Cluster
+from jaxrlhf.plan.cost import inference_cost, train_cost
+from jaxrlhf.plan.experiment import Workload
+from jaxrlhf.plan.memory import call_memory
+from jaxrlhf.plan.profile import profile_of
 from jaxrlhf.engine import packing
 from jaxrlhf.engine import train_step as ts
 from jaxrlhf.engine.inference import InferenceBatch, infer, infer_packed
@@ -187,3 +195,27 @@ def _assert_same(name, ref_loss, ref_aux, ref_grads, loss, aux, grads):
     assert max(float(jnp.max(jnp.abs(g))) for g in flat) / weight > 1e-3, name
     for got, want in zip(jax.tree.leaves(grads), flat):
         np.testing.assert_allclose(got / weight, want / weight, rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_planner_counts_packed_tokens():
+    """Train steps and inference are priced on the sequences' tokens in whole packed rows:
+    prompts of 64 and responses of mean 64 in rows of 512 cost a quarter of the padded rows'
+    work."""
+    profile = profile_of(get_size("small"))
+    choice = CallChoice(DeviceRange(0, 1), data=2)
+    cluster = Cluster(
+        name="test_1x2", hosts=1, devices_per_host=2, hbm_bytes=10**9, peak_bf16_flops=1e12,
+        hbm_bandwidth=1e11, intra_host_bandwidth=1e10, inter_host_bandwidth=1e9,
+        host_link_bandwidth=5e8, matmul_efficiency=0.5, hbm_efficiency=0.5,
+        comm_efficiency=0.5)
+    padded = Workload(batch_size=64, prompt_len=64, new_tokens=448)
+    packed = Workload(batch_size=64, prompt_len=64, new_tokens=448, mean_new_tokens=64.0)
+    assert packed.packed_tokens_per_device(Call.TRAIN_STEP, 2, 1) == 8 * 512  # 32 x 128 tokens
+    assert padded.packed_tokens_per_device(Call.TRAIN_STEP, 2, 1) == 32 * 512
+    for cost in (lambda w: train_cost(profile, w, choice, cluster, False),
+                 lambda w: inference_cost(profile, w, choice, cluster)):
+        assert cost(packed).compute == pytest.approx(cost(padded).compute / 4)
+    for call in (Call.TRAIN_STEP, Call.INFERENCE):
+        full, small = (call_memory(profile, call, w, choice).activations
+                       for w in (padded, packed))
+        assert small == pytest.approx(full / 4, rel=0.01)
