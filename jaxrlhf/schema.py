@@ -218,6 +218,12 @@ def base_config() -> ConfigDict:
             # plus the trainer's (launch/local.sh 1+R ...) with async_rl.max_staleness > 0.
             "gen_replicas": 1,
         },
+        "logging": {  # metrics.jsonl and TensorBoard always; jaxrlhf/metrics.py
+            # Weights & Biases beside them when `project` is set (pip install 'jaxrlhf[wandb]');
+            # name: the run's display name (empty: W&B picks one); mode: online | offline
+            # (written under workdir/wandb without network; `wandb sync` uploads it later)
+            "wandb": {"project": "", "name": "", "mode": "online"},
+        },
         "async_rl": {  # asynchronous RL (AReaL): generation runs ahead of training
             # η: a batch is trained only if its oldest token was sampled at most η policy
             # versions ago, and generation waits when it runs further ahead. 0 = the

@@ -32,6 +32,7 @@ from jaxrlhf.dataflow.placement import Placement
 from jaxrlhf.engine.generate import GenerateConfig
 from jaxrlhf.engine.microbatch import MicrobatchConfig
 from jaxrlhf.engine.optimizer import OptimizerConfig
+from jaxrlhf.metrics import WandbMode, WandbSpec, wandb_available
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models import attention, hf_io
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
@@ -175,6 +176,7 @@ class RunSpec:
       rewards: role -> RewardSpec for every role the graph runs as a host function.
       micro: train_step micro-batching (an MFC's `@N` in the allocation overrides it).
       config_json: the config as JSON, for checkpoints (export rebuilds specs from it).
+      wandb: the W&B run the metrics also go to; None: none.
     """
 
     algorithm: Algorithm
@@ -199,6 +201,7 @@ class RunSpec:
     async_rl: AsyncRLSpec
     require_model_paths: bool  # every role loads its own HF directory
     evaluation: EvalSpec
+    wandb: WandbSpec | None = None
 
     @property
     def step_rows(self) -> int:
@@ -341,6 +344,19 @@ def _models(config: ConfigDict, graph: DataflowGraph) -> tuple[dict[Role, ModelS
     return models, base
 
 
+def _wandb(w: ConfigDict) -> WandbSpec | None:
+    """`logging.wandb` as a spec; None when no project is set."""
+    mode = enum_value(WandbMode, w.mode, "logging.wandb.mode")
+    if not w.project:
+        if w.name:
+            raise ConfigError(f"logging.wandb.name={w.name!r}: set logging.wandb.project too")
+        return None
+    if not wandb_available():
+        raise ConfigError("logging.wandb.project: logging to W&B needs the wandb package "
+                          "(pip install 'jaxrlhf[wandb]')")
+    return WandbSpec(project=w.project, name=w.name, mode=mode)
+
+
 def run_spec(config: ConfigDict) -> RunSpec:
     """The typed, checked spec of `config`; raises ConfigError naming the field."""
     check_keys(config)
@@ -381,4 +397,5 @@ def run_spec(config: ConfigDict) -> RunSpec:
         nan_policy=enum_value(NanPolicy, config.nan_policy, "nan_policy"),
         data=_data(config.data), warm_start=warm, tokenizer=config.tokenizer, seed=config.seed,
         steps=config.steps, config_json=config.to_json(), async_rl=async_rl,
-        require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval))
+        require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval),
+        wandb=_wandb(config.logging.wandb))
