@@ -5,8 +5,8 @@ metrics.jsonl is the record; the TensorBoard events and the W&B run mirror it. A
 repeats the steps its killed predecessor logged after its last checkpoint: the run first trims
 those records from metrics.jsonl (`run.loop.trim_metrics`), and opening a `MetricsWriter` then
 writes the event files anew from what is left, so that TensorBoard shows every (tag, step) once,
-with the resumed run's value. W&B's steps only increase within a run, so the same holds there
-by starting a new W&B run on every open, with the records so far replayed into it.
+with the resumed run's value. A W&B run cannot take values back, so the same holds there by
+starting a new W&B run on every open, with the records so far replayed into it.
 
 `wandb` is an optional dependency (`pip install 'jaxrlhf[wandb]'`), imported only when a run
 logs to it; `wandb_available` lets the spec refuse `logging.wandb.project` before anything
@@ -57,7 +57,7 @@ def wandb_available() -> bool:
 
 
 class _WandbRun:
-    """One W&B run under workdir/wandb, logging every record at its step."""
+    """One W&B run under workdir/wandb, logging every record with its step as the x axis."""
 
     def __init__(self, spec: WandbSpec, workdir: pathlib.Path, config: Mapping | None):
         import wandb  # optional: only runs that log to W&B need it
@@ -66,9 +66,13 @@ class _WandbRun:
             project=spec.project, name=spec.name or None, mode=spec.mode.value,
             dir=str(workdir), config=dict(config or {}), reinit="create_new",
             settings=wandb.Settings(console="off"))  # the terminal is the trainer's
+        # Our step is a metric, every chart's x axis, and not W&B's own step: that one must
+        # increase with every call, and a warm start's records (sft/*) restart at step 0.
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
 
     def log(self, record: Mapping[str, float]) -> None:
-        self._run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        self._run.log(dict(record))
 
     def close(self) -> None:
         self._run.finish()

@@ -82,6 +82,9 @@ def model(size: str = "tiny") -> ConfigDict:
         # auto | xla | cudnn | pallas (jaxrlhf/models/attention.py); auto: XLA on CPU, cuDNN
         # on GPU (XLA where cuDNN cannot take the shapes/dtype), Pallas kernels on TPU
         "attention": "auto",
+        # LoRA (actor only; jaxrlhf/models/lora.py): rank > 0 freezes the model and trains
+        # rank-r adapters on the `targets` projections of every layer, scaled by alpha / rank
+        "lora": {"rank": 0, "alpha": 16.0, "targets": "q_proj,k_proj,v_proj,o_proj"},
     })
 
 

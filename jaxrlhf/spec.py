@@ -34,7 +34,7 @@ from jaxrlhf.engine.microbatch import MicrobatchConfig
 from jaxrlhf.engine.optimizer import OptimizerConfig
 from jaxrlhf.metrics import WandbMode, WandbSpec, wandb_available
 from jaxrlhf.mfc import Call, Role
-from jaxrlhf.models import attention, hf_io
+from jaxrlhf.models import attention, hf_io, lora
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.plan.experiment import Experiment, Workload
@@ -234,6 +234,7 @@ def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
     if (reason := attention.unavailable_reason(attn)) is not None:
         raise ValueError(f"{where}.attention={cfg.attention!r}: {reason}")
     head = HeadKind.LM if role in (Role.ACTOR, Role.REF) else HeadKind.SCALAR  # policies
+    adapters = _lora(cfg.lora, role, f"{where}.lora")
     if cfg.path:
         if not (pathlib.Path(cfg.path) / "config.json").is_file():
             raise FileNotFoundError(f"{where}.path={cfg.path!r} has no config.json")
@@ -241,7 +242,19 @@ def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
     else:
         with field(f"{where}.size"):
             base = get_size(cfg.size, dtype=dtype, param_dtype=param_dtype, head=head)
-    return base.replace(scan_layers=cfg.scan_layers, remat=remat, attention=attn)
+    return base.replace(scan_layers=cfg.scan_layers, remat=remat, attention=attn, lora=adapters)
+
+
+def _lora(cfg: ConfigDict, role: Role, where: str) -> lora.LoraConfig | None:
+    """`models.<role>.lora` as a LoraConfig; None at rank 0. Only the actor takes adapters."""
+    if not cfg.rank:
+        return None
+    if role is not Role.ACTOR:
+        raise ConfigError(f"{where}.rank={cfg.rank}: LoRA adapts the actor only")
+    with field(f"{where}.targets"):
+        targets = lora.parse_targets(cfg.targets)
+    with field(where):
+        return lora.LoraConfig(rank=cfg.rank, alpha=cfg.alpha, targets=targets)
 
 
 def ppo_config(config: ConfigDict, cap: float | None = None) -> ppo.PPOConfig:
@@ -338,9 +351,9 @@ def _models(config: ConfigDict, graph: DataflowGraph) -> tuple[dict[Role, ModelS
         base = models.get(Role.ACTOR) or model(Role.ACTOR)
     if Role.REF in models and not models[Role.REF].path:  # a copy of the actor: its shapes
         ref = models[Role.REF].config
-        models[Role.REF] = ModelSpec(base.config.replace(
+        models[Role.REF] = ModelSpec(base.config.replace(  # the base model, without adapters
             dtype=ref.dtype, param_dtype=ref.param_dtype, scan_layers=ref.scan_layers,
-            remat=ref.remat, attention=ref.attention))
+            remat=ref.remat, attention=ref.attention, lora=None))
     return models, base
 
 

@@ -47,7 +47,8 @@ def _records(path: pathlib.Path):
 
 
 def _offline_run(workdir: pathlib.Path) -> tuple[dict, list[dict]]:
-    """(the newest run record's project, name and config; its history rows with their step)."""
+    """(the newest run record's project, name and config; its history rows, W&B's own keys
+    (`_step`, `_timestamp`, ...) left out)."""
     wandb.teardown()  # `finish` leaves the file's last writes to W&B's service; this waits
     runs = sorted((workdir / "wandb").glob("offline-run-*/run-*.wandb"),
                   key=lambda path: path.stat().st_mtime)
@@ -61,8 +62,7 @@ def _offline_run(workdir: pathlib.Path) -> tuple[dict, list[dict]]:
             case "history":
                 items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
                          for i in record.history.item}
-                history.append({"step": record.history.step.num,
-                                **{k: v for k, v in items.items() if not k.startswith("_")}})
+                history.append({k: v for k, v in items.items() if not k.startswith("_")})
     return run, history
 
 
