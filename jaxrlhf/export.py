@@ -25,6 +25,11 @@ decodes.
 
 The parameters are restored onto whatever devices this process has (one CPU device is
 enough), whatever plan the run used.
+
+A LoRA actor (`models.actor.lora.rank` > 0) is written twice over: at DIR its adapters merged
+into the weights (W + alpha/r · A·B, a plain HF model), and in DIR/adapter the adapters alone in
+PEFT's format (adapter_model.safetensors, adapter_config.json), whose base model is
+`models.actor.path`, or DIR/base, written too, when the run's base model had no directory.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+
+import numpy as np
 
 from absl import flags, logging
 
@@ -71,7 +78,7 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path, role: Role = Ro
     from jaxrlhf import checkpoint
     from jaxrlhf.spec import model_config_of
     from jaxrlhf.data.tokenizer import load_tokenizer
-    from jaxrlhf.models import hf_io
+    from jaxrlhf.models import hf_io, lora
     from jaxrlhf.parallel.layout import make_layout
 
     directory = pathlib.Path(workdir) / checkpoint.CHECKPOINT_DIR
@@ -100,8 +107,42 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path, role: Role = Ro
     tokenizer_dir = None if config.tokenizer == "byte" else config.tokenizer
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
            "pad_token_id": tokenizer.pad_id}
-    hf_io.save_hf(out, model, params, tokenizer_dir=tokenizer_dir, extra_config=ids)
+    if model.lora is None:
+        hf_io.save_hf(out, model, params, tokenizer_dir=tokenizer_dir, extra_config=ids)
+    else:
+        save = lambda path, tree: hf_io.save_hf(path, model.replace(lora=None), tree,
+                                                tokenizer_dir=tokenizer_dir, extra_config=ids)
+        save(out, lora.merged(params, model.lora))
+        base = config.models[role.value].path
+        if not base:  # initialised by its config: the adapters' base model is written too
+            base = str(pathlib.Path(out) / BASE_DIR)
+            save(base, lora.partition(params, model.lora)[1])
+        save_peft(pathlib.Path(out) / ADAPTER_DIR, model, params, base)
     return Exported(pathlib.Path(out), host.step, tokenizer_dir)
+
+
+ADAPTER_DIR = "adapter"  # a LoRA model's adapters, in PEFT's format
+BASE_DIR = "base"  # their base model, when the run had none on disk
+PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+def save_peft(path: pathlib.Path, model, params, base_model: str) -> None:
+    """The LoRA adapters of `params` as PEFT's adapter_model.safetensors and
+    adapter_config.json in `path` (models/lora.py gives the layout)."""
+    import jax
+    from safetensors.numpy import save_file
+
+    from jaxrlhf.models import hf_io, lora
+
+    adapters, _ = lora.partition(params, model.lora)
+    leaves = {tuple(str(k.key) for k in key_path): np.asarray(jax.device_get(x))
+              for key_path, x in jax.tree_util.tree_flatten_with_path(adapters)[0]}
+    hf_name = lambda kernel_path, layer: hf_io.tensor_map(kernel_path).name(layer)
+    tensors = lora.peft_tensors(leaves, hf_name, model.num_layers)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / PEFT_WEIGHTS, metadata={"format": "pt"})
+    (path / PEFT_CONFIG).write_text(json.dumps(lora.peft_config(model.lora, base_model),
+                                               indent=2))
 
 
 def main() -> None:
