@@ -290,3 +290,25 @@ def test_a_tiny_lora_sft_run_learns(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["accuracy_after"] >= 0.85 and summary["accuracy_before"] <= 0.1, summary
+
+
+def test_adapters_start_at_zero_beside_weights_loaded_from_hugging_face(tmp_path):
+    """models.actor.path and lora: the HF weights load as the base, the adapters are fresh (B
+    = 0), so the adapted actor computes transformers' logits; the ref gets no adapters."""
+    from hf_fixtures import make_tiny_hf_model
+    from jaxrlhf.run.build import initial_actor_params
+
+    path, hf = make_tiny_hf_model(tmp_path, "llama")
+    config = base_config()
+    config.models.actor.path = str(path)
+    config.models.actor.lora.rank = 4
+    spec = run_spec(config)
+    actor = spec.base.config
+    params = initial_actor_params(spec, make_layout("0-1:d2", model=actor))
+    adapters, _ = lora.partition(params, actor.lora)
+    assert all(not np.any(b) for k, b in _flat(adapters).items() if "lora_b" in k)
+    assert any(np.any(a) for k, a in _flat(adapters).items() if "lora_a" in k)
+    tokens_bt, mask_bt = padded_batch(actor.vocab_size, LENGTHS, SEQ_LEN, left_pad=LEFT_PAD)
+    valid = mask_bt.astype(bool)
+    np.testing.assert_allclose(_logits(actor, params, tokens_bt, mask_bt)[valid],
+                               hf_logits(hf, tokens_bt, mask_bt)[valid], atol=ATOL, rtol=0)
