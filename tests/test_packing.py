@@ -76,8 +76,8 @@ def test_spans_and_row_ladder():
     spans = packing.sequence_spans(seg)
     assert spans.row_n.tolist() == [0, 0, 1] and spans.start_n.tolist() == [1, 3, 0]
     assert spans.length_n.tolist() == [2, 2, 6]
-    assert [packing.row_buckets(n, 1) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17)] == \
-        [1, 2, 3, 4, 6, 8, 12, 16, 24]
+    assert [packing.row_buckets(n, 1) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 33)] == \
+        [1, 2, 3, 4, 5, 7, 10, 14, 20, 40]
     assert packing.row_buckets(5, 4) == 8
 
 
