@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.algorithms import dpo, grpo, losses, ppo, remax, rw, sft
+from jaxrlhf.algorithms import dapo, dpo, grpo, gspo, losses, ppo, reinforce, remax, rw, sft
 from jaxrlhf.mfc import Call
 from jaxrlhf.parallel.strategy import DeviceRange
 from jaxrlhf.plan.choice import CallChoice
@@ -111,6 +111,14 @@ def _case(name):
                            batch_size=b)
         case "remax":
             alg = remax.make(remax.ReMaxConfig(policy=entropy), reward_model=False, batch_size=b)
+        case "dapo":
+            alg = dapo.make(dapo.DAPOConfig(group_size=2, temperature=0.8), reward_model=False)
+        case "gspo":
+            alg = gspo.make(gspo.GSPOConfig(grpo.GRPOConfig(group_size=2)), reward_model=False)
+        case "reinforce":
+            alg = reinforce.make(reinforce.ReinforceConfig(reinforce.Baseline.LEAVE_ONE_OUT,
+                                                           group_size=2, policy=entropy),
+                                 reward_model=False, batch_size=b)
         case "sft":
             alg = sft.make()
         case "dpo":
@@ -133,7 +141,8 @@ def _params(model):
 
 
 # One compiled program per head: every algorithm's loss and gradient, packed and unpacked.
-HEADS = {"lm": ["grpo", "ppo_actor", "remax", "sft", "dpo"], "scalar": ["ppo_critic", "rw"]}
+HEADS = {"lm": ["grpo", "ppo_actor", "remax", "dapo", "gspo", "reinforce", "sft", "dpo"],
+         "scalar": ["ppo_critic", "rw"]}
 
 
 @pytest.mark.parametrize("head", list(HEADS))
