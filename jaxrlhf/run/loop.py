@@ -156,7 +156,9 @@ def train(job: Job, source: Source, writer, checkpoints: checkpoint.Checkpointer
     write = lambda: save(job, checkpoints, runner, source.rows, evaluation_before)
     timings = []
     bar = tqdm(desc=source.desc, initial=runner.step_index, total=spec.steps, mininterval=1)
-    with StopRequest() as stop, _stops_named(what, runner, checkpoints):
+    # The bar ends its line first, however the loop ends: a reason to stop goes on lines of
+    # its own.
+    with StopRequest() as stop, _stops_named(what, runner, checkpoints), bar:
         # A stop asked before the first update (while restoring, compiling, evaluating) saves
         # what there is (a resumed run's checkpoint exists already) and stops at once.
         interrupted = source.stop_now(stop)
@@ -172,7 +174,7 @@ def train(job: Job, source: Source, writer, checkpoints: checkpoint.Checkpointer
             interrupted = update is None or source.stop_now(stop)
             if checkpoints.cfg.due(runner.step_index) and not interrupted:
                 source.save(write)
-        bar.close()
+        bar.close()  # (a second close does nothing)
         source.save(write)  # (one that exists already is not written again)
         checkpoints.wait()
     if interrupted:
