@@ -208,7 +208,8 @@ def _stops_named(what: str, runner: Runner, checkpoints: checkpoint.Checkpointer
         yield
     except (HostFunctionError, RewardPoolError, checkpoint.CheckpointWriteError) as error:
         latest = checkpoints.latest_saved()
-        kept = ("nothing was saved (a rerun starts afresh)" if latest is None else
+        kept = (f"no {what} checkpoint was saved (a rerun starts {what} afresh)"
+                if latest is None else
                 f"a rerun resumes from checkpoint {latest} in {checkpoints.directory}")
         reason = " ".join(str(error).split())
         raise Stopped(f"{what} step {runner.step_index}: {reason}\n{kept}") from None
