@@ -3,8 +3,13 @@
 The loop owns, once for every run:
 
   guards       the NaN guard around every update (`guards.NanGuard`, by `nan_policy`), Ctrl-C
-               and SIGTERM (`guards.StopRequest`): the loop stops at the first update
-               boundary where its source can stop, saves and says so;
+               and SIGTERM (`guards.StopRequest`, held from the job's start): the loop stops
+               at the first update boundary where its source can stop (before the first
+               update, for a signal that came while the job started), saves and says so;
+  stops        a reason to stop (a reward function failing too often, the reward pool broken,
+               a checkpoint that cannot be written) becomes `Stopped`: the reason and the
+               checkpoint a rerun resumes from, which the entry point prints without a
+               traceback (`STOPS`);
   checkpoints  on the `checkpoint.every` cadence, when stopped, and at the end;
   evaluation   the periodic held-out evaluation of RL runs (`eval.every`), between updates;
   metrics      an update's record (its figures, the source's, throughput, `nan_skipped`)
