@@ -31,7 +31,7 @@ from jaxrlhf.mfc import Role
 from jaxrlhf.models import hf_io
 from jaxrlhf.run import lock, roles
 from jaxrlhf.run.layouts import RunPlan, place, single
-from jaxrlhf.schema import ConfigError, field
+from jaxrlhf.schema import ConfigError, base_config, field
 from jaxrlhf.spec import RunSpec, run_spec
 
 
@@ -107,6 +107,9 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     return job
 
 
+_DEFAULT_SIZE = base_config().models.ref.size  # what a config that never set it has
+
+
 def _check_ignored(config: ConfigDict, spec: RunSpec) -> None:
     """Refuses a key set to something the chosen placement or algorithm does not read: the
     user meant it to change the run, and it would not."""
@@ -124,7 +127,7 @@ def _check_ignored(config: ConfigDict, spec: RunSpec) -> None:
          f"micro_batches={config.micro_batches}", f"micro_batch_tokens="
          f"{config.micro_batch_tokens} > 0 splits micro-batches by tokens instead"),
         (Role.REF in spec.models and not config.models.ref.path
-         and config.models.ref.size != config.models.actor.size,
+         and config.models.ref.size not in (config.models.actor.size, _DEFAULT_SIZE),
          f"models.ref.size={config.models.ref.size!r}", "without models.ref.path the reference "
          f"is a copy of the actor (models.actor.size={config.models.actor.size!r})"),
     ]
