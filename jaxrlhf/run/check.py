@@ -97,6 +97,7 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     roles.starts(spec)  # every role has weights to start from
     with field("placement"):
         plan = place(spec)
+    _check_positions(spec)
     fingerprint = run_fingerprint(spec.config_json)
     job = Job(spec, tokenizer, plan, workdir, fingerprint, load_data(spec, workdir, tokenizer))
     job = dataclasses.replace(job, warm_start=_warm_start(job))
@@ -105,6 +106,19 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     with field("checkpoint"):  # another run's checkpoints are refused
         check_resume(workdir / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
     return job
+
+
+def _check_positions(spec: RunSpec) -> None:
+    """A step's sequences (prompt and new tokens) fit every model's positions: past them RoPE
+    extrapolates silently, and a very long response would ask for a KV cache of terabytes."""
+    r = spec.rollout
+    for role, model in {Role.ACTOR: spec.base, **spec.models}.items():
+        limit = model.config.max_position_embeddings
+        if r.seq_len > limit:
+            raise ConfigError(
+                f"rollout.max_new_tokens={r.max_new_tokens}: with rollout.max_prompt_len="
+                f"{r.max_prompt_len} a sequence has {r.seq_len} tokens, more than the "
+                f"{limit} positions of models.{role.value} (max_position_embeddings)")
 
 
 _DEFAULT_SIZE = base_config().models.ref.size  # what a config that never set it has
