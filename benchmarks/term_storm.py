@@ -190,10 +190,14 @@ def main() -> None:
     last = outcome(final_log)
     reruns = rows[1:] + [last]
     # The checkpoint each stop left (saved, or the newest one before it) is where the next run
-    # resumes; a stop before any checkpoint leaves the next run starting afresh.
-    newest, resumed_right = None, 0
+    # that gets as far as its start resumes (a run stopped during its startup never gets
+    # there; the one after it must); before any checkpoint, runs start afresh.
+    newest, started, resumed_right = None, 0, 0
     for row, rerun in zip(rows, reruns):
         newest = row["saved"] if row["saved"] is not None else newest
+        if rerun["resumed_from"] is None and rerun.get("kind") == "startup":
+            continue  # stopped before it said where it resumes
+        started += 1
         resumed_right += rerun["resumed_from"] == newest and not rerun["damaged"]
     print(json.dumps({
         "terms": len(rows), "by_kind": {k: sum(r["kind"] == k for r in rows) for k in KINDS},
@@ -202,7 +206,8 @@ def main() -> None:
         "max_exit_seconds": max((r["exit_seconds"] for r in rows), default=None),
         "killed_after_grace": sum(r["killed_after_grace"] for r in rows),
         "processes_left": sum(r["processes_left"] for r in rows),
-        "reruns_resumed_newest": resumed_right, "damaged_found": sum(r["damaged"] for r in reruns),
+        "reruns_started": started, "reruns_resumed_newest": resumed_right,
+        "damaged_found": sum(r["damaged"] for r in reruns),
         "tracebacks": sum(r["tracebacks"] for r in rows) + last["tracebacks"],
         "errors": sum(len(r["errors"]) for r in rows) + len(last["errors"]),
         "final_exit": final.returncode, "workdir": str(root),
