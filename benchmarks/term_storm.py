@@ -90,8 +90,8 @@ def wait_for(kind: str, proc: subprocess.Popen, log: pathlib.Path, workdir: path
                 return time.monotonic() > after
             case "warm_start":
                 return sum(_WARM in r for r in records(workdir)) > warm_records
-            case "evaluation":  # the warm start's last step logged, no evaluation printed yet
-                return (sum(_WARM in r for r in records(workdir)) >= _WARM_STEPS
+            case "evaluation":  # the warm start's end checkpoint written, no evaluation yet
+                return ((workdir / f"checkpoints/warm_start/{_WARM_STEPS}").is_dir()
                         and "held-out before" not in log.read_text())
             case "step":
                 return rl_steps(workdir) > start_step
@@ -121,9 +121,10 @@ def _session(sid: int, seconds: float = 5.0) -> list[str]:
 
 def outcome(log: pathlib.Path) -> dict:
     text = log.read_text()
-    resumed = re.search(r"resuming (?:the warm start )?from checkpoint (\d+)", text)
+    resumed = re.search(r"resuming (?:the warm start )?from checkpoint (\d+)|the warm start "
+                        r"is done: its checkpoint (\d+)", text)
     saved = re.search(r"checkpoint (\d+) saved in", text)
-    return {"resumed_from": int(resumed.group(1)) if resumed else None,
+    return {"resumed_from": int(resumed.group(1) or resumed.group(2)) if resumed else None,
             "saved": int(saved.group(1)) if saved else None,
             "damaged": len(re.findall(r"warning: checkpoint \S+ cannot be restored", text)),
             "tracebacks": text.count(TRACEBACK),
