@@ -83,6 +83,9 @@ def model(size: str = "tiny") -> ConfigDict:
         # auto | xla | cudnn | pallas (jaxrlhf/models/attention.py); auto: XLA on CPU, cuDNN
         # on GPU (XLA where cuDNN cannot take the shapes/dtype), Pallas kernels on TPU
         "attention": "auto",
+        # LoRA (actor only; jaxrlhf/models/lora.py): rank > 0 freezes the model and trains
+        # rank-r adapters on the `targets` projections of every layer, scaled by alpha / rank
+        "lora": {"rank": 0, "alpha": 16.0, "targets": "q_proj,k_proj,v_proj,o_proj"},
     })
 
 
@@ -237,6 +240,12 @@ def base_config() -> ConfigDict:
             # block of its own with its own weights copy; > 1 runs one process per replica
             # plus the trainer's (launch/local.sh 1+R ...) with async_rl.max_staleness > 0.
             "gen_replicas": 1,
+        },
+        "logging": {  # metrics.jsonl and TensorBoard always; jaxrlhf/metrics.py
+            # Weights & Biases beside them when `project` is set (pip install 'jaxrlhf[wandb]');
+            # name: the run's display name (empty: W&B picks one); mode: online | offline
+            # (written under workdir/wandb without network; `wandb sync` uploads it later)
+            "wandb": {"project": "", "name": "", "mode": "online"},
         },
         "async_rl": {  # asynchronous RL (AReaL): generation runs ahead of training
             # η: a batch is trained only if its oldest token was sampled at most η policy

@@ -31,7 +31,7 @@ from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
 from jaxrlhf.algorithms.spec import (
-    Algorithm, Metric, Proximal, TrainSpec, model_inputs, response_policy,
+    Algorithm, Metric, Proximal, TrainSpec, model_inputs, policy_readout, response_policy,
 )
 from jaxrlhf.mfc import MFC, Call, Role
 
@@ -160,8 +160,8 @@ def _train_batch(buf, controller, cfg: DAPOConfig, extra_keys: tuple[str, ...]):
 def actor_loss(cfg: DAPOConfig, proximal: Proximal | None = None):
     """The clip-higher surrogate, token-level; with `proximal`, the decoupled one."""
 
-    def loss_fn(logits_btv, batch):
-        logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.temperature)
+    def loss_fn(out, batch):
+        logp_bn, entropy_bn = response_policy(out, batch)
         return losses.ppo_policy_loss(
             logp_bn, batch["old_logp_bn"], batch["advantages_bn"], batch["mask_bn"], cfg.policy,
             proximal_logp_bn=proximal(logp_bn, batch) if proximal else None, entropy_bn=entropy_bn)
@@ -176,7 +176,8 @@ def make(cfg: DAPOConfig, *, reward_model: bool, extra_keys: tuple[str, ...] = (
     return Algorithm(
         name="dapo",
         mfcs=mfcs(reward_model),
-        train={Role.ACTOR: TrainSpec(prepare, actor_loss(cfg), cfg.mini_batches, cfg.epochs)},
+        train={Role.ACTOR: TrainSpec(prepare, actor_loss(cfg), cfg.mini_batches, cfg.epochs,
+                                     policy_readout(cfg.temperature))},
         temperature=cfg.temperature,
         shown=(Metric("reward"), Metric("filled_frac", Role.ACTOR)),
     )

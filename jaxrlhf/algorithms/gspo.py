@@ -28,7 +28,9 @@ import jax.numpy as jnp
 from jaxrlhf.algorithms import grpo
 from jaxrlhf.algorithms.kl import kl_per_token
 from jaxrlhf.algorithms.losses import LossOutput
-from jaxrlhf.algorithms.spec import Algorithm, Proximal, TrainSpec, response_policy
+from jaxrlhf.algorithms.spec import (
+    Algorithm, Proximal, TrainSpec, policy_readout, response_policy,
+)
 from jaxrlhf.mfc import Role
 
 _sg = jax.lax.stop_gradient
@@ -112,8 +114,8 @@ def gspo_loss(logp_bn: jax.Array, old_logp_bn: jax.Array, ref_logp_bn: jax.Array
 def actor_loss(cfg: GSPOConfig, proximal: Proximal | None = None):
     """The sequence-ratio loss; with `proximal`, against π_prox (the mismatch correction)."""
 
-    def loss_fn(logits_btv, batch):
-        logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.grpo.temperature)
+    def loss_fn(out, batch):
+        logp_bn, entropy_bn = response_policy(out, batch)
         return gspo_loss(logp_bn, batch["old_logp_bn"], batch["ref_logp_bn"],
                          batch["advantages_bn"], batch["mask_bn"], cfg, entropy_bn=entropy_bn,
                          proximal_logp_bn=proximal(logp_bn, batch) if proximal else None)
@@ -124,5 +126,6 @@ def actor_loss(cfg: GSPOConfig, proximal: Proximal | None = None):
 def make(cfg: GSPOConfig, *, reward_model: bool) -> Algorithm:
     g = cfg.grpo
     base = grpo.make(g, reward_model=reward_model)
-    actor = TrainSpec(base.train[Role.ACTOR].prepare, actor_loss(cfg), g.mini_batches, g.epochs)
+    actor = TrainSpec(base.train[Role.ACTOR].prepare, actor_loss(cfg), g.mini_batches, g.epochs,
+                      policy_readout(g.temperature))
     return dataclasses.replace(base, name="gspo", train={Role.ACTOR: actor})

@@ -32,7 +32,7 @@ from jaxrlhf.algorithms import grpo
 from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.spec import (
-    Algorithm, Proximal, TrainSpec, model_inputs, response_policy,
+    Algorithm, Proximal, TrainSpec, model_inputs, policy_readout, response_policy,
 )
 from jaxrlhf.mfc import Role
 
@@ -118,8 +118,8 @@ def _train_batch(buf, controller, cfg: ReinforceConfig):
 def actor_loss(cfg: ReinforceConfig, proximal: Proximal | None = None):
     """The clipped surrogate; with `proximal`, the decoupled one (mismatch correction)."""
 
-    def loss_fn(logits_btv, batch):
-        logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.temperature)
+    def loss_fn(out, batch):
+        logp_bn, entropy_bn = response_policy(out, batch)
         return losses.ppo_policy_loss(
             logp_bn, batch["old_logp_bn"], batch["advantages_bn"], batch["mask_bn"], cfg.policy,
             proximal_logp_bn=proximal(logp_bn, batch) if proximal else None, entropy_bn=entropy_bn)
@@ -137,7 +137,8 @@ def make(cfg: ReinforceConfig, *, reward_model: bool, batch_size: int) -> Algori
     return Algorithm(
         name=cfg.baseline.value,
         mfcs=grpo.mfcs(reward_model),
-        train={Role.ACTOR: TrainSpec(prepare, actor_loss(cfg), cfg.mini_batches, cfg.epochs)},
+        train={Role.ACTOR: TrainSpec(prepare, actor_loss(cfg), cfg.mini_batches, cfg.epochs,
+                                     policy_readout(cfg.temperature))},
         controller_init={"kl_coef": cfg.kl.init_kl_coef},
         controller_update=lambda c, s: update_controller(c, s, cfg, batch_size),
         temperature=cfg.temperature,
