@@ -47,6 +47,7 @@ def test_a_copy_that_does_not_contain_the_home_shards_lives_beside_them():
     assert r["zero_redundancy"] == r["before"] == r["generation_shard"] + r["training_shard"]
 
 
+@pytest.mark.slow
 def test_home_parameters_read_while_the_copy_lives_come_back_bitwise():
     train, gen = make_layout("0-3:f4", model=MODEL), make_layout("0-3:d4", model=MODEL)
     state = init_train_state(MODEL, train, OptimizerConfig(), jax.random.key(1))
