@@ -9,6 +9,7 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxrlhf.engine import microbatch as mb
@@ -98,9 +99,12 @@ def _compiled_bytes(spec: str, micro: int, rows: int, length: int) -> int:
                           step=jax.ShapeDtypeStruct((), jnp.int32))
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          state, step.shardings)
+    host = make_batch(0, batch=rows, length=length)
+    host["segment_ids_bt"] = np.ones_like(host["segment_ids_bt"])  # full rows: nothing to pack
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=layout.batch_sharding(v.ndim))
-             for k, v in make_batch(0, batch=rows, length=length).items()}
-    analysis = step._jit_for(state, batch).lower(state, batch).compile().memory_analysis()
+             for k, v in host.items()}
+    count, plan = step.plan(host)
+    analysis = step._lower_planned(count, state, batch, plan).compile().memory_analysis()
     return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
 
 
