@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.engine.optimizer import OptimizerConfig, make_optimizer
+from jaxrlhf.engine import train_step
 from jaxrlhf.mfc import Call
 from jaxrlhf.models.config import RematPolicy
 from jaxrlhf.models.sizes import abstract_params, get_size
@@ -62,16 +63,15 @@ def test_train_state_bytes_equal_compiled_arguments(fp32_master):
     params = nn.unbox(abstract_params(cfg))
     opt_state = jax.eval_shape(make_optimizer(OptimizerConfig(fp32_master=fp32_master)).init,
                                params)
-    shardings = layout.param_shardings(abstract_params(cfg))
-    compiled = jax.jit(lambda p, o: (p, o), in_shardings=(shardings, None)).lower(
-        params, opt_state).compile()
+    # The runtime's shardings: the optimizer state sliced over data too (ZeRO-1).
+    shardings = train_step.state_shardings(cfg, layout, OptimizerConfig(fp32_master=fp32_master))
+    compiled = jax.jit(lambda p, o: (p, o), in_shardings=(
+        shardings.params, shardings.opt_state)).lower(params, opt_state).compile()
     param_bytes, opt_bytes = memory.train_state_bytes(profile_of(cfg), choice(0, 7, 2, 2, 2),
                                                       fp32_master)
-    # The optimizer state is left unsharded here, so count it whole: elements × bytes.
     p = profile_of(cfg)
-    whole_opt = p.num_params * ((8 + 4) if fp32_master else 4)
-    assert opt_bytes == p.shard_elements(2, 2) * ((8 + 4) if fp32_master else 4)
-    scalars = compiled.memory_analysis().argument_size_in_bytes - param_bytes - whole_opt
+    assert opt_bytes * 2 == p.shard_elements(2, 2) * ((8 + 4) if fp32_master else 4)
+    scalars = compiled.memory_analysis().argument_size_in_bytes - param_bytes - opt_bytes
     assert 0 <= scalars <= 64  # Adam's step counts
 
 

@@ -17,7 +17,7 @@ from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.parallel.strategy import Axis, DeviceRange, Strategy
 from jaxrlhf.plan import cost, memory
 from jaxrlhf.plan.allocation import format_allocation
-from jaxrlhf.plan.choice import CallChoice
+from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster, load_cluster
 from jaxrlhf.plan.evaluate import Evaluator
 from jaxrlhf.plan.experiment import DecodeSchedule, Workload
@@ -181,16 +181,23 @@ def test_pipelined_shard_bytes_equal_compiled_arguments(spec):
         compiled.memory_analysis().argument_size_in_bytes
 
 
-def test_heuristic_is_reals_for_70b_on_h100():
-    """Megatron's rules give ReaL's Table 3 plan: TP8 × PP4 × DP4, 8 micro-batches."""
+def test_heuristic_follows_megatrons_rules_for_70b_on_h100():
+    """Megatron's rules: TP8 inside a host, the fewest pipeline stages that fit, DP over the
+    rest, the fewest micro-batches (>= 2p) that fit. ReaL's Table 3 took PP4 × DP4 with 8
+    micro-batches; with the optimizer state sliced over DP (ZeRO-1, as Megatron's
+    distributed optimizer) two stages fit here: PP2 × DP8 with 4."""
     experiment = run_spec(_config("configs/ppo_70b.py")).experiment()
-    result = heuristic(Evaluator(experiment, load_cluster("meshes/h100_16x8.py")),
-                       (1, 2, 4, 8, 16, 32, 64))
+    evaluator = Evaluator(experiment, load_cluster("meshes/h100_16x8.py"))
+    result = heuristic(evaluator, (1, 2, 4, 8, 16, 32, 64))
     assert result.feasible
     for _, choice in result.plan.items():
         assert (choice.data, choice.fsdp, choice.tensor, choice.pipeline,
-                choice.micro_batches) == (4, 1, 8, 4, 8)
+                choice.micro_batches) == (8, 1, 8, 2, 4)
         assert choice.devices == DeviceRange(0, 127)
+    # One stage does not fit, even with the most micro-batches.
+    one_stage = CallChoice(DeviceRange(0, 127), 16, 1, 8, 4, 1)
+    assert not evaluator.evaluate(ExecutionPlan.of(
+        {m.name: one_stage for m in experiment.model_mfcs()})).fits
 
 
 def test_searched_70b_is_at_least_as_fast_as_reals_searched_plan():

@@ -156,7 +156,7 @@ def test_layouts_match_one_device_big_batch(host_params, reference, spec, micro_
     expected_shardings = ts.state_shardings(MODEL, layout, OPT)
     jax.tree.map(_assert_sharded_as, state.params, expected_shardings.params)
     adam = state.opt_state[1][0]
-    jax.tree.map(lambda a, p: _assert_sharded_as(a, p.sharding), adam.mu, state.params)
+    jax.tree.map(_assert_sharded_as, adam.mu, expected_shardings.opt_state[1][0].mu)
 
 
 def _assert_sharded_as(array, sharding):
@@ -169,13 +169,20 @@ def test_opt_state_shardings_follow_params():
     shardings = ts.state_shardings(MODEL, layout, opt.OptimizerConfig(fp32_master=True))
     master = shardings.opt_state.master
     inner_adam = shardings.opt_state.inner[1][0]
+    # ZeRO-1: like the parameters, and over the data-parallel ranks (`parallel.zero`).
     for tree in (master, inner_adam.mu, inner_adam.nu):
         assert jax.tree.map(lambda s: s.spec, tree) == jax.tree.map(
-            lambda s: s.spec, shardings.params)
+            lambda s: s.spec, ts.optimizer_shardings(MODEL, layout))
     assert inner_adam.count.spec == jax.sharding.PartitionSpec()
     # The MLP kernel really is split (fsdp on embed, tensor on mlp), not replicated.
     gate = shardings.params["layers"]["mlp"]["gate_proj"]["kernel"]
     assert gate.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    gate_mu = inner_adam.mu["layers"]["mlp"]["gate_proj"]["kernel"]
+    assert gate_mu.spec == jax.sharding.PartitionSpec(None, "fsdp", ("tensor", "data"))
+    whole = ts.state_shardings(MODEL, layout, opt.OptimizerConfig(fp32_master=True),
+                               shard_optimizer=False).opt_state.master
+    assert jax.tree.map(lambda s: s.spec, whole) == jax.tree.map(
+        lambda s: s.spec, shardings.params)
 
 
 @pytest.mark.devices(8)

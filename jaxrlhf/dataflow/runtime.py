@@ -10,6 +10,13 @@ calls and is brought back by the next one. A trainable model with `offload_train
 parameters and optimizer state to host memory whenever a call of another model is about to run
 on its devices (`make_room`); its own inference or generation brings back only the parameters
 (dropped again after the call), its train step the whole state.
+
+Zero-redundancy reallocation (HybridFlow's 3D-HybridEngine): where every device's shard of the
+copy contains its home shard (`parallel.reshard.contains_shards`, e.g. generation on d4t2 from
+training on f4t2 over the same devices), the copy is built from the home parameters, which are
+then freed: while the copy lives a device holds the copy's shard alone, not both. When the copy
+is dropped, or anything reads the home parameters first, they are cut back out of the copy on
+each device (no communication, bitwise the same values).
 """
 
 from __future__ import annotations
@@ -21,7 +28,10 @@ from jaxrlhf.engine.train_step import TrainState
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.sizes import abstract_params
-from jaxrlhf.parallel.reshard import ReshardStats, offload_to_host, onload, reshard
+import jax
+
+from jaxrlhf.parallel.reshard import (ReshardStats, contains_shards, offload_to_host, onload,
+                                      reshard)
 from jaxrlhf.parallel.layout import Layout
 
 
@@ -78,6 +88,7 @@ class ModelRuntime:
         self._read_params = None  # params brought back for a call while the state is on host
         self._params = params
         self._copies: dict[Layout, object] = {}
+        self._home_in: Layout | None = None  # the copy the freed home parameters live in
         self._offloaded = False
         self.offload_between_calls = offload
         self.offload_trainable = offload_trainable
@@ -99,6 +110,7 @@ class ModelRuntime:
     @property
     def state(self) -> TrainState:
         """The TrainState on the home layout (brought back whole if it waits on host)."""
+        self._restore_home()
         if self._state_on_host:
             self._read_params = None
             self._state, stats = onload(self._state)
@@ -109,6 +121,7 @@ class ModelRuntime:
     @property
     def params(self):
         """Parameters on the home layout (onloaded if they were offloaded)."""
+        self._restore_home()
         if self._state is not None:
             if not self._state_on_host:
                 return self._state.params
@@ -123,21 +136,46 @@ class ModelRuntime:
         return self._params
 
     def params_on(self, layout: Layout):
-        """Parameters resharded to `layout`, copied once per parameter version."""
+        """Parameters resharded to `layout`, copied once per parameter version; a copy that
+        contains the home shards replaces the home parameters while it lives (module
+        docstring)."""
         if layout == self.home:
             return self.params
         if layout not in self._copies:
-            copy, stats = reshard(self.params, layout.param_shardings(self._boxed))
+            home, shardings = self.params, layout.param_shardings(self._boxed)
+            replaces = not self.on_host and self._read_params is None and _contains(
+                home, shardings)
+            copy, stats = reshard(home, shardings, free_source=replaces)
             self.counters.add(stats, offload=False)
             self._copies[layout] = copy
             self._read_params = None  # the call reads the copy, not the home parameters
+            if replaces:
+                self._set_home_params(None)
+                self._home_in = layout
         return self._copies[layout]
+
+    def _set_home_params(self, params) -> None:
+        if self._state is not None:
+            self._state = self._state.replace(params=params)
+        else:
+            self._params = params
+
+    def _restore_home(self) -> None:
+        """Cuts the home parameters back out of the copy that replaced them (each device keeps
+        its part of its own copy's shard; leaves whose sharding is the same are shared)."""
+        if self._home_in is None:
+            return
+        layout, self._home_in = self._home_in, None
+        params, stats = reshard(self._copies[layout], self.home.param_shardings(self._boxed))
+        self.counters.add(stats, offload=False)
+        self._set_home_params(params)
 
     def update(self, state: TrainState) -> None:
         """Installs the state a train_step returned: a new parameter version."""
         if self._state is None:
             raise ValueError(f"{self.role.value} is frozen; it has no train state")
         self._state, self._state_on_host, self._read_params = state, False, None
+        self._home_in = None  # the new version replaces the parameters the copy held
         self._copies.clear()
         self._reads.clear()
 
@@ -148,6 +186,8 @@ class ModelRuntime:
             return
         self._reads[layout] = self._reads.get(layout, 0) + 1
         if self._reads[layout] >= self._readers.get(layout, 1):
+            if self._home_in == layout:
+                self._restore_home()
             self._copies.pop(layout, None)
             self._reads.pop(layout)
 
@@ -156,6 +196,7 @@ class ModelRuntime:
         `offload_trainable`, the state goes to host memory (a no-op where it is already)."""
         self._read_params = None
         if self.offload_trainable and not self._state_on_host:
+            self._restore_home()
             self._state, stats = offload_to_host(self._state)
             self.counters.add(stats, offload=True)
             self._state_on_host = True
@@ -171,8 +212,15 @@ class ModelRuntime:
 
     def drop_copies(self) -> None:
         """Releases the copies on other layouts (e.g. generation weights after generation)."""
+        self._restore_home()
         self._copies.clear()
         self._reads.clear()
+
+
+def _contains(params, shardings) -> bool:
+    """Whether every leaf's `shardings` shard contains its current shard on each device."""
+    return all(contains_shards(x.sharding, d, x.shape) for x, d in
+               zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True))
 
 
 def with_memory_policy(run: Callable, mfc: MFC, layout: Layout, runtimes: Mapping[Role, "ModelRuntime"]):

@@ -86,6 +86,27 @@ def decay_mask(params) -> dict:
     return jax.tree_util.tree_map_with_path(is_decayed, params)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """optax's `clip_by_global_norm`, which can be given the norm, scaling by one factor.
+
+    `update(..., grad_norm=norm)` clips by `norm` instead of the norm of the updates it sees.
+    The train step passes the norm of the whole, data-replicated gradients: under ZeRO-1 the
+    updates reaching the optimizer are each data-parallel rank's slice, and a norm summed
+    slice by slice adds in another order than the replicated step's (not bitwise equal).
+    The factor min(1, max_norm / norm) is one scalar multiplied into every element (optax
+    divides each element by the norm, then multiplies: XLA rewrites that per program, and the
+    sliced and the whole step then round differently).
+    """
+
+    def update(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        g_norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        scale = jnp.where(g_norm < max_norm, 1.0, max_norm / g_norm)
+        return jax.tree.map(lambda t: t * scale.astype(t.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
 class MasterState(NamedTuple):
     """State of `with_fp32_master`: fp32 parameters and the wrapped optimizer's state."""
 
@@ -110,22 +131,24 @@ def with_fp32_master(inner: optax.GradientTransformation) -> optax.GradientTrans
         master = to_f32(params)
         return MasterState(master=master, inner=inner.init(master))
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra_args):
         if params is None:
             raise ValueError("with_fp32_master needs params to express updates against them")
-        step_updates, inner_state = inner.update(to_f32(updates), state.inner, state.master)
+        step_updates, inner_state = inner.update(to_f32(updates), state.inner, state.master,
+                                                 **extra_args)
         new_master = optax.apply_updates(state.master, step_updates)
         # Relative to the current (rounded) parameters, so that params + deltas == new master.
         deltas = jax.tree.map(lambda m, p: m - p.astype(jnp.float32), new_master, params)
         return deltas, MasterState(master=new_master, inner=inner_state)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    """clip_by_global_norm -> adamw(warmup-cosine), wrapped in a fp32 master when asked."""
+    """clip_by_global_norm -> adamw(warmup-cosine), wrapped in a fp32 master when asked;
+    `update` takes `grad_norm=` (see `clip_by_global_norm`)."""
     inner = optax.chain(
-        optax.clip_by_global_norm(cfg.max_grad_norm),
+        clip_by_global_norm(cfg.max_grad_norm),
         optax.adamw(
             learning_rate=make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
             weight_decay=cfg.weight_decay, mask=decay_mask,

@@ -51,6 +51,7 @@ from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import Layout, init_params
 from jaxrlhf.parallel.pipeline import Pipeline, layer_stack
 from jaxrlhf.parallel.reshard import fetch, transfer
+from jaxrlhf.parallel.zero import over_data
 
 Batch = dict[str, jax.Array]
 LossFn = Callable[[jax.Array, Batch], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
@@ -65,7 +66,8 @@ class TrainState:
     Attributes:
       params: unboxed parameter pytree (sharded jax.Arrays).
       opt_state: the optax state of `make_optimizer(opt_cfg)` over the trained parameters
-        (with LoRA the adapters alone, `lora.partition`), sharded like them.
+        (with LoRA the adapters alone, `lora.partition`), sharded like them and, by default,
+        also over the data-parallel ranks (ZeRO-1, `parallel.zero`).
       step: int32 scalar, the number of updates applied so far (drives the lr schedule).
     """
 
@@ -101,29 +103,42 @@ def _match_param_shardings(abstract_tree, params_shape, param_shardings,
     return jax.tree_util.tree_map_with_path(pick, abstract_tree)
 
 
-def state_shardings(model_config: ModelConfig, layout: Layout,
-                    opt_cfg: OptimizerConfig) -> TrainState:
-    """The NamedSharding of every TrainState leaf: params by the layout's rules, optimizer
-    state like the matching parameters, the step replicated."""
+def optimizer_shardings(model_config: ModelConfig, layout: Layout, shard_optimizer: bool = True):
+    """The sharding of the optimizer state's parameter-like leaves (Adam's moments, a fp32
+    master): the parameters', plus "data" with `shard_optimizer` (ZeRO-1, `parallel.zero`)."""
     boxed = abstract_params(model_config)
     param_shardings = layout.param_shardings(boxed)
+    return over_data(param_shardings, nn.unbox(boxed)) if shard_optimizer else param_shardings
+
+
+def state_shardings(model_config: ModelConfig, layout: Layout, opt_cfg: OptimizerConfig,
+                    shard_optimizer: bool = True) -> TrainState:
+    """The NamedSharding of every TrainState leaf: params by the layout's rules, optimizer
+    state by `optimizer_shardings`, the step replicated.
+
+    `shard_optimizer=False` keeps a full optimizer state on every data-parallel rank (the
+    layout before ZeRO-1; the tests compare the two)."""
+    boxed = abstract_params(model_config)
     unboxed = nn.unbox(boxed)
     trained, _ = lora.partition(unboxed, model_config.lora)
     abstract_opt = jax.eval_shape(make_optimizer(opt_cfg).init, trained)
     opt_shardings = _match_param_shardings(
-        abstract_opt, unboxed, param_shardings, layout.replicated()
+        abstract_opt, unboxed, optimizer_shardings(model_config, layout, shard_optimizer),
+        layout.replicated()
     )
-    return TrainState(params=param_shardings, opt_state=opt_shardings, step=layout.replicated())
+    return TrainState(params=layout.param_shardings(boxed), opt_state=opt_shardings,
+                      step=layout.replicated())
 
 
 def create_train_state(params, model_config: ModelConfig, layout: Layout,
-                       opt_cfg: OptimizerConfig) -> TrainState:
+                       opt_cfg: OptimizerConfig, shard_optimizer: bool = True) -> TrainState:
     """A TrainState at step 0 around existing parameters (e.g. loaded from HF), on `layout`.
 
     `params` may be host arrays or jax.Arrays on any layout; they are placed with `place`
     (arrays already on `layout` are used as they are and then donated by the first step).
+    `shard_optimizer`: ZeRO-1 (`state_shardings`).
     """
-    shardings = state_shardings(model_config, layout, opt_cfg)
+    shardings = state_shardings(model_config, layout, opt_cfg, shard_optimizer)
     params = transfer(params, shardings.params)
     trained, _ = lora.partition(params, model_config.lora)
     opt_state = jax.jit(make_optimizer(opt_cfg).init, out_shardings=shardings.opt_state)(trained)
@@ -132,10 +147,10 @@ def create_train_state(params, model_config: ModelConfig, layout: Layout,
 
 
 def init_train_state(model_config: ModelConfig, layout: Layout, opt_cfg: OptimizerConfig,
-                     rng: jax.Array) -> TrainState:
-    """A freshly initialised model and optimizer on `layout`."""
+                     rng: jax.Array, shard_optimizer: bool = True) -> TrainState:
+    """A freshly initialised model and optimizer on `layout` (`shard_optimizer`: ZeRO-1)."""
     return create_train_state(init_params(model_config, layout, rng), model_config, layout,
-                              opt_cfg)
+                              opt_cfg, shard_optimizer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +194,11 @@ def _train_step(state: TrainState, batch: Batch, plan: packing.PackPlan, *, spec
     """The pure step: accumulate micro-batch gradients, normalise, one optimizer update.
 
     `plan` holds one PackPlan per micro-batch (leading dim k, the micro-batch count).
+
+    The accumulator and the normalised gradients are kept on `param_shardings`. With ZeRO-1
+    (the optimizer state on `optimizer_shardings`) each data-parallel rank then updates its
+    slice of the state and of the parameters, and the step's out_shardings all-gather the new
+    parameters (`parallel.zero` says why the gradients are summed whole, not scattered).
     """
     batch_kb = microbatch.split(batch, spec.num_micro)
     batch_kb = jax.tree.map(
@@ -196,13 +216,17 @@ def _train_step(state: TrainState, batch: Batch, plan: packing.PackPlan, *, spec
     weight = sums["weight"]
     # An all-masked batch has no loss; dividing by 1 makes its gradient 0 instead of NaN.
     safe_weight = jnp.where(weight > 0, weight, 1.0)
-    grads = jax.tree.map(lambda g: g / safe_weight, grads_sum)
+    # Kept whole over "data" through the norm: left free, XLA slices the division for the
+    # ZeRO-1 update and sums the norm slice by slice, in another order than without ZeRO-1;
+    # the clip takes this norm (`optimizer.clip_by_global_norm`).
+    grads = keep_sharded(jax.tree.map(lambda g: g / safe_weight, grads_sum))
     grad_norm = optax.tree.norm(grads)
     if not spec.opt_cfg.fp32_master:
         # Without a master copy the optimizer state lives in the parameter dtype.
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
     optimizer = make_optimizer(spec.opt_cfg)
-    updates, opt_state = optimizer.update(grads, state.opt_state, trained)
+    updates, opt_state = optimizer.update(grads, state.opt_state, trained,
+                                          grad_norm=grad_norm)
     params = lora.combine(optax.apply_updates(trained, updates), frozen)
     metrics = {
         "loss": sums["loss_sum"] / safe_weight,
@@ -236,7 +260,8 @@ class TrainStep(BucketedCall):
 
     def __init__(self, model_config: ModelConfig, layout: Layout, loss_fn: LossFn,
                  opt_cfg: OptimizerConfig, microbatch_cfg: microbatch.MicrobatchConfig,
-                 readout: InferenceConfig, rows: packing.Rows = packing.Rows.PACKED):
+                 readout: InferenceConfig, rows: packing.Rows = packing.Rows.PACKED,
+                 shard_optimizer: bool = True):
         super().__init__("train_step", layout)
         if readout.head is not model_config.head or readout.kind is InferenceKind.SCORES:
             raise ValueError(f"a train step reads {readout.kind} of a {model_config.head} head")
@@ -247,7 +272,7 @@ class TrainStep(BucketedCall):
         self.readout = readout
         # A pipeline streams the padded rows of its micro-batches through its stages.
         self.rows = rows if layout.pipeline == 1 else packing.Rows.PADDED
-        self.shardings = state_shardings(model_config, layout, opt_cfg)
+        self.shardings = state_shardings(model_config, layout, opt_cfg, shard_optimizer)
 
     @property
     def cache(self) -> CompileCache:
@@ -329,12 +354,15 @@ def make_train_step(model_config: ModelConfig, layout: Layout, loss_fn: LossFn,
                     opt_cfg: OptimizerConfig,
                     microbatch_cfg: microbatch.MicrobatchConfig = microbatch.MicrobatchConfig(),
                     readout: InferenceConfig | None = None,
-                    rows: packing.Rows = packing.Rows.PACKED) -> TrainStep:
+                    rows: packing.Rows = packing.Rows.PACKED,
+                    shard_optimizer: bool = True) -> TrainStep:
     """The train_step call kind for one model on one layout (see `TrainStep`).
 
     Args:
       readout: what `loss_fn` reads (default: `default_readout`).
       rows: PACKED (several sequences per row) or PADDED (one per row, as given).
+      shard_optimizer: ZeRO-1, the optimizer state sliced over the data axis
+        (`parallel.zero`); False keeps a whole copy on every data-parallel rank.
     """
     return TrainStep(model_config, layout, loss_fn, opt_cfg, microbatch_cfg,
-                     readout or default_readout(model_config), rows)
+                     readout or default_readout(model_config), rows, shard_optimizer)

@@ -128,6 +128,30 @@ def _copy_is_local(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> bool
                for device, index in dst.devices_indices_map(shape).items())
 
 
+def _within(inner: tuple[slice, ...], outer: tuple[slice, ...], shape) -> bool:
+    """Whether the block `inner` of an array of `shape` lies inside the block `outer`."""
+    for a, b, n in zip(inner, outer, shape):
+        a_start, a_stop, _ = a.indices(n)
+        b_start, b_stop, _ = b.indices(n)
+        if not b_start <= a_start <= a_stop <= b_stop:
+            return False
+    return True
+
+
+def contains_shards(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> bool:
+    """Whether `dst` lives on the devices of `src` and each device's `dst` shard contains its
+    `src` shard (e.g. generation on d4t2 from training on f4t2 over the same 8 devices).
+
+    Then moving to `dst` only adds to what each device holds, and `src` can be cut back out
+    of `dst` on every device without communication: a copy on `dst` can replace the source
+    while it lives (zero-redundancy reallocation, HybridFlow's 3D-HybridEngine;
+    `dataflow.runtime.ModelRuntime.params_on`)."""
+    src_map, dst_map = src.devices_indices_map(shape), dst.devices_indices_map(shape)
+    if set(src_map) != set(dst_map):
+        return False
+    return all(_within(index, dst_map[device], shape) for device, index in src_map.items())
+
+
 def choose_route(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Route:
     """How one leaf of `shape` gets from `src` to `dst` without touching host memory."""
     src, dst = _as_named(src), _as_named(dst)

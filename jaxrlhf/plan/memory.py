@@ -89,11 +89,44 @@ class MemoryBreakdown:
 
 
 def train_state_bytes(p: ModelProfile, choice: CallChoice, fp32_master: bool) -> tuple[int, int]:
-    """(parameter bytes, optimizer-state bytes) per device of a trained model on `choice`."""
+    """(parameter bytes, optimizer-state bytes) per device of a trained model on `choice`.
+
+    The optimizer state is sharded over the data-parallel ranks too (ZeRO-1,
+    `parallel.zero`): 1/d of it per device (exact when a dimension of every leaf divides by d,
+    as in every shipped model; a leaf none of whose dimensions divides stays whole)."""
     elements = p.trained_shard_elements(choice.tensor, choice.fsdp, choice.pipeline)
     moment = 4 if (fp32_master or p.param_itemsize == 4) else p.param_itemsize
-    optimizer = elements * (2 * moment + (4 if fp32_master else 0))
+    optimizer = -(-elements * (2 * moment + (4 if fp32_master else 0)) // choice.data)
     return p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline), optimizer
+
+
+def holds_home_shards(home: CallChoice, other: CallChoice) -> bool:
+    """Whether, on the same devices, every device's shard of a parameter under `other`
+    contains its shard under `home` (`parallel.reshard.contains_shards` for shardings).
+
+    Then a copy on `other` replaces the home parameters while it lives (zero-redundancy
+    reallocation, `dataflow.runtime.ModelRuntime.params_on`). Per mesh axis that shards
+    parameters (pipeline: layers, fsdp: embed, tensor: heads/mlp/vocab), a device's slice
+    index under `other` must be its home index coarsened by the ratio of the two degrees
+    (the mesh order is pipeline, data, fsdp, tensor; device k's index on an axis of size n
+    and stride w is k // w % n)."""
+    if home.devices != other.devices:
+        return False
+
+    def strides(c: CallChoice) -> dict[str, tuple[int, int]]:
+        return {"pipeline": (c.data * c.fsdp * c.tensor, c.pipeline),
+                "fsdp": (c.tensor, c.fsdp), "tensor": (1, c.tensor)}
+
+    mine, theirs = strides(home), strides(other)
+    for axis, (w_home, n_home) in mine.items():
+        w_other, n_other = theirs[axis]
+        if n_home % n_other:
+            return False
+        ratio = n_home // n_other
+        if any(k // w_other % n_other != k // w_home % n_home // ratio
+               for k in range(home.devices.size)):
+            return False
+    return True
 
 
 def _sharded(dim: int, ways: int) -> float:
@@ -304,14 +337,32 @@ def _resident(experiment: Experiment, plan: ExecutionPlan, role: Role,
 
 
 def _copy_lifetimes(experiment: Experiment, plan: ExecutionPlan, order: list[str]):
-    """(role, param layout, first index, last index) of every non-home parameter copy."""
+    """(role, a choice with the copy's param layout, first index, last index) of every
+    non-home parameter copy."""
     spans: dict[tuple, list[int]] = {}
+    first_choice = {}
     for i, name in enumerate(order):
         mfc = experiment.graph.mfc(name)
         home = plan[experiment.home_mfc(mfc.role)]
         if plan[name].param_layout != home.param_layout:
-            spans.setdefault((mfc.role, plan[name].param_layout), []).append(i)
-    return [(role, layout, min(ix), max(ix)) for (role, layout), ix in spans.items()]
+            key = (mfc.role, plan[name].param_layout)
+            spans.setdefault(key, []).append(i)
+            first_choice.setdefault(key, plan[name])
+    return [(role, first_choice[role, layout], min(ix), max(ix))
+            for (role, layout), ix in spans.items()]
+
+
+def _copy_bytes(experiment: Experiment, plan: ExecutionPlan, role: Role, copy: CallChoice,
+                home_bytes: int) -> int:
+    """What a parameter copy on `copy`'s layout adds per device while it lives: its shard,
+    less the home parameters where it holds their shards (the runtime then drops them,
+    `dataflow.runtime.ModelRuntime.params_on`) and they sit on the devices (`home_bytes`)."""
+    p = experiment.profile(role)
+    nbytes = p.shard_bytes(copy.tensor, copy.fsdp, copy.pipeline)
+    home = plan[experiment.home_mfc(role)]
+    if home_bytes and holds_home_shards(home, copy):
+        nbytes -= p.shard_bytes(home.tensor, home.fsdp, home.pipeline)
+    return nbytes
 
 
 OwnMemory = Callable[[MFC, CallChoice], MemoryBreakdown]
@@ -349,11 +400,17 @@ def plan_memory(experiment: Experiment, plan: ExecutionPlan, cluster: Cluster,
         extra = own.total - (own.arguments if home_bytes and choice.param_layout ==
                              home.param_layout else 0)
         others = base.copy()
-        for role, (devices, fsdp, tensor, stages), first, last in copies:
-            if first <= i <= last and not (role is mfc.role and
-                                           (devices, fsdp, tensor, stages) == choice.param_layout):
-                nbytes = experiment.profile(role).shard_bytes(tensor, fsdp, stages)
-                others[devices.first:devices.last + 1] += nbytes
+        for role, copy, first, last in copies:
+            if not first <= i <= last:
+                continue
+            # A copy that holds the home shards replaces the home parameters while it lives.
+            nbytes = _copy_bytes(experiment, plan, role, copy, resident[role][1])
+            if role is mfc.role and copy.param_layout == choice.param_layout:
+                others[copy.devices.first:copy.devices.last + 1] -= (
+                    experiment.profile(role).shard_bytes(copy.tensor, copy.fsdp, copy.pipeline)
+                    - nbytes)  # the MFC's own params are in `extra`
+            else:
+                others[copy.devices.first:copy.devices.last + 1] += nbytes
         window = others[choice.devices.first:choice.devices.last + 1]
         worst = int(np.argmax(window))
         needed = int(window[worst] + extra)
