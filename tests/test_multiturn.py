@@ -29,7 +29,6 @@ from jaxrlhf.parallel.reshard import fetch
 from tests.test_chat import LLAMA3_TEMPLATE, CHATML_TEMPLATE, llama3_dir, qwen_dir
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-TWO_TURNS = f"{FIXTURES / 'envs.py'}:TwoTurns"
 MISBEHAVING = f"{FIXTURES / 'envs.py'}:Misbehaving"
 P, N = 8, 64
 REPLY = "<tool_response>ok</tool_response>"  # TwoTurns' reply without a chat template
@@ -147,19 +146,25 @@ ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in
         [(12, 34), (5, 6), (70, 8), (1, 99), (40, 40), (3, 21)]]
 
 
-def _rollout(engine, spec, rows, max_error_rate=0.5, timeout_s=10.0):
+@pytest.fixture(scope="module")
+def pool():
+    """`Misbehaving`: TwoTurns, but for rows whose answer names a failure."""
+    with EnvPool(MISBEHAVING, num_workers=2, timeout_s=1.0) as pool:
+        yield pool
+
+
+def _rollout(engine, pool, rows, max_error_rate=0.5):
     config, layout, tok, generator, params = engine
-    with EnvPool(spec, num_workers=2, timeout_s=timeout_s) as pool:
-        return rollout(generator, params, jax.random.key(0), pool, Transcript(tok), tok, rows,
-                       TrajectoryLimits(3, P, N, max_error_rate), layout.dp_size)
+    return rollout(generator, params, jax.random.key(0), pool, Transcript(tok), tok, rows,
+                   TrajectoryLimits(3, P, N, max_error_rate), layout.dp_size)
 
 
-def test_trajectories_interleave_policy_turns_and_replies(engine):
+def test_trajectories_interleave_policy_turns_and_replies(engine, pool):
     config, layout, tok, _, params = engine
-    out = _rollout(engine, TWO_TURNS, ROWS)
+    out = _rollout(engine, pool, ROWS)
     assert out.turns_b.tolist() == [2] * len(ROWS)  # TwoTurns ends after the second turn
     np.testing.assert_array_equal(out.rewards_b, 1.25)  # 0.25 for the first turn, 1 at the end
-    assert out.errors.total == 0
+    assert out.errors.total == 0 and out.tool_error_rate == 0.0
     reply = tok.encode(REPLY)
     for i, row in enumerate(ROWS):
         prompt = out.tokens_bs[i, :P][out.mask_bs[i, :P]].tolist()
@@ -184,15 +189,16 @@ def test_trajectories_interleave_policy_turns_and_replies(engine):
                                atol=1e-5, rtol=0)
 
 
-def test_a_failing_environment_ends_its_trajectory_with_reward_0_and_is_counted(engine):
+def test_a_failing_environment_ends_its_trajectory_with_reward_0_and_is_counted(engine, pool):
     rows = [{"prompt": r["prompt"], "answer": a} for r, a in
-            zip(ROWS, ["raise", "hang", "bad", "nan", "46", "11"])]
-    out = _rollout(engine, MISBEHAVING, rows, max_error_rate=0.7, timeout_s=1.0)
+            zip(ROWS, ["raise", "hang", "bad", "nan", "tool_error", "11"])]
+    out = _rollout(engine, pool, rows, max_error_rate=0.7)
     np.testing.assert_array_equal(out.rewards_b, [0, 0, 0, 0, 1.25, 1.25])
     assert out.turns_b.tolist() == [1, 1, 1, 1, 2, 2]
     assert out.errors.total == 4
+    assert out.tool_error_rate == 0.5  # of the two tool messages, one reports a failed call
     with pytest.raises(EnvironmentFailed) as failed:
-        _rollout(engine, MISBEHAVING, rows[:1] + rows[4:], max_error_rate=0.2)
+        _rollout(engine, pool, rows[:1] + rows[4:], max_error_rate=0.2)
     message = str(failed.value)
     assert "\n" not in message and "1 of 3 trajectories" in message and "boom" in message
 

@@ -62,6 +62,8 @@ class _Trajectory:
     logp: list[float] = dataclasses.field(default_factory=list)
     reward: float = 0.0
     turns: int = 0
+    tool_calls: int = 0  # tool messages the environment answered with
+    tool_errors: int = 0  # of them, those reporting a failed call ("error: ...")
     done: bool = False
     failed: bool = False
 
@@ -77,6 +79,8 @@ class Trajectories:
       logp_bn: float32 [b, W], their behaviour log-probs (0 elsewhere).
       rewards_b: float32 [b], the sum of each trajectory's turn rewards (0 where it failed).
       turns_b: int32 [b], policy turns; errors: the environment's failed calls.
+      tool_error_rate: the share of the `tool` messages that report a failed call (starting
+        "error:", as `data/tools.call_tool` writes them); 0 when there were none.
     """
 
     tokens_bs: np.ndarray
@@ -86,6 +90,7 @@ class Trajectories:
     rewards_b: np.ndarray
     turns_b: np.ndarray
     errors: ErrorCounts
+    tool_error_rate: float
 
 
 def _fail(t: _Trajectory) -> None:
@@ -180,6 +185,9 @@ def _take_reply(t: _Trajectory, reply: EnvTurn, turn_ids: list[int], transcript:
     t.policy += [False] * len(ids)
     t.logp += [0.0] * len(ids)
     t.conversation.extend(reply.messages)
+    tool = [m for m in reply.messages if m["role"] == "tool"]
+    t.tool_calls += len(tool)
+    t.tool_errors += sum(m["content"].startswith("error:") for m in tool)
 
 
 def _arrays(trajectories: list[_Trajectory], limits: TrajectoryLimits,
@@ -200,10 +208,12 @@ def _arrays(trajectories: list[_Trajectory], limits: TrajectoryLimits,
         tokens_bs[i, p - len(t.prompt_ids):p + n] = t.prompt_ids + t.ids
         mask_bs[i, p - len(t.prompt_ids):p + n] = True
         policy_bn[i, :n], logp_bn[i, :n] = t.policy, t.logp
-    errors = ErrorCounts(exception=failed)
+    calls = sum(t.tool_calls for t in trajectories)
     return Trajectories(tokens_bs, mask_bs, policy_bn, logp_bn,
                         np.array([t.reward for t in trajectories], np.float32),
-                        np.array([t.turns for t in trajectories], np.int32), errors)
+                        np.array([t.turns for t in trajectories], np.int32),
+                        ErrorCounts(exception=failed),
+                        sum(t.tool_errors for t in trajectories) / max(calls, 1))
 
 
 def trajectory_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator: Generator,

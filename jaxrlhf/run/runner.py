@@ -86,7 +86,8 @@ class Runner:
                  trajectories: TrajectoryLimits | None = None):
         self._trajectories, self._tokenizer = trajectories, tokenizer
         self._env = host_pools.get(Role.ACTOR)
-        self.turns = 0.0  # mean policy turns per trajectory of the last step (multi-turn)
+        # multi-turn: the last step's mean policy turns per trajectory and tool-call error rate
+        self._trajectory_stats = {"turns": 0.0, "tool_error_rate": 0.0}
         self.algorithm, self.graph = algorithm, graph
         self.runtimes = runtimes
         self.controller = dict(algorithm.controller_init)
@@ -132,7 +133,8 @@ class Runner:
 
     def _count_env(self, result: Trajectories) -> None:
         self._reward_errors += result.errors.total
-        self.turns = float(np.mean(result.turns_b))
+        self._trajectory_stats = {"turns": float(np.mean(result.turns_b)),
+                                  "tool_error_rate": result.tool_error_rate}
 
     def _count_reward_errors(self, result) -> None:
         self._reward_errors += result.errors.total
@@ -148,7 +150,7 @@ class Runner:
             stats = {m.role: {k: float(v) for k, v in fetch(buffer[m.outputs[0]]).items()}
                      for m in self.graph.mfcs if m.call is Call.TRAIN_STEP}  # every process
             if self._trajectories is not None:
-                stats[Role.ACTOR]["turns"] = self.turns
+                stats[Role.ACTOR].update(self._trajectory_stats)
             reward = (float(np.mean(fetch(buffer["scores_b"]))) if "scores_b" in buffer
                       else None)
         if self.algorithm.controller_update is not None:
