@@ -30,10 +30,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import numbers
 from typing import Any, Callable, Sequence
-
-import numpy as np
 
 from jaxrlhf.data import rewards, tools
 from jaxrlhf.data.rewards import ErrorKind, RewardHandle, RewardPool
@@ -183,7 +180,7 @@ class EnvPool:
     def __init__(self, spec: str, *, num_workers: int, timeout_s: float):
         self.spec = spec
         self._pool = RewardPool(spec, num_workers=num_workers, timeout_s=timeout_s,
-                                resolve=env_caller, check=check_env_value)
+                                resolve=env_caller, check=check_env_value, what="environment")
 
     def __enter__(self) -> "EnvPool":
         return self
@@ -200,7 +197,3 @@ class EnvPool:
     def step(self, conversations: Sequence[list[Message]], rows: Sequence[dict]) -> EnvHandle:
         return self._pool.submit_calls([("step", r, list(c)) for c, r in zip(conversations, rows)],
                                        EnvHandle(len(rows)))
-
-
-def is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and np.isfinite(float(x))

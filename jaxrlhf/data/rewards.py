@@ -336,14 +336,16 @@ class RewardPool:
         start_method: StartMethod = StartMethod.FORKSERVER,
         resolve: Callable = resolve_reward,
         check: Callable = _check_value,
+        what: str = "reward",
     ):
         """`resolve(spec)` gives the function the workers call, `check(value)` turns what it
         returns into (None, payload) or (ErrorKind, message); both module-level (they travel
-        to the workers): a reward function and `_check_value` unless told otherwise."""
+        to the workers): a reward function and `_check_value` unless told otherwise. `what`
+        names the workers in errors."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be positive, got {num_workers}")
         resolve(spec)  # a bad spec fails here, in the caller, not in a worker
-        self._spec, self._resolve, self._check = spec, resolve, check
+        self._spec, self._resolve, self._check, self._what = spec, resolve, check, what
         self._timeout_s = timeout_s
         self._startup_timeout_s = startup_timeout_s
         self._ctx = multiprocessing.get_context(start_method.value)
@@ -520,7 +522,7 @@ class RewardPool:
                 self._finish_item(worker, ErrorKind.EXCEPTION, f"worker died (exit code {code})")
                 self._replace(worker)
             elif worker.state is _State.STARTING:
-                self._break(f"reward worker for {self._spec!r} died while starting ({code})")
+                self._break(f"{self._what} worker for {self._spec!r} died while starting ({code})")
             else:
                 self._replace(worker)
             return
@@ -528,7 +530,7 @@ class RewardPool:
             case "ready":
                 worker.state, worker.since = _State.IDLE, time.monotonic()
             case "init_error":
-                self._break(f"reward worker cannot load {self._spec!r}: {payload}")
+                self._break(f"{self._what} worker cannot load {self._spec!r}: {payload}")
             case item_id if item_id == worker.item_id:
                 self._finish_item(worker, None if kind is None else ErrorKind(kind), payload)
             case _:
@@ -542,7 +544,7 @@ class RewardPool:
                     self._finish_item(worker, ErrorKind.TIMEOUT, f"no reply in {self._timeout_s} s")
                     self._replace(worker)
                 case _State.STARTING if now - worker.since > self._startup_timeout_s:
-                    self._break(f"reward worker not ready after {self._startup_timeout_s} s")
+                    self._break(f"{self._what} worker not ready after {self._startup_timeout_s} s")
 
     def _break(self, reason: str) -> None:
         """Fails every unfinished batch: the pool can no longer make progress."""

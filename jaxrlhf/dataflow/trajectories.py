@@ -28,6 +28,7 @@ from jaxrlhf.data.environments import EnvPool, EnvTurn
 from jaxrlhf.data.rewards import ErrorCounts, RewardBatch
 from jaxrlhf.data.tokenizer import Tokenizer, decode_response
 from jaxrlhf.data.transcript import Transcript
+from jaxrlhf.dataflow.executors import HostFunctionError
 from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine import buckets
 from jaxrlhf.engine.generate import Generator
@@ -48,8 +49,9 @@ class TrajectoryLimits:
     max_error_rate: float
 
 
-class EnvironmentFailed(RuntimeError):
-    """The environment failed on too many trajectories of one step (one line)."""
+class EnvironmentFailed(HostFunctionError):
+    """The environment failed on too many trajectories of one step (one line): the loop stops
+    the run with it as with a reward function's failures."""
 
 
 @dataclasses.dataclass
