@@ -145,7 +145,9 @@ def base_config() -> ConfigDict:
         # Multi-turn rollouts (grpo): the policy and this environment take turns
         # (jaxrlhf/data/environments.py); its rewards replace `reward`. Empty = single turns.
         "env": {
-            "class": "",  # a built-in name ("tools") or "module.path:Class" / "file.py:Class"
+            # a built-in name ("tools": Qwen3's tool calls, "tools_llama3") or
+            # "module.path:Class" / "/path/file.py:Class"
+            "class": "",
             "max_turns": 4,  # policy turns per trajectory; rollout.max_new_tokens: its tokens
             "timeout": 10.0,  # seconds per reset/step call; past it the trajectory scores 0
             "workers": 2,

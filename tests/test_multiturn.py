@@ -11,7 +11,7 @@ import transformers
 
 from jaxrlhf.algorithms import grpo, multiturn
 from jaxrlhf.data import tools
-from jaxrlhf.data.environments import EnvPool, ToolEnv
+from jaxrlhf.data.environments import EnvPool, Llama3ToolEnv, ToolEnv
 from jaxrlhf.data.tokenizer import ByteTokenizer, HFTokenizer
 from jaxrlhf.data.tools import ToolCall, ToolCallError, ToolCallFormat, parse_tool_calls
 from jaxrlhf.data.transcript import Transcript
@@ -77,10 +77,13 @@ def test_python_tool_runs_in_the_sandbox():
     assert out.startswith("error: PermissionError"), out
 
 
-def test_tool_env_rewards_a_right_answer_after_a_calculator_call():
-    env, row = ToolEnv(), {"prompt": "12+34=", "answer": "46"}
+@pytest.mark.parametrize("env, call", [
+    (ToolEnv(), '<tool_call>{"name": "calculator", "arguments": {"expression": "12+34"}}'
+                '</tool_call>'),
+    (Llama3ToolEnv(), '{"name": "calculator", "parameters": {"expression": "12+34"}}')])
+def test_tool_env_rewards_a_right_answer_after_a_calculator_call(env, call):
+    row = {"prompt": "12+34=", "answer": "46"}
     messages = env.reset(row)
-    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+34"}}</tool_call>'
     turn = env.step(messages + [{"role": "assistant", "content": call}], row)
     assert turn.messages == ({"role": "tool", "content": "46"},) and not turn.done
     history = messages + [{"role": "assistant", "content": call}, *turn.messages]

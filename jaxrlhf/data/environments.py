@@ -86,7 +86,13 @@ def _calls_or_none(text: str, fmt: tools.ToolCallFormat) -> list[tools.ToolCall]
         return []
 
 
-BUILTIN_ENVS = {"tools": ToolEnv}
+class Llama3ToolEnv(ToolEnv):
+    """`ToolEnv` for models that call tools as Llama-3.1 does (the turn is one JSON object)."""
+
+    tool_format = tools.ToolCallFormat.LLAMA3
+
+
+BUILTIN_ENVS = {"tools": ToolEnv, "tools_llama3": Llama3ToolEnv}
 
 
 def resolve_env_class(spec: str) -> type:

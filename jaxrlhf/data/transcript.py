@@ -59,7 +59,11 @@ class Transcript:
             raise TranscriptError("the chat template rewrites the conversation when a reply is "
                                   "added; its turns cannot be appended as tokens")
         content = conversation[-1]["content"]
-        at = before.rindex(content) + len(content) if content else len(before)
+        at = before.rfind(content)
+        if at < 0:
+            raise TranscriptError("the chat template rewrites the policy's turn (its text is not "
+                                  "in the rendered conversation); its turns cannot be appended")
+        at += len(content)
         end_ids = self.tokenizer.encode(before[at:])  # e.g. <|im_end|> "\n"
         if not end_ids or end_ids[0] not in self.tokenizer.stop_ids:
             raise TranscriptError(f"the chat template ends a policy turn with {before[at:]!r}, "

@@ -27,7 +27,7 @@ import numpy as np
 from jaxrlhf.data.environments import EnvPool, EnvTurn
 from jaxrlhf.data.rewards import ErrorCounts, RewardBatch
 from jaxrlhf.data.tokenizer import Tokenizer, decode_response
-from jaxrlhf.data.transcript import Transcript
+from jaxrlhf.data.transcript import Transcript, TranscriptError
 from jaxrlhf.dataflow.executors import HostFunctionError
 from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine import buckets
@@ -167,8 +167,12 @@ def rollout(generator: Generator, params, rng, pool: EnvPool, transcript: Transc
                                    ).replies()
         _record_failures(batch, live, messages)
         for t, (ids, _), reply in zip(live, sampled, replies):
-            if reply is not None:
+            if reply is None:
+                continue
+            try:
                 _take_reply(t, reply, ids, transcript, tokenizer, limits, turn)
+            except TranscriptError as e:  # the template, not one trajectory: stop the run
+                raise EnvironmentFailed(f"env.class: {e}") from None
     return _arrays(trajectories, limits, messages)
 
 
