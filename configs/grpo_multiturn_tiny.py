@@ -26,6 +26,8 @@ def get_config(arg=None):
     config.rollout.group_size = 4
     config.rollout.max_new_tokens = 96
     config.steps = 20
+    config.eval.max_prompts = 64  # held-out greedy trajectories before and after
     if arg == "smoke":  # the same job in seconds
         config.steps = 2
+        config.eval.max_prompts = 8
     return config

@@ -17,6 +17,8 @@ from jaxrlhf.run.check import check_config
 def test_multiturn_config_runs_its_smoke_variant(tmp_path):
     summary = rl.run(check_config(grpo_multiturn_tiny.get_config("smoke"), str(tmp_path)))
     assert summary["steps"] == 2 and not summary["interrupted"], summary
+    # held-out: greedy trajectories with the environment (an untrained model never succeeds)
+    assert summary["accuracy_before"] == 0.0 and summary["reward_before"] == 0.0
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward" in r]
     assert [r["step"] for r in steps] == [0, 1]
