@@ -156,15 +156,18 @@ def pool():
         yield pool
 
 
-def _rollout(engine, pool, rows, max_error_rate=0.5):
+def _rollout(engine, pool, rows, max_error_rate=0.5, rng=None):
     config, layout, tok, generator, params = engine
-    return rollout(generator, params, jax.random.key(0), pool, Transcript(tok), tok, rows,
+    rng = jax.random.key(0) if rng is None else rng
+    return rollout(generator, params, rng, pool, Transcript(tok), tok, rows,
                    TrajectoryLimits(3, P, N, max_error_rate), layout.dp_size)
 
 
 def test_trajectories_interleave_policy_turns_and_replies(engine, pool):
     config, layout, tok, _, params = engine
-    out = _rollout(engine, pool, ROWS)
+    rng = jax.random.key(0)
+    with jax.transfer_guard("disallow"):  # as a step runs it: nothing implicit
+        out = _rollout(engine, pool, ROWS, rng=rng)
     assert out.turns_b.tolist() == [2] * len(ROWS)  # TwoTurns ends after the second turn
     np.testing.assert_array_equal(out.rewards_b, 1.25)  # 0.25 for the first turn, 1 at the end
     assert out.errors.total == 0 and out.tool_error_rate == 0.0

@@ -154,8 +154,10 @@ def rollout(generator: Generator, params, rng, pool: EnvPool, transcript: Transc
         live = [t for t in trajectories if not t.done]
         if not live:
             break
-        sampled = _generate_turn(generator, params, live, jax.random.fold_in(rng, turn),
-                                 limits.budget, tokenizer.pad_id, dp)
+        # The turn index goes up explicitly: steps run under transfer_guard("disallow").
+        key = jax.random.fold_in(rng, jax.device_put(np.uint32(turn)))
+        sampled = _generate_turn(generator, params, live, key, limits.budget, tokenizer.pad_id,
+                                 dp)
         for t, (ids, logp) in zip(live, sampled):
             t.ids += ids
             t.policy += [True] * len(ids)
