@@ -7,7 +7,8 @@ reversing. No critic: each response is judged against the other three answers to
 
 Variant `dr_grpo` (`--config=configs/grpo_tiny.py:dr_grpo`): Dr. GRPO (Liu et al. 2025), the
 advantage not divided by the group's std, and each response's token losses summed over the
-constant 8-token budget rather than averaged over its own length.
+constant 8-token budget rather than averaged over its own length; 60 steps (held-out 0.875 after
+40, still rising).
 """
 
 from jaxrlhf.schema import base_config
@@ -25,6 +26,7 @@ def get_config(arg=None):
     if arg == "dr_grpo":
         config.grpo.scale_by_std = False
         config.grpo.aggregation = "seq_mean_token_sum_norm"
+        config.steps = 60
     if arg == "smoke":  # the same job in seconds (`--config=configs/grpo_tiny.py:smoke`)
         config.steps = 2
         config.warm_start.sft_steps = min(config.warm_start.sft_steps, 2)

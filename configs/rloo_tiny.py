@@ -3,7 +3,8 @@
 As configs/grpo_tiny.py (the same warm start, leaving the actor mostly wrong when greedy, and
 8 prompts × 4 responses per step), but each response's return (its exact-match score minus
 β·KL to the reference) is judged against the mean return of the OTHER three responses to its
-prompt (the leave-one-out baseline), and the loss is a token-level mean.
+prompt (the leave-one-out baseline), and the loss is a token-level mean. 60 steps: with the KL
+in the reward and no std scaling it climbs more slowly than GRPO (held-out 0.875 after 40).
 """
 
 from jaxrlhf.schema import base_config
@@ -14,7 +15,7 @@ def get_config(arg=None):
         raise ValueError(f"unknown variant {arg!r}; known: smoke")
     config = base_config()
     config.algorithm = "rloo"
-    config.steps = 40
+    config.steps = 60
     config.warm_start.sft_steps = 300
     config.rollout.batch_size = 8
     config.rollout.group_size = 4

@@ -226,7 +226,7 @@ def base_config() -> ConfigDict:
         "optimizer": {"actor": optimizer(1e-3), "critic": optimizer(1e-3),
                       "cost_critic": optimizer(1e-3), "reward": optimizer(1e-3)},
         "micro_batches": 1,  # per optimizer update; or use a token budget
-        "micro_batch_tokens": 0,  # >0: split micro-batches by this token budget instead
+        "micro_batch_tokens": 0,  # >0: token budget of a micro-batch (its packed rows' slots)
         # Held-out evaluation (data.eval_path or the task's eval rows), jaxrlhf/run/evaluate.py:
         # greedy reward (and accuracy when rows have answers) before and after RL, and every
         # `every` steps (0 = never) in metrics.jsonl / TensorBoard as eval/*; with samples = n,

@@ -450,21 +450,7 @@ def _models(config: ConfigDict, graph: DataflowGraph) -> tuple[dict[Role, ModelS
         models[Role.REF] = ModelSpec(base.config.replace(  # the base model, without adapters
             dtype=ref.dtype, param_dtype=ref.param_dtype, scan_layers=ref.scan_layers,
             remat=ref.remat, attention=ref.attention, lora=None))
-    _check_positions(config.rollout, models, base)
     return models, base
-
-
-def _check_positions(rollout: ConfigDict, models: dict[Role, ModelSpec], base: ModelSpec) -> None:
-    """A step's sequences (prompt and new tokens) fit every model's positions: past them RoPE
-    extrapolates silently, and a very long response would ask for a KV cache of terabytes."""
-    length = rollout.max_prompt_len + rollout.max_new_tokens
-    for role, model in {Role.ACTOR: base, **models}.items():
-        limit = model.config.max_position_embeddings
-        if length > limit:
-            raise ConfigError(
-                f"rollout.max_new_tokens={rollout.max_new_tokens}: with rollout.max_prompt_len="
-                f"{rollout.max_prompt_len} a sequence has {length} tokens, more than the "
-                f"{limit} positions of models.{role.value} (max_position_embeddings)")
 
 
 def _wandb(w: ConfigDict) -> WandbSpec | None:

@@ -14,6 +14,7 @@ import pytest
 
 from jaxrlhf import algorithms as alg
 from jaxrlhf.algorithms import dapo, decoupled, gspo, grpo, reinforce
+from jaxrlhf.engine.inference import InferenceOutput
 from jaxrlhf.schema import ConfigError, base_config
 from jaxrlhf.spec import run_spec
 
@@ -363,3 +364,35 @@ def test_reinforce_kl_controller_is_adaptive_when_asked():
     update = spec.algorithm.controller_update
     assert update({"kl_coef": 0.1}, {"kl": 2.0})["kl_coef"] > 0.1  # above target: β grows
     assert update({"kl_coef": 0.1}, {"kl": 0.5})["kl_coef"] < 0.1
+
+
+@pytest.mark.parametrize("algorithm,tis", [  # every new loss; the correction on each kind
+    ("rloo", 0.0), ("reinforce_pp", 2.0), ("dapo", 0.0), ("dapo", 2.0), ("gspo", 2.0)])
+def test_prepare_and_loss_run_together(algorithm, tis):
+    """Each algorithm's train spec end to end on a step buffer, the model's readout drawn at
+    random: the batch its prepare builds is what its loss reads; with the mismatch correction,
+    the step's figures carry the mismatch and the loss its truncated weights."""
+    spec = run_spec(_config(algorithm, **{"ppo.tis_cap": tis, "dapo.oversample": 2}))
+    train = spec.algorithm.train[spec.algorithm.trained_role]
+    rng = np.random.default_rng(20)
+    rows, s, n = 8 * G, 12, N
+    mask = _mask(rng.integers(1, n + 1, rows), n)
+    behav, ref = _logps(21, mask)
+    buf = {"seq_tokens_bs": rng.integers(0, 50, (rows, s)), "seq_mask_bs": np.ones((rows, s)),
+           "response_mask_bn": mask, "behav_logp_bn": behav, "ref_logp_bn": ref,
+           "scores_b": rng.integers(0, 2, rows).astype(np.float32),
+           decoupled.PROX_KEY: behav + 0.01 * rng.standard_normal(mask.shape).astype(np.float32)}
+    controller = {k: jnp.float32(v) for k, v in spec.algorithm.controller_init.items()}
+    batch, stats = jax.jit(train.prepare)({k: jnp.asarray(v) for k, v in buf.items()}, controller)
+    trained = rows // 2 if algorithm == "dapo" else rows
+    assert batch["tokens_bt"].shape == (trained, s) and batch["mask_bn"].shape == (trained, n)
+    out = InferenceOutput(
+        logprobs_bt=jnp.asarray(-rng.random((trained, s)), jnp.float32),
+        entropy_bt=jnp.asarray(rng.random((trained, s)), jnp.float32))
+    loss_sum, weight, loss_stats = jax.jit(train.loss_fn)(out, batch)
+    assert np.isfinite(float(loss_sum)) and float(weight) > 0
+    assert ("mismatch_max" in stats) == (tis > 0)
+    assert ("behav_imp_weight" in loss_stats) == (tis > 0)
+    if tis:
+        gap = np.abs(buf[decoupled.PROX_KEY].astype(np.float64) - behav)[mask > 0]
+        _close(stats["mismatch_max"], gap.max())

@@ -28,9 +28,7 @@ import jax.numpy as jnp
 from jaxrlhf.algorithms import grpo
 from jaxrlhf.algorithms.kl import kl_per_token
 from jaxrlhf.algorithms.losses import LossOutput
-from jaxrlhf.algorithms.spec import (
-    Algorithm, Proximal, TrainSpec, policy_readout, response_policy,
-)
+from jaxrlhf.algorithms.spec import Algorithm, Proximal, response_policy
 from jaxrlhf.mfc import Role
 
 _sg = jax.lax.stop_gradient
@@ -124,8 +122,6 @@ def actor_loss(cfg: GSPOConfig, proximal: Proximal | None = None):
 
 
 def make(cfg: GSPOConfig, *, reward_model: bool) -> Algorithm:
-    g = cfg.grpo
-    base = grpo.make(g, reward_model=reward_model)
-    actor = TrainSpec(base.train[Role.ACTOR].prepare, actor_loss(cfg), g.mini_batches, g.epochs,
-                      policy_readout(g.temperature))
+    base = grpo.make(cfg.grpo, reward_model=reward_model)
+    actor = dataclasses.replace(base.train[Role.ACTOR], loss_fn=actor_loss(cfg))
     return dataclasses.replace(base, name="gspo", train={Role.ACTOR: actor})
