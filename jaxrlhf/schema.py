@@ -142,6 +142,17 @@ def base_config() -> ConfigDict:
             "workers": 1,
             "max_error_rate": 0.5,
         },
+        # Multi-turn rollouts (grpo): the policy and this environment take turns
+        # (jaxrlhf/data/environments.py); its rewards replace `reward`. Empty = single turns.
+        "env": {
+            # a built-in name ("tools": Qwen3's tool calls, "tools_llama3") or
+            # "module.path:Class" / "/path/file.py:Class"
+            "class": "",
+            "max_turns": 4,  # policy turns per trajectory; rollout.max_new_tokens: its tokens
+            "timeout": 10.0,  # seconds per reset/step call; past it the trajectory scores 0
+            "workers": 2,
+            "max_error_rate": 0.5,  # share of a step's trajectories the environment may fail
+        },
         "tokenizer": "byte",  # "byte" or a directory with tokenizer.json
         # Every model role starts from its own Hugging Face directory (models.<role>.path);
         # a role without one is an error before compiling (the big configs set this).
@@ -281,15 +292,17 @@ _BOUNDS = (
     (">=", 1, ("steps", "cpu_devices", "rollout.batch_size", "rollout.group_size",
                "rollout.max_prompt_len", "rollout.max_new_tokens", "reward.workers",
                "ppo.mini_batches", "ppo.epochs", "micro_batches", "warm_start.batch_size",
-               "async_rl.chunk_tokens", "placement.gen_replicas", "dapo.oversample")),
+               "async_rl.chunk_tokens", "placement.gen_replicas", "dapo.oversample",
+               "env.max_turns", "env.workers")),
     (">=", 0, ("rollout.temperature", "rollout.top_k", "reward.max_error_rate",
                "cost.max_error_rate", "micro_batch_tokens", "warm_start.sft_steps", "reward.clip",
                "async_rl.max_staleness", "async_rl.behav_imp_weight_cap", "eval.every",
                "eval.samples", "eval.max_prompts", "ppo.tis_cap", "dapo.overlong_buffer",
                "dapo.overlong_penalty")),
-    (">", 0, ("dapo.clip_eps_high", "gspo.clip_eps", "gspo.clip_eps_high", "rollout.top_p", "reward.timeout", "warm_start.lr", "optimizer.actor.lr",
+    (">", 0, ("dapo.clip_eps_high", "gspo.clip_eps", "gspo.clip_eps_high", "rollout.top_p", "reward.timeout", "env.timeout", "warm_start.lr", "optimizer.actor.lr",
               "optimizer.critic.lr")),
-    ("<=", 1, ("rollout.top_p", "reward.max_error_rate", "cost.max_error_rate")),
+    ("<=", 1, ("rollout.top_p", "reward.max_error_rate", "cost.max_error_rate",
+               "env.max_error_rate")),
     (">=", 0, ("seed",)),
     ("<", 2**32, ("seed",)),  # PRNG seeds are unsigned 32-bit
 )

@@ -26,7 +26,8 @@ from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.reward_norm import RewardNormConfig, with_reward_norm
 from jaxrlhf.algorithms.spec import Algorithm, BatchKind
 from jaxrlhf.checkpoint import CheckpointConfig
-from jaxrlhf.data import tasks
+from jaxrlhf.algorithms import multiturn
+from jaxrlhf.data import environments, tasks
 from jaxrlhf.data.chat import ChatTemplateMode
 from jaxrlhf.data.long_prompts import parse_long_prompts
 from jaxrlhf.data.sources import DataSpec
@@ -123,6 +124,29 @@ class RewardSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnvSpec:
+    """The environment of multi-turn rollouts (`env.*`), run in a process pool."""
+
+    spec: str  # env.class
+    max_turns: int
+    workers: int
+    timeout: float
+    max_error_rate: float
+
+
+def _env(config: ConfigDict) -> EnvSpec | None:
+    e = config.env
+    if not e["class"]:
+        return None
+    if config.algorithm != "grpo" or config.async_rl.max_staleness or config.ppo.tis_cap:
+        raise ConfigError(f"env.class={e['class']!r}: multi-turn rollouts train with "
+                          "algorithm=grpo, synchronously, without ppo.tis_cap")
+    with field("env.class"):
+        environments.resolve_env_class(e["class"])
+    return EnvSpec(e["class"], e.max_turns, e.workers, e.timeout, e.max_error_rate)
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalSpec:
     """Held-out evaluation during RL (`jaxrlhf/run/evaluate.py`).
 
@@ -209,6 +233,7 @@ class RunSpec:
     require_model_paths: bool  # every role loads its own HF directory
     evaluation: EvalSpec
     wandb: WandbSpec | None = None
+    env: EnvSpec | None = None  # multi-turn rollouts' environment; None: single turns
 
     @property
     def step_rows(self) -> int:
@@ -447,8 +472,10 @@ def run_spec(config: ConfigDict) -> RunSpec:
     check_ranges(config)
     a = config.async_rl
     async_rl = _of(AsyncRLSpec, a, decoupled=bool(a.max_staleness and a.decoupled))
+    env = _env(config)
     with field("algorithm"):
-        algorithm = make_algorithm(config, async_rl.decoupled)
+        algorithm = (make_algorithm(config, async_rl.decoupled) if env is None
+                     else multiturn.make(grpo_config(config)))
         graph = build_graph(algorithm.mfcs, roles=set(Role))
     with field("reward"):  # the same graph: normalisation changes how models train
         algorithm = with_reward_norm(algorithm, _of(RewardNormConfig, config.reward))
@@ -482,4 +509,4 @@ def run_spec(config: ConfigDict) -> RunSpec:
         data=_data(config.data), warm_start=warm, tokenizer=config.tokenizer, seed=config.seed,
         steps=config.steps, config_json=config.to_json(), async_rl=async_rl,
         require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval),
-        wandb=_wandb(config.logging.wandb))
+        wandb=_wandb(config.logging.wandb), env=env)

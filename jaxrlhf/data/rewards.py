@@ -189,13 +189,15 @@ def _stop_signals_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def _worker_main(spec: str, conn: multiprocessing.connection.Connection) -> None:
-    """Worker loop: resolve the function, then answer (id, prompt, completion, answer) requests.
-    It ignores stop signals (`_STOP_SIGNALS`): the trainer closes the pool when it is done."""
+def _worker_main(spec: str, conn: multiprocessing.connection.Connection,
+                 resolve: Callable = resolve_reward, check: Callable = _check_value) -> None:
+    """Worker loop: resolve the function (`resolve(spec)`), then answer (id, *args) requests
+    with `check(fn(*args))`. It ignores stop signals (`_STOP_SIGNALS`): the trainer closes the
+    pool when it is done."""
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     try:
-        fn = resolve_reward(spec)
+        fn = resolve(spec)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which stops the pool
         conn.send(("init_error", None, f"{type(e).__name__}: {e}"))
         return
@@ -207,9 +209,9 @@ def _worker_main(spec: str, conn: multiprocessing.connection.Connection) -> None
             return
         if request is None:
             return
-        item_id, prompt, completion, answer = request
+        item_id, *args = request
         try:
-            kind, payload = _check_value(fn(prompt, completion, answer))
+            kind, payload = check(fn(*args))
         except Exception as e:  # noqa: BLE001 - user code: any failure is a counted error
             kind, payload = ErrorKind.EXCEPTION, f"{type(e).__name__}: {e}"
         conn.send((item_id, None if kind is None else kind.value, payload))
@@ -303,7 +305,7 @@ class _State(enum.Enum):
 class _Item:
     handle: RewardHandle
     index: int
-    request: tuple[str, str, str | None]
+    request: tuple  # fn's arguments
 
 
 @dataclasses.dataclass
@@ -332,11 +334,18 @@ class RewardPool:
         timeout_s: float = 10.0,
         startup_timeout_s: float = 120.0,
         start_method: StartMethod = StartMethod.FORKSERVER,
+        resolve: Callable = resolve_reward,
+        check: Callable = _check_value,
+        what: str = "reward",
     ):
+        """`resolve(spec)` gives the function the workers call, `check(value)` turns what it
+        returns into (None, payload) or (ErrorKind, message); both module-level (they travel
+        to the workers): a reward function and `_check_value` unless told otherwise. `what`
+        names the workers in errors."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be positive, got {num_workers}")
-        resolve_reward(spec)  # a bad spec fails here, in the caller, not in a worker
-        self._spec = spec
+        resolve(spec)  # a bad spec fails here, in the caller, not in a worker
+        self._spec, self._resolve, self._check, self._what = spec, resolve, check, what
         self._timeout_s = timeout_s
         self._startup_timeout_s = startup_timeout_s
         self._ctx = multiprocessing.get_context(start_method.value)
@@ -377,14 +386,20 @@ class RewardPool:
             raise ValueError(
                 f"{len(prompts)} prompts, {len(completions)} completions, {len(answers)} answers"
             )
-        handle = RewardHandle(len(prompts))
+        return self.submit_calls(list(zip(prompts, completions, answers)),
+                                 RewardHandle(len(prompts)))
+
+    def submit_calls(self, requests: Sequence[tuple], handle: RewardHandle) -> RewardHandle:
+        """Queues fn(*request) for every request (result i goes to `handle`'s entry i) and
+        returns `handle` at once.
+
+        Raises:
+          RewardPoolError: the pool is closed or broken.
+        """
         with self._lock:
             if self._closing or self._broken:
                 raise RewardPoolError(self._broken or "reward pool is closed")
-            self._pending.extend(
-                _Item(handle, i, (p, c, a))
-                for i, (p, c, a) in enumerate(zip(prompts, completions, answers))
-            )
+            self._pending.extend(_Item(handle, i, tuple(r)) for i, r in enumerate(requests))
         self._wake_w.send_bytes(b"x")
         return handle
 
@@ -417,7 +432,8 @@ class RewardPool:
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe()
         process = self._ctx.Process(
-            target=_worker_main, args=(self._spec, child_conn), name="reward-worker", daemon=True
+            target=_worker_main, args=(self._spec, child_conn, self._resolve, self._check),
+            name="reward-worker", daemon=True
         )
         with _stop_signals_blocked():
             process.start()
@@ -506,7 +522,7 @@ class RewardPool:
                 self._finish_item(worker, ErrorKind.EXCEPTION, f"worker died (exit code {code})")
                 self._replace(worker)
             elif worker.state is _State.STARTING:
-                self._break(f"reward worker for {self._spec!r} died while starting ({code})")
+                self._break(f"{self._what} worker for {self._spec!r} died while starting ({code})")
             else:
                 self._replace(worker)
             return
@@ -514,7 +530,7 @@ class RewardPool:
             case "ready":
                 worker.state, worker.since = _State.IDLE, time.monotonic()
             case "init_error":
-                self._break(f"reward worker cannot load {self._spec!r}: {payload}")
+                self._break(f"{self._what} worker cannot load {self._spec!r}: {payload}")
             case item_id if item_id == worker.item_id:
                 self._finish_item(worker, None if kind is None else ErrorKind(kind), payload)
             case _:
@@ -528,7 +544,7 @@ class RewardPool:
                     self._finish_item(worker, ErrorKind.TIMEOUT, f"no reply in {self._timeout_s} s")
                     self._replace(worker)
                 case _State.STARTING if now - worker.since > self._startup_timeout_s:
-                    self._break(f"reward worker not ready after {self._startup_timeout_s} s")
+                    self._break(f"{self._what} worker not ready after {self._startup_timeout_s} s")
 
     def _break(self, reason: str) -> None:
         """Fails every unfinished batch: the pool can no longer make progress."""

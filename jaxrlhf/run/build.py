@@ -15,9 +15,11 @@ import jax.numpy as jnp
 from jaxrlhf.algorithms.spec import Algorithm
 from jaxrlhf.checkpoint import Checkpointer, HostState, abstract_state
 from jaxrlhf.data.datasets import EpochIterator
+from jaxrlhf.data.environments import EnvPool
 from jaxrlhf.data.rewards import RewardPool
 from jaxrlhf.dataflow.executors import HostFunction
 from jaxrlhf.dataflow.runtime import ModelRuntime, readers_per_layout
+from jaxrlhf.dataflow.trajectories import TrajectoryLimits
 from jaxrlhf.engine.buckets import response_widths
 from jaxrlhf.engine.generate import make_generate_fn
 from jaxrlhf.engine.inference import InferenceConfig, InferenceKind, make_inference_fn
@@ -43,10 +45,14 @@ from jaxrlhf.spec import ModelSpec, RolloutSpec, RunSpec
 
 def engine_call(mfc: MFC, model: ModelConfig, layout: Layout, micro: MicrobatchConfig,
                 rollout: RolloutSpec, tokenizer, algorithm: Algorithm,
-                opt: OptimizerConfig | None):
+                opt: OptimizerConfig | None, trajectories: bool = False):
     """The compiled-on-first-use engine object of one MFC (`micro`: a train step's
-    micro-batching)."""
+    micro-batching; `trajectories`: generation runs multi-turn rollouts)."""
     match mfc.call:
+        case Call.GENERATE if trajectories:  # a turn's prompt: the conversation so far
+            p, n = rollout.max_prompt_len, rollout.max_new_tokens
+            return make_generate_fn(model, rollout.generate(tokenizer), layout,
+                                    prompt_buckets=(p, *(p + w for w in response_widths(n))))
         case Call.GENERATE:
             return make_generate_fn(model, rollout.generate(tokenizer, greedy=mfc.greedy),
                                     layout, prompt_buckets=(rollout.max_prompt_len,))
@@ -150,11 +156,17 @@ def runtimes(spec: RunSpec, plan: RunPlan, states: dict) -> dict[Role, ModelRunt
 
 @contextlib.contextmanager
 def host_pools(spec: RunSpec):
-    """A process pool (and error budget) per role the algorithm runs as a host function."""
+    """A process pool (and error budget) per role the algorithm runs as a host function; with
+    an environment (`spec.env`), its pool under the actor's role, which rolls out with it."""
     with contextlib.ExitStack() as stack:
-        yield {role: HostFunction(stack.enter_context(RewardPool(
+        pools = {role: HostFunction(stack.enter_context(RewardPool(
             r.function, num_workers=r.workers, timeout_s=r.timeout)), r.max_error_rate)
-               for role, r in spec.rewards.items()}
+                 for role, r in spec.rewards.items()}
+        if spec.env is not None:
+            e = spec.env
+            pools[Role.ACTOR] = HostFunction(stack.enter_context(EnvPool(
+                e.spec, num_workers=e.workers, timeout_s=e.timeout)), e.max_error_rate)
+        yield pools
 
 
 @dataclasses.dataclass
@@ -217,10 +229,14 @@ def runner(job: Job, states: dict, pools) -> Runner:
     spec, plan = job.spec, job.plan
     calls = {m.name: engine_call(m, spec.models[m.role].config, plan.layouts[m.name],
                                  _micro(spec, plan.micro_batches(m.name)), spec.rollout,
-                                 job.tokenizer, spec.algorithm, spec.optimizers.get(m.role))
+                                 job.tokenizer, spec.algorithm, spec.optimizers.get(m.role),
+                                 trajectories=spec.env is not None)
              for m in spec.algorithm.mfcs if not m.host}
+    limits = None if spec.env is None else TrajectoryLimits(
+        spec.env.max_turns, spec.rollout.max_prompt_len, spec.rollout.max_new_tokens,
+        spec.env.max_error_rate)
     return Runner(spec.algorithm, spec.graph, plan, runtimes(spec, plan, states), calls,
-                  job.tokenizer, pools, spec.seed)
+                  job.tokenizer, pools, spec.seed, trajectories=limits)
 
 
 def fresh_runner(job: Job, pools, actor_params=None) -> Runner:

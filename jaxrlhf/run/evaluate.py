@@ -11,6 +11,9 @@ greedily on the generation layout. What is reported depends on what the data and
     function (exact match, `math`, ...), and exact match when it is a model, so a learned
     reward is never its own judge.
 
+A multi-turn run (`env.class`) evaluates greedy trajectories with its environment instead:
+`reward` (their mean), `accuracy` (the share with reward >= 1), `turns` and `tool_error_rate`.
+
 With `eval.samples = n > 0`, the periodic evaluation also samples n responses per prompt at the
 rollout temperature and reports `pass@1`, `pass@n` (unbiased, Chen et al. 2021) and `mean@n` of
 the verifier (see `data/evaluation.py`). Metric names carry the `eval/` prefix in metrics.jsonl
@@ -40,8 +43,12 @@ from jaxrlhf.data.datasets import PromptRow
 from jaxrlhf.data.encode import prompt_batch, sequence_batch
 from jaxrlhf.data.evaluation import eval_metrics
 from jaxrlhf.data.rewards import RewardPool, exact_match
+from jaxrlhf.data.environments import EnvPool
 from jaxrlhf.data.tokenizer import decode_response
+from jaxrlhf.data.transcript import Transcript
 from jaxrlhf.dataflow.runtime import ModelRuntime
+from jaxrlhf.dataflow.trajectories import TrajectoryLimits, rollout
+from jaxrlhf.engine.buckets import response_widths
 from jaxrlhf.engine.generate import make_generate_fn
 from jaxrlhf.engine.inference import InferenceBatch, InferenceConfig, InferenceKind
 from jaxrlhf.engine.inference import make_inference_fn
@@ -139,13 +146,17 @@ class HeldOut:
                           else rows)
         self.has_answers = bool(self._rows) and all(r.answer is not None for r in self._rows)
         r = spec.rollout
+        # Multi-turn runs: a turn's prompt is the conversation so far.
+        buckets = (r.max_prompt_len, *((r.max_prompt_len + w for w in response_widths(
+            r.max_new_tokens)) if spec.env is not None else ()))
         gen = lambda greedy: make_generate_fn(
             spec.base.config, r.generate(job.tokenizer, greedy=greedy), self.layout,
-            prompt_buckets=(r.max_prompt_len,))
+            prompt_buckets=buckets)
         self._greedy = gen(True)
         self._sampling = gen(False) if spec.evaluation.samples else None
         self._reward_spec = spec.rewards.get(Role.REWARD)  # None: a reward model
         self._pool: RewardPool | None = None
+        self._env_pool: EnvPool | None = None
         self._reward_scorer: Scorer | None = None
 
     # --- scoring ---------------------------------------------------------------------------
@@ -205,6 +216,8 @@ class HeldOut:
         """
         if not self._rows:
             return {}
+        if self._job.spec.env is not None:
+            return self._greedy_trajectories(params)
         responses = self._generate(self._greedy, params, 1, jax.random.key(0))
         metrics, rewards = {}, None
         if self._reward_spec is not None:
@@ -219,13 +232,32 @@ class HeldOut:
             metrics["accuracy"] = float(np.mean(verdicts >= 1.0))
         return metrics
 
+    def _greedy_trajectories(self, params) -> dict[str, float]:
+        """A multi-turn run's greedy trajectories with its environment: the mean reward, the
+        success rate (`accuracy`: reward >= 1), turns per trajectory, the tool-call error rate
+        and the environment's failed trajectories (scored 0; they never stop an evaluation)."""
+        spec = self._job.spec
+        if self._env_pool is None:
+            e = spec.env
+            self._env_pool = EnvPool(e.spec, num_workers=e.workers, timeout_s=e.timeout)
+        limits = TrajectoryLimits(spec.env.max_turns, spec.rollout.max_prompt_len,
+                                  spec.rollout.max_new_tokens, max_error_rate=1.0)
+        out = rollout(self._greedy, params, jax.random.key(0), self._env_pool,
+                      Transcript(self._job.tokenizer), self._job.tokenizer,
+                      [{"prompt": r.prompt, "answer": r.answer} for r in self._rows], limits,
+                      self.layout.dp_size)
+        return {"reward": float(out.rewards_b.mean()),
+                "accuracy": float(np.mean(out.rewards_b >= 1.0)),
+                "turns": float(out.turns_b.mean()), "tool_error_rate": out.tool_error_rate,
+                "reward_errors": float(out.errors.total)}
+
     def periodic(self, params, step: int, reward: ModelRuntime | None = None
                  ) -> dict[str, float]:
         """`eval/`-prefixed metrics of step `step`: the greedy ones, and with eval.samples = n
         and answers, pass@1, pass@n and mean@n of n sampled responses per prompt."""
         out = {f"eval/{k}": v for k, v in self.greedy(params, reward).items()}
         n = self._job.spec.evaluation.samples
-        if n and self.has_answers:
+        if n and self.has_answers and self._job.spec.env is None:  # single turns only
             rng = jax.random.fold_in(jax.random.key(self._job.spec.seed + 1), step)
             responses = self._generate(self._sampling, params, n, rng)
             rows = [r for r in self._rows for _ in range(n)]
@@ -242,6 +274,9 @@ class HeldOut:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self._env_pool is not None:
+            self._env_pool.close()
+            self._env_pool = None
 
     def __enter__(self) -> HeldOut:
         return self

@@ -17,6 +17,7 @@ from jaxrlhf.algorithms.spec import Algorithm, Metric
 from jaxrlhf.dataflow import executors as ex
 from jaxrlhf.dataflow.graph import DataflowGraph
 from jaxrlhf.dataflow.runtime import ModelRuntime, with_memory_policy
+from jaxrlhf.dataflow.trajectories import Trajectories, TrajectoryLimits, trajectory_executor
 from jaxrlhf.dataflow.scheduler import Scheduler, StepTiming
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.parallel import watchdog
@@ -75,11 +76,18 @@ class Runner:
       host_pools: role -> the process pool and error budget (`HostFunction`) of each role
         the graph runs as a host function (reward, cost); empty if it has none.
       seed: generation randomness; step s uses fold_in(key(seed), s).
+      trajectories: the generate call rolls out multi-turn trajectories with the environment
+        pool in `host_pools[Role.ACTOR]` (`dataflow/trajectories.py`); None: single turns.
     """
 
     def __init__(self, algorithm: Algorithm, graph: DataflowGraph, plan: RunPlan,
                  runtimes: dict[Role, ModelRuntime], engines: dict, tokenizer,
-                 host_pools: Mapping[Role, ex.HostFunction], seed: int):
+                 host_pools: Mapping[Role, ex.HostFunction], seed: int,
+                 trajectories: TrajectoryLimits | None = None):
+        self._trajectories, self._tokenizer = trajectories, tokenizer
+        self._env = host_pools.get(Role.ACTOR)
+        # multi-turn: the last step's mean policy turns per trajectory and tool-call error rate
+        self._trajectory_stats = {"turns": 0.0, "tool_error_rate": 0.0}
         self.algorithm, self.graph = algorithm, graph
         self.runtimes = runtimes
         self.controller = dict(algorithm.controller_init)
@@ -105,6 +113,10 @@ class Runner:
 
     def _executor(self, mfc, runtime, layout, engine, micro_batches: int):
         match mfc.call:
+            case Call.GENERATE if self._trajectories is not None:
+                return trajectory_executor(mfc, runtime, layout, engine, self._step_rng,
+                                           self._env.pool, self._tokenizer, self._trajectories,
+                                           self._count_env)
             case Call.GENERATE:
                 return ex.generate_executor(mfc, runtime, layout, engine, self._step_rng,
                                             micro_batches)
@@ -119,6 +131,11 @@ class Runner:
         # The step index goes up explicitly: steps run under transfer_guard("disallow").
         return jax.random.fold_in(self._rng, jax.device_put(np.uint32(self.step_index)))
 
+    def _count_env(self, result: Trajectories) -> None:
+        self._reward_errors += result.errors.total
+        self._trajectory_stats = {"turns": float(np.mean(result.turns_b)),
+                                  "tool_error_rate": result.tool_error_rate}
+
     def _count_reward_errors(self, result) -> None:
         self._reward_errors += result.errors.total
 
@@ -132,6 +149,8 @@ class Runner:
             buffer, timing = self.scheduler.run_step(batch)
             stats = {m.role: {k: float(v) for k, v in fetch(buffer[m.outputs[0]]).items()}
                      for m in self.graph.mfcs if m.call is Call.TRAIN_STEP}  # every process
+            if self._trajectories is not None:
+                stats[Role.ACTOR].update(self._trajectory_stats)
             reward = (float(np.mean(fetch(buffer["scores_b"]))) if "scores_b" in buffer
                       else None)
         if self.algorithm.controller_update is not None:

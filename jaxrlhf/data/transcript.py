@@ -1,0 +1,71 @@
+"""A trajectory's conversation as token ids: the policy's turns are the tokens it sampled, the
+environment's messages are rendered the way the model's chat template renders them.
+
+With a chat template (`data/chat.py`), the ids of a reply are the text the template adds after
+the conversation so far: render(conversation + reply, generation prompt) less
+render(conversation), whose end (after the policy's last turn, e.g. Qwen's `<|im_end|>\\n`)
+starts with the stop token the policy already sampled; the rest of that end (Qwen's newline) is
+the reply's first text. So the whole trajectory's ids are what `apply_chat_template` gives for
+its messages. Without a template (the byte tokenizer of the tiny configs), messages are plain
+text: a user message its content, a tool message `<tool_response>CONTENT</tool_response>`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from jaxrlhf.data.chat import ChatTemplate, Message
+from jaxrlhf.data.tokenizer import Tokenizer, encode_prompt
+
+
+class TranscriptError(ValueError):
+    """The chat template does not extend the conversation by the reply (it rewrites earlier
+    turns), so the reply has no ids of its own."""
+
+
+def _plain(message: Message) -> str:
+    if message["role"] == "tool":
+        return f"<tool_response>{message['content']}</tool_response>"
+    return message["content"]
+
+
+class Transcript:
+    """Renders first messages and environment replies for one tokenizer (and its template)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.template: ChatTemplate | None = getattr(tokenizer, "chat_template", None)
+
+    def first_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The prompt ids of a trajectory's first messages, ending where the policy writes."""
+        if self.template is None:
+            return encode_prompt(self.tokenizer, "".join(_plain(m) for m in messages))
+        return self.tokenizer.encode(self.template.render(messages, add_generation_prompt=True))
+
+    def reply_ids(self, conversation: Sequence[Message], reply: Sequence[Message]) -> list[int]:
+        """The ids that follow the policy's last turn (the last of `conversation`, which ended
+        with a stop token) when the environment answers with `reply`, up to where the policy
+        writes next.
+
+        Raises:
+          TranscriptError: the template renders the conversation differently once the reply
+            is added, or does not end the policy's turn with a stop token.
+        """
+        if self.template is None:
+            return self.tokenizer.encode("".join(_plain(m) for m in reply))
+        before = self.template.render(conversation, add_generation_prompt=False)
+        after = self.template.render([*conversation, *reply], add_generation_prompt=True)
+        if not after.startswith(before):
+            raise TranscriptError("the chat template rewrites the conversation when a reply is "
+                                  "added; its turns cannot be appended as tokens")
+        content = conversation[-1]["content"]
+        at = before.rfind(content)
+        if at < 0:
+            raise TranscriptError("the chat template rewrites the policy's turn (its text is not "
+                                  "in the rendered conversation); its turns cannot be appended")
+        at += len(content)
+        end_ids = self.tokenizer.encode(before[at:])  # e.g. <|im_end|> "\n"
+        if not end_ids or end_ids[0] not in self.tokenizer.stop_ids:
+            raise TranscriptError(f"the chat template ends a policy turn with {before[at:]!r}, "
+                                  "not a stop token")
+        return end_ids[1:] + self.tokenizer.encode(after[len(before):])

@@ -1,0 +1,271 @@
+"""Multi-turn rollouts: tool calls, environments in their pool, trajectories on the rollout
+engine, and GRPO's loss over them (only the policy's tokens trained)."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+
+from jaxrlhf.algorithms import grpo, multiturn
+from jaxrlhf.data import tools
+from jaxrlhf.data.environments import EnvPool, Llama3ToolEnv, ToolEnv
+from jaxrlhf.data.tokenizer import ByteTokenizer, HFTokenizer
+from jaxrlhf.data.tools import ToolCall, ToolCallError, ToolCallFormat, parse_tool_calls
+from jaxrlhf.data.transcript import Transcript
+from jaxrlhf.dataflow.trajectories import EnvironmentFailed, TrajectoryLimits, rollout
+from jaxrlhf.engine.buckets import response_widths
+from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
+from jaxrlhf.engine.inference import (
+    InferenceBatch, InferenceConfig, InferenceKind, InferenceOutput, make_inference_fn,
+)
+from jaxrlhf.engine.packing import Rows
+from jaxrlhf.mfc import Role
+from jaxrlhf.models.sizes import get_size
+from jaxrlhf.parallel.layout import init_params, make_layout
+from jaxrlhf.parallel.reshard import fetch
+from tests.test_chat import LLAMA3_TEMPLATE, CHATML_TEMPLATE, llama3_dir, qwen_dir
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+MISBEHAVING = f"{FIXTURES / 'envs.py'}:Misbehaving"
+P, N = 8, 64
+REPLY = "<tool_response>ok</tool_response>"  # TwoTurns' reply without a chat template
+
+
+# --- tool calls ----------------------------------------------------------------------------
+
+
+def test_tool_calls_parse_as_qwen3_and_llama3_write_them():
+    qwen = ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": '
+            '"12*3"}}\n</tool_call>\n<tool_call>\n{"name": "python", "arguments": '
+            '"{\\"code\\": \\"print(1)\\"}"}\n</tool_call>')
+    assert parse_tool_calls(qwen, ToolCallFormat.QWEN3) == [
+        ToolCall("calculator", {"expression": "12*3"}), ToolCall("python", {"code": "print(1)"})]
+    assert parse_tool_calls("The answer is 36.", ToolCallFormat.QWEN3) == []
+    llama = '{"name": "calculator", "parameters": {"expression": "2**10"}}'
+    assert parse_tool_calls(llama, ToolCallFormat.LLAMA3) == [
+        ToolCall("calculator", {"expression": "2**10"})]
+    assert parse_tool_calls("<|python_tag|>" + llama, ToolCallFormat.LLAMA3) == [
+        ToolCall("calculator", {"expression": "2**10"})]
+    assert parse_tool_calls("It is 1024.", ToolCallFormat.LLAMA3) == []
+    for bad, fmt in [("<tool_call>{\"name\": 1}</tool_call>", ToolCallFormat.QWEN3),
+                     ("<tool_call>{not json}</tool_call>", ToolCallFormat.QWEN3),
+                     ("<tool_call>{\"name\": \"x\"}", ToolCallFormat.QWEN3),
+                     ('{"name": "x", "parameters": [1]}', ToolCallFormat.LLAMA3)]:
+        with pytest.raises(ToolCallError):
+            parse_tool_calls(bad, fmt)
+
+
+def test_calculator_evaluates_arithmetic_and_refuses_everything_else():
+    assert tools.calculate("12+34*2") == "80"
+    assert tools.calculate("(7 - 10) // 2") == "-2"
+    assert tools.calculate("2**10 / 4") == "256"
+    assert tools.calculate("1/4") == "0.25"
+    for bad in ["__import__('os').system('ls')", "x + 1", "abs(-1)", "9**9**9", "1/0", "1 +",
+                "(1).real", "'a' * 3"]:
+        with pytest.raises(ValueError):
+            tools.calculate(bad)
+    assert tools.call_tool(ToolCall("calculator", {"expression": "x"})).startswith("error: ")
+    assert tools.call_tool(ToolCall("search", {})).startswith("error: no tool 'search'")
+
+
+def test_python_tool_runs_in_the_sandbox():
+    assert tools.call_tool(ToolCall("python", {"code": "print(sum(range(10)))"})) == "45\n"
+    out = tools.call_tool(ToolCall("python", {"code": "import os; os.system('true')"}))
+    assert out.startswith("error: PermissionError"), out
+
+
+@pytest.mark.parametrize("env, call", [
+    (ToolEnv(), '<tool_call>{"name": "calculator", "arguments": {"expression": "12+34"}}'
+                '</tool_call>'),
+    (Llama3ToolEnv(), '{"name": "calculator", "parameters": {"expression": "12+34"}}')])
+def test_tool_env_rewards_a_right_answer_after_a_calculator_call(env, call):
+    row = {"prompt": "12+34=", "answer": "46"}
+    messages = env.reset(row)
+    turn = env.step(messages + [{"role": "assistant", "content": call}], row)
+    assert turn.messages == ({"role": "tool", "content": "46"},) and not turn.done
+    history = messages + [{"role": "assistant", "content": call}, *turn.messages]
+    assert env.step(history + [{"role": "assistant", "content": "46"}], row).reward == 1.0
+    assert env.step(history + [{"role": "assistant", "content": "47"}], row).reward == 0.0
+    assert env.step(messages + [{"role": "assistant", "content": "46"}], row).reward == 0.0
+
+
+# --- transcripts against transformers --------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["qwen", "llama3"])
+def test_a_trajectory_with_tool_calls_has_apply_chat_templates_ids(tmp_path, kind):
+    """The policy's turns as sampled ids (content then its stop token) and the environment's
+    replies from `reply_ids`: together, transformers' ids of the whole conversation."""
+    make, template, stop = {"qwen": (qwen_dir, CHATML_TEMPLATE, "<|im_end|>"),
+                            "llama3": (llama3_dir, LLAMA3_TEMPLATE, "<|eot_id|>")}[kind]
+    make(tmp_path)
+    tok, hf = HFTokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(
+        str(tmp_path))
+    (stop_id,) = tok.encode(stop)
+    transcript = Transcript(tok)
+    messages = [{"role": "user", "content": "what is 1+1 ?"},
+                {"role": "assistant", "content": "the answer is"},
+                {"role": "tool", "content": "2"},
+                {"role": "assistant", "content": "2"}]
+    ids = transcript.first_ids(messages[:1])
+    ids += tok.encode(messages[1]["content"]) + [stop_id]
+    ids += transcript.reply_ids(messages[:2], messages[2:3])
+    want = hf.apply_chat_template(messages[:3], add_generation_prompt=True, tokenize=True)
+    assert ids == list(getattr(want, "input_ids", want)), kind
+    ids += tok.encode(messages[3]["content"]) + [stop_id]
+    want = hf.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    want = list(getattr(want, "input_ids", want))
+    assert ids == want[:len(ids)] and not tok.encode(hf.decode(want[len(ids):])), kind
+
+
+# --- trajectories on the rollout engine --------------------------------------------------------
+
+
+class EarlyStops(ByteTokenizer):
+    """Bytes, with every id from 128 up stopping a turn: an untrained model ends its turns
+    within a few tokens, so trajectories take several turns."""
+
+    @property
+    def stop_ids(self):
+        return (self.eos_id, *range(128, 256))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    config = get_size("tiny", dtype=jnp.float32)
+    layout = make_layout("0-1:d2" if jax.device_count() >= 2 else "0:d1", model=config)
+    tok = EarlyStops()
+    gen_cfg = GenerateConfig(max_new_tokens=N, eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id)
+    generator = make_generate_fn(config, gen_cfg, layout,
+                                 prompt_buckets=(P, *(P + w for w in response_widths(N))))
+    params = init_params(config, layout, jax.random.key(3))
+    return config, layout, tok, generator, params
+
+
+ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in
+        [(12, 34), (5, 6), (70, 8), (1, 99), (40, 40), (3, 21)]]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """`Misbehaving`: TwoTurns, but for rows whose answer names a failure."""
+    with EnvPool(MISBEHAVING, num_workers=2, timeout_s=1.0) as pool:
+        yield pool
+
+
+def _rollout(engine, pool, rows, max_error_rate=0.5, rng=None):
+    config, layout, tok, generator, params = engine
+    rng = jax.random.key(0) if rng is None else rng
+    return rollout(generator, params, rng, pool, Transcript(tok), tok, rows,
+                   TrajectoryLimits(3, P, N, max_error_rate), layout.dp_size)
+
+
+def test_trajectories_interleave_policy_turns_and_replies(engine, pool):
+    config, layout, tok, _, params = engine
+    rng = jax.random.key(0)
+    with jax.transfer_guard("disallow"):  # as a step runs it: nothing implicit
+        out = _rollout(engine, pool, ROWS, rng=rng)
+    assert out.turns_b.tolist() == [2] * len(ROWS)  # TwoTurns ends after the second turn
+    np.testing.assert_array_equal(out.rewards_b, 1.25)  # 0.25 for the first turn, 1 at the end
+    assert out.errors.total == 0 and out.tool_error_rate == 0.0
+    reply = tok.encode(REPLY)
+    for i, row in enumerate(ROWS):
+        prompt = out.tokens_bs[i, :P][out.mask_bs[i, :P]].tolist()
+        assert prompt == [tok.bos_id, *tok.encode(row["prompt"])]
+        n = int(out.mask_bs[i, P:].sum())
+        tokens, policy = out.tokens_bs[i, P:P + n], out.policy_bn[i, :n]
+        assert not out.policy_bn[i, n:].any() and not out.mask_bs[i, P + n:].any()
+        # policy turn, the reply (its tokens exactly, none of them the policy's), policy turn
+        start = int(np.argmin(policy))
+        assert tokens[start - 1] in tok.stop_ids and start > 0
+        assert tokens[start:start + len(reply)].tolist() == reply
+        assert not policy[start:start + len(reply)].any() and policy[start + len(reply):].all()
+        assert policy[:start].all() and tokens[-1] in tok.stop_ids
+        assert (out.logp_bn[i][~out.policy_bn[i]] == 0).all()
+    # The behaviour log-probs of the policy's tokens are an inference call's over the whole
+    # trajectory (the engine prefilled the conversation, replies included, each turn).
+    infer = make_inference_fn(config, InferenceConfig(InferenceKind.LOGPROBS), layout,
+                              length_buckets=(out.tokens_bs.shape[1],), rows=Rows.PADDED)
+    whole = fetch(infer(params, InferenceBatch.padded(out.tokens_bs, out.mask_bs)).logprobs_bt)
+    w = out.policy_bn.shape[1]
+    np.testing.assert_allclose(out.logp_bn[out.policy_bn], whole[:, -w:][out.policy_bn],
+                               atol=1e-5, rtol=0)
+
+
+def test_a_failing_environment_ends_its_trajectory_with_reward_0_and_is_counted(engine, pool):
+    rows = [{"prompt": r["prompt"], "answer": a} for r, a in
+            zip(ROWS, ["raise", "hang", "bad", "nan", "tool_error", "11"])]
+    out = _rollout(engine, pool, rows, max_error_rate=0.7)
+    np.testing.assert_array_equal(out.rewards_b, [0, 0, 0, 0, 1.25, 1.25])
+    assert out.turns_b.tolist() == [1, 1, 1, 1, 2, 2]
+    assert out.errors.total == 4
+    assert out.tool_error_rate == 0.5  # of the two tool messages, one reports a failed call
+    with pytest.raises(EnvironmentFailed) as failed:
+        _rollout(engine, pool, rows[:1] + rows[4:], max_error_rate=0.2)
+    message = str(failed.value)
+    assert "\n" not in message and "1 of 3 trajectories" in message and "boom" in message
+
+
+# --- the loss over trajectories ------------------------------------------------------------
+
+
+def test_environment_tokens_get_no_gradient():
+    """GRPO over trajectories (its graph's train batch and loss): the loss's gradient with
+    respect to the log-probs and entropies at the environment's tokens is exactly zero, and
+    not at the policy's."""
+    cfg = grpo.GRPOConfig(group_size=2, loss=grpo.losses.GRPOLossConfig(
+        kl_coef=0.1, policy=grpo.losses.PPOLossConfig(entropy_coef=0.01)))
+    train = multiturn.make(cfg).train[Role.ACTOR]
+    rng = np.random.default_rng(0)
+    b, p, n = 4, 3, 10
+    policy_bn = np.ones((b, n), bool)
+    policy_bn[:, 3:6] = False  # a reply in the middle of every trajectory
+    policy_bn[:, 8:] = False  # and padding after it
+    mask_bs = np.concatenate([np.ones((b, p), bool), policy_bn | (np.arange(n) < 8)], 1)
+    buf = {"seq_tokens_bs": jnp.asarray(rng.integers(0, 200, (b, p + n)), jnp.int32),
+           "seq_mask_bs": jnp.asarray(mask_bs), "response_mask_bn": jnp.asarray(policy_bn),
+           "behav_logp_bn": jnp.asarray(-rng.random((b, n)), jnp.float32) * policy_bn,
+           "ref_logp_bn": jnp.asarray(-rng.random((b, n)), jnp.float32),
+           "scores_b": jnp.asarray([1.0, 0.0, 0.5, 2.0])}
+    batch, _ = train.prepare(buf, {})
+
+    def loss(logp_bt, entropy_bt):
+        loss_sum, weight, _ = train.loss_fn(InferenceOutput(logp_bt, entropy_bt), batch)
+        return loss_sum / weight
+
+    logp_bt = jnp.asarray(-rng.random((b, p + n)), jnp.float32)
+    g_logp, g_entropy = jax.grad(loss, argnums=(0, 1))(logp_bt, jnp.ones((b, p + n)))
+    for g in (g_logp, g_entropy):
+        response = np.asarray(g[:, p:])
+        assert (response[~policy_bn] == 0).all() and (np.asarray(g[:, :p]) == 0).all()
+        assert (response[policy_bn] != 0).all()
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+def test_env_config_errors_are_one_line_naming_the_key():
+    from configs import grpo_multiturn_tiny
+    from jaxrlhf.schema import ConfigError
+    from jaxrlhf.spec import run_spec
+
+    spec = run_spec(grpo_multiturn_tiny.get_config("smoke"))
+    assert [m.name for m in spec.graph.mfcs] == ["actor_gen", "ref_inf", "actor_train"]
+    assert "scores_b" in spec.graph.mfc("actor_gen").outputs and not spec.rewards
+    assert spec.env.spec == "tools" and spec.env.max_turns == 3
+    for key, value, words in [("class", "nope", "env.class: unknown environment 'nope'"),
+                              ("class", f"{FIXTURES / 'envs.py'}:Nope", "has no class 'Nope'"),
+                              ("max_turns", 0, "env.max_turns")]:
+        config = grpo_multiturn_tiny.get_config("smoke")
+        config.env[key] = value
+        with pytest.raises(ConfigError) as e:
+            run_spec(config)
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    config = grpo_multiturn_tiny.get_config("smoke")
+    config.algorithm = "ppo"
+    with pytest.raises(ConfigError, match="env.class='tools': multi-turn rollouts train with "
+                                          "algorithm=grpo"):
+        run_spec(config)
