@@ -15,6 +15,15 @@
 # When a process exits non-zero the others stop by themselves within the heartbeat timeout
 # (jax.distributed); whatever is left after GRACE_S seconds (default 90) is killed. The exit
 # code is the first non-zero one, naming the process that failed first.
+#
+# Stopping: SIGINT (Ctrl-C), SIGTERM or SIGUSR1 to this script asks every process to finish its
+# step, save a checkpoint and exit (`launch/slurm.sbatch` runs one-node jobs through here). Only
+# the first such signal is passed on, and as the kind a process cannot have received itself:
+# Ctrl-C and `kill -TERM -PGID` (or Slurm's `scancel --full`) reach the processes too, and a
+# second signal of the same kind tells them to stop at once, unsaved. So SIGINT is passed on as
+# SIGTERM, SIGTERM as SIGINT, SIGUSR1 (sent to nobody else) as SIGTERM. Processes still running
+# STOP_GRACE_S seconds (default 170) after that are killed: one that hangs must not keep its
+# job (and its machines) forever.
 set -u
 
 if [[ $# -lt 2 || ! "$1" =~ ^[1-9][0-9]*$ ]]; then
@@ -58,22 +67,34 @@ done
 ((num > 1)) && echo "local.sh: $num processes (coordinator 127.0.0.1:$port); logs of" \
   "processes 1-$((num - 1)) in $log_dir" >&2
 
-trap 'kill -INT "${pids[@]}" 2>/dev/null' INT  # Ctrl-C: each process checkpoints and stops
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
-
 status=0
 live=("${pids[@]}")
-timer=""
+timer=""       # runs GRACE_S from the first failure
+stop_timer=""  # runs STOP_GRACE_S from the stop request
+stopping=0
+stop() {  # $1: the signal to pass on (see the header)
+  ((stopping)) && return
+  stopping=1
+  echo "local.sh: asking every process to save a checkpoint and exit (SIG$1)" >&2
+  kill -"$1" "${live[@]}" 2>/dev/null
+  sleep "${STOP_GRACE_S:-170}" &
+  stop_timer=$!
+}
+trap 'stop TERM' INT USR1
+trap 'stop INT' TERM
+
 while ((${#live[@]} > 0)); do
   finished=""
-  wait -n -p finished "${live[@]}" $timer
+  wait -n -p finished "${live[@]}" $timer $stop_timer
   code=$?
-  # Interrupted by a trap (a forwarded Ctrl-C or SIGTERM): `wait -p` leaves `finished` unset.
+  # Interrupted by a trap (a stop request): `wait -p` leaves `finished` unset.
   [[ -z "${finished:-}" ]] && continue
-  if [[ "$finished" == "$timer" ]]; then
-    echo "local.sh: killing processes still running ${grace}s after the first failure" >&2
+  if [[ "$finished" == "$timer" || "$finished" == "$stop_timer" ]]; then
+    why="${grace}s after the first failure"
+    [[ "$finished" == "$stop_timer" ]] && why="${STOP_GRACE_S:-170}s after the stop request"
+    echo "local.sh: killing the processes still running $why" >&2
     kill -KILL "${live[@]}" 2>/dev/null
-    timer=""
+    [[ "$finished" == "$timer" ]] && timer="" || stop_timer=""
     continue
   fi
   live=($(printf '%s\n' "${live[@]}" | grep -vx "$finished"))
@@ -93,5 +114,5 @@ while ((${#live[@]} > 0)); do
     fi
   fi
 done
-[[ -n "$timer" ]] && kill "$timer" 2>/dev/null
+for t in $timer $stop_timer; do kill "$t" 2>/dev/null; done
 exit "$status"
