@@ -18,12 +18,12 @@
 #
 # Stopping: SIGINT (Ctrl-C), SIGTERM or SIGUSR1 to this script asks every process to finish its
 # step, save a checkpoint and exit (`launch/slurm.sbatch` runs one-node jobs through here). Only
-# the first such signal is passed on, and as the kind a process cannot have received itself:
-# Ctrl-C and `kill -TERM -PGID` (or Slurm's `scancel --full`) reach the processes too, and a
-# second signal of the same kind tells them to stop at once, unsaved. So SIGINT is passed on as
-# SIGTERM, SIGTERM as SIGINT, SIGUSR1 (sent to nobody else) as SIGTERM. Processes still running
-# STOP_GRACE_S seconds (default 170) after that are killed: one that hangs must not keep its
-# job (and its machines) forever.
+# the first such signal is passed on, and as a kind the processes cannot have received
+# themselves: Ctrl-C reaches them too (SIGINT), and so does Slurm's SIGTERM when it cancels the
+# job or signals all of it, and a second signal of the same kind tells them to stop at once,
+# unsaved. So SIGINT is passed on as SIGTERM, SIGTERM and SIGUSR1 as SIGINT, which Slurm never
+# sends. Processes still running STOP_GRACE_S seconds (default 170) after that are killed: one
+# that hangs must not keep its job (and its machines) forever.
 set -u
 
 if [[ $# -lt 2 || ! "$1" =~ ^[1-9][0-9]*$ ]]; then
@@ -67,6 +67,12 @@ done
 ((num > 1)) && echo "local.sh: $num processes (coordinator 127.0.0.1:$port); logs of" \
   "processes 1-$((num - 1)) in $log_dir" >&2
 
+start_timer() {  # VAR SECONDS: VAR = the pid of a process that ends SECONDS from now. It is
+  # deaf to the signals that stop the job (Slurm sends them to every process of the job).
+  (trap '' INT TERM USR1; exec sleep "$2") &
+  printf -v "$1" %s "$!"
+}
+
 status=0
 live=("${pids[@]}")
 timer=""       # runs GRACE_S from the first failure
@@ -77,11 +83,10 @@ stop() {  # $1: the signal to pass on (see the header)
   stopping=1
   echo "local.sh: asking every process to save a checkpoint and exit (SIG$1)" >&2
   kill -"$1" "${live[@]}" 2>/dev/null
-  sleep "${STOP_GRACE_S:-170}" &
-  stop_timer=$!
+  start_timer stop_timer "${STOP_GRACE_S:-170}"
 }
-trap 'stop TERM' INT USR1
-trap 'stop INT' TERM
+trap 'stop TERM' INT
+trap 'stop INT' TERM USR1
 
 while ((${#live[@]} > 0)); do
   finished=""
@@ -109,8 +114,7 @@ while ((${#live[@]} > 0)); do
     fi
     if ((status == 0)); then
       status=$code
-      sleep "$grace" &
-      timer=$!
+      start_timer timer "$grace"
     fi
   fi
 done
