@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import pwd
 import shutil
 import signal
 import socket
@@ -59,10 +60,10 @@ def _free_port() -> int:
 
 
 def _slurm_conf(root: pathlib.Path, munge_socket: pathlib.Path) -> str:
-    user = os.environ.get("USER") or __import__("pwd").getpwuid(os.getuid()).pw_name
+    user, host = Cluster.job_user(), socket.gethostname()
     return f"""\
 ClusterName=jaxrlhf-test
-SlurmctldHost={socket.gethostname()}(127.0.0.1)
+SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser={user}
@@ -90,7 +91,7 @@ ReturnToService=2
 KillWait={KILL_WAIT_S}
 MinJobAge={MIN_JOB_AGE_S}
 InactiveLimit=0
-NodeName={NODE} NodeAddr=127.0.0.1 NodeHostname={socket.gethostname()} CPUs={NODE_CPUS} State=UNKNOWN
+NodeName={NODE} NodeAddr=127.0.0.1 NodeHostname={host} CPUs={NODE_CPUS} State=UNKNOWN
 PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -216,7 +217,7 @@ class Cluster:
 
     @staticmethod
     def job_user() -> str:
-        return __import__("pwd").getpwuid(os.getuid()).pw_name
+        return pwd.getpwuid(os.getuid()).pw_name
 
     def __enter__(self) -> "Cluster":
         return self
