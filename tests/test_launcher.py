@@ -1,10 +1,11 @@
 """`launch/slurm.sbatch` on a real one-node Slurm cluster (`tests/slurm_cluster.py`), and
 `launch/tpu_pod.sh --dry-run`.
 
-* A 2-process job stopped by `scancel --signal=TERM --full` (the batch shell, srun and every
-  process get SIGTERM: what `--signal=B:TERM@180` amounts to for the shell) saves a checkpoint
-  after its last finished RL step and exits within 60 s; `scontrol requeue` resumes it there,
-  and it ends with the metrics of one uninterrupted process.
+* A 2-process job stopped by `scancel --signal=TERM --full` (every process of the job, the
+  batch shell included, gets SIGTERM: what `--signal=B:TERM@180` amounts to for the shell; an
+  srun among them would SIGKILL its tasks) saves a checkpoint after its last finished RL step
+  and exits within 60 s; `scontrol requeue` resumes it there, and it ends with the metrics of
+  one uninterrupted process.
 * The other ways Slurm stops a job (slow): a signal to the job's steps (`scancel
   --signal=TERM`, what `#SBATCH --signal=TERM@180` sends) and cancellation (`scancel`: SIGTERM
   to everything, SIGKILL after KillWait), each followed by a resubmission that resumes.
