@@ -79,10 +79,9 @@ def main():
             calls[f"inference/{variant}"] = (lambda inf=inf, params=params: inf(params, batch),
                                              call_flops(cfg, "inference", rows, context))
         if "train" in args.calls:
-            def loss_fn(logits_btv, b):
-                logp = jax.nn.log_softmax(logits_btv[:, :-1])
-                picked = jnp.take_along_axis(logp, b["tokens_bt"][:, 1:, None], -1)[..., 0]
-                return -jnp.sum(picked), jnp.float32(picked.size), {}
+            def loss_fn(out, b):  # next-token cross-entropy of the train step's log-probs
+                return (-jnp.sum(out.logprobs_bt),
+                        jnp.sum(b["segment_ids_bt"][:, 1:] != 0, jnp.float32), {})
             step = make_train_step(cfg, layout, loss_fn, OptimizerConfig(lr=1e-4))
             holder = {"state": init_train_state(cfg, layout, OptimizerConfig(lr=1e-4),
                                                 jax.random.key(0))}

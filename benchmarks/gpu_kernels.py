@@ -85,10 +85,8 @@ def _train(cfg, layout, args, peak) -> dict:
 
     cfg = cfg.replace(param_dtype=jnp.float32)
 
-    def loss_fn(logits_btv, b):  # next-token cross-entropy
-        logp = jax.nn.log_softmax(logits_btv[:, :-1])
-        picked = jnp.take_along_axis(logp, b["tokens_bt"][:, 1:, None], -1)[..., 0]
-        return -jnp.sum(picked), jnp.float32(picked.size), {}
+    def loss_fn(out, b):  # next-token cross-entropy of the train step's log-probs
+        return -jnp.sum(out.logprobs_bt), jnp.sum(b["segment_ids_bt"][:, 1:] != 0, jnp.float32), {}
 
     opt = OptimizerConfig(lr=1e-5)
     step = make_train_step(cfg, layout, loss_fn, opt)

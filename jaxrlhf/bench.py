@@ -19,6 +19,10 @@ and the host's RSS.
 (`jaxrlhf.perf.rollout_rows`: the rollout engine against the static batch, useful tokens/s,
 slot occupancy, compiles, the floor counted on live tokens), with `--steps` timed calls per
 row; `--json_out=PATH` also writes the rows as JSON.
+
+`--packing=tail` measures the actor's train step alone on those lengths (`jaxrlhf.perf.
+packing_rows`: sequences packed into rows against one padded sequence per row, alternated,
+trained tokens/s of both), with `--steps` timed steps of each per row.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ _STEPS = flags.DEFINE_integer("steps", 3, "measured steps (after one compile ste
 _PROFILE = flags.DEFINE_string("profile", "", "write a JAX profiler trace of one step here")
 _ROLLOUT = flags.DEFINE_string("rollout", "", "generation alone, one row per entry: new-token "
                                "counts and tail[:MAX] (e.g. 64,512,2048,tail)")
+_PACKING = flags.DEFINE_string("packing", "", "the actor's train step alone, packed against "
+                               "padded, one row per entry: new-token counts and tail[:MAX]")
 _JSON_OUT = flags.DEFINE_string("json_out", "", "also write the figures as JSON here")
 
 
@@ -146,13 +152,52 @@ def rollout_main(config, spec: str) -> dict:
             "dtype": jax.numpy.dtype(model.dtype).name, "rows": figures}
 
 
+def packing_main(config, spec: str) -> dict:
+    """The packing rows (module docstring): prints their table, returns their figures."""
+    import tempfile
+
+    import jax
+
+    from jaxrlhf.parallel.layout import init_params
+    from jaxrlhf.perf import packing_rows, rollout_rows
+    from jaxrlhf.run.check import check_config
+
+    try:
+        rows = rollout_rows.parse_rows(spec, config.rollout.batch_size * config.rollout.group_size)
+    except ValueError as e:
+        cli.bad_input(str(e))
+    longest = max(int(row.lengths_b.max()) for row in rows)
+    config.unlock()
+    config.rollout.max_new_tokens = max(config.rollout.max_new_tokens, longest)
+    job = check_config(config, tempfile.mkdtemp(prefix="jaxrlhf-bench-"))
+    r = job.spec.rollout
+    train_mfc = next(m for m in job.spec.graph.mfcs
+                     if m.call.value == "train_step" and m.role.value == "actor")
+    layout = job.plan.layouts[train_mfc.name]
+    model = job.spec.model_configs()[train_mfc.role]
+    model = model.replace(max_position_embeddings=max(model.max_position_embeddings,
+                                                      r.max_prompt_len + r.max_new_tokens))
+    params = init_params(model, layout, jax.random.key(0))
+    figures = []
+    for row in rows:
+        figures.append(packing_rows.measure_row(
+            row, job.spec.algorithm, model, layout, params, r.max_prompt_len, r.max_new_tokens,
+            r.group_size, _STEPS.value))
+        print(f"row {row.name}: packed {figures[-1]['packed_seconds']:.3f} s, padded "
+              f"{figures[-1]['padded_seconds']:.3f} s", flush=True)
+    print(packing_rows.table(figures))
+    return {"mode": "packing", "layout": str(layout), "devices": len(jax.devices()),
+            "device_kind": jax.devices()[0].device_kind, "rows": figures}
+
+
 def main():
     config = _CONFIG.value
     use_cpu_devices(config.cpu_devices)
     import jax
 
-    if _ROLLOUT.value:
-        figures = rollout_main(config, _ROLLOUT.value)
+    if _ROLLOUT.value or _PACKING.value:
+        figures = (rollout_main(config, _ROLLOUT.value) if _ROLLOUT.value
+                   else packing_main(config, _PACKING.value))
         print(json.dumps(figures))
         if _JSON_OUT.value:
             with open(_JSON_OUT.value, "w") as f:

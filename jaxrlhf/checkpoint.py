@@ -36,7 +36,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
 import os
+import shutil
 import pathlib
 import sys
 import time
@@ -79,6 +81,24 @@ class ResumeMode(enum.Enum):
 
 class CheckpointError(ValueError):
     """Checkpoints that cannot be resumed (reported in one line `checkpoint: ...`)."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, a directory that refuses writes): the run
+    stops, its previous checkpoints intact (orbax writes a temporary directory and renames it
+    only once complete)."""
+
+
+class _QuietOrbaxErrors(logging.Filter):
+    """Drops orbax's own ERROR records (a tracebacks per file and thread of a failed save, over
+    a thousand lines for one disk-full save): the failure reaches `Checkpointer.save` or
+    `wait` as one exception, which the run reports in one line (`CheckpointWriteError`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+_QUIET_ORBAX = _QuietOrbaxErrors()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +235,7 @@ class Checkpointer:
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
                 cleanup_tmp_directories=True)  # leftovers of a run killed mid-save
+        logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # once: the same filter object
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -228,12 +249,15 @@ class Checkpointer:
 
         Raises:
           NonFiniteError: a model state holds NaN/inf (nothing is written).
+          CheckpointWriteError: the disk has no room for it, or the write failed (with
+            `async_save`, a background write's failure is raised by the next `save` or `wait`).
         """
         if host.step in self.all_steps():
             return False
         if not all_finite(list(states.values())):
             raise NonFiniteError(f"step {host.step}: a model state holds NaN/inf; not saved "
                                  f"(latest checkpoint: {self.latest_step()})")
+        self._check_room(host.step, states)
         items = {HOST_ITEM: ocp.args.JsonSave(host.to_json())}
         # Multi-process: orbax only saves arrays that span every process.
         states = {role: reshard(state, jax.tree.map(lambda x: spanning(x.sharding), state))[0]
@@ -245,7 +269,39 @@ class Checkpointer:
                     {"opt_state": state.opt_state, "step": state.step})
             else:
                 items[f"{role.value}_params"] = ocp.args.StandardSave(state)
-        return self._manager.save(host.step, args=ocp.args.Composite(**items), force=True)
+        try:
+            return self._manager.save(host.step, args=ocp.args.Composite(**items), force=True)
+        except Exception as error:  # noqa: BLE001 - whatever the storage says: one line
+            raise self._write_error(host.step, error) from None
+
+    def _check_room(self, step: int, states: dict[Role, ModelState]) -> None:
+        """Refuses a save the disk has no room for, before orbax starts writing it (a save
+        that runs out of space midway fails in every writer thread at once)."""
+        needed = sum(x.nbytes for x in jax.tree.leaves(list(states.values())))
+        free = shutil.disk_usage(self.directory).free
+        if free < needed:
+            raise CheckpointWriteError(
+                f"checkpoint: no room for checkpoint {step} in {self.directory} (it needs "
+                f"{needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free); {self._last_good()}")
+
+    def _write_error(self, step: int, error: BaseException) -> CheckpointWriteError:
+        text = " ".join(str(error).split())
+        if "No space left on device" in text:
+            text = "No space left on device"
+        return CheckpointWriteError(f"checkpoint: writing checkpoint {step} in {self.directory} "
+                                    f"failed ({type(error).__name__}: {text[:200]}); "
+                                    f"{self._last_good()}")
+
+    def latest_saved(self) -> int | None:
+        """The newest checkpoint finished on disk (orbax renames a step's directory to its
+        number only once it is complete; `latest_step` also counts a save in flight)."""
+        return max((int(p.name) for p in self.directory.iterdir() if p.name.isdigit()),
+                   default=None)
+
+    def _last_good(self) -> str:
+        latest = self.latest_saved()
+        return ("nothing saved before it" if latest is None
+                else f"the last good checkpoint is {latest}, intact")
 
     def restore_host(self, step: int | None = None) -> HostState | None:
         """The host part of checkpoint `step` (default: the latest); None if there is none."""
@@ -295,7 +351,7 @@ class Checkpointer:
             try:
                 return self.restore_host(step)
             except Exception as error:  # noqa: BLE001 - any damage: try the previous one
-                _warn_damaged(self.step_path(step), error)
+                _warn_damaged(self.step_path(step), error, "")
         return None
 
     def restore_intact(self, targets: dict[Role, ModelState]
@@ -303,8 +359,9 @@ class Checkpointer:
         """The newest checkpoint that restores completely: (host, model states on `targets`).
 
         A checkpoint that fails to restore (a truncated or missing file, unreadable metadata)
-        is reported with its path and skipped for the previous one. None when there are no
-        checkpoints.
+        is skipped for the previous one, and, unless the directory is open read-only, moved
+        aside to `<step>.damaged-N` (one warning line naming both): the run then saves the
+        step it trains again under its number. None when there are no checkpoints.
 
         Raises:
           CheckpointError: checkpoints exist but none of them restores.
@@ -315,24 +372,59 @@ class Checkpointer:
                 host = self.restore_host(step)
                 return host, self.restore_models(step, targets)
             except Exception as error:  # noqa: BLE001 - any damage: try the previous one
-                _warn_damaged(self.step_path(step), error)
+                self._set_aside(step, error)
         if steps:
             raise CheckpointError(f"checkpoint: none of the checkpoints {steps} in "
                                   f"{self.directory} can be restored (see the warnings above)")
         return None
 
+    def _set_aside(self, step: int, error: BaseException) -> None:
+        """Warns that checkpoint `step` cannot be restored and (writable) renames it to a free
+        `<step>.damaged-N`, which orbax does not count as a step (process 0 renames; every
+        process then rereads the directory)."""
+        path = self.step_path(step)
+        if self.cfg is None:
+            _warn_damaged(path, error, "")
+            return
+        n = 1
+        while path.with_name(f"{step}.damaged-{n}").exists():
+            n += 1
+        aside = path.with_name(f"{step}.damaged-{n}")
+        if jax.process_index() == 0:
+            path.rename(aside)
+        _wait_gone(path)
+        self._manager.reload()
+        _warn_damaged(path, error, f"moved to {aside.name}; ")
+
     def wait(self) -> None:
-        """Blocks until background writes are on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until background writes are on disk.
+
+        Raises:
+          CheckpointWriteError: a background write failed.
+        """
+        saving = self._manager.latest_step()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001 - whatever the storage says: one line
+            raise self._write_error(saving, error) from None
 
     def close(self) -> None:
         self._manager.close()
 
 
-def _warn_damaged(path: pathlib.Path, error: BaseException) -> None:
+def _warn_damaged(path: pathlib.Path, error: BaseException, done: str) -> None:
     text = " ".join(str(error).split())[:300]
     print(f"warning: checkpoint {path} cannot be restored ({type(error).__name__}: {text}); "
-          "trying the previous one", file=sys.stderr, flush=True)
+          f"{done}trying the previous one", file=sys.stderr, flush=True)
+
+
+def _wait_gone(path: pathlib.Path, seconds: float = 60) -> None:
+    """Waits until `path` is gone (a shared workdir: process 0 renames, the others see it)."""
+    deadline = time.monotonic() + seconds
+    while path.exists():
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"checkpoint: {path} was not moved aside within {seconds} s")
+        time.sleep(0.2)
 
 
 def check_resume(directory: pathlib.Path, fingerprint: dict[str, str], mode: ResumeMode) -> None:
@@ -415,11 +507,7 @@ def _move_aside(directory: pathlib.Path) -> None:
                 stem, dot, suffix = name.partition(".")
                 metrics.rename(directory.with_name(f"{stem}.replaced-{n}{dot}{suffix}"))
         print(f"checkpoint.resume=never: the existing checkpoints moved to {target}", flush=True)
-    deadline = time.monotonic() + 60  # a shared workdir: wait to see process 0's rename
-    while directory.exists():
-        if time.monotonic() > deadline:
-            raise CheckpointError(f"checkpoint: {directory} was not moved aside within 60 s")
-        time.sleep(0.2)
+    _wait_gone(directory)
 
 
 def save_run(checkpoints: Checkpointer, runner, prompts, evaluation_before: dict[str, float],

@@ -1,12 +1,13 @@
 """Export a trained model from a run's checkpoint as a Hugging Face model directory.
 
-    python -m jaxrlhf.export --workdir=W --out=DIR [--role=actor] [--step=N]
+    python -m jaxrlhf.export --workdir=W --out=DIR [--role=actor] [--step=N] [--overwrite]
 
 Any run's checkpoint: RL (actor, critic, ...), SFT and DPO (`--role=actor`), reward modelling
 (`--role=reward`: the trained reward model, which an RL run then scores with through
 `--config.reward.kind=model --config.models.reward.path=DIR`).
 
-Reads checkpoint N (default: the latest) of W/checkpoints, rebuilds the role's model config from
+Reads checkpoint N (default: the newest that restores; a damaged newer one is named and
+skipped) of W/checkpoints, rebuilds the role's model config from
 the experiment config stored in it, restores only that role's parameters (no optimizer state)
 and writes them with `hf_io.save_hf` in the parameters' dtype:
 
@@ -32,6 +33,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import shutil
+import sys
+import tempfile
 
 from absl import flags, logging
 
@@ -44,7 +48,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "the run's workdir (holds checkp
 _OUT = flags.DEFINE_string("out", None, "output directory for the HF model", required=True)
 _ROLE = flags.DEFINE_enum("role", Role.ACTOR.value, [r.value for r in Role],
                           "which model to export")
-_STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
+_STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: the newest that "
+                             "restores)")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace an existing --out (a file, or a "
+                               "directory with files in it) instead of refusing it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,58 +64,127 @@ class Exported:
     tokenizer_dir: str | None
 
 
-def export(workdir: str | pathlib.Path, out: str | pathlib.Path, role: Role = Role.ACTOR,
-           step: int | None = None) -> Exported:
-    """Writes `role` of checkpoint `step` (None: the latest) of `workdir` to `out` (see module).
+def check_out(out: pathlib.Path, overwrite: bool) -> None:
+    """Refuses an `out` that holds something (a file, or a directory with entries) unless
+    `overwrite`: an export into it would mix its files with the old ones.
 
     Raises:
-      FileNotFoundError: the workdir has no checkpoint (or not `step`).
-      ValueError: the checkpoint has no model of that role.
+      FileExistsError: naming it and `--overwrite`.
     """
-    # Imported here so that `--help` answers without starting JAX.
+    if overwrite or not (out.exists() or out.is_symlink()):
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"--out={out}: exists and is not a directory (pass --overwrite "
+                              "to replace it)")
+    if any(out.iterdir()):
+        raise FileExistsError(f"--out={out}: a directory that is not empty (pass --overwrite "
+                              "to replace it and everything in it)")
+
+
+def _replace(staged: pathlib.Path, out: pathlib.Path) -> None:
+    """Moves the finished export `staged` to `out`, removing whatever was there."""
+    if out.is_dir() and not out.is_symlink():
+        shutil.rmtree(out)
+    elif out.exists() or out.is_symlink():
+        out.unlink()
+    staged.rename(out)
+
+
+def _restored(checkpoints, role: Role, step: int | None):
+    """(host state, `role`'s model config and parameters) of checkpoint `step`, or, for None, of the newest one
+    that restores (a damaged newer one is named in a warning and skipped)."""
     import jax
 
     from jaxrlhf import checkpoint
+    from jaxrlhf.parallel.layout import make_layout
     from jaxrlhf.spec import model_config_of
+
+    steps = checkpoints.all_steps()
+    if step is not None and step not in steps:
+        raise FileNotFoundError(f"no checkpoint {step} in {checkpoints.directory} "
+                                f"(there are {steps})")
+    errors = []
+    for candidate in [step] if step is not None else reversed(steps):
+        try:
+            host = checkpoints.restore_host(candidate)
+        except Exception as error:  # noqa: BLE001 - any damage: the previous one
+            errors.append((candidate, error))
+            continue
+        roles = host.trained + host.frozen
+        if role.value not in roles:
+            raise ValueError(f"checkpoint {host.step} has no {role.value} model; it has "
+                             f"{', '.join(roles)}")
+        model = model_config_of(host.experiment_config().models[role.value], role,
+                                f"models.{role.value}")
+        # Sharded over every local device (one is enough); save_hf gathers one tensor at a time.
+        layout = make_layout(f"f{jax.device_count()}", model=model)
+        try:
+            target = {role: checkpoint.abstract_state(model, layout)}
+            return host, model, checkpoints.restore_models(host.step, target)[role]
+        except Exception as error:  # noqa: BLE001 - any damage: the previous one
+            errors.append((candidate, error))
+            if step is None:
+                print(f"warning: checkpoint {checkpoints.step_path(candidate)} cannot be "
+                      f"restored ({type(error).__name__}); trying the previous one",
+                      file=sys.stderr, flush=True)
+    if not steps:
+        raise FileNotFoundError(f"no complete checkpoint in {checkpoints.directory}")
+    bad, error = errors[-1]
+    text = " ".join(str(error).split())[:200]
+    others = [s for s in steps if s not in [b for b, _ in errors]]
+    raise FileNotFoundError(
+        f"checkpoint {bad} in {checkpoints.directory} cannot be restored ({type(error).__name__}: "
+        f"{text})" + (f"; --step= one of {others}" if others else "; none of them restores"))
+
+
+def export(workdir: str | pathlib.Path, out: str | pathlib.Path, role: Role = Role.ACTOR,
+           step: int | None = None, overwrite: bool = False) -> Exported:
+    """Writes `role` of checkpoint `step` (None: the newest that restores) of `workdir` to
+    `out` (see module): written beside it first, so that a failed export leaves `out` as it was.
+
+    Raises:
+      FileNotFoundError: the workdir has no checkpoint (or not `step`), or none that restores.
+      FileExistsError: `out` holds something and not `overwrite` (`check_out`).
+      ValueError: the checkpoint has no model of that role.
+    """
+    # Imported here so that `--help` answers without starting JAX.
+    from jaxrlhf import checkpoint
     from jaxrlhf.data.tokenizer import load_tokenizer
     from jaxrlhf.models import hf_io
-    from jaxrlhf.parallel.layout import make_layout
 
+    out = pathlib.Path(out)
+    check_out(out, overwrite)
     directory = pathlib.Path(workdir) / checkpoint.CHECKPOINT_DIR
     if not directory.is_dir():
         raise FileNotFoundError(f"no checkpoints in {directory}")
     checkpoints = checkpoint.Checkpointer(directory, None)
-    if step is not None and step not in checkpoints.all_steps():
-        raise FileNotFoundError(f"no checkpoint {step} in {directory} "
-                                f"(there are {list(checkpoints.all_steps())})")
-    host = checkpoints.restore_host(step)
-    if host is None:
-        raise FileNotFoundError(f"no complete checkpoint in {directory}")
-    roles = host.trained + host.frozen
-    if role.value not in roles:
-        raise ValueError(f"checkpoint {host.step} has no {role.value} model; it has "
-                         f"{', '.join(roles)}")
+    try:
+        host, model, params = _restored(checkpoints, role, step)
+    finally:
+        checkpoints.close()
     config = host.experiment_config()
-    model = model_config_of(config.models[role.value], role, f"models.{role.value}")
-    # Sharded over every local device (one is enough); save_hf gathers one tensor at a time.
-    layout = make_layout(f"f{jax.device_count()}", model=model)
-    target = {role: checkpoint.abstract_state(model, layout)}
-    params = checkpoints.restore_models(host.step, target)[role]
-    checkpoints.close()
-
     tokenizer = load_tokenizer(config.tokenizer)
     tokenizer_dir = None if config.tokenizer == "byte" else config.tokenizer
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
            "pad_token_id": tokenizer.pad_id}
-    hf_io.save_hf(out, model, params, tokenizer_dir=tokenizer_dir, extra_config=ids)
-    return Exported(pathlib.Path(out), host.step, tokenizer_dir)
+    staged = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.export-",
+                                           dir=out.absolute().parent))
+    try:
+        hf_io.save_hf(staged, model, params, tokenizer_dir=tokenizer_dir, extra_config=ids)
+        _replace(staged, out)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return Exported(out, host.step, tokenizer_dir)
 
 
 def main() -> None:
     # orbax logs every file it opens (INFO) and that the checkpoints open read-only (WARNING)
     logging.set_verbosity(logging.ERROR)
     try:
-        result = export(_WORKDIR.value, _OUT.value, Role(_ROLE.value), _STEP.value)
+        result = export(_WORKDIR.value, _OUT.value, Role(_ROLE.value), _STEP.value,
+                        _OVERWRITE.value)
+    except FileExistsError as e:  # `--out`'s, named in the message
+        raise ConfigError(e) from None
     except (FileNotFoundError, ValueError) as e:  # what `export` raises for its input
         raise ConfigError(f"--workdir={_WORKDIR.value}: {e}") from None
     if result.tokenizer_dir is None:

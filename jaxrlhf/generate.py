@@ -11,13 +11,15 @@ exactly one JSON object is printed: {"text", "token_ids", "logprobs", "prompt_to
 `seconds` is the wall time of the generate call (compilation included). Prompt ids are those of
 `transformers.AutoTokenizer(HF_DIR)(PROMPT)`; with --chat, those of
 `apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)`.
-A directory or layout that cannot work is one line `error: --FLAG=VALUE: problem` on stderr,
-exit code 2, before anything compiles.
+A directory or layout that cannot work (an unreadable config.json or safetensors file, a prompt
+and new tokens past the model's positions included) is one line `error: --FLAG=VALUE: problem`
+on stderr, exit code 2, before anything compiles.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
@@ -60,6 +62,24 @@ def _parse_flags(argv: list[str]) -> list[str]:
     return cli.parse_flags([argv[0], *map(undash, argv[1:])])
 
 
+def check_length(prompt_len: int, max_new_tokens: int, positions: int) -> None:
+    """The prompt and the new tokens fit the model's positions (past them RoPE extrapolates
+    silently).
+
+    Raises:
+      ConfigError: naming --prompt or --max_new_tokens.
+    """
+    if prompt_len >= positions:
+        raise ConfigError(f"--prompt: {prompt_len} tokens, but the model has "
+                          f"{positions} positions (max_position_embeddings) for the prompt and "
+                          "at least one new token")
+    if prompt_len + max_new_tokens > positions:
+        raise ConfigError(f"--max_new_tokens={max_new_tokens}: with the {prompt_len}-token prompt "
+                          f"that is {prompt_len + max_new_tokens} tokens, more than the model's "
+                          f"{positions} positions (max_position_embeddings); at most "
+                          f"{positions - prompt_len} new tokens fit")
+
+
 def _run() -> dict:
     # Heavy imports after flag parsing, so --help is instant.
     import jax
@@ -83,9 +103,21 @@ def _run() -> dict:
         tokenizer = HFTokenizer.from_dir(_MODEL.value)
         model_config = hf_io.load_hf_config(_MODEL.value, dtype=dtype)
         check_vocab(tokenizer, model_config.vocab_size)
+    if _CHAT.value:
+        template = tokenizer.chat_template  # tokenizer_config.json's or chat_template.jinja
+        if template is None:
+            raise ConfigError(f"--chat: {_MODEL.value} has no chat_template in "
+                              "tokenizer_config.json nor a chat_template.jinja")
+        prompt_ids = encode_chat(tokenizer, template, [{"role": "user", "content": _PROMPT.value}])
+    else:
+        prompt_ids = encode_prompt(tokenizer, _PROMPT.value)
+    check_length(len(prompt_ids), _MAX_NEW_TOKENS.value, model_config.max_position_embeddings)
+    if not math.isfinite(_TEMPERATURE.value):
+        raise ConfigError(f"--temperature={_TEMPERATURE.value}: must be a finite number")
     with field(f"--layout={_LAYOUT.value}"):
         layout = make_layout(_LAYOUT.value, model=model_config)
     with field(model):
+        hf_io.check_weights(_MODEL.value)
         model_config, params = hf_io.load_hf(
             _MODEL.value, dtype=dtype,
             shardings=lambda config: layout.param_shardings(abstract_params(config)),
@@ -96,14 +128,6 @@ def _run() -> dict:
         top_p=_TOP_P.value, force_max_length=_IGNORE_EOS.value,
     )
     generate = make_generate_fn(model_config, gen_config, layout)
-    if _CHAT.value:
-        template = tokenizer.chat_template  # tokenizer_config.json's or chat_template.jinja
-        if template is None:
-            raise ConfigError(f"--chat: {_MODEL.value} has no chat_template in "
-                              "tokenizer_config.json nor a chat_template.jinja")
-        prompt_ids = encode_chat(tokenizer, template, [{"role": "user", "content": _PROMPT.value}])
-    else:
-        prompt_ids = encode_prompt(tokenizer, _PROMPT.value)
     # One row per data-parallel replica (the batch must split evenly); row 0 is reported.
     rows = layout.dp_size
     tokens_bp = np.tile(np.asarray(prompt_ids, np.int32), (rows, 1))

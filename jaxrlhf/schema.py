@@ -11,6 +11,7 @@ import contextlib
 import difflib
 import enum
 import functools
+import math
 import operator
 import re
 from collections.abc import Mapping
@@ -94,7 +95,8 @@ def optimizer(lr: float) -> ConfigDict:
 
 def base_config() -> ConfigDict:
     return ConfigDict({
-        "algorithm": "ppo",  # ppo | grpo | remax | safe_rlhf | dpo | sft | rw
+        # ppo | grpo | rloo | reinforce_pp | dapo | gspo | remax | safe_rlhf | dpo | sft | rw
+        "algorithm": "ppo",
         "seed": 0,
         "steps": 40,  # RL (or offline) training steps
         "cpu_devices": 8,  # virtual devices when running on the CPU backend
@@ -170,20 +172,38 @@ def base_config() -> ConfigDict:
             "top_p": 1.0,
             "force_max_length": False,  # ignore EOS and always generate max_new_tokens (bench)
         },
-        # Policy-gradient settings shared by ppo, grpo, remax and safe_rlhf (clipping, updates
-        # per step, β and its controller except for GRPO, GAE/critic for ppo and safe_rlhf).
+        # Policy-gradient settings shared by the RL algorithms (clipping, updates per step; β
+        # and its controller for ppo, rloo, reinforce_pp, remax and safe_rlhf; GAE/critic for
+        # ppo and safe_rlhf).
         "ppo": {
             "gamma": 1.0, "lam": 0.95, "kl_coef": 0.05, "kl_adaptive": False, "kl_target": 6.0,
             "kl_horizon": 10000.0, "kl_in_reward": True, "whiten_advantages": True,
             "clip_eps": 0.2, "value_clip": 0.2, "entropy_coef": 0.0, "mini_batches": 1,
             "epochs": 1,
+            # Mismatch correction (ppo, grpo, rloo, reinforce_pp, dapo, gspo): > 0 recomputes the
+            # response log-probs with the training engine before the update (actor_prox),
+            # weighs each token's loss by min(π_train / π_generation, tis_cap) (truncated
+            # importance sampling) and logs actor/mismatch_mean and actor/mismatch_max
+            # (|Δ log p| between generation and training) every step. 0 = off.
+            "tis_cap": 0.0,
         },
         "grpo": {
             "kl_coef": 0.04,  # β of the KL term in the loss (0 = none)
             "kl_estimator": "k3",  # k1 | k2 | k3
             "scale_by_std": True,  # False: Dr. GRPO (advantage = score - group mean)
-            "aggregation": "seq_mean_token_mean",  # or token_mean
+            # seq_mean_token_mean | token_mean | seq_mean_token_sum_norm (Dr. GRPO: each
+            # response's token sum over the constant rollout.max_new_tokens)
+            "aggregation": "seq_mean_token_mean",
         },
+        "dapo": {  # DAPO (jaxrlhf/algorithms/dapo.py); ε_low = ppo.clip_eps, no KL term
+            "clip_eps_high": 0.28,  # clip-higher: the ratio's upper bound is 1 + this
+            "overlong_buffer": 0,  # L_cache tokens before max_new_tokens; 0 = no overlong shaping
+            "overlong_penalty": 1.0,  # the shaping's largest penalty, at max_new_tokens
+            # dynamic sampling: rollout.batch_size prompts generated, batch_size / oversample
+            # groups trained, those whose rewards are not all equal first (1 = drop, no refill)
+            "oversample": 1,
+        },
+        "gspo": {"clip_eps": 3e-4, "clip_eps_high": 4e-4},  # the sequence ratio's clip range
         "safe_rlhf": {  # Lagrangian constraint E[cost] <= cost_limit
             "cost_limit": 0.0, "lambda_init": 1.0, "lambda_lr": 0.1,
             "lambda_max": 0.0,  # 0 = unbounded
@@ -252,20 +272,34 @@ _BOUNDS = (
     (">=", 1, ("steps", "cpu_devices", "rollout.batch_size", "rollout.group_size",
                "rollout.max_prompt_len", "rollout.max_new_tokens", "reward.workers",
                "ppo.mini_batches", "ppo.epochs", "micro_batches", "warm_start.batch_size",
-               "async_rl.chunk_tokens", "placement.gen_replicas")),
+               "async_rl.chunk_tokens", "placement.gen_replicas", "dapo.oversample")),
     (">=", 0, ("rollout.temperature", "rollout.top_k", "reward.max_error_rate",
                "cost.max_error_rate", "micro_batch_tokens", "warm_start.sft_steps", "reward.clip",
                "async_rl.max_staleness", "async_rl.behav_imp_weight_cap", "eval.every",
-               "eval.samples", "eval.max_prompts")),
-    (">", 0, ("rollout.top_p", "reward.timeout", "warm_start.lr", "optimizer.actor.lr",
+               "eval.samples", "eval.max_prompts", "ppo.tis_cap", "dapo.overlong_buffer",
+               "dapo.overlong_penalty")),
+    (">", 0, ("dapo.clip_eps_high", "gspo.clip_eps", "gspo.clip_eps_high", "rollout.top_p", "reward.timeout", "warm_start.lr", "optimizer.actor.lr",
               "optimizer.critic.lr")),
     ("<=", 1, ("rollout.top_p", "reward.max_error_rate", "cost.max_error_rate")),
+    (">=", 0, ("seed",)),
+    ("<", 2**32, ("seed",)),  # PRNG seeds are unsigned 32-bit
 )
-_RELATIONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
+_RELATIONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def _check_finite(config: ConfigDict, prefix: str = "") -> None:
+    """Every float of the config is a finite number (`inf` passes every `>=` bound)."""
+    for key, value in config.items():
+        if isinstance(value, ConfigDict):
+            _check_finite(value, f"{prefix}{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{key}={value}: must be a finite number")
 
 
 def check_ranges(config: ConfigDict) -> None:
-    """Every number is in its range (`_BOUNDS`); the mini-batches divide the rollout batch."""
+    """Every float is finite, every number in its range (`_BOUNDS`); the mini-batches divide
+    the rollout batch."""
+    _check_finite(config)
     for relation, bound, names in _BOUNDS:
         for name in names:
             value = functools.reduce(getattr, name.split("."), config)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import pathlib
 from collections.abc import Mapping
 
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from jaxrlhf.algorithms import decoupled, dpo, grpo, ppo, remax, rw, safe_rlhf, sft
+from jaxrlhf.algorithms import (
+    dapo, decoupled, dpo, grpo, gspo, ppo, reinforce, remax, rw, safe_rlhf, sft,
+)
 from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.reward_norm import RewardNormConfig, with_reward_norm
@@ -51,6 +54,10 @@ class NanPolicy(enum.Enum):
 class AlgorithmName(enum.Enum):
     PPO = "ppo"
     GRPO = "grpo"
+    RLOO = "rloo"
+    REINFORCE_PP = "reinforce_pp"
+    DAPO = "dapo"
+    GSPO = "gspo"
     REMAX = "remax"
     SAFE_RLHF = "safe_rlhf"
     DPO = "dpo"
@@ -251,7 +258,7 @@ def ppo_config(config: ConfigDict, cap: float | None = None) -> ppo.PPOConfig:
                                      horizon=c.kl_horizon),
         kl_in_reward=c.kl_in_reward, whiten_advantages=c.whiten_advantages,
         policy=losses.PPOLossConfig(clip_eps=c.clip_eps, entropy_coef=c.entropy_coef,
-                                    behav_imp_weight_cap=cap),
+                                    behav_imp_weight_cap=cap, tis_cap=c.tis_cap or None),
         value=losses.ValueLossConfig(clip_eps_value=c.value_clip or None),
         mini_batches=c.mini_batches, epochs=c.epochs, temperature=config.rollout.temperature)
 
@@ -267,31 +274,65 @@ def grpo_config(config: ConfigDict, cap: float | None = None) -> grpo.GRPOConfig
                scale_by_std=g.scale_by_std)
 
 
+def reinforce_config(config: ConfigDict, baseline: reinforce.Baseline
+                     ) -> reinforce.ReinforceConfig:
+    """RLOO / REINFORCE++: PPO's β, controller, estimator, clipping and updates; token mean."""
+    return _of(reinforce.ReinforceConfig, ppo_config(config), baseline=baseline,
+               group_size=config.rollout.group_size)
+
+
+def dapo_config(config: ConfigDict) -> dapo.DAPOConfig:
+    """DAPO: ε_low, updates and temperature from `ppo`; the rest from `dapo`."""
+    d, p = config.dapo, ppo_config(config)
+    r = config.rollout
+    if r.batch_size % d.oversample:
+        raise ConfigError(f"dapo.oversample={d.oversample} does not divide rollout.batch_size="
+                          f"{r.batch_size} (the prompts generated per step)")
+    trained = r.batch_size // d.oversample * r.group_size
+    if trained % p.mini_batches:
+        raise ConfigError(f"ppo.mini_batches={p.mini_batches} does not divide the {trained} "
+                          f"rows DAPO trains per step")
+    policy = dataclasses.replace(p.policy, clip_eps_high=d.clip_eps_high,
+                                 aggregation=losses.LossAggregation.TOKEN_MEAN)
+    return _of(dapo.DAPOConfig, d, group_size=r.group_size, policy=policy,
+               mini_batches=p.mini_batches, epochs=p.epochs, temperature=p.temperature)
+
+
 def safe_rlhf_config(config: ConfigDict) -> safe_rlhf.SafeRLHFConfig:
     s = config.safe_rlhf
     lagrange = _of(losses.LagrangeConfig, s, lambda_max=s.lambda_max or None)
     return safe_rlhf.SafeRLHFConfig(ppo=ppo_config(config), lagrange=lagrange)
 
 
+# The algorithms whose actor loss takes π_prox: the decoupled objective and the mismatch
+# correction (ppo.tis_cap) apply to them.
+_DECOUPLABLE = (AlgorithmName.PPO, AlgorithmName.GRPO, AlgorithmName.RLOO,
+                AlgorithmName.REINFORCE_PP, AlgorithmName.DAPO, AlgorithmName.GSPO)
+
+
 def make_algorithm(config: ConfigDict, decoupled_objective: bool = False) -> Algorithm:
     """The configured algorithm; PPO or GRPO with AReaL's decoupled objective when asked
-    (async_rl.decoupled), the only ones asynchronous RL runs."""
+    (async_rl.decoupled), the only ones asynchronous RL runs; with the mismatch correction
+    (`ppo.tis_cap` > 0) where its actor loss takes π_prox."""
     name = enum_value(AlgorithmName, config.algorithm, "algorithm")
     a = config.async_rl
     if a.max_staleness and name not in (AlgorithmName.PPO, AlgorithmName.GRPO):
         raise ConfigError(f"async_rl.max_staleness={a.max_staleness}: asynchronous RL runs ppo "
                           f"and grpo, not {name.value}")
-    cap = (a.behav_imp_weight_cap or None) if decoupled_objective else None
+    tis = config.ppo.tis_cap > 0
+    if tis and name not in _DECOUPLABLE:
+        raise ConfigError(f"ppo.tis_cap={config.ppo.tis_cap}: the mismatch correction runs "
+                          f"{', '.join(n.value for n in _DECOUPLABLE)}, not {name.value}")
+    if name in _DECOUPLABLE:
+        cap = (a.behav_imp_weight_cap or None) if decoupled_objective else None
+        algorithm, actor_loss = _decouplable(name, config, cap)
+        if decoupled_objective or tis:
+            return decoupled.decouple(algorithm, actor_loss, prox_call=tis)
+        return algorithm
     model = lambda key: enum_value(_REWARD_KINDS, config[key].kind, f"{key}.kind")
     reward_model = model("reward")
     batch = config.rollout.batch_size * config.rollout.group_size
     match name:
-        case AlgorithmName.PPO:
-            make = decoupled.decoupled_ppo if decoupled_objective else ppo.make
-            return make(ppo_config(config, cap), reward_model=reward_model, batch_size=batch)
-        case AlgorithmName.GRPO:
-            make = decoupled.decoupled_grpo if decoupled_objective else grpo.make
-            return make(grpo_config(config, cap), reward_model=reward_model)
         case AlgorithmName.REMAX:  # PPO's settings, those of them ReMax has
             return remax.make(_of(remax.ReMaxConfig, ppo_config(config)),
                               reward_model=reward_model, batch_size=batch)
@@ -304,6 +345,36 @@ def make_algorithm(config: ConfigDict, decoupled_objective: bool = False) -> Alg
             return sft.make()
         case AlgorithmName.RW:
             return rw.make()
+
+
+def _decouplable(name: AlgorithmName, config: ConfigDict, cap: float | None):
+    """(the algorithm, its actor loss of π_prox) of a name in `_DECOUPLABLE`; `cap`: the
+    decoupled objective's behav_imp_weight_cap."""
+    reward_model = enum_value(_REWARD_KINDS, config.reward.kind, "reward.kind")
+    batch = config.rollout.batch_size * config.rollout.group_size
+    match name:
+        case AlgorithmName.PPO:
+            cfg = ppo_config(config, cap)
+            return (ppo.make(cfg, reward_model=reward_model, batch_size=batch),
+                    functools.partial(ppo.actor_loss, cfg))
+        case AlgorithmName.GRPO:
+            cfg = grpo_config(config, cap)
+            return grpo.make(cfg, reward_model=reward_model), functools.partial(grpo.actor_loss, cfg)
+        case AlgorithmName.RLOO | AlgorithmName.REINFORCE_PP:
+            cfg = reinforce_config(config, reinforce.Baseline(name.value))
+            return (reinforce.make(cfg, reward_model=reward_model, batch_size=batch),
+                    functools.partial(reinforce.actor_loss, cfg))
+        case AlgorithmName.GSPO:
+            with field("gspo"):
+                cfg = _of(gspo.GSPOConfig, config.gspo, grpo=grpo_config(config),
+                          tis_cap=config.ppo.tis_cap or None)
+            return (gspo.make(cfg, reward_model=reward_model),
+                    functools.partial(gspo.actor_loss, cfg))
+        case AlgorithmName.DAPO:
+            cfg = dapo_config(config)
+            extra = (decoupled.PROX_KEY,) if config.ppo.tis_cap > 0 else ()
+            return (dapo.make(cfg, reward_model=reward_model, extra_keys=extra),
+                    functools.partial(dapo.actor_loss, cfg))
 
 
 def _of(cls, section, **typed):
@@ -338,7 +409,21 @@ def _models(config: ConfigDict, graph: DataflowGraph) -> tuple[dict[Role, ModelS
         models[Role.REF] = ModelSpec(base.config.replace(
             dtype=ref.dtype, param_dtype=ref.param_dtype, scan_layers=ref.scan_layers,
             remat=ref.remat, attention=ref.attention))
+    _check_positions(config.rollout, models, base)
     return models, base
+
+
+def _check_positions(rollout: ConfigDict, models: dict[Role, ModelSpec], base: ModelSpec) -> None:
+    """A step's sequences (prompt and new tokens) fit every model's positions: past them RoPE
+    extrapolates silently, and a very long response would ask for a KV cache of terabytes."""
+    length = rollout.max_prompt_len + rollout.max_new_tokens
+    for role, model in {Role.ACTOR: base, **models}.items():
+        limit = model.config.max_position_embeddings
+        if length > limit:
+            raise ConfigError(
+                f"rollout.max_new_tokens={rollout.max_new_tokens}: with rollout.max_prompt_len="
+                f"{rollout.max_prompt_len} a sequence has {length} tokens, more than the "
+                f"{limit} positions of models.{role.value} (max_position_embeddings)")
 
 
 def run_spec(config: ConfigDict) -> RunSpec:

@@ -10,6 +10,7 @@ A config that cannot work (unknown key, bad strategy, missing file, ...) is repo
 
 import json
 import os
+import pathlib
 import sys
 import tempfile
 import traceback
@@ -19,6 +20,7 @@ from ml_collections import config_flags
 
 from jaxrlhf import cli, distributed
 from jaxrlhf.backend import use_cpu_devices
+from jaxrlhf.run import lock
 from jaxrlhf.schema import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
@@ -48,6 +50,15 @@ def _config_error(message, dist: distributed.DistributedConfig | None = None) ->
     cli.bad_input(message)
 
 
+def _stopped(error: Exception, dist: distributed.DistributedConfig) -> None:
+    """`stopped: ...` (one or two lines: the reason, what was saved) on stderr, exit 1."""
+    message = "\n".join(" ".join(line.split()) for line in str(error).splitlines())
+    if dist.multi_process:
+        distributed.abort(f"stopped: {message}", 1)
+    print(f"stopped: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 def main(argv):
     del argv
     try:
@@ -73,18 +84,29 @@ def main(argv):
         # tqdm is imported: it reads TQDM_DISABLE then.
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
         os.environ["TQDM_DISABLE"] = "1"
+    workdir = _WORKDIR.value or config.workdir or tempfile.mkdtemp(prefix="jaxrlhf-")
+    if distributed.is_main_process():  # a busy workdir is refused before the heavy imports
+        try:
+            pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+            lock.hold(pathlib.Path(workdir))
+        except OSError as e:
+            _config_error(f"workdir: {e}", dist)
+        except ConfigError as e:
+            _config_error(e, dist)
     # Imported only now: JAX must not start a backend before the device flags and
     # jax.distributed are set.
     from jaxrlhf.checkpoint import CheckpointError
+    from jaxrlhf.run.loop import STOPS
     from jaxrlhf.run import rl
     from jaxrlhf.run.check import check_config
 
-    workdir = _WORKDIR.value or config.workdir or tempfile.mkdtemp(prefix="jaxrlhf-")
     try:
         job = check_config(config, workdir)
         summary = rl.run(job)
     except (ConfigError, CheckpointError) as e:  # no checkpoint restores: one line as well
         _config_error(e, dist)
+    except STOPS as e:  # a stop for a reason: what and what was saved, no traceback
+        _stopped(e, dist)
     except Exception as e:  # noqa: BLE001 - see below
         if not dist.multi_process:
             raise

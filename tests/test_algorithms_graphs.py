@@ -15,6 +15,9 @@ from jaxrlhf.algorithms import losses
 from jaxrlhf.data import costs, encode, sources
 from jaxrlhf.data.datasets import PreferenceRow
 from jaxrlhf.data.tokenizer import load_tokenizer
+from jaxrlhf.algorithms.spec import policy_readout
+from jaxrlhf.engine import inference
+from jaxrlhf.engine.inference import InferenceBatch, InferenceConfig, InferenceKind, InferenceOutput
 from jaxrlhf.engine.microbatch import split
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.sizes import get_size
@@ -111,6 +114,13 @@ def np_log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def readout_of(logits_btv, batch, cfg=InferenceConfig(InferenceKind.LOGPROBS)):
+    """The train step's readout of `logits_btv` on the batch's rows (what a loss reads)."""
+    inputs = InferenceBatch(*(jnp.asarray(batch[k]) for k in
+                              ("tokens_bt", "positions_bt", "segment_ids_bt")))
+    return inference.readout(cfg, jnp.asarray(logits_btv), inputs)
+
+
 def np_response_logp(logits_btv, tokens_bt, n):
     logp_btv = np_log_softmax(logits_btv.astype(np.float64))[:, -n - 1:-1]
     return np.take_along_axis(logp_btv, tokens_bt[:, -n:, None], axis=-1)[..., 0]
@@ -187,7 +197,8 @@ def test_grpo_loss_vs_numpy():
     logp_bn = np_response_logp(logits_btv, buf["seq_tokens_bs"], n)
     buf["behav_logp_bn"] = (logp_bn + rng.normal(scale=0.3, size=(b, n))).astype(np.float32)
     batch, _ = jax.jit(lambda bf: grpo._train_batch(bf, {}, cfg))(buf)
-    loss_sum, weight, _ = jax.jit(grpo.actor_loss(cfg))(logits_btv, batch)
+    out = readout_of(logits_btv, batch, policy_readout(cfg.temperature))
+    loss_sum, weight, _ = jax.jit(grpo.actor_loss(cfg))(out, batch)
 
     adv_bn = np.asarray(batch["advantages_bn"], np.float64)
     ratio = np.exp(logp_bn - buf["behav_logp_bn"])
@@ -272,7 +283,7 @@ def test_dpo_loss_vs_numpy():
     logits = rng.normal(size=(2 * pairs_n, p + n, v)).astype(np.float32)
     cfg = dpo.DPOConfig(losses.DPOLossConfig(beta=0.5))
     batch, _ = dpo._train_batch(buf, {})
-    loss_sum, weight, stats = jax.jit(dpo.actor_loss(cfg))(logits, batch)
+    loss_sum, weight, stats = jax.jit(dpo.actor_loss(cfg))(readout_of(logits, batch), batch)
 
     seq = (np_response_logp(logits, tokens, n) * mask_bn).sum(1)
     ref_seq = (buf["ref_logp_bn"] * mask_bn).sum(1)
@@ -288,7 +299,8 @@ def test_reward_model_loss_reads_the_last_token():
     values = rng.normal(size=(4, 7)).astype(np.float32)
     segment_ids = np.array([[0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1],
                             [0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0, 0]], np.int32)
-    loss_sum, weight, stats = jax.jit(rw.reward_loss)(values, {"segment_ids_bt": segment_ids})
+    loss_sum, weight, stats = jax.jit(rw.reward_loss)(InferenceOutput(values_bt=values),
+                                                      {"segment_ids_bt": segment_ids})
     last = values[[0, 1, 2, 3], [4, 6, 5, 3]].astype(np.float64)
     margin = last[:2] - last[2:]
     assert float(weight) == 2

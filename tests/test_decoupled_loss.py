@@ -15,6 +15,8 @@ import pytest
 
 from jaxrlhf import algorithms as alg
 from jaxrlhf.algorithms import decoupled, ppo
+from jaxrlhf.algorithms.spec import TrainSpec, policy_readout
+from jaxrlhf.engine.inference import InferenceBatch, readout
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.schema import base_config
 from jaxrlhf.spec import ConfigError, run_spec
@@ -118,7 +120,9 @@ def _decoupled_actor_batch(seed):
     rng = np.random.default_rng(seed + 100)
     logits = rng.standard_normal((b, n + 1, vocab)).astype(np.float32)
     tokens = rng.integers(0, vocab, (b, n + 1)).astype(np.int32)
-    batch = {"tokens_bt": jnp.asarray(tokens), "mask_bn": jnp.asarray(mask),
+    batch = {"tokens_bt": jnp.asarray(tokens), "segment_ids_bt": jnp.ones((b, n + 1), jnp.int32),
+             "positions_bt": jnp.broadcast_to(jnp.arange(n + 1), (b, n + 1)),
+             "mask_bn": jnp.asarray(mask),
              "old_logp_bn": jnp.asarray(behav), "advantages_bn": jnp.asarray(adv),
              "ref_logp_bn": jnp.asarray(ref), decoupled.PROX_KEY: jnp.asarray(prox),
              "kl_coef": jnp.full((b,), 0.1, jnp.float32)}
@@ -131,11 +135,21 @@ def _decoupled_actor_batch(seed):
     return jnp.asarray(logits), batch, lp, behav, prox, ref, adv, mask
 
 
+POLICY = policy_readout(1.0)
+
+
+def _loss_of_logits(train, logits, batch):
+    """A train spec's loss of the logits of `batch`, read as its train step reads them."""
+    inputs = InferenceBatch(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
+    return train.loss_fn(readout(train.readout or POLICY, logits, inputs), batch)
+
+
 @pytest.mark.parametrize("kl_in_reward", [True, False])
 def test_decoupled_ppo_actor_loss_matches_loop(kl_in_reward):
     logits, batch, lp, behav, prox, ref, adv, mask = _decoupled_actor_batch(24)
     cfg = ppo.PPOConfig(policy=alg.PPOLossConfig(clip_eps=0.2), kl_in_reward=kl_in_reward)
-    loss_sum, weight, _ = ppo.actor_loss(cfg, decoupled.batch_proximal)(logits, batch)
+    train = TrainSpec(None, ppo.actor_loss(cfg, decoupled.batch_proximal))
+    loss_sum, weight, _ = _loss_of_logits(train, logits, batch)
     want = 0.0
     for i, length in enumerate(LENGTHS):
         for t in range(length):
@@ -183,12 +197,14 @@ def test_own_proximal_is_the_proximal_call_at_one_update(algorithm):
     decoupled loss of the one-update spec against the loss fed the forward's own log-probs."""
     logits, batch, lp, *_ = _decoupled_actor_batch(31)
     batch = {**batch, decoupled.PROX_KEY: jnp.asarray(lp, jnp.float32)}
-    own = _spec(algorithm, 2).algorithm.train[Role.ACTOR].loss_fn
-    fed = _spec(algorithm, 2, mini_batches=2).algorithm.train[Role.ACTOR].loss_fn
+    own = _spec(algorithm, 2).algorithm.train[Role.ACTOR]
+    fed = _spec(algorithm, 2, mini_batches=2).algorithm.train[Role.ACTOR]
     (own_loss, (_, own_stats)), own_grad = jax.value_and_grad(
-        lambda x: (lambda out: (out[0], out[1:]))(own(x, batch)), has_aux=True)(logits)
+        lambda x: (lambda out: (out[0], out[1:]))(_loss_of_logits(own, x, batch)),
+        has_aux=True)(logits)
     (fed_loss, _), fed_grad = jax.value_and_grad(
-        lambda x: (lambda out: (out[0], out[1:]))(fed(x, batch)), has_aux=True)(logits)
+        lambda x: (lambda out: (out[0], out[1:]))(_loss_of_logits(fed, x, batch)),
+        has_aux=True)(logits)
     np.testing.assert_allclose(float(own_loss), float(fed_loss), rtol=1e-6)
     np.testing.assert_allclose(own_grad, fed_grad, rtol=1e-5, atol=1e-7)
     assert np.count_nonzero(np.asarray(own_grad)) > 0
@@ -209,7 +225,8 @@ def test_async_rejects_other_algorithms():
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_greedy_rollouts_train_at_temperature_one(algorithm):
     """rollout.temperature=0 is greedy generation, whose log-probs the engine records at
-    temperature 1; the actor loss reads the policy the same way (it divided logits by 0)."""
+    temperature 1; the actor's train step reads the policy the same way (it divided logits
+    by 0)."""
     logits, batch, *_ = _decoupled_actor_batch(5)
     loss = {}
     for temperature in (0.0, 1.0):
@@ -217,6 +234,6 @@ def test_greedy_rollouts_train_at_temperature_one(algorithm):
         config.algorithm, config.rollout.temperature = algorithm, temperature
         if algorithm == "grpo":
             config.rollout.update(batch_size=8, group_size=4)
-        loss_fn = run_spec(config).algorithm.train[Role.ACTOR].loss_fn
-        loss[temperature] = float(loss_fn(logits, batch)[0])
+        train = run_spec(config).algorithm.train[Role.ACTOR]
+        loss[temperature] = float(_loss_of_logits(train, logits, batch)[0])
     assert np.isfinite(loss[0.0]) and loss[0.0] == loss[1.0]

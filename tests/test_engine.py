@@ -146,8 +146,8 @@ def test_a_group_is_prefilled_once():
     engine.fill(engine.empty(), params, 0, np.arange(16), tokens, mask,
                 [jax.random.key(0)] * 16, np.arange(16))
     fills = [key for key in engine.compile_cache._executables if key[1] == "fill"]
-    # (P, fill, slots, capacity, distinct prompts, rows, distinct keys)
-    assert fills == [(P, "fill", 16, 8, 4, 16, 1)]
+    # (P, fill, built here, slots, capacity, distinct prompts, rows, distinct keys)
+    assert fills == [(P, "fill", False, 16, 8, 4, 16, 1)]
 
 
 

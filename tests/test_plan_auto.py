@@ -55,7 +55,7 @@ def test_auto_placement_runs_the_searched_plan(tmp_path):
         runner.close()
     assert runtime_plan(runner, ROWS) == searched
     # The plan prints as text that a manual placement runs as the same plan.
-    config.placement.update(kind="manual", allocation=format_allocation(searched))
+    config.placement.update(kind="manual", allocation=format_allocation(searched), cluster="")
     assert check_config(config, str(tmp_path)).plan.plan == searched
 
 

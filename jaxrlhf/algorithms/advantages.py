@@ -199,6 +199,26 @@ def group_normalized_advantages(
     return centred_gk.reshape(batch)
 
 
+def leave_one_out_advantages(returns_b: jax.Array, group_size: int) -> jax.Array:
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024): each return minus the mean of the OTHER
+    returns to the same prompt, A_i = R_i − Σ_{j≠i} R_j / (G − 1), an unbiased baseline.
+
+    Args:
+      returns_b: [batch] sequence returns; rows [g*G, (g+1)*G) answer prompt g.
+      group_size: G >= 2 (static); must divide batch.
+
+    Returns:
+      [batch] float32 advantages; G/(G−1) times the return minus the group mean.
+    """
+    chex.assert_rank(returns_b, 1)
+    batch = returns_b.shape[0]
+    if group_size < 2 or batch % group_size:
+        raise ValueError(f"group_size={group_size} must be >= 2 and divide batch={batch}")
+    returns_gk = returns_b.astype(jnp.float32).reshape(batch // group_size, group_size)
+    others_gk = (jnp.sum(returns_gk, axis=1, keepdims=True) - returns_gk) / (group_size - 1)
+    return (returns_gk - others_gk).reshape(batch)
+
+
 def broadcast_to_tokens(values_b: jax.Array, mask_bn: jax.Array) -> jax.Array:
     """Give every valid token of a sequence its sequence-level value (e.g. GRPO advantage).
 

@@ -55,9 +55,9 @@ def _train_batch(buf, controller):
 
 
 def actor_loss(cfg: DPOConfig):
-    def loss_fn(logits_btv, batch):
+    def loss_fn(out, batch):
         mask_bn = batch["mask_bn"]
-        logp_bn = response_logprobs(logits_btv, batch["tokens_bt"], mask_bn.shape[1], 1.0)
+        logp_bn = response_logprobs(out, mask_bn.shape[1])
         chosen_b, rejected_b = split_pairs(sequence_logprobs(logp_bn, mask_bn))
         ref_chosen_b, ref_rejected_b = split_pairs(sequence_logprobs(batch["ref_logp_bn"],
                                                                      mask_bn))

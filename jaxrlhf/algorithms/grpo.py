@@ -22,7 +22,7 @@ from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
 from jaxrlhf.algorithms.spec import (
-    Algorithm, Proximal, TrainSpec, model_inputs, response_policy,
+    Algorithm, Proximal, TrainSpec, model_inputs, policy_readout, response_policy,
 )
 from jaxrlhf.mfc import MFC, Call, Role
 
@@ -106,8 +106,8 @@ def actor_loss(cfg: GRPOConfig, proximal: Proximal | None = None):
     """Surrogate + β·KL to the reference; with `proximal` (log π_prox from the step's log π_θ
     and batch), the surrogate is AReaL's decoupled one (`decoupled.py`)."""
 
-    def loss_fn(logits_btv, batch):
-        logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.temperature)
+    def loss_fn(out, batch):
+        logp_bn, entropy_bn = response_policy(out, batch)
         return losses.grpo_loss(logp_bn, batch["old_logp_bn"], batch["ref_logp_bn"],
                                 batch["advantages_bn"], batch["mask_bn"], cfg.loss,
                                 proximal_logp_bn=proximal(logp_bn, batch) if proximal else None,
@@ -121,6 +121,7 @@ def make(cfg: GRPOConfig, *, reward_model: bool) -> Algorithm:
     return Algorithm(
         name="grpo",
         mfcs=mfcs(reward_model),
-        train={Role.ACTOR: TrainSpec(prepare, actor_loss(cfg), cfg.mini_batches, cfg.epochs)},
+        train={Role.ACTOR: TrainSpec(prepare, actor_loss(cfg), cfg.mini_batches, cfg.epochs,
+                                     policy_readout(cfg.temperature))},
         temperature=cfg.temperature,
     )

@@ -30,6 +30,10 @@ class LossAggregation(enum.Enum):
 
     TOKEN_MEAN = "token_mean"  # Σ_bt l·m / Σ_bt m: every token weighs the same (PPO, DAPO)
     SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"  # mean over sequences of per-sequence means (GRPO)
+    # Dr. GRPO (Liu et al. 2025): each sequence's token SUM over a constant, the response
+    # budget n (mask width), then the mean over sequences: no length normalisation, so a long
+    # wrong answer is not penalised less per token than a short one.
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"
 
 
 def aggregate(
@@ -60,6 +64,9 @@ def aggregate(
             # a worker thread until the slowest device gets there; XLA only combines
             # all-reduces of one element type).
             return jnp.sum(seq_mean_b), jnp.sum((count_b > 0).astype(jnp.float32))
+        case LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM:
+            seq_sum_b = jnp.sum(masked_bn, axis=-1) / per_token_bn.shape[-1]
+            return jnp.sum(seq_sum_b), jnp.sum((count_b > 0).astype(jnp.float32))
         case _:
             raise ValueError(f"unknown aggregation {aggregation}")
 
@@ -96,6 +103,9 @@ class PPOLossConfig:
         −c·A, so a huge ratio on a bad token cannot dominate. None disables it.
       behav_imp_weight_cap: decoupled PPO only: tokens whose π_prox/π_behav exceeds this are
         dropped from the loss (kept in the weight), as in AReaL. None keeps all.
+      tis_cap: decoupled PPO only: truncated importance sampling (Yao et al. 2025) of the
+        generation/training mismatch: π_prox/π_behav is truncated at this (min(w, C)) rather
+        than its tokens dropped. None leaves the weight as it is.
       entropy_coef: weight of the entropy bonus (loss −= coef·H) when entropies are given.
       aggregation: token-level or sequence-level mean.
     """
@@ -104,6 +114,7 @@ class PPOLossConfig:
     clip_eps_high: float | None = None
     dual_clip: float | None = None
     behav_imp_weight_cap: float | None = None
+    tis_cap: float | None = None
     entropy_coef: float = 0.0
     aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
 
@@ -112,6 +123,8 @@ class PPOLossConfig:
             raise ValueError(f"dual_clip={self.dual_clip} must be > 1")
         if self.clip_eps <= 0 or (self.clip_eps_high is not None and self.clip_eps_high <= 0):
             raise ValueError(f"clip epsilons must be > 0: {self}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap={self.tis_cap} must be > 0")
 
 
 def _clipped_surrogate_bn(
@@ -165,6 +178,8 @@ def _policy_loss_bn(
         if config.behav_imp_weight_cap is not None:
             kept_bn = behav_weight_bn <= config.behav_imp_weight_cap
         behav_weight_bn = jnp.where(kept_bn, behav_weight_bn, 0.0)
+        if config.tis_cap is not None:
+            behav_weight_bn = jnp.minimum(behav_weight_bn, config.tis_cap)
         loss_bn = loss_bn * behav_weight_bn
         stats_bn |= {
             "behav_imp_weight": behav_weight_bn,

@@ -21,7 +21,8 @@ from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.spec import (
-    Algorithm, Proximal, TrainSpec, model_inputs, response_policy, response_values,
+    Algorithm, Proximal, TrainSpec, model_inputs, policy_readout, response_policy,
+    response_values,
 )
 from jaxrlhf.mfc import MFC, Call, Role
 
@@ -114,8 +115,8 @@ def actor_loss(cfg: PPOConfig, proximal: Proximal | None = None):
     """The clipped surrogate (plus β·KL when it is not in the reward); with `proximal` (log
     π_prox from the step's log π_θ and batch), AReaL's decoupled objective (`decoupled.py`)."""
 
-    def loss_fn(logits_btv, batch):
-        logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.temperature)
+    def loss_fn(out, batch):
+        logp_bn, entropy_bn = response_policy(out, batch)
         loss_sum, weight, stats = losses.ppo_policy_loss(
             logp_bn, batch["old_logp_bn"], batch["advantages_bn"], batch["mask_bn"], cfg.policy,
             proximal_logp_bn=proximal(logp_bn, batch) if proximal else None, entropy_bn=entropy_bn,
@@ -131,9 +132,9 @@ def actor_loss(cfg: PPOConfig, proximal: Proximal | None = None):
 
 
 def critic_loss(cfg: PPOConfig):
-    def loss_fn(values_bt, batch):
+    def loss_fn(out, batch):
         n = batch["mask_bn"].shape[1]
-        return losses.value_loss(response_values(values_bt, n), batch["old_values_bn"],
+        return losses.value_loss(response_values(out.values_bt, n), batch["old_values_bn"],
                                  batch["returns_bn"], batch["mask_bn"], cfg.value)
 
     return loss_fn
@@ -150,7 +151,8 @@ def make(cfg: PPOConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
         name="ppo",
         mfcs=mfcs(reward_model),
         train={
-            Role.ACTOR: TrainSpec(prepare, actor_loss(cfg), cfg.mini_batches, cfg.epochs),
+            Role.ACTOR: TrainSpec(prepare, actor_loss(cfg), cfg.mini_batches, cfg.epochs,
+                                  policy_readout(cfg.temperature)),
             Role.CRITIC: TrainSpec(prepare, critic_loss(cfg), cfg.mini_batches, cfg.epochs),
         },
         controller_init={"kl_coef": cfg.kl.init_kl_coef},

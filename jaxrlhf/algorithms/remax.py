@@ -22,7 +22,9 @@ from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
-from jaxrlhf.algorithms.spec import Algorithm, TrainSpec, model_inputs, response_policy
+from jaxrlhf.algorithms.spec import (
+    Algorithm, TrainSpec, model_inputs, policy_readout, response_policy,
+)
 from jaxrlhf.mfc import MFC, Call, Role
 
 # The greedy decode's keys, in the order of GEN_KEYS / SEQ_KEYS.
@@ -106,8 +108,8 @@ def _train_batch(buf, controller, cfg: ReMaxConfig):
 
 
 def actor_loss(cfg: ReMaxConfig):
-    def loss_fn(logits_btv, batch):
-        logp_bn, entropy_bn = response_policy(logits_btv, batch, cfg.temperature)
+    def loss_fn(out, batch):
+        logp_bn, entropy_bn = response_policy(out, batch)
         return losses.ppo_policy_loss(logp_bn, batch["old_logp_bn"], batch["advantages_bn"],
                                       batch["mask_bn"], cfg.policy, entropy_bn=entropy_bn)
 
@@ -124,7 +126,8 @@ def make(cfg: ReMaxConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
     return Algorithm(
         name="remax",
         mfcs=mfcs(reward_model),
-        train={Role.ACTOR: TrainSpec(prepare, actor_loss(cfg), cfg.mini_batches, cfg.epochs)},
+        train={Role.ACTOR: TrainSpec(prepare, actor_loss(cfg), cfg.mini_batches, cfg.epochs,
+                                     policy_readout(cfg.temperature))},
         controller_init={"kl_coef": cfg.kl.init_kl_coef},
         controller_update=lambda c, s: update_controller(c, s, cfg, batch_size),
         temperature=cfg.temperature,

@@ -20,7 +20,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxrlhf.algorithms.spec import Algorithm, TrainSpec
+from jaxrlhf.algorithms.spec import Algorithm
 from jaxrlhf.mfc import Role
 
 # Controller keys (and, from the actor's prepare, metric names) of the running statistics.
@@ -80,8 +80,8 @@ def with_reward_norm(algorithm: Algorithm, cfg: RewardNormConfig) -> Algorithm:
         return algorithm
     if algorithm.offline:
         raise ValueError(f"reward normalisation needs an RL algorithm, not {algorithm.name}")
-    train = {role: TrainSpec(_prepare(spec.prepare, cfg, report=role is Role.ACTOR),
-                             spec.loss_fn, spec.mini_batches, spec.epochs)
+    train = {role: dataclasses.replace(
+                 spec, prepare=_prepare(spec.prepare, cfg, report=role is Role.ACTOR))
              for role, spec in algorithm.train.items()}
     inner = algorithm.controller_update
 

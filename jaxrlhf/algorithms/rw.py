@@ -30,8 +30,8 @@ def _train_batch(buf, controller):
     return model_inputs(buf["seq_tokens_bs"], buf["seq_mask_bs"]), {}
 
 
-def reward_loss(values_bt, batch):
-    chosen_b, rejected_b = split_pairs(last_token_scores(values_bt, batch["segment_ids_bt"]))
+def reward_loss(out, batch):
+    chosen_b, rejected_b = split_pairs(last_token_scores(out.values_bt, batch["segment_ids_bt"]))
     return losses.reward_model_loss(chosen_b, rejected_b)
 
 

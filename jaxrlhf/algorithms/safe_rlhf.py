@@ -26,7 +26,7 @@ from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses, ppo
 from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
-from jaxrlhf.algorithms.spec import Algorithm, TrainSpec, model_inputs
+from jaxrlhf.algorithms.spec import Algorithm, TrainSpec, model_inputs, policy_readout
 from jaxrlhf.mfc import MFC, Call, Role
 
 # What every trainer of the step reads.
@@ -142,13 +142,13 @@ def update_controller(controller, stats, cfg: SafeRLHFConfig, batch_size: int) -
 def make(cfg: SafeRLHFConfig, *, reward_model: bool, cost_model: bool,
          batch_size: int) -> Algorithm:
     p = cfg.ppo
-    spec = lambda prepare, loss: TrainSpec(lambda buf, c: prepare(buf, c, cfg), loss,
-                                           p.mini_batches, p.epochs)
+    spec = lambda prepare, loss, readout=None: TrainSpec(
+        lambda buf, c: prepare(buf, c, cfg), loss, p.mini_batches, p.epochs, readout)
     return Algorithm(
         name="safe_rlhf",
         mfcs=mfcs(reward_model, cost_model),
         train={
-            Role.ACTOR: spec(_actor_batch, ppo.actor_loss(p)),
+            Role.ACTOR: spec(_actor_batch, ppo.actor_loss(p), policy_readout(p.temperature)),
             Role.CRITIC: spec(_critic_batch, ppo.critic_loss(p)),
             Role.COST_CRITIC: spec(_cost_critic_batch, ppo.critic_loss(p)),
         },

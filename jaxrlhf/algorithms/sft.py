@@ -23,9 +23,8 @@ def _prepare(buf, controller):
     return batch, {}
 
 
-def _loss(logits_btv, batch):
-    n = batch["mask_bn"].shape[1]
-    logp_bn = response_logprobs(logits_btv, batch["tokens_bt"], n, 1.0)
+def _loss(out, batch):
+    logp_bn = response_logprobs(out, batch["mask_bn"].shape[1])
     return losses.sft_loss(logp_bn, batch["mask_bn"])
 
 

@@ -16,11 +16,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.algorithms.logprob import entropy_from_logits, logprobs_from_logits
+from jaxrlhf.engine.inference import InferenceConfig, InferenceKind, InferenceOutput
 from jaxrlhf.mfc import MFC, Role
 
 Batch = dict[str, jax.Array]
-LossFn = Callable[[jax.Array, Batch], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+# (the model's per-token readout of the batch, batch) -> (loss_sum, weight, stats); see
+# jaxrlhf.engine.train_step.
+LossFn = Callable[[InferenceOutput, Batch], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
 # (log π_θ [b, n] of this step's forward pass, batch) -> log π_prox [b, n] (decoupled PPO).
 Proximal = Callable[[jax.Array, Batch], jax.Array]
 # prepare(buffer arrays, controller state) -> (train batch, stats of the batch)
@@ -37,12 +39,15 @@ class TrainSpec:
       loss_fn: the train_step loss.
       mini_batches: optimizer updates per epoch, each on an equal slice of the batch.
       epochs: passes over the batch.
+      readout: what `loss_fn` reads of the model (None: the train step's default, log-probs
+        at temperature 1 of an LM head, values of a scalar head).
     """
 
     prepare: PrepareFn
     loss_fn: LossFn
     mini_batches: int = 1
     epochs: int = 1
+    readout: InferenceConfig | None = None
 
 
 class BatchKind(enum.Enum):
@@ -113,23 +118,24 @@ def model_inputs(tokens_bt: jax.Array, mask_bt: jax.Array) -> Batch:
             "segment_ids_bt": mask_bt}
 
 
-def response_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array, num_response: int,
-                      temperature: float) -> jax.Array:
-    """[b, n] log-probs of the last `num_response` tokens, each predicted by the position before.
-
-    Temperature 0 (greedy generation) reads as 1: the engine records greedy samples' log-probs
-    at temperature 1 (`engine/sampling.py`), and the loss must see the same distribution.
-    """
-    logits_bnv = logits_btv[:, -num_response - 1:-1]
-    return logprobs_from_logits(logits_bnv, tokens_bt[:, -num_response:], temperature or 1.0)
+def policy_readout(temperature: float) -> InferenceConfig:
+    """A policy loss's readout: log-probs and entropies of the sampling distribution
+    (temperature 0, greedy, reads as 1: the engine records greedy samples' log-probs at
+    temperature 1, `engine/sampling.py`, and the loss must see the same distribution)."""
+    return InferenceConfig(InferenceKind.LOGPROBS, temperature=temperature or 1.0,
+                           with_entropy=True)
 
 
-def response_policy(logits_btv: jax.Array, batch: Batch, temperature: float):
-    """([b, n] log-probs, [b, n] entropies) of the response tokens; n = batch["mask_bn"] width
-    (temperature 0, greedy, reads as 1 as in `response_logprobs`)."""
+def response_logprobs(out: InferenceOutput, num_response: int) -> jax.Array:
+    """[b, n] log-probs of the last `num_response` tokens of every row."""
+    return out.logprobs_bt[:, -num_response:]
+
+
+def response_policy(out: InferenceOutput, batch: Batch):
+    """([b, n] log-probs, [b, n] entropies of the distributions that drew them) of the response
+    tokens; n = batch["mask_bn"] width."""
     n = batch["mask_bn"].shape[1]
-    logp_bn = response_logprobs(logits_btv, batch["tokens_bt"], n, temperature)
-    return logp_bn, entropy_from_logits(logits_btv[:, -n - 1:-1], temperature or 1.0)
+    return out.logprobs_bt[:, -n:], out.entropy_bt[:, -n:]
 
 
 def response_values(values_bt: jax.Array, num_response: int) -> jax.Array:

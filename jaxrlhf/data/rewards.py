@@ -15,10 +15,12 @@ caller collects with `.result()` after dispatching device work.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import importlib
 import importlib.util
+import inspect
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -27,6 +29,7 @@ import pathlib
 import signal
 import threading
 import time
+import traceback
 from typing import Callable, Sequence
 
 import numpy as np
@@ -66,8 +69,19 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "zero": zero
                                          "math": math_reward, "code": code_reward}
 
 
+# The built-in rewards that score against the row's reference `answer` (the tests, for code):
+# every prompt row of a run with one of them must have one (`run/check.py`).
+NEEDS_ANSWER = frozenset({"exact_match", "math", "code"})
+
+
 def resolve_reward(spec: str) -> RewardFn:
-    """The reward function named by `spec` (built-in name, `module:fn` or `file.py:fn`)."""
+    """The reward function named by `spec` (built-in name, `module:fn` or `file.py:fn`).
+
+    Raises:
+      ValueError: (or FileNotFoundError) naming `spec`: an unknown name, a module that does not
+        import (a syntax error, an exception at import), no such function, or one that cannot
+        be called as fn(prompt, completion, answer).
+    """
     target, sep, name = spec.rpartition(":")
     if not sep:
         if spec not in BUILTIN_REWARDS:
@@ -76,19 +90,44 @@ def resolve_reward(spec: str) -> RewardFn:
                 "'module.path:function' or '/path/file.py:function'"
             )
         return BUILTIN_REWARDS[spec]
-    if target.endswith(".py"):
+    module = _import(spec, target)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {target} has no function {name!r}")
+    try:  # the pool calls fn(prompt, completion, answer)
+        inspect.signature(fn).bind("prompt", "completion", "answer")
+    except TypeError as e:
+        raise ValueError(f"reward {spec!r}: {name}{inspect.signature(fn)} cannot be called as "
+                         f"{name}(prompt, completion, answer) ({e})") from None
+    except ValueError:  # a callable without a signature (a builtin): called as it is
+        pass
+    return fn
+
+
+def _import(spec: str, target: str):
+    """The module of a `module:fn` or `file.py:fn` reward; its import errors name the file and
+    line (a reward module is user code: a syntax error or a failing import is their input)."""
+    try:
+        if not target.endswith(".py"):
+            return importlib.import_module(target)
         path = pathlib.Path(target)
         if not path.is_file():
             raise FileNotFoundError(f"reward {spec!r}: no file {path}")
         module_spec = importlib.util.spec_from_file_location(f"_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"reward {spec!r}: {target} has no function {name!r}")
-    return fn
+        return module
+    except FileNotFoundError:
+        raise
+    except ModuleNotFoundError:
+        raise  # "No module named ..." says it
+    except SyntaxError as e:
+        raise ValueError(f"reward {spec!r}: {e.filename}:{e.lineno}: SyntaxError: "
+                         f"{e.msg}") from None
+    except Exception as e:  # noqa: BLE001 - user code: whatever its import raises
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        raise ValueError(f"reward {spec!r}: importing {target} failed at {where.filename}:"
+                         f"{where.lineno}: {type(e).__name__}: {e}") from None
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -131,11 +170,30 @@ def _check_value(value) -> tuple[ErrorKind | None, float | str]:
     return None, float(value)
 
 
+# Ctrl-C in a terminal, and SIGTERM from `timeout`, Slurm or Kubernetes, reach the whole process
+# group; the trainer handles them (it finishes its step, saves a checkpoint and closes the
+# pool), so a worker must not die mid-call and zero a reward, or break the pool under the step.
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked():
+    """Blocks SIGINT and SIGTERM in the calling thread while it starts a worker: the child (and
+    a forkserver started now) inherits the blocked mask from its first instruction, so that no
+    stop signal sent to the group can kill it before `_worker_main` ignores them. A signal that
+    comes meanwhile waits, and reaches the trainer once they are unblocked."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def _worker_main(spec: str, conn: multiprocessing.connection.Connection) -> None:
-    """Worker loop: resolve the function, then answer (id, prompt, completion, answer) requests."""
-    # A terminal's Ctrl-C reaches the whole process group; the trainer handles it (it saves a
-    # checkpoint and closes the pool), so a worker must not die mid-call and zero a reward.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Worker loop: resolve the function, then answer (id, prompt, completion, answer) requests.
+    It ignores stop signals (`_STOP_SIGNALS`): the trainer closes the pool when it is done."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     try:
         fn = resolve_reward(spec)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which stops the pool
@@ -361,7 +419,8 @@ class RewardPool:
         process = self._ctx.Process(
             target=_worker_main, args=(self._spec, child_conn), name="reward-worker", daemon=True
         )
-        process.start()
+        with _stop_signals_blocked():
+            process.start()
         child_conn.close()  # so the worker sees EOF if this process goes away
         return _Worker(process, parent_conn, _State.STARTING, time.monotonic())
 

@@ -4,7 +4,7 @@ Each run gets a fresh throwaway directory (removed afterwards) holding the progr
 `python -I -B` (no user site, no environment, no bytecode written) with stdin from the test case
 and stdout to a file in that directory. What keeps it in:
 
-  * resource limits (setrlimit, in the child before exec): CPU seconds (SIGXCPU), address space
+  * resource limits (setrlimit, in the fresh interpreter before the program runs): CPU seconds (SIGXCPU), address space
     (MemoryError), file size (a huge output fails with EFBIG: Python ignores SIGXFSZ), open
     files, processes;
   * no network: a network namespace of its own (`unshare(CLONE_NEWNET)`, with a user namespace
@@ -26,13 +26,11 @@ caller or outlives the call.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import enum
 import functools
 import os
 import pathlib
-import resource
 import secrets
 import shutil
 import signal
@@ -50,9 +48,35 @@ _STDOUT = "stdout.txt"
 _STDERR = "stderr.txt"
 _FAILED_SETUP = 97  # the child could not enter the sandbox: nothing of the program ran
 
-# Installed by `python -c` before the program runs (see the module docstring).
+# Run by `python -c` in the fresh interpreter that then runs the program (argv: the program,
+# then `_enter_args`): it enters the sandbox (namespaces, limits, then the program's own uid;
+# the order matters: the namespace needs privileges the uid drop removes) and installs the
+# audit hook (see the module docstring). The trainer only execs it: nothing of the sandbox runs
+# in a fork of the trainer's multi-threaded process.
 _BOOTSTRAP = r'''
 import os, sys
+
+def _enter(netns, unshare_flags, uid, cpu, memory, files, processes, open_files):
+    try:
+        import ctypes, resource
+        if netns and ctypes.CDLL(None, use_errno=True).unshare(unshare_flags) != 0:
+            os._exit(%(failed)d)
+        for kind, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
+                            (resource.RLIMIT_AS, (memory, memory)),
+                            (resource.RLIMIT_FSIZE, (files, files)),
+                            (resource.RLIMIT_NOFILE, (open_files, open_files)),
+                            (resource.RLIMIT_NPROC, (processes, processes)),
+                            (resource.RLIMIT_CORE, (0, 0))):
+            resource.setrlimit(kind, value)
+        if uid >= 0:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+    except Exception:  # any failure: refuse to run the program at all
+        os._exit(%(failed)d)
+
+_enter(*map(int, sys.argv[2:]))
+del _enter
 _root = os.path.realpath(os.getcwd())
 _deny = {"os.system", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn",
          "subprocess.Popen", "socket.connect", "socket.bind", "socket.sendto",
@@ -88,7 +112,7 @@ del _hook
 import runpy
 sys.argv = [sys.argv[1]]
 runpy.run_path(sys.argv[0], run_name="__main__")
-'''
+''' % {"failed": _FAILED_SETUP}
 
 
 class RunStatus(enum.Enum):
@@ -150,61 +174,33 @@ def _unshare_flags(own_uid: bool) -> int:
 
 @functools.lru_cache(maxsize=1)
 def probe() -> Isolation:
-    """Which OS-level isolation works here (tried once, in a throwaway child)."""
+    """Which OS-level isolation works here (tried once, in a throwaway interpreter)."""
     own_uid = os.geteuid() == 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    flags = _unshare_flags(own_uid)
-
-    def try_unshare():
-        os._exit(0 if libc.unshare(flags) == 0 else 1)
-
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child exits at once
-        try_unshare()
-    _, status = os.waitpid(pid, 0)
-    return Isolation(network_namespace=os.waitstatus_to_exitcode(status) == 0,
-                     own_uid=own_uid, interpreter=_interpreter(own_uid))
+    tried = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", "import ctypes, sys; sys.exit(ctypes.CDLL(None)"
+         ".unshare(int(sys.argv[1])) != 0)", str(_unshare_flags(own_uid))],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return Isolation(network_namespace=tried.returncode == 0, own_uid=own_uid,
+                     interpreter=_interpreter(own_uid))
 
 
-def _enter(limits: Limits, isolation: Isolation, uid: int | None):
-    """The child's preexec: namespaces, limits, then the program's own uid (order matters:
-    the namespace needs privileges the uid drop removes)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def enter():
-        try:
-            if isolation.network_namespace and libc.unshare(
-                    _unshare_flags(isolation.own_uid)) != 0:
-                os._exit(_FAILED_SETUP)
-            cpu = max(1, int(limits.cpu_seconds))
-            for kind, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
-                                (resource.RLIMIT_AS, (limits.memory_bytes,) * 2),
-                                (resource.RLIMIT_FSIZE, (limits.file_bytes,) * 2),
-                                (resource.RLIMIT_NOFILE, (limits.open_files,) * 2),
-                                (resource.RLIMIT_NPROC, (limits.processes,) * 2),
-                                (resource.RLIMIT_CORE, (0, 0))):
-                resource.setrlimit(kind, value)
-            if uid is not None:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
-        except Exception:  # noqa: BLE001 - any failure: refuse to run the program at all
-            os._exit(_FAILED_SETUP)
-
-    return enter
+def _enter_args(limits: Limits, isolation: Isolation, uid: int | None) -> list[str]:
+    """The bootstrap's arguments: what `_enter` in `_BOOTSTRAP` sets up (uid -1: keep ours)."""
+    values = (int(isolation.network_namespace), _unshare_flags(isolation.own_uid),
+              -1 if uid is None else uid, max(1, int(limits.cpu_seconds)), limits.memory_bytes,
+              limits.file_bytes, limits.processes, limits.open_files)
+    return [str(v) for v in values]
 
 
 def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of `uid` (the run's own uid: its leftovers, nothing else)."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child exits at once
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            os.kill(-1, signal.SIGKILL)  # as this uid, -1 reaches only its own processes
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+    """SIGKILL every process of `uid` (the run's own uid: its leftovers, nothing else), from an
+    interpreter that becomes that uid: as it, kill(-1) reaches only the uid's processes."""
+    subprocess.run(
+        [probe().interpreter, "-I", "-S", "-c", "import os, signal, sys\n"
+         "uid = int(sys.argv[1]); os.setgroups([]); os.setgid(uid); os.setuid(uid)\n"
+         "try:\n    os.kill(-1, signal.SIGKILL)\nexcept ProcessLookupError:\n    pass",
+         str(uid)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
 
 
 def _status(returncode: int, stderr: str, timed_out: bool) -> RunStatus:
@@ -244,11 +240,12 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> RunResu
             os.chown(workdir / _PROGRAM, uid, uid)
         with (open(workdir / "stdin.txt", "rb") as stdin_f,
               open(workdir / _STDOUT, "wb") as out_f, open(workdir / _STDERR, "wb") as err_f):
-            proc = subprocess.Popen(
-                [isolation.interpreter, "-I", "-B", "-c", _BOOTSTRAP, _PROGRAM],
+            proc = subprocess.Popen(  # no preexec_fn: nothing runs in a fork of this process
+                [isolation.interpreter, "-I", "-B", "-c", _BOOTSTRAP, _PROGRAM,
+                 *_enter_args(limits, isolation, uid)],
                 cwd=workdir, stdin=stdin_f, stdout=out_f, stderr=err_f, close_fds=True,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(workdir)},
-                start_new_session=True, preexec_fn=_enter(limits, isolation, uid))
+                start_new_session=True)
             timed_out = False
             try:
                 proc.wait(timeout=limits.wall_seconds)

@@ -230,17 +230,21 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
     """
     batch = len(prompt_tokens_bp)
     queue = collections.deque(range(batch))
-    state = engine.empty(slots)
+    state = engine.vacant(slots)  # built by the first fill
     row_of = [-1] * slots  # the row in each slot, -1 if free
     out: dict[str, np.ndarray] = {}
     longest = 0
     compacted = np.zeros(2, np.int64)  # decode counts of the states compacted away
     lockstep = batch <= slots  # every row is filled at once: all decode the same step
+    # In lockstep, once a chunk takes the rows past the longest limit all are done: their
+    # rows come back with the done flags, in one fetch.
+    reach = engine.cfg.max_new_tokens if limits_b is None else int(np.max(limits_b, initial=0))
 
-    def harvest(slot_list):
+    def harvest(slot_list, rows=None):
         if not slot_list:
             return
-        for name, x in engine.rows(state)._asdict().items():
+        rows = engine.rows(state) if rows is None else rows
+        for name, x in rows._asdict().items():
             target = out.setdefault(name, np.zeros((batch, *x.shape[1:]), x.dtype))
             target[[row_of[s] for s in slot_list]] = x[slot_list]
         for s in slot_list:
@@ -258,19 +262,23 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
                 row_of[s] = i
             longest = max(longest, 1)
         state = engine.advance(state, params, 0, chunk_tokens, longest, lockstep)
-        done_b, counts = engine.poll(state)
+        rows = None
+        if lockstep and longest + chunk_tokens >= reach:
+            done_b, counts, rows = engine.collect(state)
+        else:
+            done_b, counts = engine.poll(state)
         longest = int(counts[2])
         finished = [s for s, row in enumerate(row_of) if row >= 0 and done_b[s]]
         live = [s for s, row in enumerate(row_of) if row >= 0 and not done_b[s]]
         if not live and not queue:
-            harvest(finished)
+            harvest(finished, rows)
             return out, Occupancy(*(int(x) for x in compacted + counts[:2]))
         if queue:  # their slots take queued rows
             harvest(finished)
             continue
         size = _compacted_size(len(live), len(row_of), engine.layout.dp_size)
         if size < len(row_of):
-            harvest(finished)
+            harvest(finished, rows)
             # The live rows taking turns over the devices (each decodes its own slots), free
             # slots after them.
             rest = sorted(set(range(len(row_of))) - set(live))

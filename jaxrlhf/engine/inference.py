@@ -25,14 +25,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrlhf.engine import buckets, sampling
+from jaxrlhf.engine import buckets, packing, sampling
 from jaxrlhf.engine.call import BucketedCall
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
 from jaxrlhf.parallel.pipeline import layer_stack
+from jaxrlhf.parallel.reshard import fetch, transfer
 
 
 class InferenceKind(enum.Enum):
@@ -136,31 +138,28 @@ def _predicted_bt(segment_ids_bt: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.zeros_like(same_bt[:, :1]), same_bt], axis=1)
 
 
-def logprobs_and_entropy(
-    model: Transformer, params, batch: InferenceBatch, temperature: float, with_entropy: bool
-) -> tuple[jax.Array, jax.Array | None]:
-    """Per-token log-probs (and entropies) of an LM-head model (traceable, differentiable).
+def logprobs_and_entropy(logits_btv: jax.Array, batch: InferenceBatch, temperature: float,
+                         with_entropy: bool) -> tuple[jax.Array, jax.Array | None]:
+    """Per-token log-probs (and entropies) from an LM head's logits (traceable, differentiable).
+
+    One log-softmax serves both (the [b, t, vocab] array is the largest of the forward).
 
     Returns:
-      (logprobs_bt, entropy_bt or None), float32 [b, t]; 0 where token t has no predecessor in
-      its sequence.
+      (logprobs_bt, entropy_bt or None), float32 [b, t]; entry t belongs to token t (predicted
+      by the logits at t - 1); 0 where token t has no predecessor in its sequence.
     """
-    logits_btv, _ = model.apply({"params": params}, *batch)
-    logits_btv = logits_btv[:, :-1]  # slot t-1 predicts token t
+    logp_btv = jax.nn.log_softmax(sampling.temper(logits_btv[:, :-1], temperature), axis=-1)
     valid_bt = _predicted_bt(batch.segment_ids_bt)
 
     def align(x_bt):
         return jnp.where(valid_bt, jnp.pad(x_bt, ((0, 0), (1, 0))), 0.0)
 
-    logprobs_bt = align(sampling.token_logprobs(logits_btv, batch.tokens_bt[:, 1:], temperature))
-    entropy_bt = align(sampling.entropy(logits_btv, temperature)) if with_entropy else None
+    next_bt = batch.tokens_bt[:, 1:, None].astype(jnp.int32)
+    logprobs_bt = align(jnp.take_along_axis(logp_btv, next_bt, axis=-1)[..., 0])
+    entropy_bt = None
+    if with_entropy:
+        entropy_bt = align(-jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1))
     return logprobs_bt, entropy_bt
-
-
-def values(model: Transformer, params, batch: InferenceBatch) -> jax.Array:
-    """float32 [b, t]: the scalar head at every token, 0 on padding (traceable)."""
-    values_bt, _ = model.apply({"params": params}, *batch)
-    return jnp.where(batch.segment_ids_bt != 0, values_bt, 0.0)
 
 
 def last_token_scores(values_bt: jax.Array, segment_ids_bt: jax.Array, max_segments: int):
@@ -173,62 +172,118 @@ def last_token_scores(values_bt: jax.Array, segment_ids_bt: jax.Array, max_segme
     return jnp.where(last_bk >= 0, scores_bk, 0.0)
 
 
-def infer(model: Transformer, cfg: InferenceConfig, params, batch: InferenceBatch):
-    """The body of every inference call kind (traceable). Returns an InferenceOutput."""
+def readout(cfg: InferenceConfig, model_out: jax.Array, batch: InferenceBatch) -> InferenceOutput:
+    """The call kind's outputs from the model's (logits_btv f32, or values_bt f32 of a scalar
+    head) on `batch` (traceable, differentiable): what `infer` returns and what a train
+    step's loss reads."""
     match cfg.kind:
         case InferenceKind.LOGPROBS:
             logprobs_bt, entropy_bt = logprobs_and_entropy(
-                model, params, batch, cfg.temperature, cfg.with_entropy
-            )
+                model_out, batch, cfg.temperature, cfg.with_entropy)
             return InferenceOutput(logprobs_bt=logprobs_bt, entropy_bt=entropy_bt)
         case InferenceKind.VALUES:
-            return InferenceOutput(values_bt=values(model, params, batch))
+            return InferenceOutput(values_bt=jnp.where(batch.segment_ids_bt != 0, model_out, 0.0))
         case InferenceKind.SCORES:
-            values_bt = values(model, params, batch)
+            values_bt = jnp.where(batch.segment_ids_bt != 0, model_out, 0.0)
             return InferenceOutput(
-                scores_bk=last_token_scores(values_bt, batch.segment_ids_bt, cfg.max_segments)
-            )
+                scores_bk=last_token_scores(values_bt, batch.segment_ids_bt, cfg.max_segments))
+
+
+def infer(model: Transformer, cfg: InferenceConfig, params, batch: InferenceBatch):
+    """The body of every inference call kind on rows as given (traceable). Returns an
+    InferenceOutput."""
+    model_out, _ = model.apply({"params": params}, *batch)
+    return readout(cfg, model_out, batch)
+
+
+def infer_packed(model: Transformer, cfg: InferenceConfig, shards: int, params,
+                 batch: InferenceBatch, plan: packing.PackPlan) -> InferenceOutput:
+    """`infer` of a padded batch computed on its packed rows (traceable, differentiable).
+
+    Args:
+      batch: [b, t] padded rows, one sequence each.
+      shards: the data-parallel size the plan was made for (`packing.plan`).
+      plan: one micro-batch's plan (gather_mrt [1, R, t], ..., scatter_mbt [1, b, t]).
+
+    Returns:
+      The InferenceOutput `infer(batch)` gives (per-token fields [b, t] on the padded rows),
+      up to the summation order of the computation.
+    """
+    gather_rt, segment_ids_rt, scatter_bt = (x[0] for x in plan)
+    packed = InferenceBatch(packing.pack(batch.tokens_bt, gather_rt, shards),
+                            packing.pack(batch.positions_bt, gather_rt, shards), segment_ids_rt)
+    per_token = cfg if cfg.kind is not InferenceKind.SCORES else dataclasses.replace(
+        cfg, kind=InferenceKind.VALUES)
+    out = infer(model, per_token, params, packed)
+    real_bt = batch.segment_ids_bt != 0
+    out = InferenceOutput(*(None if x is None else packing.unpack(x, scatter_bt, real_bt, shards)
+                            for x in out))
+    if cfg.kind is InferenceKind.SCORES:
+        return InferenceOutput(
+            scores_bk=last_token_scores(out.values_bt, batch.segment_ids_bt, cfg.max_segments))
+    return out
 
 
 class InferenceFn(BucketedCall):
     """One inference call kind of one model on one layout (use `make_inference_fn`).
 
-    Calling it right-pads the batch (segment 0) to the next length bucket, runs the executable
-    compiled for (bucket, batch) on this layout, and cuts per-token outputs back to length t.
+    Calling it right-pads the batch (segment 0) to the next length bucket, packs its sequences
+    into rows of that width (`engine.packing`; a sync point on the batch's segment ids), runs
+    the executable compiled for (bucket, batch, packed rows) on this layout, and returns the
+    outputs on the padded rows, per-token ones cut back to length t.
     """
 
     def __init__(self, model_config: ModelConfig, cfg: InferenceConfig, layout: Layout,
-                 length_buckets: Sequence[int]):
+                 length_buckets: Sequence[int], rows: packing.Rows = packing.Rows.PACKED):
         if model_config.head is not cfg.head:
             raise ValueError(f"{cfg.kind} needs a {cfg.head} head, got {model_config.head}")
         super().__init__(f"inference/{cfg.kind.value}", layout)
         self.cfg = cfg
         self.length_buckets = tuple(sorted(length_buckets))
-        rows = layout.batch_sharding(2)
-        self._rows = rows
+        stack = layer_stack(layout)
+        # A pipeline cuts its rows into its own micro-batches: it keeps the padded rows.
+        self.rows = packing.Rows.PADDED if stack is not None else rows
+        rows_sharding = layout.batch_sharding(2)
+        self._rows = rows_sharding
+        micro = NamedSharding(layout.mesh, PartitionSpec(None, *rows_sharding.spec))
+        self._plan_shardings = packing.PackPlan(micro, micro, micro)
         with_entropy = cfg.kind is InferenceKind.LOGPROBS and cfg.with_entropy
         out_shardings = InferenceOutput(
-            logprobs_bt=rows if cfg.kind is InferenceKind.LOGPROBS else None,
-            entropy_bt=rows if with_entropy else None,
-            values_bt=rows if cfg.kind is InferenceKind.VALUES else None,
-            scores_bk=rows if cfg.kind is InferenceKind.SCORES else None,
+            logprobs_bt=rows_sharding if cfg.kind is InferenceKind.LOGPROBS else None,
+            entropy_bt=rows_sharding if with_entropy else None,
+            values_bt=rows_sharding if cfg.kind is InferenceKind.VALUES else None,
+            scores_bk=rows_sharding if cfg.kind is InferenceKind.SCORES else None,
         )
         self._jitted = jax.jit(
-            functools.partial(infer, Transformer(model_config, layer_stack(layout)), cfg),
+            functools.partial(infer_packed, Transformer(model_config, stack), cfg,
+                              layout.dp_size),
             in_shardings=(layout.param_shardings(abstract_params(model_config)),
-                          InferenceBatch(rows, rows, rows)),
+                          InferenceBatch(rows_sharding, rows_sharding, rows_sharding),
+                          self._plan_shardings),
             out_shardings=out_shardings,
         )
 
     def _jit_for(self, *args) -> jax.stages.Wrapped:
         return self._jitted
 
+    def _lower(self, params, batch: InferenceBatch, plan=None) -> jax.stages.Lowered:
+        """The lowered call on a batch of a bucket's length (its plan made if not given)."""
+        if plan is None:
+            plan = self._plan(batch.segment_ids_bt)
+        return super()._lower(params, batch, plan)
+
+    def _plan(self, segment_ids_bt) -> packing.PackPlan:
+        """The batch's packed rows, placed (a sync on its segment ids)."""
+        plan = packing.plan(np.asarray(fetch(segment_ids_bt)), 1, self.layout.dp_size, self.rows)
+        return transfer(plan, self._plan_shardings)
+
     def __call__(self, params, batch: InferenceBatch) -> InferenceOutput:
         """Runs the call kind.
 
         Args:
           params: unboxed parameters, sharded as `layout.param_shardings` says.
-          batch: int [b, t] arrays (numpy or jax); b must split over the data-parallel size.
+          batch: int [b, t] arrays (numpy or jax), one sequence per row; b must split over
+            the data-parallel size.
 
         Returns:
           InferenceOutput with per-token fields of length t.
@@ -239,9 +294,11 @@ class InferenceFn(BucketedCall):
         padded = InferenceBatch(
             *(buckets.pad_axis(x, bucket, axis=1).astype(jnp.int32) for x in batch)
         )
+        plan = self._plan(buckets.pad_axis(np.asarray(fetch(batch.segment_ids_bt)), bucket,
+                                           axis=1))
         padded = jax.device_put(padded, self._rows)
-        compiled = self._executable((bucket, batch_size), params, padded)
-        out = compiled(params, padded)
+        compiled = self._executable((bucket, batch_size, plan.rows), params, padded, plan)
+        out = compiled(params, padded, plan)
         per_token = {
             name: x[:, :length] for name, x in out._asdict().items()
             if x is not None and name.endswith("_bt")
@@ -255,6 +312,7 @@ def make_inference_fn(
     layout: Layout,
     *,
     length_buckets: Sequence[int] | None = None,
+    rows: packing.Rows = packing.Rows.PACKED,
 ) -> InferenceFn:
     """The inference call kind `(params, InferenceBatch) -> InferenceOutput` on `layout`.
 
@@ -264,7 +322,8 @@ def make_inference_fn(
       layout: devices, mesh and sharding rules to compile for.
       length_buckets: allowed sequence lengths; default powers of two from 16, capped at
         `model_config.max_position_embeddings`.
+      rows: PACKED (several sequences per row) or PADDED (one per row, as given).
     """
     if length_buckets is None:
         length_buckets = buckets.power_of_two_buckets(model_config.max_position_embeddings)
-    return InferenceFn(model_config, cfg, layout, length_buckets)
+    return InferenceFn(model_config, cfg, layout, length_buckets, rows)

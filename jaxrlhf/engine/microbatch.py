@@ -20,6 +20,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf.engine import packing
 
 Batch = dict[str, jax.Array]
 
@@ -28,7 +31,8 @@ class MicrobatchMode(enum.Enum):
     """How the number of micro-batches is chosen."""
 
     COUNT = "count"  # `value` micro-batches
-    TOKEN_BUDGET = "token_budget"  # fewest micro-batches with <= `value` padded tokens each
+    TOKEN_BUDGET = "token_budget"  # fewest micro-batches with <= `value` tokens each (the
+    # packed rows' slots; without the lengths, as by `num_microbatches`, the padded rows')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +41,8 @@ class MicrobatchConfig:
 
     Attributes:
       mode: COUNT or TOKEN_BUDGET.
-      value: the number of micro-batches (COUNT) or the padded-token budget per micro-batch
-        (TOKEN_BUDGET).
+      value: the number of micro-batches (COUNT) or the token budget per micro-batch
+        (TOKEN_BUDGET): its packed rows × their width (`plan_microbatches`).
     """
 
     mode: MicrobatchMode = MicrobatchMode.COUNT
@@ -58,7 +62,8 @@ class MicrobatchConfig:
 
 
 def num_microbatches(cfg: MicrobatchConfig, batch_size: int, seq_len: int, shards: int = 1) -> int:
-    """The number k of micro-batches for a [batch_size, seq_len] batch.
+    """The number k of micro-batches for a [batch_size, seq_len] batch of padded rows (the
+    most a token budget needs: `plan_microbatches` counts the batch's packed rows instead).
 
     Every micro-batch must have a whole number of rows per data-parallel shard, i.e.
     `batch_size / k` must be a multiple of `shards`; otherwise some devices would sit idle
@@ -73,10 +78,7 @@ def num_microbatches(cfg: MicrobatchConfig, batch_size: int, seq_len: int, shard
     Raises:
       ValueError: if no valid k exists (or the COUNT one is invalid).
     """
-    if batch_size % shards:
-        raise ValueError(f"batch of {batch_size} rows does not split over {shards} shards")
-    valid = [k for k in range(1, batch_size + 1)
-             if batch_size % k == 0 and (batch_size // k) % shards == 0]
+    valid = _valid_counts(batch_size, shards)
     match cfg.mode:
         case MicrobatchMode.COUNT:
             if cfg.value not in valid:
@@ -94,6 +96,60 @@ def num_microbatches(cfg: MicrobatchConfig, batch_size: int, seq_len: int, shard
                 f"token budget {cfg.value} is below the smallest micro-batch "
                 f"({batch_size // valid[-1]} rows x {seq_len} tokens = {smallest})"
             )
+
+
+def _valid_counts(batch_size: int, shards: int) -> list[int]:
+    """Micro-batch counts that cut `batch_size` rows into equal parts of whole rows per
+    data-parallel shard."""
+    if batch_size % shards:
+        raise ValueError(f"batch of {batch_size} rows does not split over {shards} shards")
+    return [k for k in range(1, batch_size + 1)
+            if batch_size % k == 0 and (batch_size // k) % shards == 0]
+
+
+def plan_microbatches(cfg: MicrobatchConfig, segment_ids_bt: np.ndarray, shards: int,
+                      rows: packing.Rows) -> packing.PackPlan:
+    """The micro-batches of a batch and their packed rows, from its segment ids (host).
+
+    COUNT: `cfg.value` micro-batches. TOKEN_BUDGET: the fewest micro-batches whose packed rows
+    (R rows of the batch's width t, R/shards per data-parallel shard from
+    `packing.row_buckets`) hold at most `cfg.value` slots each: with long-tailed lengths a
+    budget fits many more short sequences than padded rows would. Micro-batch j is rows j::k
+    (`split`); each shard packs its own part of it (`packing`).
+
+    Args:
+      cfg: the micro-batching rule.
+      segment_ids_bt: int [b, t] the batch's segment ids.
+      shards: the layout's data-parallel size.
+      rows: PACKED, or PADDED (R = b/k rows as given).
+
+    Returns:
+      The PackPlan, one entry per micro-batch on its leading dim.
+
+    Raises:
+      ValueError: if no valid count exists (or the COUNT one is invalid).
+    """
+    batch_size, width = segment_ids_bt.shape
+    match cfg.mode:
+        case MicrobatchMode.COUNT:
+            count = num_microbatches(cfg, batch_size, width, shards)
+        case MicrobatchMode.TOKEN_BUDGET:
+            count = _count_in_budget(cfg.value, segment_ids_bt, shards, rows)
+    return packing.plan(segment_ids_bt, count, shards, rows)
+
+
+def _count_in_budget(budget: int, segment_ids_bt: np.ndarray, shards: int,
+                     rows: packing.Rows) -> int:
+    """The fewest valid micro-batches whose packed rows hold at most `budget` slots each."""
+    batch_size, width = segment_ids_bt.shape
+    if rows is packing.Rows.PADDED:
+        return num_microbatches(MicrobatchConfig.by_token_budget(budget), batch_size, width,
+                                shards)
+    for k in _valid_counts(batch_size, shards):
+        if packing.packed_rows(segment_ids_bt, k, shards) * width <= budget:
+            return k
+    raise ValueError(f"token budget {budget} is below the smallest micro-batch "
+                     f"({shards} rows x {width} tokens = {shards * width})")
 
 
 def split(batch: Batch, k: int) -> Batch:

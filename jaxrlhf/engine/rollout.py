@@ -138,6 +138,14 @@ class Rows(NamedTuple):
     versions_bn: np.ndarray
 
 
+class Vacant(NamedTuple):
+    """A state of `slots` free slots and a cache of `capacity` response slots, not built yet:
+    the first `fill` builds it in the same executable (`Rollout.vacant`)."""
+
+    slots: int
+    capacity: int
+
+
 def _cache_len(cache) -> int:
     return cache.k_lbskd.shape[2] if isinstance(cache, KVCache) else cache[0].v_bksd.shape[2]
 
@@ -230,12 +238,36 @@ def _write_prompts(cache, new: KVCache, slots_k, src_k, length: int):
         for c, k, v in zip(cache, new.k_lbskd, new.v_lbskd))
 
 
-def _fill(model: Transformer, cfg: GenerateConfig, params, s: SlotState, slots_k, src_k,
-          tokens_up, mask_up, key_table, key_k, rows_k, limits_k, version) -> SlotState:
-    """Prefills u distinct prompts [u, P] once and puts prompt `src_k[i]` into slot
-    `slots_k[i]` (an index >= S is padding, dropped) with key `key_table[key_k[i]]`, then
-    samples the filled slots' first tokens; the other slots are left as they are."""
-    keys_k = key_table[key_k]
+class _FillInts(NamedTuple):
+    """Columns of a fill's int32 [k, 5] per-target array (one upload, not five)."""
+
+    slot: int = 0  # the target slot (>= S: padding, dropped)
+    src: int = 1  # its distinct prompt
+    key: int = 2  # its key's index in the key table
+    row: int = 3  # its index in its (micro-)batch
+    limit: int = 4  # its most response tokens
+
+
+_INTS = _FillInts()
+
+
+def _fill(model: Transformer, cfg: GenerateConfig, vacant, params, s, ints_k5,
+          prompts_u2p, keys, version) -> SlotState:
+    """Prefills u distinct prompts once and puts each target's prompt into its slot with its
+    key, then samples the filled slots' first tokens; the other slots are left as they are.
+
+    Args:
+      vacant: None, or a function building the state (`_empty` of its size): `s` is then
+        ignored and the state built here, saving an executable and a round of dispatch.
+      ints_k5: int32 [k, 5] per target, columns as `_FillInts` names them.
+      prompts_u2p: int32 [u, 2, P] each distinct prompt's tokens and mask (left-padded).
+      keys: a tuple of PRNG keys (the key table).
+    """
+    if vacant is not None:
+        s = vacant()
+    slots_k, src_k, key_k, rows_k, limits_k = (ints_k5[:, i] for i in _INTS)
+    tokens_up, mask_up = prompts_u2p[:, 0], prompts_u2p[:, 1]
+    keys_k = jnp.stack(keys)[key_k]
     apply = functools.partial(model.apply, {"params": params})
     prompt_len = s.prompt_tokens_bp.shape[1]
     mask_up = mask_up.astype(bool)
@@ -259,6 +291,11 @@ def _fill(model: Transformer, cfg: GenerateConfig, params, s: SlotState, slots_k
     chosen = _choose(filled, cfg, version)
     return chosen._replace(done_b=jnp.where(fresh_b, chosen.done_b, s.done_b),
                            steps_b=s.steps_b, tokens_b=s.tokens_b)  # a prefill is no decode step
+
+
+def _without_state(fill, params, *args) -> SlotState:
+    """`fill` of a vacant state: it takes no state argument (it builds its own)."""
+    return fill(params, None, *args)
 
 
 def _advance(model: Transformer, cfg: GenerateConfig, lockstep: bool, params, s: SlotState,
@@ -361,6 +398,11 @@ def _rows(cfg: GenerateConfig, s: SlotState) -> Rows:
                 s.logprobs_bn, s.versions_bn)
 
 
+def _poll(s: SlotState) -> tuple[jax.Array, jax.Array]:
+    return s.done_b, jnp.stack([jnp.sum(s.steps_b), jnp.sum(s.tokens_b),
+                                jnp.max(jnp.where(s.done_b, 0, s.step_b))])
+
+
 def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
@@ -406,20 +448,23 @@ class Rollout:
                               if self.by_layer else self.model)
         self.compile_cache = CompileCache("rollout") if compile_cache is None else compile_cache
         self._scalar = layout.replicated()
+        self._scalars: dict[int, jax.Array] = {}
         # Each data-parallel device can decode its own slots alone when it holds all weights.
         strategy = layout.strategy
         self._per_device = strategy.fsdp == 1 and strategy.tensor == 1
         self._rows = jax.jit(functools.partial(_rows, gen_config))
-        self._poll = jax.jit(lambda s: (s.done_b, jnp.stack([
-            jnp.sum(s.steps_b), jnp.sum(s.tokens_b), jnp.max(jnp.where(s.done_b, 0, s.step_b))])))
+        self._poll = jax.jit(_poll)
+        self._collect = jax.jit(lambda s: (_poll(s), _rows(gen_config, s)))
 
     @property
     def compiles(self) -> int:
         return self.compile_cache.compiles
 
     @staticmethod
-    def size(state: SlotState) -> tuple[int, int]:
+    def size(state: SlotState | Vacant) -> tuple[int, int]:
         """(slots S, cache capacity C) of a state."""
+        if isinstance(state, Vacant):
+            return state.slots, state.capacity
         return state.step_b.shape[0], _cache_len(state.cache) - state.prompt_tokens_bp.shape[1]
 
     def _shardings(self, slots: int, capacity: int) -> SlotState:
@@ -454,28 +499,44 @@ class Rollout:
         # The prompt length in the key: a Generator's engines share its compile cache.
         return self.compile_cache.get((self.prompt_len, *key), lower)(*args)
 
-    def _version(self, version: int) -> jax.Array:
-        return transfer(np.int32(version), self._scalar)
+    def _scalar_on_devices(self, value: int) -> jax.Array:
+        """An int32 scalar on every device, uploaded once per value (a version, a step
+        count): each call would otherwise upload it again."""
+        if value not in self._scalars:
+            if len(self._scalars) >= 64:  # a worker's versions keep counting up
+                self._scalars.clear()
+            self._scalars[value] = transfer(np.int32(value), self._scalar)
+        return self._scalars[value]
 
     def empty(self, slots: int | None = None, capacity: int | None = None) -> SlotState:
         """Every slot free: `slots` (default the engine's) rows with a cache of `capacity`
         response slots (default the smallest bucket)."""
+        vacant = self.vacant(slots, capacity)
+        return self._run(("empty", *vacant), vacant, self._empty_fn(vacant, local=False))
+
+    def vacant(self, slots: int | None = None, capacity: int | None = None) -> Vacant:
+        """`empty`'s state, not built until the first `fill` builds it in its own executable."""
         slots = self.slots if slots is None else slots
         check_batch_divisible(self.layout, slots, "rollout slots")
         capacity = capacity_for(1, self.cfg.max_new_tokens) if capacity is None else capacity
-        fn = functools.partial(_empty, self.model.config, self.by_layer, self.cfg, slots,
-                               self.prompt_len, capacity)
-        return self._run(("empty", slots, capacity), (slots, capacity), fn)
+        return Vacant(slots, capacity)
 
-    def fill(self, state: SlotState, params, version: int, slots_k, prompt_tokens_kp,
+    def _empty_fn(self, vacant: Vacant, local: bool):
+        """`_empty` of `vacant`'s size (`local`: each data-parallel device's own slots)."""
+        slots = vacant.slots // self.layout.dp_size if local else vacant.slots
+        return functools.partial(_empty, self.model.config, self.by_layer, self.cfg, slots,
+                                 self.prompt_len, vacant.capacity)
+
+    def fill(self, state: SlotState | Vacant, params, version: int, slots_k, prompt_tokens_kp,
              prompt_mask_kp, keys, rows_k, limits_k=None) -> SlotState:
         """Prefills k left-padded prompts [k, P] into free slots `slots_k` under `params` (of
         policy `version`) and samples their first tokens; equal prompts are prefilled once.
 
         Args:
+          state: the slots, or a `Vacant` one (built by this fill).
           slots_k: int [k] free slots.
           prompt_tokens_kp, prompt_mask_kp: [k, P] host arrays.
-          keys: k PRNG keys: each row's (micro-)batch key.
+          keys: k PRNG keys on the layout's devices (replicated): each row's (micro-)batch key.
           rows_k: int [k] each row's index in its (micro-)batch.
           limits_k: int [k] the most response tokens of each row (default N: up to EOS).
         """
@@ -483,46 +544,59 @@ class Rollout:
         if prompt_len != self.prompt_len:
             raise ValueError(f"rollout prompts must be padded to {self.prompt_len}, got "
                              f"{prompt_len}")
-        tokens_kp = np.asarray(prompt_tokens_kp, np.int32)
-        mask_kp = np.asarray(prompt_mask_kp, bool)
-        slots_k, rows_k = np.asarray(slots_k, np.int32), np.asarray(rows_k, np.int32)
+        prompts_k2p = np.stack([np.asarray(prompt_tokens_kp, np.int32),
+                                np.asarray(prompt_mask_kp, np.int32)], axis=1)
         n_max = self.cfg.max_new_tokens
         limits_k = np.full(k, n_max, np.int32) if limits_k is None else np.minimum(
             np.asarray(limits_k, np.int32), n_max)
         # The rows' keys as indices into a table of the distinct ones (a synchronous call has
-        # one, a worker one per batch): no stacking of a key per row on the host each fill.
+        # one, a worker one per batch), stacked on the device: no key per row on the host.
         distinct = {id(key): key for key in keys}
         where = {ident: i for i, ident in enumerate(distinct)}
-        key_k = np.array([where[id(key)] for key in keys], np.int32)
         table = list(distinct.values())
-        table = transfer(jnp.stack(table + table[-1:] * (_pow2(len(table)) - len(table))),
-                         self._scalar)
-        if self._per_device:
-            return self._fill_on_each_device(state, params, version, slots_k, tokens_kp, mask_kp,
-                                             table, key_k, rows_k, limits_k)
+        table = tuple(table + table[-1:] * (_pow2(len(table)) - len(table)))
+        ints_k5 = np.zeros((k, len(_INTS)), np.int32)
+        ints_k5[:, _INTS.slot] = slots_k
+        ints_k5[:, _INTS.key] = [where[id(key)] for key in keys]
+        ints_k5[:, _INTS.row] = rows_k
+        ints_k5[:, _INTS.limit] = limits_k
         slots, capacity = self.size(state)
-        dp = self.layout.dp_size
-        first_u, src_k = distinct_prompts(tokens_kp, mask_kp)
+        place = self._fill_on_each_device if self._per_device else self._fill_spmd
+        ints, prompts, shardings, compile_key = place(slots, ints_k5, prompts_k2p)
+        ints, prompts, table = transfer((ints, prompts, table),
+                                        (*shardings, (self._scalar,) * len(table)))
+        vacant = isinstance(state, Vacant)
+        fn = functools.partial(_fill, self.prefill_model, self.cfg,
+                               self._empty_fn(state, self._per_device) if vacant else None)
+        if vacant:  # no state argument: the fill builds it
+            fn = functools.partial(_without_state, fn)
+        if self._per_device:
+            fn = self._on_each_device(fn, slots, capacity, *(x.spec for x in shardings),
+                                      PartitionSpec(), state_in=not vacant)
+        state_args = () if vacant else (state,)
+        return self._run(("fill", vacant, slots, capacity, *compile_key, len(table)),
+                         (slots, capacity), fn, params, *state_args, ints, prompts, table,
+                         self._scalar_on_devices(version), donate=() if vacant else (1,))
+
+    def _fill_spmd(self, slots: int, ints_k5: np.ndarray, prompts_k2p: np.ndarray):
+        """`fill`'s inputs for one SPMD program: (ints [size, 5], prompts [u, 2, P], their
+        shardings, their compile-key part), the targets replicated (a scatter's
+        indices), each distinct prompt prefilled once."""
+        k, dp = len(ints_k5), self.layout.dp_size
+        first_u, src_k = distinct_prompts(prompts_k2p[:, 0], prompts_k2p[:, 1])
+        ints_k5[:, _INTS.src] = src_k
         # Few compiles: distinct prompts and targets each padded to dp x a power of two.
         u, size = (_pow2(-(-n // dp)) * dp for n in (len(first_u), k))
         pad = lambda x, n: np.concatenate([x, np.repeat(x[-1:], n - len(x), 0)])
-        rows = self.layout.batch_sharding(1), self.layout.batch_sharding(2)
-        tokens_up, mask_up = transfer(
-            (pad(tokens_kp[first_u], u), pad(mask_kp[first_u], u)), (rows[1], rows[1]))
+        ints = pad(ints_k5, size)
         # Padding targets point at slot S: out of range, their writes are dropped.
-        slots_k = np.concatenate([slots_k, np.full(size - k, slots, np.int32)])
-        index = transfer((slots_k, pad(src_k.astype(np.int32), size)),
-                         (self._scalar, self._scalar))
-        key_k, rows_k, limits_k = transfer(
-            (pad(key_k, size), pad(rows_k, size), pad(limits_k, size)), (rows[0],) * 3)
-        fn = functools.partial(_fill, self.prefill_model, self.cfg)
-        return self._run(("fill", slots, capacity, u, size, len(table)), (slots, capacity), fn,
-                         params, state, *index, tokens_up, mask_up, table, key_k, rows_k,
-                         limits_k, self._version(version), donate=(1,))
+        ints[k:, _INTS.slot] = slots
+        shardings = (self._scalar, self.layout.batch_sharding(3))
+        return ints, pad(prompts_k2p[first_u], u), shardings, (u, size)
 
-    def _fill_on_each_device(self, state: SlotState, params, version: int, slots_k, tokens_kp,
-                             mask_kp, table, key_k, rows_k, limits_k) -> SlotState:
-        """`fill` with each prompt prefilled on its slot's own device (`shard_map`).
+    def _fill_on_each_device(self, slots: int, ints_k5: np.ndarray, prompts_k2p: np.ndarray):
+        """`_fill_spmd`'s parts with each prompt prefilled on its slot's own device
+        (`shard_map`).
 
         Why: SPMD, the prompts lie spread over the devices whatever slots they go to, so the
         fill gathered them (five all-gathers per call) for the slot writes.
@@ -531,37 +605,27 @@ class Rollout:
         compiles), padding targets aimed at a local slot out of range, whose writes are
         dropped.
         """
-        slots, capacity = self.size(state)
         dp = self.layout.dp_size
         per_device = slots // dp
-        device_k = slots_k // per_device
+        device_k = ints_k5[:, _INTS.slot] // per_device
         mine = [np.flatnonzero(device_k == device) for device in range(dp)]
-        distinct = [distinct_prompts(tokens_kp[m], mask_kp[m]) if len(m) else
+        distinct = [distinct_prompts(prompts_k2p[m, 0], prompts_k2p[m, 1]) if len(m) else
                     (np.zeros(0, np.int64), np.zeros(0, np.int64)) for m in mine]
         m = _pow2(max(len(x) for x in mine))
         u = _pow2(max(len(first) for first, _ in distinct))
-        pick_t = np.zeros(dp * m, np.int64)  # target row -> input row
-        local = np.full(dp * m, per_device, np.int32)
-        src = np.zeros(dp * m, np.int32)
+        ints = np.zeros((dp * m, len(_INTS)), np.int32)
+        ints[:, _INTS.slot] = per_device  # padding: a local slot out of range
         pick_u = np.zeros(dp * u, np.int64)  # distinct prompt -> input row
         for device, (rows_here, (first, src_here)) in enumerate(zip(mine, distinct)):
             if not len(rows_here):
                 continue
             at = slice(device * m, device * m + len(rows_here))
-            pick_t[at], src[at] = rows_here, src_here
-            local[at] = slots_k[rows_here] - device * per_device
+            ints[at] = ints_k5[rows_here]
+            ints[at, _INTS.src] = src_here
+            ints[at, _INTS.slot] -= device * per_device
             pick_u[device * u:device * u + len(first)] = rows_here[first]
-        row, rows = self.layout.batch_sharding(1), self.layout.batch_sharding(2)
-        tokens_up, mask_up = transfer((tokens_kp[pick_u], mask_kp[pick_u]), (rows, rows))
-        key_k, rows_k, limits_k, local_k, src_k = transfer(
-            (key_k[pick_t], rows_k[pick_t], limits_k[pick_t], local, src), (row,) * 5)
-        fn = self._on_each_device(functools.partial(_fill, self.prefill_model, self.cfg), slots,
-                                  capacity,
-                                  row.spec, row.spec, rows.spec, rows.spec, PartitionSpec(),
-                                  row.spec, row.spec, row.spec)
-        return self._run(("fill", slots, capacity, u, m, len(table)), (slots, capacity), fn,
-                         params, state, local_k, src_k, tokens_up, mask_up, table, key_k, rows_k,
-                         limits_k, self._version(version), donate=(1,))
+        shardings = self.layout.batch_sharding(2), self.layout.batch_sharding(3)
+        return ints, prompts_k2p[pick_u], shardings, (u, m)
 
     def spread(self, free: list[int], slots: int | None = None) -> list[int]:
         """Free slots in the order to fill them: taking turns over the devices (a fill
@@ -619,10 +683,9 @@ class Rollout:
         fn = functools.partial(_advance, self.model, self.cfg, lockstep)
         if self._per_device:
             fn = self._on_each_device(fn, slots, capacity, PartitionSpec())
-        steps = transfer(np.int32(num_steps), self._scalar)
         return self._run(("advance", slots, capacity, lockstep), (slots, capacity), fn, params,
-                         state,
-                         steps, self._version(version), donate=(1,))
+                         state, self._scalar_on_devices(num_steps),
+                         self._scalar_on_devices(version), donate=(1,))
 
     def compact(self, state: SlotState, keep: list[int]) -> SlotState:
         """The slots `keep` only, in that order, as a state of len(keep) slots (a multiple of
@@ -633,9 +696,11 @@ class Rollout:
         return self._run(("compact", slots, capacity, len(keep)), (len(keep), capacity),
                          _compact, state, keep_m)
 
-    def _on_each_device(self, fn, slots: int, capacity: int, *arg_specs: PartitionSpec):
-        """`fn(params, state, *args, version)` run by each device on its own slots
-        (`shard_map`; the weights are replicated), `args` split as `arg_specs` say.
+    def _on_each_device(self, fn, slots: int, capacity: int, *arg_specs: PartitionSpec,
+                        state_in: bool = True):
+        """`fn(params, state, *args, version)` (without `state` unless `state_in`) run by each
+        device on its own slots (`shard_map`; the weights are replicated), `args` split as
+        `arg_specs` say.
 
         Why: SPMD, advance's loop condition (are all slots done?) is an all-reduce across the
         data-parallel devices every decode step, where a device that got ahead waits for the
@@ -652,7 +717,8 @@ class Rollout:
         # check_vma off: a scanned prefill's fresh cache (zeros, the same on every device)
         # would have to be cast to varying before it may carry each device's own keys.
         return jax.shard_map(local, mesh=self.layout.mesh, out_specs=specs,
-                             in_specs=(PartitionSpec(), specs, *arg_specs, PartitionSpec()),
+                             in_specs=(PartitionSpec(), *((specs,) if state_in else ()),
+                                       *arg_specs, PartitionSpec()),
                              check_vma=False)
 
     def poll(self, state: SlotState) -> tuple[np.ndarray, np.ndarray]:
@@ -663,3 +729,8 @@ class Rollout:
     def rows(self, state: SlotState) -> Rows:
         """Every slot's sequence so far, on the host."""
         return Rows(*(np.asarray(x) for x in fetch(self._rows(state))))
+
+    def collect(self, state: SlotState) -> tuple[np.ndarray, np.ndarray, Rows]:
+        """`poll` and `rows` in one fetch (where the caller expects every row done)."""
+        (done_b, counts), rows = fetch(self._collect(state))
+        return np.asarray(done_b), np.asarray(counts), Rows(*(np.asarray(x) for x in rows))

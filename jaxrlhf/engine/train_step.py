@@ -2,19 +2,24 @@
 
 Loss contract (every loss in `jaxrlhf.algorithms` is written this way):
 
-    loss_fn(model_out, batch) -> (loss_sum, weight, stats)
+    loss_fn(out, batch) -> (loss_sum, weight, stats)
 
-`model_out` is the Transformer output for `batch` (logits_btv f32 for an LM head, values_bt f32
-for a scalar head); `batch` is a dict of arrays with a leading batch dim. `loss_sum` and `weight`
-are f32 scalars and `stats` a dict of f32 scalar *sums*. The optimised loss is
-Σloss_sum / Σweight over the whole batch and each reported stat is Σstat / Σweight, so cutting
-the batch into micro-batches changes nothing. `weight` must not depend on the parameters (it is
-a token or sequence count); it is not differentiated.
+`out` is the model's per-token readout of `batch`, an `InferenceOutput` of the train step's
+`readout` config (log-probs at a temperature and optionally entropies for an LM head, values
+for a scalar head), each [b, t] on the batch's padded rows: entry t belongs to token t, exactly
+what the inference call kind returns. `batch` is a dict of arrays with a leading batch dim.
+`loss_sum` and `weight` are f32 scalars and `stats` a dict of f32 scalar *sums*. The optimised
+loss is Σloss_sum / Σweight over the whole batch and each reported stat is Σstat / Σweight, so
+cutting the batch into micro-batches changes nothing. `weight` must not depend on the
+parameters (it is a token or sequence count); it is not differentiated.
 
-The batch carries the model inputs `tokens_bt`, `positions_bt`, `segment_ids_bt` (0 = padding)
-plus whatever the loss needs. A PPO step's several mini-batch updates are several calls on
-slices of one batch (`microbatch.minibatches` cuts equal-shaped slices, so they share one
-compiled executable).
+The batch carries the model inputs `tokens_bt`, `positions_bt`, `segment_ids_bt` (0 = padding,
+one sequence per row) plus whatever the loss needs. The model does not compute on those rows:
+each micro-batch's sequences are packed into rows of the batch's width (`engine.packing`), and
+only the per-token readout comes back to the padded rows, so the transformer, the vocabulary
+projection and the log-softmax pay for tokens, not padding, while every loss sees what an
+unpacked forward gives. A PPO step's several mini-batch updates are several calls on slices of
+one batch (`microbatch.minibatches`).
 """
 
 from __future__ import annotations
@@ -28,19 +33,23 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrlhf.engine import microbatch
+from jaxrlhf.engine import microbatch, packing
 from jaxrlhf.engine.call import BucketedCall
 from jaxrlhf.engine.buckets import CompileCache, shape_key
+from jaxrlhf.engine.inference import (
+    InferenceBatch, InferenceConfig, InferenceKind, infer_packed,
+)
 from jaxrlhf.engine.optimizer import OptimizerConfig, make_optimizer, make_schedule
-from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import Layout, init_params
 from jaxrlhf.parallel.pipeline import Pipeline, layer_stack
-from jaxrlhf.parallel.reshard import transfer
+from jaxrlhf.parallel.reshard import fetch, transfer
 
 Batch = dict[str, jax.Array]
 LossFn = Callable[[jax.Array, Batch], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
@@ -131,39 +140,48 @@ class _StepSpec:
 
     model_config: ModelConfig
     opt_cfg: OptimizerConfig
+    readout: InferenceConfig  # what the loss reads of the model
     num_micro: int  # micro-batches accumulated one after another
     pipeline: Pipeline | None = None  # on a pipelined layout: streams its micro-batches
 
 
-def _grad_fn(model: Transformer, loss_fn: LossFn):
-    """(params, micro_batch) -> (grads of loss_sum, {loss_sum, weight, num_tokens, stats})."""
+def _grad_fn(model: Transformer, loss_fn: LossFn, readout: InferenceConfig, shards: int):
+    """(params, (micro_batch, its PackPlan)) -> (grads of loss_sum, {loss_sum, weight,
+    num_tokens, stats})."""
 
-    def loss_of(params, micro: Batch):
-        out, _ = model.apply({"params": params}, *(micro[k] for k in MODEL_INPUT_KEYS))
+    def loss_of(params, micro: Batch, plan: packing.PackPlan):
+        inputs = InferenceBatch(*(micro[k] for k in MODEL_INPUT_KEYS))
+        plan_1 = jax.tree.map(lambda x: x[None], plan)
+        out = infer_packed(model, readout, shards, params, inputs, plan_1)
         loss_sum, weight, stats = loss_fn(out, micro)
         num_tokens = jnp.sum(micro["segment_ids_bt"] != 0, dtype=jnp.float32)
         aux = dict(loss_sum=loss_sum, weight=jax.lax.stop_gradient(weight),
                    num_tokens=num_tokens, stats=stats)
         return loss_sum, aux
 
-    def grad_fn(params, micro: Batch):
-        grads, aux = jax.grad(loss_of, has_aux=True)(params, micro)
+    def grad_fn(params, micro_and_plan):
+        grads, aux = jax.grad(loss_of, has_aux=True)(params, *micro_and_plan)
         return grads, aux
 
     return grad_fn
 
 
-def _train_step(state: TrainState, batch: Batch, *, spec: _StepSpec, loss_fn: LossFn,
-                layout: Layout, param_shardings) -> tuple[TrainState, dict[str, jax.Array]]:
-    """The pure step: accumulate micro-batch gradients, normalise, one optimizer update."""
+def _train_step(state: TrainState, batch: Batch, plan: packing.PackPlan, *, spec: _StepSpec,
+                loss_fn: LossFn, layout: Layout, param_shardings
+                ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """The pure step: accumulate micro-batch gradients, normalise, one optimizer update.
+
+    `plan` holds one PackPlan per micro-batch (leading dim k, the micro-batch count).
+    """
     batch_kb = microbatch.split(batch, spec.num_micro)
     batch_kb = jax.tree.map(
         lambda x: jax.lax.with_sharding_constraint(x, _micro_sharding(layout, x.ndim)), batch_kb
     )
     keep_sharded = lambda g: jax.lax.with_sharding_constraint(g, param_shardings)
     grads_sum, sums = microbatch.accumulate(
-        _grad_fn(Transformer(spec.model_config, spec.pipeline), loss_fn), state.params, batch_kb,
-        keep_sharded,
+        _grad_fn(Transformer(spec.model_config, spec.pipeline), loss_fn, spec.readout,
+                 layout.dp_size),
+        state.params, (batch_kb, plan), keep_sharded,
     )
     weight = sums["weight"]
     # An all-masked batch has no loss; dividing by 1 makes its gradient 0 instead of NaN.
@@ -196,8 +214,10 @@ def _micro_sharding(layout: Layout, ndim: int) -> NamedSharding:
 class TrainStep(BucketedCall):
     """A compiled train_step on one layout: `(state, batch) -> (new state, metrics)`.
 
-    The state is donated: the caller must use the returned state. Each distinct batch shape
-    (bucket) is compiled once, ahead of time, and counted in `self.compile_cache`.
+    The state is donated: the caller must use the returned state. Each call reads the batch's
+    segment ids on the host (a sync point, `int32 [b, t]`) to pack its sequences; each distinct
+    (batch shape, micro-batches, packed rows) key is compiled once, ahead of time, and counted
+    in `self.compile_cache`.
 
     Metrics (f32 scalars, replicated): loss (Σloss_sum/Σweight), weight, num_tokens (non-padding
     tokens), grad_norm (before clipping), lr (the rate this update used), and every loss stat
@@ -205,12 +225,18 @@ class TrainStep(BucketedCall):
     """
 
     def __init__(self, model_config: ModelConfig, layout: Layout, loss_fn: LossFn,
-                 opt_cfg: OptimizerConfig, microbatch_cfg: microbatch.MicrobatchConfig):
+                 opt_cfg: OptimizerConfig, microbatch_cfg: microbatch.MicrobatchConfig,
+                 readout: InferenceConfig, rows: packing.Rows = packing.Rows.PACKED):
         super().__init__("train_step", layout)
+        if readout.head is not model_config.head or readout.kind is InferenceKind.SCORES:
+            raise ValueError(f"a train step reads {readout.kind} of a {model_config.head} head")
         self.model_config = model_config
         self.loss_fn = loss_fn
         self.opt_cfg = opt_cfg
         self.microbatch_cfg = microbatch_cfg
+        self.readout = readout
+        # A pipeline streams the padded rows of its micro-batches through its stages.
+        self.rows = rows if layout.pipeline == 1 else packing.Rows.PADDED
         self.shardings = state_shardings(model_config, layout, opt_cfg)
 
     @property
@@ -221,11 +247,21 @@ class TrainStep(BucketedCall):
     def batch_shardings(self, batch: Batch):
         return jax.tree.map(lambda x: self.layout.batch_sharding(jnp.ndim(x)), batch)
 
+    def plan(self, batch: Batch) -> tuple[int, packing.PackPlan]:
+        """(k, plan): the micro-batch count of `batch` as `microbatch.plan_microbatches`
+        chooses it for this step's config, and the packed rows of each micro-batch (host numpy;
+        a sync on the batch's segment ids). On a pipeline the plan is one micro-batch of the
+        rows as given: the pipeline cuts them into its k micro-batches itself."""
+        segment_ids_bt = np.asarray(fetch(batch["segment_ids_bt"]))
+        plan = microbatch.plan_microbatches(self.microbatch_cfg, segment_ids_bt,
+                                            self.layout.dp_size, self.rows)
+        count = plan.gather_mrt.shape[0]
+        if self.layout.pipeline > 1:
+            plan = packing.plan(segment_ids_bt, 1, self.layout.dp_size, packing.Rows.PADDED)
+        return count, plan
+
     def num_microbatches(self, batch: Batch) -> int:
-        batch_size, seq_len = jnp.shape(batch["tokens_bt"])
-        return microbatch.num_microbatches(
-            self.microbatch_cfg, batch_size, seq_len, self.layout.dp_size
-        )
+        return self.plan(batch)[0]
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer update on `batch` (host or device arrays; placed with `place`).
@@ -233,31 +269,62 @@ class TrainStep(BucketedCall):
         The state is normally already on `self.shardings` (then placing it is a no-op); a state
         left on another layout, e.g. by a reshard, is moved back first.
         """
+        count, plan = self.plan(batch)
         state = transfer(state, self.shardings)
         batch = transfer(batch, self.batch_shardings(batch))
-        executable = self._executable(shape_key(batch), state, batch)
-        return executable(state, batch)
+        plan = transfer(plan, self._plan_shardings(plan))
+        executable = self.compile_cache.get(
+            (shape_key((batch, plan)), count),
+            lambda: self._lower_planned(count, state, batch, plan))
+        return executable(state, batch, plan)
 
-    def _jit_for(self, state: TrainState, batch: Batch) -> jax.stages.Wrapped:
-        count = self.num_microbatches(batch)
+    def _lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
+        """The lowered step for `batch` (its plan included), e.g. to read its HLO."""
+        count, plan = self.plan(batch)
+        return self._lower_planned(count, state, batch, plan)
+
+    def _lower_planned(self, count: int, state, batch, plan) -> jax.stages.Lowered:
+        with self.layout.activation_context():
+            return self._jit_for(count, batch, plan).lower(state, batch, plan)
+
+    def _plan_shardings(self, plan: packing.PackPlan) -> packing.PackPlan:
+        return jax.tree.map(lambda x: _micro_sharding(self.layout, x.ndim), plan)
+
+    def _jit_for(self, count: int, batch: Batch, plan: packing.PackPlan) -> jax.stages.Wrapped:
         # A pipeline streams the micro-batches through its stages in one pass instead.
         pipeline = layer_stack(self.layout, count)
-        spec = _StepSpec(self.model_config, self.opt_cfg, 1 if pipeline else count, pipeline)
+        spec = _StepSpec(self.model_config, self.opt_cfg, self.readout,
+                         1 if pipeline else count, pipeline)
         step_fn = functools.partial(
             _train_step, spec=spec, loss_fn=self.loss_fn, layout=self.layout,
             param_shardings=self.shardings.params,
         )
         return jax.jit(
             step_fn,
-            in_shardings=(self.shardings, self.batch_shardings(batch)),
+            in_shardings=(self.shardings, self.batch_shardings(batch),
+                          self._plan_shardings(plan)),
             out_shardings=(self.shardings, self.layout.replicated()),
             donate_argnums=0,
         )
 
 
+def default_readout(model_config: ModelConfig) -> InferenceConfig:
+    """What a loss reads when its algorithm says nothing: log-probs at temperature 1 of an LM
+    head, values of a scalar head."""
+    kind = InferenceKind.LOGPROBS if model_config.head is HeadKind.LM else InferenceKind.VALUES
+    return InferenceConfig(kind)
+
+
 def make_train_step(model_config: ModelConfig, layout: Layout, loss_fn: LossFn,
                     opt_cfg: OptimizerConfig,
-                    microbatch_cfg: microbatch.MicrobatchConfig = microbatch.MicrobatchConfig()
-                    ) -> TrainStep:
-    """The train_step call kind for one model on one layout (see `TrainStep`)."""
-    return TrainStep(model_config, layout, loss_fn, opt_cfg, microbatch_cfg)
+                    microbatch_cfg: microbatch.MicrobatchConfig = microbatch.MicrobatchConfig(),
+                    readout: InferenceConfig | None = None,
+                    rows: packing.Rows = packing.Rows.PACKED) -> TrainStep:
+    """The train_step call kind for one model on one layout (see `TrainStep`).
+
+    Args:
+      readout: what `loss_fn` reads (default: `default_readout`).
+      rows: PACKED (several sequences per row) or PADDED (one per row, as given).
+    """
+    return TrainStep(model_config, layout, loss_fn, opt_cfg, microbatch_cfg,
+                     readout or default_readout(model_config), rows)

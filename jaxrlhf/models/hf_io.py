@@ -159,7 +159,61 @@ def _unboxed_abstract(config: ModelConfig):
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    return json.loads((pathlib.Path(path) / CONFIG_FILE).read_text())
+    """The `config.json` of directory `path`.
+
+    Raises:
+      ValueError: it is not a JSON object (naming the file, line and column).
+    """
+    file = pathlib.Path(path) / CONFIG_FILE
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON (line {e.lineno}, column {e.colno}: "
+                         f"{e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file}: not UTF-8 text ({e.reason})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: holds a {type(config).__name__}, not a JSON object")
+    return config
+
+
+def _open_weights(file: pathlib.Path, stack: contextlib.ExitStack):
+    """`safe_open` of one safetensors file; one that cannot be read (truncated, not a
+    safetensors file) is a ValueError naming it."""
+    try:
+        return stack.enter_context(safe_open(file, framework="numpy"))
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - SafetensorError derives from Exception only
+        text = " ".join(str(e).split())
+        raise ValueError(f"{file}: not a readable safetensors file ({text}; a download cut "
+                         "short?)") from None
+
+
+def check_weights(path: str | os.PathLike) -> None:
+    """Reads the headers of the weights files of HF directory `path` (a truncated file's header
+    no longer covers it), before anything loads or compiles.
+
+    Raises:
+      ValueError: naming the file that cannot be read (or an index that is not JSON).
+    """
+    path = pathlib.Path(path)
+    with contextlib.ExitStack() as stack:
+        for file in sorted(set(_weight_map(path).values())):
+            _open_weights(path / file, stack)
+
+
+def _weight_map(path: pathlib.Path) -> dict[str, str]:
+    """Tensor name -> the file holding it, from the index or the single file's header."""
+    if (path / INDEX_FILE).exists():
+        try:
+            return json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path / INDEX_FILE}: not a safetensors index ({e})") from None
+    if (path / SINGLE_FILE).exists():
+        with contextlib.ExitStack() as stack:
+            return {name: SINGLE_FILE for name in _open_weights(path / SINGLE_FILE, stack).keys()}
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
 
 
 def load_hf_config(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=jnp.float32,
@@ -174,17 +228,9 @@ class _Checkpoint:
     """Open safetensors files of one checkpoint directory, addressed by our HF tensor names."""
 
     def __init__(self, path: pathlib.Path, stack: contextlib.ExitStack):
-        if (path / INDEX_FILE).exists():
-            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        elif (path / SINGLE_FILE).exists():
-            with safe_open(path / SINGLE_FILE, framework="numpy") as f:
-                weight_map = {name: SINGLE_FILE for name in f.keys()}
-        else:
-            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
-        files = {
-            file: stack.enter_context(safe_open(path / file, framework="numpy"))
-            for file in sorted(set(weight_map.values()))
-        }
+        weight_map = _weight_map(path)
+        files = {file: _open_weights(path / file, stack)
+                 for file in sorted(set(weight_map.values()))}
         self._file_of = {name: files[file] for name, file in weight_map.items()}
         # A bare base model (LlamaModel) stores the body without the "model." prefix.
         bare = "model.embed_tokens.weight" not in weight_map and "embed_tokens.weight" in weight_map

@@ -59,8 +59,13 @@ def _entry(item: str) -> tuple[str, Entry]:
 
 
 def parse_allocation(text: str) -> dict[str, Entry]:
-    """MFC name -> Entry, in the order written."""
-    return dict(_entry(item) for item in filter(None, (s.strip() for s in text.split(","))))
+    """MFC name -> Entry, in the order written; an MFC named twice is an AllocationError."""
+    entries = [_entry(item) for item in filter(None, (s.strip() for s in text.split(",")))]
+    names = [name for name, _ in entries]
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        raise AllocationError(f"placement.allocation names {', '.join(map(repr, twice))} more "
+                              "than once (one entry per MFC)")
+    return dict(entries)
 
 
 def format_allocation(plan: ExecutionPlan) -> str:

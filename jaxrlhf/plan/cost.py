@@ -25,6 +25,9 @@ rows r = batch/(d·f·k) per device and micro-batch:
     token, bound by reading the weights and the whole KV cache (the runtime attends over every
     cache slot), with fsdp gathering the weights on every step.
 A mesh axis whose device group spans hosts communicates at the inter-host bandwidth.
+Train steps and inference pack sequences into rows (`engine.packing`): their work is counted
+on the r rows' tokens (prompt + the workload's mean response), in whole rows of the sequence
+length (`Workload.packed_tokens_per_device`), not on r padded rows.
 
 Pipelines (p > 1; `pipelined`). The layers are cut into p stages of d × f × t devices each; a
 stage does 1/p of a micro-batch's work (FLOPs, collectives, weight reads) per slot. The k
@@ -242,19 +245,20 @@ def train_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Clu
                fp32_master: bool, remat_stages: bool = False) -> CallCost:
     """One train_step MFC: `work.updates` optimizer updates (`remat_stages`: a pipeline that
     recomputes each stage's forward in the backward pass, one more forward)."""
-    rows = work.rows_per_device(Call.TRAIN_STEP, choice.dp_size, choice.micro_batches)
+    tokens = work.packed_tokens_per_device(Call.TRAIN_STEP, choice.dp_size,
+                                           choice.micro_batches, choice.pipeline)
     s = work.seq_len
     full = p.config.remat is RematPolicy.FULL
     again = int(remat_stages and choice.pipeline > 1)
     # Backward = 2 forwards of FLOPs but one pass through the layers' all-reduces.
-    micro = _forward(p, cluster, choice, rows * s, s,
+    micro = _forward(p, cluster, choice, tokens, s,
                      flop_passes=3 + again + _remat_passes(p, s), layer_passes=2 + full + again)
     micro = micro + _gather_weights(p, cluster, choice).times(2 + full + again + 1)  # + scatter
     d_link = axis_link(cluster, choice, Axis.DATA)
     grads = all_reduce(p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline), choice.data,
                        d_link)
     # Activations forward, their gradients back.
-    send = stage_send(p, cluster, choice, rows * s).times(2)
+    send = stage_send(p, cluster, choice, tokens).times(2)
     update_bytes = (p.shard_elements(choice.tensor, choice.fsdp, choice.pipeline)
                     * optimizer_bytes_per_param(p, fp32_master))
     # One jit call per update, whose optimizer runs a few kernels per parameter array.
@@ -269,10 +273,11 @@ def train_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Clu
 def inference_cost(p: ModelProfile, work: Workload, choice: CallChoice,
                    cluster: Cluster) -> CallCost:
     """One forward pass over the batch (log-probs, values or scores)."""
-    rows = work.rows_per_device(Call.INFERENCE, choice.dp_size, choice.micro_batches)
+    tokens = work.packed_tokens_per_device(Call.INFERENCE, choice.dp_size,
+                                           choice.micro_batches, choice.pipeline)
     s = work.seq_len
-    micro = _forward(p, cluster, choice, rows * s, s) + _gather_weights(p, cluster, choice)
-    send = stage_send(p, cluster, choice, rows * s)
+    micro = _forward(p, cluster, choice, tokens, s) + _gather_weights(p, cluster, choice)
+    send = stage_send(p, cluster, choice, tokens)
     # A micro-batch of inference is one jit call; a pipelined pass is one for all of them.
     calls = choice.micro_batches if choice.pipeline == 1 else 1
     return pipelined(micro, send, choice, schedule_slots(choice)) + CallCost(calls=calls)

@@ -31,6 +31,9 @@ class Workload:
       mini_batches: slices of the batch, one optimizer update each, per epoch; a train_step
         MFC makes `updates` = epochs × mini_batches updates on batch_size / mini_batches rows.
       epochs: passes over the batch per train_step MFC.
+      mean_new_tokens: the responses' mean length, when shorter than `new_tokens` (None: every
+        response runs to `new_tokens`, as benchmarks force it). Train steps and inference pack
+        sequences into rows (`engine.packing`), so they compute on the tokens, not the slots.
     """
 
     batch_size: int
@@ -38,6 +41,7 @@ class Workload:
     new_tokens: int
     mini_batches: int = 1
     epochs: int = 1
+    mean_new_tokens: float | None = None
 
     def __post_init__(self):
         if self.batch_size % self.mini_batches:
@@ -47,6 +51,17 @@ class Workload:
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.new_tokens
+
+    def packed_tokens_per_device(self, call: Call, dp_size: int, micro_batches: int,
+                                 pipeline: int = 1) -> int:
+        """Token slots one device computes per micro-batch of a train step or inference call:
+        its sequences' tokens (prompt + mean response), packed into whole rows of `seq_len`
+        (at least one). A pipeline computes its rows as they come (padded)."""
+        rows = self.rows_per_device(call, dp_size, micro_batches)
+        if pipeline > 1 or self.mean_new_tokens is None:
+            return rows * self.seq_len
+        tokens = rows * (self.prompt_len + min(self.mean_new_tokens, self.new_tokens))
+        return max(1, -(-int(round(tokens)) // self.seq_len)) * self.seq_len
 
     @property
     def updates(self) -> int:

@@ -206,8 +206,9 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
     if by_layer:
         gathered += p.config.num_layers * p.layer_shard_bytes(t)
     match call:
-        case Call.TRAIN_STEP:
-            tokens = rows * s
+        case Call.TRAIN_STEP:  # packed rows (`engine.packing`)
+            tokens = work.packed_tokens_per_device(call, choice.dp_size, choice.micro_batches,
+                                                   stages)
             params, optimizer = train_state_bytes(p, choice, fp32_master)
             elements = p.shard_elements(t, choice.fsdp, stages)
             activations = (_pipelined_saved_bytes(p, choice, tokens, s, remat_stages)
@@ -218,7 +219,8 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                 activations=int(activations), logits=int(_logit_bytes(p, tokens, t, 3)),
                 gathered=gathered)
         case Call.INFERENCE:  # the layers, then the head: the larger phase is the peak
-            tokens = rows * s
+            tokens = work.packed_tokens_per_device(call, choice.dp_size, choice.micro_batches,
+                                                   stages)
             peak = max(forward_peak_bytes(p, tokens, s, t), _logit_bytes(p, tokens, t, 2))
             return MemoryBreakdown(params=params, gathered=gathered,
                                    activations=int(peak + _stage_buffers(p, choice, tokens)))

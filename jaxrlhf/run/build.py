@@ -21,7 +21,7 @@ from jaxrlhf.dataflow.runtime import ModelRuntime, readers_per_layout
 from jaxrlhf.engine.buckets import response_widths
 from jaxrlhf.engine.generate import make_generate_fn
 from jaxrlhf.engine.inference import InferenceConfig, InferenceKind, make_inference_fn
-from jaxrlhf.engine.microbatch import MicrobatchConfig
+from jaxrlhf.engine.microbatch import MicrobatchConfig, MicrobatchMode
 from jaxrlhf.engine.optimizer import OptimizerConfig
 from jaxrlhf.engine.train_step import TrainState, create_train_state, make_train_step
 from jaxrlhf.mfc import MFC, Call, Role
@@ -41,10 +41,11 @@ from jaxrlhf.spec import ModelSpec, RolloutSpec, RunSpec
 # --- engine calls --------------------------------------------------------------------------
 
 
-def engine_call(mfc: MFC, model: ModelConfig, layout: Layout, micro_batches: int,
+def engine_call(mfc: MFC, model: ModelConfig, layout: Layout, micro: MicrobatchConfig,
                 rollout: RolloutSpec, tokenizer, algorithm: Algorithm,
                 opt: OptimizerConfig | None):
-    """The compiled-on-first-use engine object of one MFC."""
+    """The compiled-on-first-use engine object of one MFC (`micro`: a train step's
+    micro-batching)."""
     match mfc.call:
         case Call.GENERATE:
             return make_generate_fn(model, rollout.generate(tokenizer, greedy=mfc.greedy),
@@ -58,8 +59,8 @@ def engine_call(mfc: MFC, model: ModelConfig, layout: Layout, micro_batches: int
             lengths = [rollout.max_prompt_len + n for n in response_widths(rollout.max_new_tokens)]
             return make_inference_fn(model, cfg, layout, length_buckets=lengths)
         case Call.TRAIN_STEP:
-            return make_train_step(model, layout, algorithm.train[mfc.role].loss_fn, opt,
-                                   MicrobatchConfig.by_count(micro_batches))
+            train = algorithm.train[mfc.role]
+            return make_train_step(model, layout, train.loss_fn, opt, micro, train.readout)
 
 
 # --- model states --------------------------------------------------------------------------
@@ -194,12 +195,21 @@ def start(job: Job, directory: pathlib.Path):
         yield JobStart(job, checkpoints, *(restored or (None, None)))
 
 
+def _micro(spec: RunSpec, planned: int) -> MicrobatchConfig:
+    """A train step's micro-batching: a token budget (`micro_batch_tokens`) is applied to each
+    batch's packed rows as it comes (the plan's count, from padded rows, is its most); else
+    the plan's count."""
+    if spec.micro.mode is MicrobatchMode.TOKEN_BUDGET:
+        return spec.micro
+    return MicrobatchConfig.by_count(planned)
+
+
 def runner(job: Job, states: dict, pools) -> Runner:
     """The job's runner around `states` (see `initial_states`, or a checkpoint's)."""
     spec, plan = job.spec, job.plan
     calls = {m.name: engine_call(m, spec.models[m.role].config, plan.layouts[m.name],
-                                 plan.micro_batches(m.name), spec.rollout, job.tokenizer,
-                                 spec.algorithm, spec.optimizers.get(m.role))
+                                 _micro(spec, plan.micro_batches(m.name)), spec.rollout,
+                                 job.tokenizer, spec.algorithm, spec.optimizers.get(m.role))
              for m in spec.algorithm.mfcs if not m.host}
     return Runner(spec.algorithm, spec.graph, plan, runtimes(spec, plan, states), calls,
                   job.tokenizer, pools, spec.seed)

@@ -1,10 +1,11 @@
 """A config checked end to end, once, before anything compiles: a `Job`.
 
-`check_config(config, workdir)` builds the run spec (`jaxrlhf.spec.run_spec`), loads the
-tokenizer, checks the reward functions, model directories and vocabularies, resolves the
-placement (`placement.kind=auto` searches here, once), reads the run's data (a bad row of a user
-file is named by file:line), makes the warm start a job of its own, and refuses checkpoints in the
-workdir that another run wrote (`checkpoint.resume`). The job then runs what was checked.
+`check_config(config, workdir)` builds the run spec (`jaxrlhf.spec.run_spec`), locks the
+workdir for this run (`run/lock.py`), loads the tokenizer, checks the reward functions, model
+directories and vocabularies, resolves the placement (`placement.kind=auto` searches here,
+once), reads the run's data (a bad row of a user file is named by file:line), makes the warm
+start a job of its own, and refuses checkpoints in the workdir that another run wrote
+(`checkpoint.resume`). The job then runs what was checked.
 """
 
 from __future__ import annotations
@@ -13,20 +14,22 @@ import dataclasses
 import pathlib
 import tempfile
 
+import jax
 from ml_collections import ConfigDict
 
 from jaxrlhf.algorithms import sft
 from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.checkpoint import CHECKPOINT_DIR, check_resume
-from jaxrlhf.data.rewards import resolve_reward
+from jaxrlhf.data.rewards import NEEDS_ANSWER, resolve_reward
 from jaxrlhf.data.sources import Data, read_data, read_pairs
 from jaxrlhf.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 from jaxrlhf.dataflow.graph import build_graph
+from jaxrlhf.dataflow.placement import Placement
 from jaxrlhf.engine.microbatch import num_microbatches
 from jaxrlhf.fingerprint import run_fingerprint
 from jaxrlhf.mfc import Role
 from jaxrlhf.models import hf_io
-from jaxrlhf.run import roles
+from jaxrlhf.run import lock, roles
 from jaxrlhf.run.layouts import RunPlan, place, single
 from jaxrlhf.schema import ConfigError, field
 from jaxrlhf.spec import RunSpec, run_spec
@@ -69,6 +72,9 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     with field("workdir"):  # it exists and takes files
         workdir.mkdir(parents=True, exist_ok=True)
         tempfile.NamedTemporaryFile(dir=workdir, prefix=".write-check-").close()
+        if jax.process_index() == 0:  # one lock for a job (its processes share the workdir)
+            lock.hold(workdir)
+    _check_ignored(config, spec)
     with field("tokenizer"):
         if not spec.tokenizer:  # "" would read the current directory
             raise ConfigError('tokenizer: empty; set it to "byte" or to the Hugging Face '
@@ -85,6 +91,9 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
                               "weights)")
         with field(f"models.{role.value}"):  # one tokenizer serves every role
             check_vocab(tokenizer, model.config.vocab_size)
+        if model.path:
+            with field(f"models.{role.value}.path"):  # a truncated download: named now
+                hf_io.check_weights(model.path)
     roles.starts(spec)  # every role has weights to start from
     with field("placement"):
         plan = place(spec)
@@ -92,9 +101,55 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     job = Job(spec, tokenizer, plan, workdir, fingerprint, load_data(spec, workdir, tokenizer))
     job = dataclasses.replace(job, warm_start=_warm_start(job))
     _check_batches(job)
+    _check_answers(job)
     with field("checkpoint"):  # another run's checkpoints are refused
         check_resume(workdir / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
     return job
+
+
+def _check_ignored(config: ConfigDict, spec: RunSpec) -> None:
+    """Refuses a key set to something the chosen placement or algorithm does not read: the
+    user meant it to change the run, and it would not."""
+    p, kind = config.placement, spec.placement.kind
+    ignored = [
+        (p.strategy and kind is not Placement.COLOCATE, f"placement.strategy={p.strategy!r}",
+         f"placement.kind={kind.value} ignores it (colocate reads it; manual: set each MFC's "
+         "strategy in placement.allocation)"),
+        (p.allocation and kind is not Placement.MANUAL, f"placement.allocation={p.allocation!r}",
+         f"placement.kind={kind.value} ignores it (it is read with placement.kind=manual)"),
+        (p.cluster and kind is not Placement.AUTO, f"placement.cluster={p.cluster!r}",
+         f"placement.kind={kind.value} ignores it (it is read with placement.kind=auto; set "
+         "placement.cluster= to clear it)"),
+        (config.micro_batch_tokens and config.micro_batches != 1,
+         f"micro_batches={config.micro_batches}", f"micro_batch_tokens="
+         f"{config.micro_batch_tokens} > 0 splits micro-batches by tokens instead"),
+        (Role.REF in spec.models and not config.models.ref.path
+         and config.models.ref.size != config.models.actor.size,
+         f"models.ref.size={config.models.ref.size!r}", "without models.ref.path the reference "
+         f"is a copy of the actor (models.actor.size={config.models.actor.size!r})"),
+    ]
+    if spec.algorithm.offline:
+        ignored += [(config.eval[k], f"eval.{k}={config.eval[k]}",
+                     f"{spec.algorithm.name} evaluates before and after training only, greedily")
+                    for k in ("every", "samples")]
+    for set_, key, reason in ignored:
+        if set_:
+            raise ConfigError(f"{key}: {reason}")
+
+
+def _check_answers(job: Job) -> None:
+    """Every prompt row has a reference answer when a reward function scores against it."""
+    for role, reward in job.spec.rewards.items():
+        if reward.function not in NEEDS_ANSWER:
+            continue
+        for rows, path, what in ((job.data.train, job.spec.data.train_path, "data.train_path"),
+                                 (job.data.eval, job.spec.data.eval_path, "data.eval_path")):
+            missing = [i for i, row in enumerate(rows) if getattr(row, "answer", "") is None]
+            if missing:
+                raise ConfigError(
+                    f"{what}: {len(missing)} of {len(rows)} prompt rows of "
+                    f"{path or 'the built-in task'} have no answer (row {missing[0]} first), "
+                    f"which {role.value}.function={reward.function!r} scores against")
 
 
 def _warm_start(job: Job) -> Job | None:

@@ -10,7 +10,9 @@ rerunning the same command resumes there.
 from __future__ import annotations
 
 import math
+import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -62,12 +64,15 @@ class NanGuard:
         problem = ", ".join(bad) or "a non-finite parameter or optimizer state"
         match self.policy:
             case NanPolicy.STOP:
+                latest = self.checkpoints.latest_step()
+                kept = ("no checkpoint was saved before it (a rerun starts afresh)"
+                        if latest is None else
+                        f"the latest checkpoint (step {latest}) in {self.checkpoints.directory}"
+                        " is the last good state and a rerun resumes from it")
                 raise NonFiniteError(
-                    f"{self.what} step {step}: {problem}. Stopped without saving; the latest "
-                    f"checkpoint (step {self.checkpoints.latest_step()}) in "
-                    f"{self.checkpoints.directory} is the last good state and a rerun resumes "
-                    "from it. Lower the learning rate, or set --config.nan_policy=skip to "
-                    "discard such steps.")
+                    f"{self.what} step {step}: {problem}. Stopped without saving; {kept}. "
+                    "Lower the learning rate, or set --config.nan_policy=skip to discard such "
+                    "steps.")
             case NanPolicy.SKIP:
                 states, controller = saved
                 for role, state in states.items():
@@ -89,26 +94,44 @@ class StopRequest:
     on the step through `agreed`, as for Ctrl-C.) A second signal of the same kind acts at once
     (the previous handler is back: Ctrl-C raises KeyboardInterrupt). Outside the main thread,
     where Python cannot install signal handlers, this does nothing.
+
+    Entered inside another one (the job holds one from its start, the loop enters its own), it
+    is that one: a signal that came before the loop (while restoring, compiling, evaluating)
+    stops the loop at its first boundary.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    _installed: "StopRequest | None" = None  # the one whose handlers are in place
 
     def __init__(self):
-        self.requested = False
+        self._requested = False
         self._previous: dict[int, Any] = {}
+        self._outer: StopRequest = self
+
+    @property
+    def requested(self) -> bool:
+        return self._outer._requested
 
     def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():
+        if StopRequest._installed is not None:
+            self._outer = StopRequest._installed
+        elif threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+            StopRequest._installed = self
         return self
 
     def _handle(self, signum, frame) -> None:
         del frame
-        self.requested = True
+        self._requested = True
         signal.signal(signum, self._previous[signum])
         name = "interrupt" if signum == signal.SIGINT else "SIGTERM"
-        print(f"\n{name}: finishing this step, then saving a checkpoint "
-              "(the same signal again stops at once)", flush=True)
+        text = (f"\n{name}: finishing this step, then saving a checkpoint (the same signal "
+                "again stops at once)\n")
+        try:  # not print: the signal may come in the middle of a print to stdout, and a
+            # buffered stream refuses a reentrant write (RuntimeError)
+            os.write(sys.stdout.fileno(), text.encode())
+        except (AttributeError, OSError, ValueError):  # a stdout without a descriptor
+            print(text, end="", flush=True)
 
     def agreed(self) -> bool:
         """Whether any process was asked to stop (every process must stop at the same step:
@@ -121,4 +144,6 @@ class StopRequest:
     def __exit__(self, *exc) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+        if StopRequest._installed is self:
+            StopRequest._installed = None
         self._previous = {}

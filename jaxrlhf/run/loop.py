@@ -22,6 +22,7 @@ the loop's `train` (the runner's step inside the NaN guard), and says when it ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,6 +35,8 @@ from tqdm import tqdm
 
 from jaxrlhf import checkpoint
 from jaxrlhf.data.datasets import EpochIterator
+from jaxrlhf.data.rewards import RewardPoolError
+from jaxrlhf.dataflow.executors import HostFunctionError
 from jaxrlhf.mfc import Role
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut
@@ -151,10 +154,13 @@ def train(job: Job, source: Source, writer, checkpoints: checkpoint.Checkpointer
         return result, guard.after_step(runner, result.metrics, step, saved)
 
     write = lambda: save(job, checkpoints, runner, source.rows, evaluation_before)
-    timings, interrupted = [], False
+    timings = []
     bar = tqdm(desc=source.desc, initial=runner.step_index, total=spec.steps, mininterval=1)
-    with StopRequest() as stop:
-        while runner.step_index < spec.steps:
+    with StopRequest() as stop, _stops_named(what, runner, checkpoints):
+        # A stop asked before the first update (while restoring, compiling, evaluating) saves
+        # what there is (a resumed run's checkpoint exists already) and stops at once.
+        interrupted = source.stop_now(stop)
+        while not interrupted and runner.step_index < spec.steps:
             update = source.next_update(train_step, stop)
             if update is not None:
                 writer.write(runner.step_index - 1,
@@ -163,20 +169,47 @@ def train(job: Job, source: Source, writer, checkpoints: checkpoint.Checkpointer
                 timings.append(update.result.timing)
                 bar.update(1)
                 bar.set_postfix(update.result.postfix(runner.algorithm.shown))
-            stopping = update is None or source.stop_now(stop)
-            if checkpoints.cfg.due(runner.step_index) or stopping:
+            interrupted = update is None or source.stop_now(stop)
+            if checkpoints.cfg.due(runner.step_index) and not interrupted:
                 source.save(write)
-            if stopping:
-                checkpoints.wait()
-                print(f"interrupted after {what} step {runner.step_index - 1}: checkpoint "
-                      f"{runner.step_index} saved in {checkpoints.directory}; run the same "
-                      "command again to resume", flush=True)
-                interrupted = True
-                break
-    bar.close()
-    if not interrupted:
-        source.save(write)
+        bar.close()
+        source.save(write)  # (one that exists already is not written again)
+        checkpoints.wait()
+    if interrupted:
+        done = runner.step_index
+        where = f"after {what} step {done - 1}" if done else f"before {what} step 0"
+        print(f"interrupted {where}: checkpoint {done} saved in {checkpoints.directory}; run "
+              "the same command again to resume", flush=True)
     return LoopResult(timings, interrupted, guard.skipped, source.close(interrupted))
+
+
+class Stopped(RuntimeError):
+    """The run stopped for a reason (a reward function failing, a checkpoint that cannot be
+    written): the message names the reason and what stays saved; the entry point prints it
+    as it is, without a traceback."""
+
+
+# What ends a run for a reason, not a bug: the entry point prints the message, no traceback.
+# (`Stopped` inside the loop; the others where they come outside it, e.g. a held-out
+# evaluation's reward pool.)
+STOPS = (Stopped, checkpoint.NonFiniteError, checkpoint.CheckpointWriteError, HostFunctionError,
+         RewardPoolError)
+
+
+@contextlib.contextmanager
+def _stops_named(what: str, runner: Runner, checkpoints: checkpoint.Checkpointer):
+    """Turns a failure that stops the run for a reason (the step's reward function failing too
+    often, the reward pool broken, a checkpoint that cannot be written) into `Stopped`, naming
+    the step and the checkpoint a rerun resumes from. (The NaN guard's NonFiniteError says
+    both already.)"""
+    try:
+        yield
+    except (HostFunctionError, RewardPoolError, checkpoint.CheckpointWriteError) as error:
+        latest = checkpoints.latest_saved()
+        kept = ("nothing was saved (a rerun starts afresh)" if latest is None else
+                f"a rerun resumes from checkpoint {latest} in {checkpoints.directory}")
+        reason = " ".join(str(error).split())
+        raise Stopped(f"{what} step {runner.step_index}: {reason}\n{kept}") from None
 
 
 def _record(job: Job, runner: Runner, update: Update, held_out: HeldOut | None) -> dict:

@@ -15,6 +15,9 @@ its own (`Job.warm_start`) stepped by the same loop, with its own optimizer and 
 `workdir/checkpoints/warm_start/<steps done>/` (saved on the `checkpoint.every` cadence, when
 asked to stop, and at its end).
 
+A stop signal (SIGTERM, Ctrl-C) at any time from the job's start ends it with a checkpoint
+(`guards.StopRequest`, held for the whole job): the loop stops at its next boundary and saves.
+
 A workdir that holds checkpoints resumes from the newest intact one (no warm start, no
 'before' evaluation: both are in the checkpoint) and repeats the uninterrupted run's steps
 exactly; one that holds only warm-start checkpoints resumes the warm start (one at its end: it
@@ -163,7 +166,9 @@ def run(job: Job) -> dict:
     t0 = time.perf_counter()
     spec, workdir, offline = job.spec, job.workdir, job.spec.algorithm.offline
     what = loop.name(job)
-    with (begin(job) as (start, warm), MetricsWriter(workdir) as writer,
+    # Stop signals are taken from here on: one that comes while restoring, compiling or
+    # evaluating stops the loop at its first boundary, with a checkpoint.
+    with (StopRequest(), begin(job) as (start, warm), MetricsWriter(workdir) as writer,
           HeldOut(job) as held_out,
           build.host_pools(spec) as pools):  # offline graphs have no host MFCs
         params = None if warm is None else _warm_started(warm, writer)

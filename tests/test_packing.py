@@ -1,0 +1,221 @@
+"""Packing (engine/packing.py): the plan places every token once, per data-parallel shard and
+balanced; and for every algorithm's loss, the train step's packed forward gives the losses,
+stats, gradients and log-probs of the unpacked batch (within 1e-5) on mixed lengths."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf.algorithms import dpo, grpo, losses, ppo, remax, rw, sft
+from jaxrlhf.mfc import Call
+from jaxrlhf.parallel.strategy import DeviceRange
+from jaxrlhf.plan.choice import CallChoice
+from jaxrlhf.plan.cluster import Cluster
+from jaxrlhf.plan.cost import inference_cost, train_cost
+from jaxrlhf.plan.experiment import Workload
+from jaxrlhf.plan.memory import call_memory
+from jaxrlhf.plan.profile import profile_of
+from jaxrlhf.engine import packing
+from jaxrlhf.engine import train_step as ts
+from jaxrlhf.engine.inference import InferenceBatch, infer, infer_packed
+from jaxrlhf.mfc import Role
+from jaxrlhf.models.config import HeadKind
+from jaxrlhf.models.sizes import get_size
+from jaxrlhf.models.transformer import Transformer
+
+# One layer, small dims: each case compiles one step; the packing is what is under test.
+MODEL = get_size("tiny", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                 num_kv_heads=1, dtype=jnp.float32)
+PROMPT, NEW = 6, 18  # [b, 24] rows: left-padded prompts of 2..6 tokens, responses of 1..18
+RESPONSES = (18, 1, 3, 12, 2, 5, 18, 4)
+PROMPTS = (6, 2, 4, 3, 6, 5, 2, 3)
+
+
+def _segment_ids(prompts, responses, width=PROMPT + NEW, prompt=PROMPT):
+    cols = np.arange(width)[None]
+    return ((cols >= prompt - np.asarray(prompts)[:, None])
+            & (cols < prompt + np.asarray(responses)[:, None])).astype(np.int32)
+
+
+def test_plan_places_every_token_once_on_its_own_shard():
+    rng = np.random.default_rng(0)
+    b, width, micro, shards = 32, 40, 2, 2
+    prompts = rng.integers(1, 9, b)
+    responses = np.clip(np.exp(rng.normal(np.log(8), 1.0, b)), 1, 32).astype(int)  # long tail
+    seg_bt = _segment_ids(prompts, responses, width, 8)
+    plan = packing.plan(seg_bt, micro, shards, packing.Rows.PACKED)
+    rows = plan.rows
+    assert rows % shards == 0 and rows < b // micro  # fewer rows than the padded ones
+    per_block = b // micro // shards
+    for j in range(micro):
+        seg_local = seg_bt[j::micro]
+        for d in range(shards):
+            block = slice(d * rows // shards, (d + 1) * rows // shards)
+            gather, packed_seg = plan.gather_mrt[j, block], plan.segment_ids_mrt[j, block]
+            scatter = plan.scatter_mbt[j, d * per_block:(d + 1) * per_block]
+            real = seg_local[d * per_block:(d + 1) * per_block] != 0
+            # every real token of the shard's rows sits in exactly one packed slot, and back
+            taken = np.sort(gather[packed_seg != 0])
+            np.testing.assert_array_equal(taken, np.flatnonzero(real.reshape(-1)))
+            np.testing.assert_array_equal(gather.reshape(-1)[scatter[real]],
+                                          np.flatnonzero(real.reshape(-1)))
+            # a sequence is one run of one segment id, and ids differ within a row
+            for row_ids in packed_seg:
+                runs = row_ids[row_ids != 0]
+                assert (np.diff(runs) >= 0).all()
+    identity = packing.plan(seg_bt, micro, shards, packing.Rows.PADDED)
+    assert identity.rows == b // micro
+    np.testing.assert_array_equal(identity.segment_ids_mrt != 0,
+                                  np.stack([seg_bt[j::micro] != 0 for j in range(micro)]))
+
+
+def test_spans_and_row_ladder():
+    seg = np.array([[0, 1, 1, 2, 2, 0], [3, 3, 3, 3, 3, 3], [0, 0, 0, 0, 0, 0]])
+    spans = packing.sequence_spans(seg)
+    assert spans.row_n.tolist() == [0, 0, 1] and spans.start_n.tolist() == [1, 3, 0]
+    assert spans.length_n.tolist() == [2, 2, 6]
+    assert [packing.row_buckets(n, 1) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17)] == \
+        [1, 2, 3, 4, 6, 8, 12, 16, 24]
+    assert packing.row_buckets(5, 4) == 8
+
+
+def _rl_buffer(rng):
+    b = len(RESPONSES)
+    seg = _segment_ids(PROMPTS, RESPONSES)
+    mask_bn = seg[:, PROMPT:].astype(np.float32)
+    f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    return {
+        "seq_tokens_bs": np.where(seg, rng.integers(1, MODEL.vocab_size, seg.shape), 0
+                                  ).astype(np.int32),
+        "seq_mask_bs": seg.astype(np.float32), "response_mask_bn": mask_bn,
+        "behav_logp_bn": -np.abs(f32(b, NEW)) - 5.0, "ref_logp_bn": -np.abs(f32(b, NEW)) - 5.0,
+        "scores_b": rng.normal(size=b).astype(np.float32), "values_bn": f32(b, NEW),
+        "greedy_scores_b": rng.normal(size=b).astype(np.float32),
+    }
+
+
+def _case(name):
+    """(model config, TrainSpec) of one algorithm's trained model."""
+    b = len(RESPONSES)
+    entropy = losses.PPOLossConfig(entropy_coef=0.01)
+    match name:
+        case "grpo":
+            cfg = grpo.GRPOConfig(group_size=2, temperature=0.7, loss=losses.GRPOLossConfig(
+                losses.PPOLossConfig(entropy_coef=0.01,
+                                     aggregation=losses.LossAggregation.SEQ_MEAN_TOKEN_MEAN)))
+            alg = grpo.make(cfg, reward_model=False)
+        case "ppo_actor" | "ppo_critic":
+            alg = ppo.make(ppo.PPOConfig(kl_in_reward=False, policy=entropy), reward_model=False,
+                           batch_size=b)
+        case "remax":
+            alg = remax.make(remax.ReMaxConfig(policy=entropy), reward_model=False, batch_size=b)
+        case "sft":
+            alg = sft.make()
+        case "dpo":
+            alg = dpo.make(dpo.DPOConfig())
+        case "rw":
+            alg = rw.make()
+    role = {"ppo_critic": Role.CRITIC, "rw": Role.REWARD}.get(name, Role.ACTOR)
+    scalar = role is not Role.ACTOR
+    model = MODEL.replace(head=HeadKind.SCALAR) if scalar else MODEL
+    return model, alg, alg.train[role]
+
+
+def _params(model):
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    params = nn.unbox(Transformer(model).init(jax.random.key(0), tokens, tokens, tokens + 1))
+    params = params["params"]
+    if "score" in params:  # a zero head would make every other gradient zero
+        params["score"] = 0.5 * jax.random.normal(jax.random.key(1), params["score"].shape)
+    return params
+
+
+# One compiled program per head: every algorithm's loss and gradient, packed and unpacked.
+HEADS = {"lm": ["grpo", "ppo_actor", "remax", "sft", "dpo"], "scalar": ["ppo_critic", "rw"]}
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_packed_equals_unpacked_for_every_algorithm(head):
+    cases = {name: _case(name) for name in HEADS[head]}
+    model_cfg = next(iter(cases.values()))[0]
+    model, params = Transformer(model_cfg), _params(model_cfg)
+    rng = np.random.default_rng(1)
+    buf = _rl_buffer(rng)
+    batches, plans = {}, {}
+    for name, (_, alg, train) in cases.items():
+        controller = jax.tree.map(jnp.float32, alg.controller_init)
+        batches[name], _ = jax.jit(train.prepare)(buf, controller)
+        plan = packing.plan(np.asarray(batches[name]["segment_ids_bt"]), 1, 1,
+                            packing.Rows.PACKED)
+        assert plan.rows == 4  # 94 tokens in 8 padded rows of 24 slots: 4 packed rows
+        plans[name] = plan
+
+    @jax.jit
+    def run(params, batches, plans):
+        results = {}
+        for name, (_, _, train) in cases.items():
+            batch = batches[name]
+            readout = train.readout or ts.default_readout(model_cfg)
+            inputs = InferenceBatch(*(batch[k] for k in ts.MODEL_INPUT_KEYS))
+
+            def loss(p, packed, train=train, batch=batch, readout=readout, inputs=inputs,
+                     plan=plans[name]):
+                out = (infer_packed(model, readout, 1, p, inputs, plan) if packed
+                       else infer(model, readout, p, inputs))
+                loss_sum, weight, stats = train.loss_fn(out, batch)
+                return loss_sum, (weight, stats, out)
+
+            results[name] = [jax.value_and_grad(loss, has_aux=True)(params, packed)
+                             for packed in (False, True)]
+        return results
+
+    for name, (((ref_loss, ref_aux), ref_grads), ((loss, aux), grads)) in run(
+            params, batches, plans).items():
+        _assert_same(name, ref_loss, ref_aux, ref_grads, loss, aux, grads)
+
+
+def _assert_same(name, ref_loss, ref_aux, ref_grads, loss, aux, grads):
+    """The optimised loss (Σloss / Σweight), stats, per-token readout and gradients of the
+    packed forward equal the unpacked one's."""
+    weight = float(ref_aux[0])
+    assert np.isfinite(float(ref_loss)) and weight > 0, name
+    assert float(aux[0]) == weight, name  # token or sequence counts
+    np.testing.assert_allclose(loss / weight, ref_loss / weight, rtol=0, atol=1e-5,
+                               err_msg=name)
+    for key in ref_aux[1]:
+        np.testing.assert_allclose(aux[1][key] / weight, ref_aux[1][key] / weight, rtol=0,
+                                   atol=1e-5, err_msg=f"{name} {key}")
+    for got, want in zip(aux[2], ref_aux[2]):  # log-probs, entropies or values per token
+        if want is not None:
+            assert np.any(np.asarray(want) != 0), name
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=name)
+    flat = jax.tree.leaves(ref_grads)
+    assert max(float(jnp.max(jnp.abs(g))) for g in flat) / weight > 1e-3, name
+    for got, want in zip(jax.tree.leaves(grads), flat):
+        np.testing.assert_allclose(got / weight, want / weight, rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_planner_counts_packed_tokens():
+    """Train steps and inference are priced on the sequences' tokens in whole packed rows:
+    prompts of 64 and responses of mean 64 in rows of 512 cost a quarter of the padded rows'
+    work."""
+    profile = profile_of(get_size("small"))
+    choice = CallChoice(DeviceRange(0, 1), data=2)
+    cluster = Cluster(
+        name="test_1x2", hosts=1, devices_per_host=2, hbm_bytes=10**9, peak_bf16_flops=1e12,
+        hbm_bandwidth=1e11, intra_host_bandwidth=1e10, inter_host_bandwidth=1e9,
+        host_link_bandwidth=5e8, matmul_efficiency=0.5, hbm_efficiency=0.5,
+        comm_efficiency=0.5)
+    padded = Workload(batch_size=64, prompt_len=64, new_tokens=448)
+    packed = Workload(batch_size=64, prompt_len=64, new_tokens=448, mean_new_tokens=64.0)
+    assert packed.packed_tokens_per_device(Call.TRAIN_STEP, 2, 1) == 8 * 512  # 32 x 128 tokens
+    assert padded.packed_tokens_per_device(Call.TRAIN_STEP, 2, 1) == 32 * 512
+    for cost in (lambda w: train_cost(profile, w, choice, cluster, False),
+                 lambda w: inference_cost(profile, w, choice, cluster)):
+        assert cost(packed).compute == pytest.approx(cost(padded).compute / 4)
+    for call in (Call.TRAIN_STEP, Call.INFERENCE):
+        full, small = (call_memory(profile, call, w, choice).activations
+                       for w in (padded, packed))
+        assert small == pytest.approx(full / 4, rel=0.01)
