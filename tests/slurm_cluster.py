@@ -31,7 +31,9 @@ import time
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scancel", "scontrol", "sinfo", "srun")
-NODE = "node0"
+# The node is this machine, under its own name: jax.distributed under Slurm connects to the
+# step's first node by that name.
+NODE = socket.gethostname().split(".")[0]
 NODE_CPUS = 8
 # Seconds between the SIGTERM of a plain `scancel` and the SIGKILL that follows (Slurm: 30 by
 # default; more here, for a step under way on 2 busy cores).
@@ -91,7 +93,7 @@ ReturnToService=2
 KillWait={KILL_WAIT_S}
 MinJobAge={MIN_JOB_AGE_S}
 InactiveLimit=0
-NodeName={NODE} NodeAddr=127.0.0.1 NodeHostname={host} CPUs={NODE_CPUS} State=UNKNOWN
+NodeName={NODE} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} State=UNKNOWN
 PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
 """
 
