@@ -90,8 +90,8 @@ def wait_for(kind: str, proc: subprocess.Popen, log: pathlib.Path, workdir: path
                 return time.monotonic() > after
             case "warm_start":
                 return sum(_WARM in r for r in records(workdir)) > warm_records
-            case "evaluation":  # the warm start's last step logged, no evaluation printed yet
-                return (sum(_WARM in r for r in records(workdir)) >= _WARM_STEPS
+            case "evaluation":  # the warm start's end checkpoint written, no evaluation yet
+                return ((workdir / f"checkpoints/warm_start/{_WARM_STEPS}").is_dir()
                         and "held-out before" not in log.read_text())
             case "step":
                 return rl_steps(workdir) > start_step
@@ -121,9 +121,10 @@ def _session(sid: int, seconds: float = 5.0) -> list[str]:
 
 def outcome(log: pathlib.Path) -> dict:
     text = log.read_text()
-    resumed = re.search(r"resuming (?:the warm start )?from checkpoint (\d+)", text)
+    resumed = re.search(r"resuming (?:the warm start )?from checkpoint (\d+)|the warm start "
+                        r"is done: its checkpoint (\d+)", text)
     saved = re.search(r"checkpoint (\d+) saved in", text)
-    return {"resumed_from": int(resumed.group(1)) if resumed else None,
+    return {"resumed_from": int(resumed.group(1) or resumed.group(2)) if resumed else None,
             "saved": int(saved.group(1)) if saved else None,
             "damaged": len(re.findall(r"warning: checkpoint \S+ cannot be restored", text)),
             "tracebacks": text.count(TRACEBACK),
@@ -190,10 +191,14 @@ def main() -> None:
     last = outcome(final_log)
     reruns = rows[1:] + [last]
     # The checkpoint each stop left (saved, or the newest one before it) is where the next run
-    # resumes; a stop before any checkpoint leaves the next run starting afresh.
-    newest, resumed_right = None, 0
+    # that gets as far as its start resumes (a run stopped during its startup never gets
+    # there; the one after it must); before any checkpoint, runs start afresh.
+    newest, started, resumed_right = None, 0, 0
     for row, rerun in zip(rows, reruns):
         newest = row["saved"] if row["saved"] is not None else newest
+        if rerun["resumed_from"] is None and rerun.get("kind") == "startup":
+            continue  # stopped before it said where it resumes
+        started += 1
         resumed_right += rerun["resumed_from"] == newest and not rerun["damaged"]
     print(json.dumps({
         "terms": len(rows), "by_kind": {k: sum(r["kind"] == k for r in rows) for k in KINDS},
@@ -202,7 +207,8 @@ def main() -> None:
         "max_exit_seconds": max((r["exit_seconds"] for r in rows), default=None),
         "killed_after_grace": sum(r["killed_after_grace"] for r in rows),
         "processes_left": sum(r["processes_left"] for r in rows),
-        "reruns_resumed_newest": resumed_right, "damaged_found": sum(r["damaged"] for r in reruns),
+        "reruns_started": started, "reruns_resumed_newest": resumed_right,
+        "damaged_found": sum(r["damaged"] for r in reruns),
         "tracebacks": sum(r["tracebacks"] for r in rows) + last["tracebacks"],
         "errors": sum(len(r["errors"]) for r in rows) + len(last["errors"]),
         "final_exit": final.returncode, "workdir": str(root),

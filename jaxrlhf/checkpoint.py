@@ -55,6 +55,7 @@ from jaxrlhf.engine.train_step import TrainState, state_shardings
 from jaxrlhf.fingerprint import differences as fingerprint_differences
 from jaxrlhf.metrics import METRICS_FILE, TENSORBOARD_DIR
 from jaxrlhf.mfc import Role
+from jaxrlhf.models import lora
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.parallel.layout import Layout
@@ -192,7 +193,8 @@ def abstract_state(model: ModelConfig, layout: Layout,
     if opt_cfg is None:
         return _with_sharding(params, layout.param_shardings(boxed))
     shardings = state_shardings(model, layout, opt_cfg)
-    opt_state = jax.eval_shape(make_optimizer(opt_cfg).init, params)
+    trained, _ = lora.partition(params, model.lora)  # with LoRA the adapters' state alone
+    opt_state = jax.eval_shape(make_optimizer(opt_cfg).init, trained)
     step = jax.ShapeDtypeStruct((), jnp.int32)
     return TrainState(params=_with_sharding(params, shardings.params),
                       opt_state=_with_sharding(opt_state, shardings.opt_state),

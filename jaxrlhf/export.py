@@ -26,6 +26,11 @@ decodes.
 
 The parameters are restored onto whatever devices this process has (one CPU device is
 enough), whatever plan the run used.
+
+A LoRA actor (`models.actor.lora.rank` > 0) is written twice over: at DIR its adapters merged
+into the weights (W + alpha/r · A·B, a plain HF model), and in DIR/adapter the adapters alone in
+PEFT's format (adapter_model.safetensors, adapter_config.json), whose base model is
+`models.actor.path`, or DIR/base, written too, when the run's base model had no directory.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import shutil
 import sys
 import tempfile
 
+import numpy as np
 from absl import flags, logging
 
 from jaxrlhf import cli
@@ -170,11 +176,54 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path, role: Role = Ro
     staged = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.export-",
                                            dir=out.absolute().parent))
     try:
-        hf_io.save_hf(staged, model, params, tokenizer_dir=tokenizer_dir, extra_config=ids)
+        if model.lora is None:
+            hf_io.save_hf(staged, model, params, tokenizer_dir=tokenizer_dir, extra_config=ids)
+        else:
+            _save_lora(staged, out, model, params, config.models[role.value].path,
+                       tokenizer_dir=tokenizer_dir, extra_config=ids)
         _replace(staged, out)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
     return Exported(out, host.step, tokenizer_dir)
+
+
+def _save_lora(staged: pathlib.Path, out: pathlib.Path, model, params, base: str,
+               **hf_args) -> None:
+    """A LoRA model into `staged` (moved to `out` afterwards): the merged weights, the adapters
+    in PEFT's format in adapter/, and their base model in base/ when `base` (the run's
+    models.actor.path) is empty."""
+    from jaxrlhf.models import hf_io, lora
+
+    save = lambda path, tree: hf_io.save_hf(path, model.replace(lora=None), tree, **hf_args)
+    save(staged, lora.merged(params, model.lora))
+    if not base:  # initialised by its config: the adapters' base model is written too
+        save(staged / BASE_DIR, lora.partition(params, model.lora)[1])
+        base = str(out.absolute() / BASE_DIR)
+    save_peft(staged / ADAPTER_DIR, model, params, base)
+
+
+ADAPTER_DIR = "adapter"  # a LoRA model's adapters, in PEFT's format
+BASE_DIR = "base"  # their base model, when the run had none on disk
+PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+def save_peft(path: pathlib.Path, model, params, base_model: str) -> None:
+    """The LoRA adapters of `params` as PEFT's adapter_model.safetensors and
+    adapter_config.json in `path` (models/lora.py gives the layout)."""
+    import jax
+    from safetensors.numpy import save_file
+
+    from jaxrlhf.models import hf_io, lora
+
+    adapters, _ = lora.partition(params, model.lora)
+    leaves = {tuple(str(k.key) for k in key_path): np.asarray(jax.device_get(x))
+              for key_path, x in jax.tree_util.tree_flatten_with_path(adapters)[0]}
+    hf_name = lambda kernel_path, layer: hf_io.tensor_map(kernel_path).name(layer)
+    tensors = lora.peft_tensors(leaves, hf_name, model.num_layers)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / PEFT_WEIGHTS, metadata={"format": "pt"})
+    (path / PEFT_CONFIG).write_text(json.dumps(lora.peft_config(model.lora, base_model),
+                                               indent=2))
 
 
 def main() -> None:

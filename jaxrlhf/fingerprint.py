@@ -25,7 +25,7 @@ import pathlib
 RESUMABLE = (
     "steps", "workdir", "cpu_devices", "log_every", "checkpoint.", "placement.", "micro_batches",
     "micro_batch_tokens", "reward.workers", "reward.timeout", "cost.workers", "cost.timeout",
-    "nan_policy", "eval.", "reward.max_error_rate", "cost.max_error_rate",
+    "nan_policy", "eval.", "reward.max_error_rate", "cost.max_error_rate", "logging.",
 )
 # Per-model implementation choices (models.<role>.<key>) that may change on resume.
 _MODEL_RESUMABLE = ("scan_layers", "remat", "attention")

@@ -142,7 +142,8 @@ def _search(config, cluster: Cluster) -> None:
     print(report_lib.summary(report))
     print(f"pipelined generation priced with the {experiment.decode.value} decode schedule")
     if report.searched.plan is not None:
-        print(f"\nplacement.kind=manual placement.allocation="
+        # cluster= cleared: a manual plan reads no cluster (the run refuses one it ignores).
+        print(f"\nplacement.kind=manual placement.cluster= placement.allocation="
               f"{report_lib.allocation(report.searched)}")
 
 

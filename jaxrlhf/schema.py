@@ -83,6 +83,9 @@ def model(size: str = "tiny") -> ConfigDict:
         # auto | xla | cudnn | pallas (jaxrlhf/models/attention.py); auto: XLA on CPU, cuDNN
         # on GPU (XLA where cuDNN cannot take the shapes/dtype), Pallas kernels on TPU
         "attention": "auto",
+        # LoRA (actor only; jaxrlhf/models/lora.py): rank > 0 freezes the model and trains
+        # rank-r adapters on the `targets` projections of every layer, scaled by alpha / rank
+        "lora": {"rank": 0, "alpha": 16.0, "targets": "q_proj,k_proj,v_proj,o_proj"},
     })
 
 
@@ -212,7 +215,7 @@ def base_config() -> ConfigDict:
         "optimizer": {"actor": optimizer(1e-3), "critic": optimizer(1e-3),
                       "cost_critic": optimizer(1e-3), "reward": optimizer(1e-3)},
         "micro_batches": 1,  # per optimizer update; or use a token budget
-        "micro_batch_tokens": 0,  # >0: split micro-batches by this token budget instead
+        "micro_batch_tokens": 0,  # >0: token budget of a micro-batch (its packed rows' slots)
         # Held-out evaluation (data.eval_path or the task's eval rows), jaxrlhf/run/evaluate.py:
         # greedy reward (and accuracy when rows have answers) before and after RL, and every
         # `every` steps (0 = never) in metrics.jsonl / TensorBoard as eval/*; with samples = n,
@@ -237,6 +240,12 @@ def base_config() -> ConfigDict:
             # block of its own with its own weights copy; > 1 runs one process per replica
             # plus the trainer's (launch/local.sh 1+R ...) with async_rl.max_staleness > 0.
             "gen_replicas": 1,
+        },
+        "logging": {  # metrics.jsonl and TensorBoard always; jaxrlhf/metrics.py
+            # Weights & Biases beside them when `project` is set (pip install 'jaxrlhf[wandb]');
+            # name: the run's display name (empty: W&B picks one); mode: online | offline
+            # (written under workdir/wandb without network; `wandb sync` uploads it later)
+            "wandb": {"project": "", "name": "", "mode": "online"},
         },
         "async_rl": {  # asynchronous RL (AReaL): generation runs ahead of training
             # η: a batch is trained only if its oldest token was sampled at most η policy

@@ -35,8 +35,9 @@ from jaxrlhf.dataflow.placement import Placement
 from jaxrlhf.engine.generate import GenerateConfig
 from jaxrlhf.engine.microbatch import MicrobatchConfig
 from jaxrlhf.engine.optimizer import OptimizerConfig
+from jaxrlhf.metrics import WandbMode, WandbSpec, wandb_available
 from jaxrlhf.mfc import Call, Role
-from jaxrlhf.models import attention, hf_io
+from jaxrlhf.models import attention, hf_io, lora
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.plan.experiment import Experiment, Workload
@@ -182,6 +183,7 @@ class RunSpec:
       rewards: role -> RewardSpec for every role the graph runs as a host function.
       micro: train_step micro-batching (an MFC's `@N` in the allocation overrides it).
       config_json: the config as JSON, for checkpoints (export rebuilds specs from it).
+      wandb: the W&B run the metrics also go to; None: none.
     """
 
     algorithm: Algorithm
@@ -206,6 +208,7 @@ class RunSpec:
     async_rl: AsyncRLSpec
     require_model_paths: bool  # every role loads its own HF directory
     evaluation: EvalSpec
+    wandb: WandbSpec | None = None
 
     @property
     def step_rows(self) -> int:
@@ -238,6 +241,7 @@ def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
     if (reason := attention.unavailable_reason(attn)) is not None:
         raise ValueError(f"{where}.attention={cfg.attention!r}: {reason}")
     head = HeadKind.LM if role in (Role.ACTOR, Role.REF) else HeadKind.SCALAR  # policies
+    adapters = _lora(cfg.lora, role, f"{where}.lora")
     if cfg.path:
         if not (pathlib.Path(cfg.path) / "config.json").is_file():
             raise FileNotFoundError(f"{where}.path={cfg.path!r} has no config.json")
@@ -245,7 +249,19 @@ def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
     else:
         with field(f"{where}.size"):
             base = get_size(cfg.size, dtype=dtype, param_dtype=param_dtype, head=head)
-    return base.replace(scan_layers=cfg.scan_layers, remat=remat, attention=attn)
+    return base.replace(scan_layers=cfg.scan_layers, remat=remat, attention=attn, lora=adapters)
+
+
+def _lora(cfg: ConfigDict, role: Role, where: str) -> lora.LoraConfig | None:
+    """`models.<role>.lora` as a LoraConfig; None at rank 0. Only the actor takes adapters."""
+    if not cfg.rank:
+        return None
+    if role is not Role.ACTOR:
+        raise ConfigError(f"{where}.rank={cfg.rank}: LoRA adapts the actor only")
+    with field(f"{where}.targets"):
+        targets = lora.parse_targets(cfg.targets)
+    with field(where):
+        return lora.LoraConfig(rank=cfg.rank, alpha=cfg.alpha, targets=targets)
 
 
 def ppo_config(config: ConfigDict, cap: float | None = None) -> ppo.PPOConfig:
@@ -406,24 +422,23 @@ def _models(config: ConfigDict, graph: DataflowGraph) -> tuple[dict[Role, ModelS
         base = models.get(Role.ACTOR) or model(Role.ACTOR)
     if Role.REF in models and not models[Role.REF].path:  # a copy of the actor: its shapes
         ref = models[Role.REF].config
-        models[Role.REF] = ModelSpec(base.config.replace(
+        models[Role.REF] = ModelSpec(base.config.replace(  # the base model, without adapters
             dtype=ref.dtype, param_dtype=ref.param_dtype, scan_layers=ref.scan_layers,
-            remat=ref.remat, attention=ref.attention))
-    _check_positions(config.rollout, models, base)
+            remat=ref.remat, attention=ref.attention, lora=None))
     return models, base
 
 
-def _check_positions(rollout: ConfigDict, models: dict[Role, ModelSpec], base: ModelSpec) -> None:
-    """A step's sequences (prompt and new tokens) fit every model's positions: past them RoPE
-    extrapolates silently, and a very long response would ask for a KV cache of terabytes."""
-    length = rollout.max_prompt_len + rollout.max_new_tokens
-    for role, model in {Role.ACTOR: base, **models}.items():
-        limit = model.config.max_position_embeddings
-        if length > limit:
-            raise ConfigError(
-                f"rollout.max_new_tokens={rollout.max_new_tokens}: with rollout.max_prompt_len="
-                f"{rollout.max_prompt_len} a sequence has {length} tokens, more than the "
-                f"{limit} positions of models.{role.value} (max_position_embeddings)")
+def _wandb(w: ConfigDict) -> WandbSpec | None:
+    """`logging.wandb` as a spec; None when no project is set."""
+    mode = enum_value(WandbMode, w.mode, "logging.wandb.mode")
+    if not w.project:
+        if w.name:
+            raise ConfigError(f"logging.wandb.name={w.name!r}: set logging.wandb.project too")
+        return None
+    if not wandb_available():
+        raise ConfigError("logging.wandb.project: logging to W&B needs the wandb package "
+                          "(pip install 'jaxrlhf[wandb]')")
+    return WandbSpec(project=w.project, name=w.name, mode=mode)
 
 
 def run_spec(config: ConfigDict) -> RunSpec:
@@ -466,4 +481,5 @@ def run_spec(config: ConfigDict) -> RunSpec:
         nan_policy=enum_value(NanPolicy, config.nan_policy, "nan_policy"),
         data=_data(config.data), warm_start=warm, tokenizer=config.tokenizer, seed=config.seed,
         steps=config.steps, config_json=config.to_json(), async_rl=async_rl,
-        require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval))
+        require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval),
+        wandb=_wandb(config.logging.wandb))

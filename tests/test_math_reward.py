@@ -6,12 +6,13 @@ from jaxrlhf.data.math_reward import answers_equal, final_answer, last_boxed, ma
 from jaxrlhf.data.rewards import resolve_reward
 
 
-@pytest.mark.parametrize("completion,answer,score", [
+# (completion, reference, reward); tests/test_math_verify.py checks math-verify agrees.
+TABLE = [
     ("so the answer is \\boxed{42}.", "42", 1.0),
     ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
     ("\\boxed{\\dfrac{3}{4}}", "3/4", 1.0),
     ("$\\boxed{1,000}$", "1000", 1.0),
-    ("\\boxed{\\text{5 apples}}", "5apples", 1.0),
+    ("\\boxed{\\text{5 apples}}", "5", 0.0),  # math-verify keeps the words in \text
     ("\\boxed{x^{2}+1}", "x^{2}+1", 1.0),  # nested braces, non-numeric
     ("she has 3 then 7 left", "7", 1.0),  # last number
     ("she has 7 then 3 left", "7", 0.0),
@@ -21,15 +22,20 @@ from jaxrlhf.data.rewards import resolve_reward
     ("no answer here", "3", 0.0),
     ("\\boxed{12", "12", 1.0),  # cut-off box: falls back to the last number
     ("\\boxed{-2.50}", "-5/2", 1.0),
-    ("\\boxed{1/0}", "1/0", 1.0),  # unparseable numbers compare as strings
-])
+    ("\\boxed{1/0}", "1/0", 1.0),  # both sides infinite
+    ("It costs \\$18.", "18", 1.0),  # math-verify finds nothing here: the last number
+]
+
+
+@pytest.mark.parametrize("completion,answer,score", TABLE)
 def test_math_reward_table(completion, answer, score):
     assert math_reward("q", completion, answer) == score
 
 
 def test_helpers_and_registry():
     assert last_boxed("a \\boxed{1} b \\boxed{{2}}") == "{2}"
-    assert final_answer("x = 3.") == "3" and answers_equal("3.", "3")
+    assert final_answer("x = 3.") == "3" and final_answer("#### 3.") == "3"
+    assert answers_equal("3", "3.0") and not answers_equal("3", "4")
     assert resolve_reward("math") is math_reward
     with pytest.raises(ValueError, match="needs a reference answer"):
         math_reward("q", "1", None)

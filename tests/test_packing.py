@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.algorithms import dpo, grpo, losses, ppo, remax, rw, sft
+from jaxrlhf.algorithms import dapo, dpo, grpo, gspo, losses, ppo, reinforce, remax, rw, sft
 from jaxrlhf.mfc import Call
 from jaxrlhf.parallel.strategy import DeviceRange
 from jaxrlhf.plan.choice import CallChoice
@@ -76,8 +76,8 @@ def test_spans_and_row_ladder():
     spans = packing.sequence_spans(seg)
     assert spans.row_n.tolist() == [0, 0, 1] and spans.start_n.tolist() == [1, 3, 0]
     assert spans.length_n.tolist() == [2, 2, 6]
-    assert [packing.row_buckets(n, 1) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17)] == \
-        [1, 2, 3, 4, 6, 8, 12, 16, 24]
+    assert [packing.row_buckets(n, 1) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 33)] == \
+        [1, 2, 3, 4, 5, 7, 10, 14, 20, 40]
     assert packing.row_buckets(5, 4) == 8
 
 
@@ -111,6 +111,14 @@ def _case(name):
                            batch_size=b)
         case "remax":
             alg = remax.make(remax.ReMaxConfig(policy=entropy), reward_model=False, batch_size=b)
+        case "dapo":
+            alg = dapo.make(dapo.DAPOConfig(group_size=2, temperature=0.8), reward_model=False)
+        case "gspo":
+            alg = gspo.make(gspo.GSPOConfig(grpo.GRPOConfig(group_size=2)), reward_model=False)
+        case "reinforce":
+            alg = reinforce.make(reinforce.ReinforceConfig(reinforce.Baseline.LEAVE_ONE_OUT,
+                                                           group_size=2, policy=entropy),
+                                 reward_model=False, batch_size=b)
         case "sft":
             alg = sft.make()
         case "dpo":
@@ -133,7 +141,8 @@ def _params(model):
 
 
 # One compiled program per head: every algorithm's loss and gradient, packed and unpacked.
-HEADS = {"lm": ["grpo", "ppo_actor", "remax", "sft", "dpo"], "scalar": ["ppo_critic", "rw"]}
+HEADS = {"lm": ["grpo", "ppo_actor", "remax", "dapo", "gspo", "reinforce", "sft", "dpo"],
+         "scalar": ["ppo_critic", "rw"]}
 
 
 @pytest.mark.parametrize("head", list(HEADS))

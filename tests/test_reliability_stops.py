@@ -56,7 +56,7 @@ def test_a_failing_reward_or_a_non_finite_step_stops_naming_the_reason_and_the_s
     reason, saved = str(info.value).splitlines()
     assert reason.startswith("RL step 0: reward function failed on 32 of 32 samples this step "
                              "(reward.max_error_rate=0.5): 0: bad_value: returned a NoneType")
-    assert saved == "nothing was saved (a rerun starts afresh)"
+    assert saved == "no RL checkpoint was saved (a rerun starts RL afresh)"
     lock.release(work)
 
     work = tmp_path / "nan"
@@ -72,7 +72,7 @@ def test_the_train_command_prints_why_it_stopped_without_a_traceback(kind, tmp_p
     reward = _reward(tmp_path, kind)
     result = subprocess.run(
         [sys.executable, "-m", "jaxrlhf.train", "--config=configs/grpo_tiny.py:smoke",
-         "--config.warm_start.sft_steps=0",
+         "--config.warm_start.sft_steps=0", "--config.data.task.num_eval=8",
          "--config.reward.timeout=2.0", "--config.checkpoint.every=1",
          f"--config.reward.function={reward}", f"--workdir={tmp_path / 'work'}"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
@@ -81,7 +81,7 @@ def test_the_train_command_prints_why_it_stopped_without_a_traceback(kind, tmp_p
     assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
     tail = result.stderr.strip().splitlines()[-2:]
     assert tail[0].startswith("stopped: RL step 0: reward function failed on "), tail
-    assert tail[1] == "nothing was saved (a rerun starts afresh)", tail
+    assert tail[1] == "no RL checkpoint was saved (a rerun starts RL afresh)", tail
 
 
 def test_the_sandbox_never_forks_the_trainer(monkeypatch):

@@ -22,7 +22,9 @@ def _name(requirement: str) -> str:
 
 
 def _declared() -> set[str]:
-    lines = (ROOT / "requirements.txt").read_text(encoding="utf-8").splitlines()
+    """requirements.txt's packages, and the optional extras' (imported only where enabled)."""
+    lines = [line for name in ("requirements.txt", "requirements-wandb.txt")
+             for line in (ROOT / name).read_text(encoding="utf-8").splitlines()]
     return {_name(re.match(r"[A-Za-z0-9_.-]+", line).group(0))
             for line in map(str.strip, lines) if line and not line.startswith("#")}
 

@@ -66,6 +66,7 @@ def sequence_nll(out, batch):
     return jnp.sum(nll_b), jnp.float32(nll_b.shape[0]), {}
 
 
+@pytest.mark.slow  # ~10 s; token budgets under every parallelism: tests/test_train_step.py
 @pytest.mark.devices(2)
 def test_token_budget_step_equals_one_padded_micro_batch():
     layout = make_layout("0-1:d2", model=MODEL)

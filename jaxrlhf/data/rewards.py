@@ -63,7 +63,7 @@ def zero(prompt: str, completion: str, answer: str | None) -> float:
     return 0.0
 
 
-# `math` (data/math_reward.py): \boxed{} / #### / last number, numerically normalised;
+# `math` (data/math_reward.py): \boxed{} / #### / last number, judged by math-verify;
 # `code` (data/code_reward.py): the program run against the row's tests in a sandbox.
 BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "zero": zero,
                                          "math": math_reward, "code": code_reward}

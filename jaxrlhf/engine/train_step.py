@@ -44,6 +44,7 @@ from jaxrlhf.engine.inference import (
     InferenceBatch, InferenceConfig, InferenceKind, infer_packed,
 )
 from jaxrlhf.engine.optimizer import OptimizerConfig, make_optimizer, make_schedule
+from jaxrlhf.models import lora
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
@@ -63,7 +64,8 @@ class TrainState:
 
     Attributes:
       params: unboxed parameter pytree (sharded jax.Arrays).
-      opt_state: the optax state of `make_optimizer(opt_cfg)`, sharded like the parameters.
+      opt_state: the optax state of `make_optimizer(opt_cfg)` over the trained parameters
+        (with LoRA the adapters alone, `lora.partition`), sharded like them.
       step: int32 scalar, the number of updates applied so far (drives the lr schedule).
     """
 
@@ -106,7 +108,8 @@ def state_shardings(model_config: ModelConfig, layout: Layout,
     boxed = abstract_params(model_config)
     param_shardings = layout.param_shardings(boxed)
     unboxed = nn.unbox(boxed)
-    abstract_opt = jax.eval_shape(make_optimizer(opt_cfg).init, unboxed)
+    trained, _ = lora.partition(unboxed, model_config.lora)
+    abstract_opt = jax.eval_shape(make_optimizer(opt_cfg).init, trained)
     opt_shardings = _match_param_shardings(
         abstract_opt, unboxed, param_shardings, layout.replicated()
     )
@@ -122,7 +125,8 @@ def create_train_state(params, model_config: ModelConfig, layout: Layout,
     """
     shardings = state_shardings(model_config, layout, opt_cfg)
     params = transfer(params, shardings.params)
-    opt_state = jax.jit(make_optimizer(opt_cfg).init, out_shardings=shardings.opt_state)(params)
+    trained, _ = lora.partition(params, model_config.lora)
+    opt_state = jax.jit(make_optimizer(opt_cfg).init, out_shardings=shardings.opt_state)(trained)
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
     return TrainState(params=params, opt_state=opt_state, step=step)
 
@@ -145,11 +149,14 @@ class _StepSpec:
     pipeline: Pipeline | None = None  # on a pipelined layout: streams its micro-batches
 
 
-def _grad_fn(model: Transformer, loss_fn: LossFn, readout: InferenceConfig, shards: int):
-    """(params, (micro_batch, its PackPlan)) -> (grads of loss_sum, {loss_sum, weight,
-    num_tokens, stats})."""
+def _grad_fn(model: Transformer, loss_fn: LossFn, readout: InferenceConfig, shards: int,
+             frozen):
+    """(trained params, (micro_batch, its PackPlan)) -> (grads of loss_sum, {loss_sum, weight,
+    num_tokens, stats}); the `frozen` parameters (LoRA's base model) enter as constants: no
+    gradient."""
 
-    def loss_of(params, micro: Batch, plan: packing.PackPlan):
+    def loss_of(trained, micro: Batch, plan: packing.PackPlan):
+        params = lora.combine(trained, frozen)
         inputs = InferenceBatch(*(micro[k] for k in MODEL_INPUT_KEYS))
         plan_1 = jax.tree.map(lambda x: x[None], plan)
         out = infer_packed(model, readout, shards, params, inputs, plan_1)
@@ -177,11 +184,14 @@ def _train_step(state: TrainState, batch: Batch, plan: packing.PackPlan, *, spec
     batch_kb = jax.tree.map(
         lambda x: jax.lax.with_sharding_constraint(x, _micro_sharding(layout, x.ndim)), batch_kb
     )
-    keep_sharded = lambda g: jax.lax.with_sharding_constraint(g, param_shardings)
+    # With LoRA only the adapters are differentiated, updated and given optimizer state.
+    trained, frozen = lora.partition(state.params, spec.model_config.lora)
+    trained_shardings, _ = lora.partition(param_shardings, spec.model_config.lora)
+    keep_sharded = lambda g: jax.lax.with_sharding_constraint(g, trained_shardings)
     grads_sum, sums = microbatch.accumulate(
         _grad_fn(Transformer(spec.model_config, spec.pipeline), loss_fn, spec.readout,
-                 layout.dp_size),
-        state.params, (batch_kb, plan), keep_sharded,
+                 layout.dp_size, frozen),
+        trained, (batch_kb, plan), keep_sharded,
     )
     weight = sums["weight"]
     # An all-masked batch has no loss; dividing by 1 makes its gradient 0 instead of NaN.
@@ -190,10 +200,10 @@ def _train_step(state: TrainState, batch: Batch, plan: packing.PackPlan, *, spec
     grad_norm = optax.tree.norm(grads)
     if not spec.opt_cfg.fp32_master:
         # Without a master copy the optimizer state lives in the parameter dtype.
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
     optimizer = make_optimizer(spec.opt_cfg)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = optimizer.update(grads, state.opt_state, trained)
+    params = lora.combine(optax.apply_updates(trained, updates), frozen)
     metrics = {
         "loss": sums["loss_sum"] / safe_weight,
         "weight": weight,

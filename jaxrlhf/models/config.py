@@ -8,6 +8,7 @@ import enum
 import jax.numpy as jnp
 
 from jaxrlhf.models.attention import AttentionImpl
+from jaxrlhf.models.lora import LoraConfig
 
 
 class HeadKind(enum.Enum):
@@ -42,6 +43,7 @@ class ModelConfig:
     `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters.
     `scan_layers=False` unrolls the layer loop but keeps the same stacked parameter tree.
     `attention` picks the attention implementation (XLA, cuDNN, Pallas); AUTO by backend.
+    `lora`: low-rank adapters beside the targeted projections (models/lora.py); None: none.
     """
 
     vocab_size: int
@@ -64,6 +66,7 @@ class ModelConfig:
     scan_layers: bool = True
     remat: RematPolicy = RematPolicy.NONE
     attention: AttentionImpl = AttentionImpl.AUTO  # see models/attention.py
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.models import attention
+from jaxrlhf.models import attention, lora
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy, RopeScaling
 
 # Logical axis names used by parameters and activations. Rules in meshes/ map them to mesh axes.
@@ -132,6 +132,17 @@ class RMSNorm(nn.Module):
         return normed.astype(self.dtype) * scale.astype(self.dtype)
 
 
+def _adapted(module: nn.Module, kernel: jax.Array, axes: tuple[str, ...], x: jax.Array,
+             contract: int) -> jax.Array | float:
+    """The LoRA term of projection `module` (kernel [*in, *out], `contract` in axes) when the
+    config adapts it (models/lora.py), else 0."""
+    cfg = module.config
+    if cfg.lora is None or not cfg.lora.adapts(module.name):
+        return 0.0
+    return lora.adapter_delta(module, cfg.lora, x, kernel.shape, axes, contract, cfg.dtype,
+                              cfg.param_dtype)
+
+
 class HeadProjection(nn.Module):
     """x [b, t, embed] -> [b, t, heads, head_dim], kernel [embed, heads, head_dim] (+ bias).
 
@@ -151,6 +162,7 @@ class HeadProjection(nn.Module):
             (cfg.hidden_size, self.heads, cfg.head_dim), cfg.param_dtype,
         )
         out = flat_matmul(x_btd, kernel.astype(cfg.dtype), 1)
+        out = out + _adapted(self, kernel, ("embed", self.head_axis, "head_dim"), x_btd, 1)
         if cfg.qkv_bias:
             bias = self.param(
                 "bias", nn.with_logical_partitioning(nn.initializers.zeros, (self.head_axis, "head_dim")),
@@ -172,7 +184,8 @@ class OutProjection(nn.Module):
             "kernel", nn.with_logical_partitioning(_init(), ("heads", "head_dim", "embed")),
             (cfg.num_heads, cfg.head_dim, cfg.hidden_size), cfg.param_dtype,
         )
-        return flat_matmul(x_bthk, kernel.astype(cfg.dtype), 2)
+        return (flat_matmul(x_bthk, kernel.astype(cfg.dtype), 2)
+                + _adapted(self, kernel, ("heads", "head_dim", "embed"), x_bthk, 2))
 
 
 class Attention(nn.Module):
@@ -294,7 +307,8 @@ class Dense(nn.Module):
             "kernel", nn.with_logical_partitioning(_init(), self.axes),
             (x.shape[-1], self.features), cfg.param_dtype,
         )
-        return flat_matmul(x.astype(cfg.dtype), kernel.astype(cfg.dtype), 1)
+        return (flat_matmul(x.astype(cfg.dtype), kernel.astype(cfg.dtype), 1)
+                + _adapted(self, kernel, self.axes, x, 1))
 
 
 class MLP(nn.Module):

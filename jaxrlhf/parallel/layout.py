@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -187,11 +188,14 @@ def check_batch_divisible(layout: Layout, batch: int, what: str) -> None:
         )
 
 
-def init_params(model_config: ModelConfig, layout: Layout, rng: jax.Array):
+def init_params(model_config: ModelConfig, layout: Layout, rng: jax.Array,
+                select: Callable[[Any], Any] = lambda params: params):
     """Initialises parameters directly sharded on `layout`, never whole on one device.
 
     Shapes come from `jax.eval_shape`, shardings from the layout, and the init itself runs
     under `jax.jit(out_shardings=...)` so each device only materialises its own shards.
+    `select` keeps a part of the tree (LoRA's adapters beside loaded weights); XLA then never
+    computes the rest.
 
     Returns:
       The unboxed parameter pytree of sharded `jax.Array`s.
@@ -207,6 +211,6 @@ def init_params(model_config: ModelConfig, layout: Layout, rng: jax.Array):
     # Deliberately outside `activation_context()`: with a mesh in scope flax's DenseGeneral
     # constrains its flat [in, out] kernel with the 3-name logical spec and fails; placement is
     # fully decided by `out_shardings` anyway.
-    shardings = layout.param_shardings(jax.eval_shape(init_boxed, rng))
-    init = jax.jit(lambda key: nn.unbox(init_boxed(key)), out_shardings=shardings)
+    shardings = select(layout.param_shardings(jax.eval_shape(init_boxed, rng)))
+    init = jax.jit(lambda key: select(nn.unbox(init_boxed(key))), out_shardings=shardings)
     return init(transfer(rng, layout.replicated()))  # device_put refuses keys multi-process

@@ -3,8 +3,9 @@
 One MFC on its own (`call_memory`), per device:
   * params: the model's parameters in the call's layout (exact, from the parameter tree);
   * optimizer (train): AdamW m and v (fp32 with a fp32 master or fp32 params, else the
-    parameter dtype) plus the fp32 master copy;
-  * grads (train): the fp32 accumulator plus one micro-batch's gradients;
+    parameter dtype) plus the fp32 master copy, of the trained parameters (with LoRA the
+    adapters alone, `ModelProfile.trained_shard_elements`);
+  * grads (train): the fp32 accumulator plus one micro-batch's gradients, of the same;
   * activations: what the backward pass keeps under the remat policy plus one layer's working
     set (train); without a backward pass (inference, generation's prefill) the layers and then
     the head run one after the other, so the larger of one layer's forward peak and the logits
@@ -89,7 +90,7 @@ class MemoryBreakdown:
 
 def train_state_bytes(p: ModelProfile, choice: CallChoice, fp32_master: bool) -> tuple[int, int]:
     """(parameter bytes, optimizer-state bytes) per device of a trained model on `choice`."""
-    elements = p.shard_elements(choice.tensor, choice.fsdp, choice.pipeline)
+    elements = p.trained_shard_elements(choice.tensor, choice.fsdp, choice.pipeline)
     moment = 4 if (fp32_master or p.param_itemsize == 4) else p.param_itemsize
     optimizer = elements * (2 * moment + (4 if fp32_master else 0))
     return p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline), optimizer
@@ -210,7 +211,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             tokens = work.packed_tokens_per_device(call, choice.dp_size, choice.micro_batches,
                                                    stages)
             params, optimizer = train_state_bytes(p, choice, fp32_master)
-            elements = p.shard_elements(t, choice.fsdp, stages)
+            elements = p.trained_shard_elements(t, choice.fsdp, stages)
             activations = (_pipelined_saved_bytes(p, choice, tokens, s, remat_stages)
                            + layer_working_bytes(p, tokens, s, t)
                            + _stage_buffers(p, choice, tokens))

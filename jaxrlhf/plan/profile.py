@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from jaxrlhf.models import lora
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params, matmul_params
 from jaxrlhf.parallel import rules as rule_presets
@@ -110,6 +111,17 @@ class ModelProfile:
         """Parameter bytes one device holds under tensor × fsdp (× pipeline) sharding."""
         return self._shard(tensor, fsdp, pipeline)[1]
 
+    def trained_shard_elements(self, tensor: int, fsdp: int, pipeline: int = 1) -> int:
+        """Elements per device of the parameters a train step updates, which alone have
+        gradients and optimizer state: every parameter, or with LoRA the adapters."""
+        if self.config.lora is None:
+            return self.shard_elements(tensor, fsdp, pipeline)
+        key = ("trained", tensor, fsdp, pipeline)
+        if key not in self._shards:
+            adapters = [leaf for leaf in self.leaves if leaf.path.endswith(_ADAPTER_PATHS)]
+            self._shards[key] = self._count_shard(tensor, fsdp, pipeline, adapters)
+        return self._shards[key][0]
+
     def layer_shard_bytes(self, tensor: int) -> int:
         """Bytes of one decoder layer's parameters after an fsdp all-gather (tensor-sharded)."""
         key = ("layer", tensor)
@@ -131,14 +143,15 @@ class ModelProfile:
             self._shards[key] = self._count_shard(tensor, fsdp, pipeline)
         return self._shards[key]
 
-    def _count_shard(self, tensor: int, fsdp: int, pipeline: int) -> tuple[int, int]:
-        """A pipeline stage holds its share of the stacked layers; the embedding, final norm
+    def _count_shard(self, tensor: int, fsdp: int, pipeline: int,
+                     leaves: list[Leaf] | None = None) -> tuple[int, int]:
+        """Of `leaves` (default: all). A pipeline stage holds its share of the stacked layers; the embedding, final norm
         and head stay whole on every stage (the SPMD pipeline replicates what is not stacked),
         which is the worst device of ReaL's layout too (stage 0 holds the embedding, the last
         the head)."""
         sizes = {"data": 1, "fsdp": fsdp, "tensor": tensor, "pipeline": pipeline}
         elements = nbytes = 0
-        for leaf in self.leaves:
+        for leaf in self.leaves if leaves is None else leaves:
             ways = self._ways(leaf, sizes)
             if pipeline > 1 and _is_layer(leaf) and not self._pipelined_by_rules(leaf, sizes):
                 ways *= pipeline  # the rules predate the pipeline axis: stages split the stack
@@ -167,6 +180,9 @@ class ModelProfile:
             if n > 1 and dim % n == 0:
                 ways *= n
         return ways
+
+
+_ADAPTER_PATHS = tuple(f"['{name}']" for name in lora.ADAPTER_NAMES)  # Leaf.path endings
 
 
 def _is_layer(leaf: Leaf) -> bool:

@@ -1,6 +1,7 @@
 """The run stack: a checked job built and run (RL or offline loop); see docs/ARCHITECTURE.md.
 
   check.py    the spec checked against files and devices: a `Job` (tokenizer, plan, data)
+  lock.py     one run per workdir (a lock held for the life of the process)
   layouts.py  the placement resolved into a `RunPlan`: the planner's plan object, whatever
               `placement.kind` says (`execution_plan`), and its layouts on this machine
   build.py    engine calls, model states, runtimes, reward pools, the runner

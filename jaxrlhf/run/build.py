@@ -25,7 +25,7 @@ from jaxrlhf.engine.microbatch import MicrobatchConfig, MicrobatchMode
 from jaxrlhf.engine.optimizer import OptimizerConfig
 from jaxrlhf.engine.train_step import TrainState, create_train_state, make_train_step
 from jaxrlhf.mfc import MFC, Call, Role
-from jaxrlhf.models import hf_io
+from jaxrlhf.models import hf_io, lora
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.parallel.layout import Layout, init_params
@@ -77,10 +77,16 @@ def load_role(model: ModelSpec, layout: Layout):
 
 
 def initial_actor_params(spec: RunSpec, layout: Layout):
-    """The actor's parameters on `layout`: from its HF directory, else freshly initialised."""
-    if spec.base.path:
+    """The actor's parameters on `layout`: from its HF directory, else freshly initialised;
+    LoRA's adapters freshly initialised beside weights loaded from a directory."""
+    config, key = spec.base.config, jax.random.key(spec.seed)
+    if not spec.base.path:
+        return init_params(config, layout, key)
+    if config.lora is None:
         return load_role(spec.base, layout)
-    return init_params(spec.base.config, layout, jax.random.key(spec.seed))
+    base = load_role(dataclasses.replace(spec.base, config=config.replace(lora=None)), layout)
+    adapters = init_params(config, layout, key, lambda p: lora.partition(p, config.lora)[0])
+    return lora.combine(adapters, base)
 
 
 def actor_copy(actor_params, model: ModelConfig, layout: Layout):
@@ -114,8 +120,10 @@ def initial_states(spec: RunSpec, plan: RunPlan, params) -> dict:
             case roles.Start.INIT:  # its own stream: not the actor's initialisation again
                 key = jax.random.fold_in(jax.random.key(spec.seed), list(Role).index(role) + 1)
                 first = init_params(model.config, home, key)
-            case roles.Start.ACTOR_COPY | roles.Start.ACTOR_TRUNK:
-                first = actor_copy(params, model.config, home)
+            case roles.Start.ACTOR_COPY | roles.Start.ACTOR_TRUNK:  # LoRA: merged weights
+                lora_cfg = spec.base.config.lora
+                actor = params if lora_cfg is None else lora.merged(params, lora_cfg)
+                first = actor_copy(actor, model.config, home)
         opt = spec.optimizers.get(role)
         states[role] = first if opt is None else create_train_state(first, model.config, home, opt)
     return states

@@ -31,7 +31,7 @@ from jaxrlhf.mfc import Role
 from jaxrlhf.models import hf_io
 from jaxrlhf.run import lock, roles
 from jaxrlhf.run.layouts import RunPlan, place, single
-from jaxrlhf.schema import ConfigError, field
+from jaxrlhf.schema import ConfigError, base_config, field
 from jaxrlhf.spec import RunSpec, run_spec
 
 
@@ -97,6 +97,7 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     roles.starts(spec)  # every role has weights to start from
     with field("placement"):
         plan = place(spec)
+    _check_positions(spec)
     fingerprint = run_fingerprint(spec.config_json)
     job = Job(spec, tokenizer, plan, workdir, fingerprint, load_data(spec, workdir, tokenizer))
     job = dataclasses.replace(job, warm_start=_warm_start(job))
@@ -105,6 +106,22 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     with field("checkpoint"):  # another run's checkpoints are refused
         check_resume(workdir / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
     return job
+
+
+def _check_positions(spec: RunSpec) -> None:
+    """A step's sequences (prompt and new tokens) fit every model's positions: past them RoPE
+    extrapolates silently, and a very long response would ask for a KV cache of terabytes."""
+    r = spec.rollout
+    for role, model in {Role.ACTOR: spec.base, **spec.models}.items():
+        limit = model.config.max_position_embeddings
+        if r.seq_len > limit:
+            raise ConfigError(
+                f"rollout.max_new_tokens={r.max_new_tokens}: with rollout.max_prompt_len="
+                f"{r.max_prompt_len} a sequence has {r.seq_len} tokens, more than the "
+                f"{limit} positions of models.{role.value} (max_position_embeddings)")
+
+
+_DEFAULT_SIZE = base_config().models.ref.size  # what a config that never set it has
 
 
 def _check_ignored(config: ConfigDict, spec: RunSpec) -> None:
@@ -124,7 +141,7 @@ def _check_ignored(config: ConfigDict, spec: RunSpec) -> None:
          f"micro_batches={config.micro_batches}", f"micro_batch_tokens="
          f"{config.micro_batch_tokens} > 0 splits micro-batches by tokens instead"),
         (Role.REF in spec.models and not config.models.ref.path
-         and config.models.ref.size != config.models.actor.size,
+         and config.models.ref.size not in (config.models.actor.size, _DEFAULT_SIZE),
          f"models.ref.size={config.models.ref.size!r}", "without models.ref.path the reference "
          f"is a copy of the actor (models.actor.size={config.models.actor.size!r})"),
     ]

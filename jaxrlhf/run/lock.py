@@ -8,7 +8,8 @@ lock does not). A second run finds the lock taken and is refused with the first 
 host. Multi-process, process 0 holds it for the job (the others share its workdir).
 
 Taking it again in the process that holds it is a no-op (tests check several configs on one
-workdir in one process).
+workdir in one process). A process runs one job at a time: taking the lock of another workdir
+gives up the one it held (a test session checks hundreds of workdirs, one descriptor each).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def hold(workdir: pathlib.Path) -> None:
     workdir = workdir.resolve()
     if workdir in _held:
         return
+    for other in list(_held):
+        release(other)
     fd = os.open(workdir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -3,8 +3,13 @@
 The loop owns, once for every run:
 
   guards       the NaN guard around every update (`guards.NanGuard`, by `nan_policy`), Ctrl-C
-               and SIGTERM (`guards.StopRequest`): the loop stops at the first update
-               boundary where its source can stop, saves and says so;
+               and SIGTERM (`guards.StopRequest`, held from the job's start): the loop stops
+               at the first update boundary where its source can stop (before the first
+               update, for a signal that came while the job started), saves and says so;
+  stops        a reason to stop (a reward function failing too often, the reward pool broken,
+               a checkpoint that cannot be written) becomes `Stopped`: the reason and the
+               checkpoint a rerun resumes from, which the entry point prints without a
+               traceback (`STOPS`);
   checkpoints  on the `checkpoint.every` cadence, when stopped, and at the end;
   evaluation   the periodic held-out evaluation of RL runs (`eval.every`), between updates;
   metrics      an update's record (its figures, the source's, throughput, `nan_skipped`)
@@ -156,7 +161,9 @@ def train(job: Job, source: Source, writer, checkpoints: checkpoint.Checkpointer
     write = lambda: save(job, checkpoints, runner, source.rows, evaluation_before)
     timings = []
     bar = tqdm(desc=source.desc, initial=runner.step_index, total=spec.steps, mininterval=1)
-    with StopRequest() as stop, _stops_named(what, runner, checkpoints):
+    # The bar ends its line first, however the loop ends: a reason to stop goes on lines of
+    # its own.
+    with StopRequest() as stop, _stops_named(what, runner, checkpoints), bar:
         # A stop asked before the first update (while restoring, compiling, evaluating) saves
         # what there is (a resumed run's checkpoint exists already) and stops at once.
         interrupted = source.stop_now(stop)
@@ -172,7 +179,7 @@ def train(job: Job, source: Source, writer, checkpoints: checkpoint.Checkpointer
             interrupted = update is None or source.stop_now(stop)
             if checkpoints.cfg.due(runner.step_index) and not interrupted:
                 source.save(write)
-        bar.close()
+        bar.close()  # (a second close does nothing)
         source.save(write)  # (one that exists already is not written again)
         checkpoints.wait()
     if interrupted:
@@ -206,7 +213,8 @@ def _stops_named(what: str, runner: Runner, checkpoints: checkpoint.Checkpointer
         yield
     except (HostFunctionError, RewardPoolError, checkpoint.CheckpointWriteError) as error:
         latest = checkpoints.latest_saved()
-        kept = ("nothing was saved (a rerun starts afresh)" if latest is None else
+        kept = (f"no {what} checkpoint was saved (a rerun starts {what} afresh)"
+                if latest is None else
                 f"a rerun resumes from checkpoint {latest} in {checkpoints.directory}")
         reason = " ".join(str(error).split())
         raise Stopped(f"{what} step {runner.step_index}: {reason}\n{kept}") from None

@@ -2,8 +2,8 @@
 the training loop (`run/loop.py`, fed by the synchronous `StepSource` here or, with
 `async_rl.max_staleness` > 0, by an asynchronous source), reports.
 
-`run(job)` prints a progress bar, writes metrics.jsonl, TensorBoard events and (RL) per-step
-timelines to the workdir, and returns a summary (held-out figures before/after, seconds) that
+`run(job)` prints a progress bar, writes metrics.jsonl, TensorBoard events (and a W&B run when
+`logging.wandb.project` is set) and (RL) per-step timelines to the workdir, and returns a summary (held-out figures before/after, seconds) that
 the entry point prints as its last line. RL steps generate from prompts; offline steps (SFT,
 reward modelling, DPO) train on a fixed dataset, preference pairs batched as chosen rows then
 rejected rows (`algorithms.pairs`), and report what the algorithm's `Evaluation` says
@@ -27,6 +27,7 @@ is skipped) and then goes on as the uninterrupted run did.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 
 import jax
@@ -168,7 +169,8 @@ def run(job: Job) -> dict:
     what = loop.name(job)
     # Stop signals are taken from here on: one that comes while restoring, compiling or
     # evaluating stops the loop at its first boundary, with a checkpoint.
-    with (StopRequest(), begin(job) as (start, warm), MetricsWriter(workdir) as writer,
+    with (StopRequest(), begin(job) as (start, warm),
+          MetricsWriter(workdir, spec.wandb, json.loads(spec.config_json)) as writer,
           HeldOut(job) as held_out,
           build.host_pools(spec) as pools):  # offline graphs have no host MFCs
         params = None if warm is None else _warm_started(warm, writer)

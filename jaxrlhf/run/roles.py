@@ -37,8 +37,9 @@ class Start(enum.Enum):
 
 
 def trunk_shapes(config: ModelConfig) -> dict:
-    """The shapes of every parameter but the head (a top-level one), dtypes aside."""
-    params = nn.meta.unbox(abstract_params(config))
+    """The shapes of every parameter but the head (a top-level one) and LoRA's adapters (a
+    copy of the actor takes its merged weights), dtypes aside."""
+    params = nn.meta.unbox(abstract_params(config.replace(lora=None)))
     return jax.tree.map(lambda x: x.shape, {k: v for k, v in params.items() if k not in _HEADS})
 
 
