@@ -68,8 +68,10 @@ done
   "processes 1-$((num - 1)) in $log_dir" >&2
 
 start_timer() {  # VAR SECONDS: VAR = the pid of a process that ends SECONDS from now. It is
-  # deaf to the signals that stop the job (Slurm sends them to every process of the job).
-  (trap '' INT TERM USR1; exec sleep "$2") &
+  # deaf to the signals that stop the job (Slurm sends them to every process of the job), so
+  # only SIGKILL ends it early; it holds none of this script's output (a caller reading that
+  # to its end would wait for the timer).
+  (trap '' INT TERM USR1; exec sleep "$2") </dev/null >/dev/null 2>&1 &
   printf -v "$1" %s "$!"
 }
 
@@ -118,5 +120,5 @@ while ((${#live[@]} > 0)); do
     fi
   fi
 done
-for t in $timer $stop_timer; do kill "$t" 2>/dev/null; done
+for t in $timer $stop_timer; do kill -KILL "$t" 2>/dev/null; done
 exit "$status"
