@@ -81,7 +81,7 @@ def main():
         if "train" in args.calls:
             def loss_fn(out, b):  # next-token cross-entropy of the train step's log-probs
                 return (-jnp.sum(out.logprobs_bt),
-                        jnp.sum(b["segment_ids_bt"][:, 1:] != 0, jnp.float32), {})
+                        jnp.sum(b["segment_ids_bt"][:, 1:] != 0, dtype=jnp.float32), {})
             step = make_train_step(cfg, layout, loss_fn, OptimizerConfig(lr=1e-4))
             holder = {"state": init_train_state(cfg, layout, OptimizerConfig(lr=1e-4),
                                                 jax.random.key(0))}

@@ -86,7 +86,7 @@ def _train(cfg, layout, args, peak) -> dict:
     cfg = cfg.replace(param_dtype=jnp.float32)
 
     def loss_fn(out, b):  # next-token cross-entropy of the train step's log-probs
-        return -jnp.sum(out.logprobs_bt), jnp.sum(b["segment_ids_bt"][:, 1:] != 0, jnp.float32), {}
+        return -jnp.sum(out.logprobs_bt), jnp.sum(b["segment_ids_bt"][:, 1:] != 0, dtype=jnp.float32), {}
 
     opt = OptimizerConfig(lr=1e-5)
     step = make_train_step(cfg, layout, loss_fn, opt)
