@@ -68,8 +68,10 @@ def test_big_configs_name_what_is_missing(name, cluster, devices, dirs, tmp_path
         check_config(config, str(tmp_path))
 
 
-# ppo_70b with a smaller critic and reward model (ReaL's graph), ppo_7b with a same-sized one.
-@pytest.mark.parametrize("name,critic", [("ppo_7b", "same"), ("ppo_70b", "small")])
+# ppo_70b with a smaller critic and reward model (ReaL's graph), ppo_7b with a same-sized one
+# (the longer run: -m slow).
+@pytest.mark.parametrize("name,critic", [pytest.param("ppo_7b", "same", marks=pytest.mark.slow),
+                                         ("ppo_70b", "small")])
 def test_smoke_variant_runs_the_big_graph(name, critic, dirs, tmp_path):
     full, config = load(name), with_paths(load(name, "smoke"), dirs, critic)
     assert (config.algorithm, config.reward.kind, config.placement.kind,

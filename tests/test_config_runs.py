@@ -29,7 +29,9 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("name", RUNS)
+# The benchmark's config is the longest smoke run: -m slow.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "grpo_bench_cpu"
+                                  else n for n in RUNS])
 def test_shipped_config_runs_its_smoke_variant(name, tmp_path):
     config = importlib.import_module(f"configs.{name}").get_config("smoke")
     summary = rl.run(check_config(config, str(tmp_path)))
