@@ -20,14 +20,20 @@ def get_config(arg=None):
     config.algorithm = "grpo"
     config.env["class"] = "tools"
     config.env.max_turns = 3
-    config.data.task.kind = "arithmetic"
+    config.data.task.kind = "tool_arithmetic"
     config.data.task.num_digits = 2
-    config.rollout.batch_size = 4
+    config.data.task.sft_noise = 0.6  # demonstrations that subtract instead of adding
+    config.warm_start.sft_steps = 400
+    config.rollout.batch_size = 8
+    # small RL steps: one Adam step at the default 1e-3 moves every weight of the tiny model
+    # enough to break its copying of the operands (the policy's KL to the warm start ~0.2/token)
+    config.optimizer.actor.lr = 2e-4
     config.rollout.group_size = 4
-    config.rollout.max_new_tokens = 96
+    config.rollout.max_new_tokens = 128
     config.steps = 20
     config.eval.max_prompts = 64  # held-out greedy trajectories before and after
     if arg == "smoke":  # the same job in seconds
         config.steps = 2
+        config.warm_start.sft_steps = 2
         config.eval.max_prompts = 8
     return config
