@@ -136,9 +136,11 @@ def cpu_devices_per_process(total: int, cfg: DistributedConfig) -> int:
     """`cpu_devices` counts the whole job's CPU devices; each process holds an equal share.
 
     With `--coordinator_address=auto` the process count is unknown until JAX joins the job,
-    so there `cpu_devices` is per process.
+    so there `cpu_devices` is per process. On GPUs and TPUs it means nothing and is not split
+    (a v5p-128 pod's 16 processes would not divide the default 8).
     """
-    processes = cfg.num_processes if cfg.kind is LaunchKind.EXPLICIT else 1
+    split = cfg.kind is LaunchKind.EXPLICIT and _cpu_backend()
+    processes = cfg.num_processes if split else 1
     if total < 1 or total % processes:
         raise DistributedError(f"cpu_devices={total} does not split evenly over "
                                f"{processes} processes")

@@ -15,6 +15,15 @@
 # When a process exits non-zero the others stop by themselves within the heartbeat timeout
 # (jax.distributed); whatever is left after GRACE_S seconds (default 90) is killed. The exit
 # code is the first non-zero one, naming the process that failed first.
+#
+# Stopping: SIGINT (Ctrl-C), SIGTERM or SIGUSR1 to this script asks every process to finish its
+# step, save a checkpoint and exit (`launch/slurm.sbatch` runs one-node jobs through here). Only
+# the first such signal is passed on, and as a kind the processes cannot have received
+# themselves: Ctrl-C reaches them too (SIGINT), and so does Slurm's SIGTERM when it cancels the
+# job or signals all of it, and a second signal of the same kind tells them to stop at once,
+# unsaved. So SIGINT is passed on as SIGTERM, SIGTERM and SIGUSR1 as SIGINT, which Slurm never
+# sends. Processes still running STOP_GRACE_S seconds (default 170) after that are killed: one
+# that hangs must not keep its job (and its machines) forever.
 set -u
 
 if [[ $# -lt 2 || ! "$1" =~ ^[1-9][0-9]*$ ]]; then
@@ -58,22 +67,41 @@ done
 ((num > 1)) && echo "local.sh: $num processes (coordinator 127.0.0.1:$port); logs of" \
   "processes 1-$((num - 1)) in $log_dir" >&2
 
-trap 'kill -INT "${pids[@]}" 2>/dev/null' INT  # Ctrl-C: each process checkpoints and stops
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+start_timer() {  # VAR SECONDS: VAR = the pid of a process that ends SECONDS from now. It is
+  # deaf to the signals that stop the job (Slurm sends them to every process of the job), so
+  # only SIGKILL ends it early; it holds none of this script's output (a caller reading that
+  # to its end would wait for the timer).
+  (trap '' INT TERM USR1; exec sleep "$2") </dev/null >/dev/null 2>&1 &
+  printf -v "$1" %s "$!"
+}
 
 status=0
 live=("${pids[@]}")
-timer=""
+timer=""       # runs GRACE_S from the first failure
+stop_timer=""  # runs STOP_GRACE_S from the stop request
+stopping=0
+stop() {  # $1: the signal to pass on (see the header)
+  ((stopping)) && return
+  stopping=1
+  echo "local.sh: asking every process to save a checkpoint and exit (SIG$1)" >&2
+  kill -"$1" "${live[@]}" 2>/dev/null
+  start_timer stop_timer "${STOP_GRACE_S:-170}"
+}
+trap 'stop TERM' INT
+trap 'stop INT' TERM USR1
+
 while ((${#live[@]} > 0)); do
   finished=""
-  wait -n -p finished "${live[@]}" $timer
+  wait -n -p finished "${live[@]}" $timer $stop_timer
   code=$?
-  # Interrupted by a trap (a forwarded Ctrl-C or SIGTERM): `wait -p` leaves `finished` unset.
+  # Interrupted by a trap (a stop request): `wait -p` leaves `finished` unset.
   [[ -z "${finished:-}" ]] && continue
-  if [[ "$finished" == "$timer" ]]; then
-    echo "local.sh: killing processes still running ${grace}s after the first failure" >&2
+  if [[ "$finished" == "$timer" || "$finished" == "$stop_timer" ]]; then
+    why="${grace}s after the first failure"
+    [[ "$finished" == "$stop_timer" ]] && why="${STOP_GRACE_S:-170}s after the stop request"
+    echo "local.sh: killing the processes still running $why" >&2
     kill -KILL "${live[@]}" 2>/dev/null
-    timer=""
+    [[ "$finished" == "$timer" ]] && timer="" || stop_timer=""
     continue
   fi
   live=($(printf '%s\n' "${live[@]}" | grep -vx "$finished"))
@@ -88,10 +116,9 @@ while ((${#live[@]} > 0)); do
     fi
     if ((status == 0)); then
       status=$code
-      sleep "$grace" &
-      timer=$!
+      start_timer timer "$grace"
     fi
   fi
 done
-[[ -n "$timer" ]] && kill "$timer" 2>/dev/null
+for t in $timer $stop_timer; do kill -KILL "$t" 2>/dev/null; done
 exit "$status"
