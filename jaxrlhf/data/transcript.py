@@ -98,7 +98,7 @@ class Transcript:
                         else self._turn_end_ids(conversation)[:1])
                 turn = self.tokenizer.encode(message["content"]) + stop
                 ids, policy = ids + turn, policy + [True] * len(turn)
-            elif i == 0 or turns[i - 1]["role"] == "assistant":  # a reply: its messages at once
+            elif turns[i - 1]["role"] == "assistant":  # a reply: all its messages at once
                 reply = _take_reply(turns[i:])
                 turn = self.reply_ids(conversation, reply)
                 conversation.extend(reply)
