@@ -31,7 +31,7 @@ def test_multiturn_config_runs_its_smoke_variant(tmp_path):
 @pytest.mark.slow
 def test_multiturn_config_learns_to_call_the_calculator_right(tmp_path):
     """The warm start's demonstrations subtract 60% of the time, so its greedy trajectories
-    fail; GRPO over trajectories moves it to adding (about 4 minutes on two cores)."""
+    fail; GRPO over trajectories moves it to adding (about 2.5 minutes on two cores)."""
     summary = rl.run(check_config(grpo_multiturn_tiny.get_config(), str(tmp_path)))
     assert summary["accuracy_before"] <= 0.4, summary
     assert summary["accuracy_after"] >= 0.8, summary
