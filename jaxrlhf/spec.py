@@ -69,7 +69,8 @@ class AlgorithmName(enum.Enum):
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _REWARD_KINDS = {"function": False, "model": True}  # reward.kind, cost.kind: scored by a model?
-_TASKS = {"reverse": tasks.ReverseTask, "arithmetic": tasks.ArithmeticTask}  # data.task.kind
+_TASKS = {"reverse": tasks.ReverseTask, "arithmetic": tasks.ArithmeticTask,  # data.task.kind
+          "tool_arithmetic": tasks.ToolArithmeticTask}
 
 
 # --- the specs ---------------------------------------------------------------------------

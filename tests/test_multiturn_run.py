@@ -17,7 +17,7 @@ from jaxrlhf.run.check import check_config
 def test_multiturn_config_runs_its_smoke_variant(tmp_path):
     summary = rl.run(check_config(grpo_multiturn_tiny.get_config("smoke"), str(tmp_path)))
     assert summary["steps"] == 2 and not summary["interrupted"], summary
-    # held-out: greedy trajectories with the environment (an untrained model never succeeds)
+    # held-out: greedy trajectories with the environment (2 warm-start steps never succeed)
     assert summary["accuracy_before"] == 0.0 and summary["reward_before"] == 0.0
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward" in r]
@@ -26,3 +26,14 @@ def test_multiturn_config_runs_its_smoke_variant(tmp_path):
         for key in ("reward", "actor/loss", "actor/kl", "actor/turns", "actor/tool_error_rate"):
             assert math.isfinite(record[key]), (key, record.get(key))
         assert 1 <= record["actor/turns"] <= 3
+
+
+@pytest.mark.slow
+def test_multiturn_config_learns_to_call_the_calculator_right(tmp_path):
+    """The warm start's demonstrations subtract 60% of the time, so its greedy trajectories
+    fail; GRPO over trajectories moves it to adding (about 2.5 minutes on two cores)."""
+    summary = rl.run(check_config(grpo_multiturn_tiny.get_config(), str(tmp_path)))
+    assert summary["accuracy_before"] <= 0.4, summary
+    assert summary["accuracy_after"] >= 0.8, summary
+    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.3, summary
+    assert summary["turns_after"] >= 1.5 and summary["tool_error_rate_after"] <= 0.1, summary

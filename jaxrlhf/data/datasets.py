@@ -91,6 +91,10 @@ class PreferenceRow:
 class SFTRow:
     prompt: str
     response: str
+    # A multi-turn demonstration instead of `response` (which is "" then): the turns after
+    # the prompt, the policy's (`assistant`, trained) and its environment's (`tool`, `user`:
+    # context only), as `data/transcript.py` renders a rollout's trajectory.
+    messages: tuple[Message, ...] | None = None
 
 
 Row = PromptRow | PreferenceRow | SFTRow
@@ -149,6 +153,11 @@ def _make_row(record: Any, kind: RowKind, names: FieldNames, path, location: str
         raise DataError(path, location, None, f"is a {type(record).__name__}, not an object")
     cls, required, optional = _row_schema(kind)
     values = {}
+    if kind is RowKind.SFT and record.get(names.response) is None and (
+            record.get(names.messages) is not None):  # a multi-turn demonstration
+        values = {"response": "", "messages": _messages(record[names.messages], path, location,
+                                                        names.messages)}
+        required = ("prompt",)
     if kind is RowKind.PROMPT and record.get(names.prompt) is None:
         if record.get(names.messages) is not None:  # a chat, templated when the data loads
             values = {"prompt": "", "messages": _messages(record[names.messages], path,
@@ -245,6 +254,9 @@ def _to_record(row: Row, names: FieldNames) -> dict[str, Any]:
     }
     if isinstance(row, PromptRow) and row.messages is not None:
         del record[names.prompt]
+        record[names.messages] = [dict(m) for m in row.messages]
+    if isinstance(row, SFTRow) and row.messages is not None:  # its turns, not a response
+        del record[names.response]
         record[names.messages] = [dict(m) for m in row.messages]
     return record
 

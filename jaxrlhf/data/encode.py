@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxrlhf.data.datasets import PreferenceRow, PromptRow, SFTRow
 from jaxrlhf.data.tokenizer import Tokenizer, encode_prompt
+from jaxrlhf.data.transcript import Transcript
 
 
 def _prompt_ids(tokenizer: Tokenizer, text: str, max_prompt_len: int, where: str) -> list[int]:
@@ -67,8 +68,44 @@ def sequence_batch(prompts: Sequence[str], responses: Sequence[str], tokenizer: 
 
 def sft_batch(rows: Sequence[SFTRow], tokenizer: Tokenizer, max_prompt_len: int,
               max_new_tokens: int) -> dict[str, np.ndarray]:
-    return sequence_batch([r.prompt for r in rows], [r.response for r in rows], tokenizer,
-                          max_prompt_len, max_new_tokens)
+    """`sequence_batch` of the rows; multi-turn demonstrations (rows with `messages`) are laid
+    out as a rollout's trajectory, their response mask True only on the policy's turns."""
+    if all(r.messages is None for r in rows):
+        return sequence_batch([r.prompt for r in rows], [r.response for r in rows], tokenizer,
+                              max_prompt_len, max_new_tokens)
+    if any(r.messages is None for r in rows):
+        raise ValueError("SFT rows mix responses and multi-turn demonstrations (messages)")
+    return demonstration_batch(rows, tokenizer, max_prompt_len, max_new_tokens)
+
+
+def demonstration_batch(rows: Sequence[SFTRow], tokenizer: Tokenizer, max_prompt_len: int,
+                        max_new_tokens: int) -> dict[str, np.ndarray]:
+    """Multi-turn demonstrations in generation layout: the prompt (a user message) left-padded
+    to P, its turns (the policy's and the environment's, `Transcript.demonstration_ids`) in N.
+
+    Returns:
+      seq_tokens_bs int32 [B, P+N], seq_mask_bs bool [B, P+N], response_mask_bn bool [B, N]
+      (True on the policy's tokens only: the environment's are context, never trained).
+    """
+    p, n = max_prompt_len, max_new_tokens
+    transcript = Transcript(tokenizer)
+    tokens_bs = np.full((len(rows), p + n), tokenizer.pad_id, np.int32)
+    mask_bs = np.zeros((len(rows), p + n), bool)
+    response_mask_bn = np.zeros((len(rows), n), bool)
+    for b, row in enumerate(rows):
+        first, ids, policy = transcript.demonstration_ids(
+            [{"role": "user", "content": row.prompt}], row.messages)
+        if len(first) > p:
+            raise ValueError(f"demonstration batch: prompt of {len(first)} tokens exceeds "
+                             f"rollout.max_prompt_len={p}: {row.prompt[:60]!r}")
+        if len(ids) > n:
+            raise ValueError(f"demonstration of {len(ids)} tokens after its prompt exceeds "
+                             f"rollout.max_new_tokens={n}: {row.prompt[:60]!r}")
+        tokens_bs[b, p - len(first):p + len(ids)] = first + ids
+        mask_bs[b, p - len(first):p + len(ids)] = True
+        response_mask_bn[b, :len(ids)] = policy
+    return {"seq_tokens_bs": tokens_bs, "seq_mask_bs": mask_bs,
+            "response_mask_bn": response_mask_bn}
 
 
 def preference_batch(rows: Sequence[PreferenceRow], tokenizer: Tokenizer, max_prompt_len: int,

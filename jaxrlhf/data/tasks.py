@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import pathlib
 
 import numpy as np
 
+from jaxrlhf.data import tools
 from jaxrlhf.data.datasets import PreferenceRow, PromptRow, SFTRow, write_rows
 
 
@@ -198,10 +200,76 @@ def make_reverse_task(task: ReverseTask) -> TaskData:
     return TaskData(train=train, eval=held_out, sft=sft, preference=preference)
 
 
-def write_task(task: ArithmeticTask | ReverseTask, out_dir: str | pathlib.Path) -> TaskFiles:
+@dataclasses.dataclass(frozen=True)
+class ToolArithmeticTask:
+    """Addition with a calculator tool (the built-in `tools` environment of
+    `data/environments.py`, which scores an answer only after a calculator call).
+
+    The prompts are `ArithmeticTask`'s ("12+34="). A demonstration is a trajectory: the policy
+    calls the calculator on the prompt's expression, the environment replies with its value,
+    the policy answers that value. A fraction `sft_noise` of them carry a systematic slip
+    instead of random typos (as `ReverseTask`'s): they subtract ("12-34"), and answer what the
+    calculator says. A model imitating them writes `-` whenever that fraction is above one half,
+    so its greedy trajectories mostly score 0 although `+` is often sampled; every demonstration
+    teaches the rest (copying the operands into the call, the tool's value into the answer).
+
+    Attributes:
+      num_digits, num_train, num_eval, num_sft, sft_noise, seed: as in ArithmeticTask.
+    """
+
+    num_digits: int = 2
+    num_train: int = 2000
+    num_eval: int = 200
+    num_sft: int = 1000
+    sft_noise: float = 0.6
+    seed: int = 0
+
+    def __post_init__(self):  # the checks of the arithmetic task it draws from
+        self.arithmetic()
+
+    def arithmetic(self) -> ArithmeticTask:
+        return ArithmeticTask(num_digits=self.num_digits, num_train=self.num_train,
+                              num_eval=self.num_eval, num_sft=self.num_sft,
+                              sft_noise=self.sft_noise, seed=self.seed)
+
+
+def calculator_call(expression: str) -> str:
+    """A policy turn calling the calculator on `expression` (Qwen3's tool-call format)."""
+    call = {"name": "calculator", "arguments": {"expression": expression}}
+    return f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>"
+
+
+def make_tool_task(task: ToolArithmeticTask) -> TaskData:
+    """Generates the tool task's rows; identical for equal `task` values."""
+    data = make_task(task.arithmetic())
+    noise_rng = np.random.default_rng([task.seed, 2])
+    noisy = set(noise_rng.permutation(task.num_sft)[: round(task.sft_noise * task.num_sft)].tolist())
+
+    def turns(i: int, row: PromptRow) -> tuple[dict, ...]:
+        expression = row.prompt.rstrip("=")
+        if i in noisy:  # the slip: subtracting instead of adding
+            expression = expression.replace("+", "-")
+        value = tools.calculate(expression)  # what the environment's calculator replies
+        return ({"role": "assistant", "content": calculator_call(expression)},
+                {"role": "tool", "content": value},
+                {"role": "assistant", "content": value})
+
+    sft = [SFTRow(prompt=row.prompt, response="", messages=turns(i, row))
+           for i, row in enumerate(data.train[: task.num_sft])]
+    return dataclasses.replace(data, sft=sft)
+
+
+def write_task(task: ArithmeticTask | ReverseTask | ToolArithmeticTask,
+               out_dir: str | pathlib.Path) -> TaskFiles:
     """Writes train/eval prompts, SFT demonstrations and preference pairs as JSONL in `out_dir`."""
     out_dir = pathlib.Path(out_dir)
-    data = make_reverse_task(task) if isinstance(task, ReverseTask) else make_task(task)
+    match task:
+        case ReverseTask():
+            data = make_reverse_task(task)
+        case ToolArithmeticTask():
+            data = make_tool_task(task)
+        case _:
+            data = make_task(task)
     return TaskFiles(
         train=write_rows(out_dir / "train.jsonl", data.train),
         eval=write_rows(out_dir / "eval.jsonl", data.eval),

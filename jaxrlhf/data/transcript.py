@@ -58,14 +58,59 @@ class Transcript:
         if not after.startswith(before):
             raise TranscriptError("the chat template rewrites the conversation when a reply is "
                                   "added; its turns cannot be appended as tokens")
+        return self._turn_end_ids(conversation)[1:] + self.tokenizer.encode(after[len(before):])
+
+    def _turn_end_ids(self, conversation: Sequence[Message]) -> list[int]:
+        """The ids the template writes after the policy's last turn's text (e.g. Qwen's
+        <|im_end|> "\n"), a stop token first."""
+        before = self.template.render(conversation, add_generation_prompt=False)
         content = conversation[-1]["content"]
         at = before.rfind(content)
         if at < 0:
             raise TranscriptError("the chat template rewrites the policy's turn (its text is not "
                                   "in the rendered conversation); its turns cannot be appended")
         at += len(content)
-        end_ids = self.tokenizer.encode(before[at:])  # e.g. <|im_end|> "\n"
+        end_ids = self.tokenizer.encode(before[at:])
         if not end_ids or end_ids[0] not in self.tokenizer.stop_ids:
             raise TranscriptError(f"the chat template ends a policy turn with {before[at:]!r}, "
                                   "not a stop token")
-        return end_ids[1:] + self.tokenizer.encode(after[len(before):])
+        return end_ids
+
+    def demonstration_ids(self, first: Sequence[Message], turns: Sequence[Message]
+                          ) -> tuple[list[int], list[int], list[bool]]:
+        """(prompt ids, the ids after them, which of those the policy wrote) of a multi-turn
+        demonstration: the first messages, then `turns`, whose `assistant` messages are the
+        policy's turns (their text's ids and the stop token that ends them, as a rollout samples
+        them) and whose other messages are the environment's replies (`reply_ids`).
+
+        Raises:
+          ValueError: a demonstration that does not start with a policy turn.
+          TranscriptError: as `reply_ids`.
+        """
+        if not turns or turns[0]["role"] != "assistant":
+            raise ValueError("a demonstration's turns start with the policy's (an assistant "
+                             "message)")
+        conversation, ids, policy = list(first), [], []
+        for i, message in enumerate(turns):
+            if message["role"] == "assistant":
+                conversation.append(message)
+                stop = ([self.tokenizer.eos_id] if self.template is None
+                        else self._turn_end_ids(conversation)[:1])
+                turn = self.tokenizer.encode(message["content"]) + stop
+                ids, policy = ids + turn, policy + [True] * len(turn)
+            elif turns[i - 1]["role"] == "assistant":  # a reply: all its messages at once
+                reply = _take_reply(turns[i:])
+                turn = self.reply_ids(conversation, reply)
+                conversation.extend(reply)
+                ids, policy = ids + turn, policy + [False] * len(turn)
+        return self.first_ids(first), ids, policy
+
+
+def _take_reply(messages: Sequence[Message]) -> list[Message]:
+    """The environment's messages at the start of `messages` (up to the policy's next turn)."""
+    reply = []
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        reply.append(m)
+    return reply
