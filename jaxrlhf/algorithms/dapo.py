@@ -31,7 +31,7 @@ from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
 from jaxrlhf.algorithms.spec import (
-    Algorithm, Metric, Proximal, TrainSpec, model_inputs, policy_readout, response_policy,
+    Algorithm, Metric, Proximal, TrainSpec, model_inputs, clipped_surrogate, policy_readout,
 )
 from jaxrlhf.mfc import MFC, Call, Role
 
@@ -159,14 +159,7 @@ def _train_batch(buf, controller, cfg: DAPOConfig, extra_keys: tuple[str, ...]):
 
 def actor_loss(cfg: DAPOConfig, proximal: Proximal | None = None):
     """The clip-higher surrogate, token-level; with `proximal`, the decoupled one."""
-
-    def loss_fn(out, batch):
-        logp_bn, entropy_bn = response_policy(out, batch)
-        return losses.ppo_policy_loss(
-            logp_bn, batch["old_logp_bn"], batch["advantages_bn"], batch["mask_bn"], cfg.policy,
-            proximal_logp_bn=proximal(logp_bn, batch) if proximal else None, entropy_bn=entropy_bn)
-
-    return loss_fn
+    return clipped_surrogate(cfg.policy, proximal)
 
 
 def make(cfg: DAPOConfig, *, reward_model: bool, extra_keys: tuple[str, ...] = ()) -> Algorithm:

@@ -32,7 +32,7 @@ from jaxrlhf.algorithms import grpo
 from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.spec import (
-    Algorithm, Proximal, TrainSpec, model_inputs, policy_readout, response_policy,
+    Algorithm, Proximal, TrainSpec, model_inputs, clipped_surrogate, policy_readout,
 )
 from jaxrlhf.mfc import Role
 
@@ -117,14 +117,7 @@ def _train_batch(buf, controller, cfg: ReinforceConfig):
 
 def actor_loss(cfg: ReinforceConfig, proximal: Proximal | None = None):
     """The clipped surrogate; with `proximal`, the decoupled one (mismatch correction)."""
-
-    def loss_fn(out, batch):
-        logp_bn, entropy_bn = response_policy(out, batch)
-        return losses.ppo_policy_loss(
-            logp_bn, batch["old_logp_bn"], batch["advantages_bn"], batch["mask_bn"], cfg.policy,
-            proximal_logp_bn=proximal(logp_bn, batch) if proximal else None, entropy_bn=entropy_bn)
-
-    return loss_fn
+    return clipped_surrogate(cfg.policy, proximal)
 
 
 def update_controller(controller, stats, cfg: ReinforceConfig, batch_size: int) -> dict:

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.algorithms import losses
 from jaxrlhf.engine.inference import InferenceConfig, InferenceKind, InferenceOutput
 from jaxrlhf.mfc import MFC, Role
 
@@ -136,6 +137,19 @@ def response_policy(out: InferenceOutput, batch: Batch):
     tokens; n = batch["mask_bn"] width."""
     n = batch["mask_bn"].shape[1]
     return out.logprobs_bt[:, -n:], out.entropy_bt[:, -n:]
+
+
+def clipped_surrogate(policy: losses.PPOLossConfig, proximal: Proximal | None = None) -> LossFn:
+    """PPO's clipped surrogate on the response tokens under `policy` (clip ranges, token or
+    sequence aggregation), no KL term; with `proximal`, the decoupled objective."""
+
+    def loss_fn(out: InferenceOutput, batch: Batch):
+        logp_bn, entropy_bn = response_policy(out, batch)
+        return losses.ppo_policy_loss(
+            logp_bn, batch["old_logp_bn"], batch["advantages_bn"], batch["mask_bn"], policy,
+            proximal_logp_bn=proximal(logp_bn, batch) if proximal else None, entropy_bn=entropy_bn)
+
+    return loss_fn
 
 
 def response_values(values_bt: jax.Array, num_response: int) -> jax.Array:
