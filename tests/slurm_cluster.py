@@ -38,6 +38,12 @@ NODE_CPUS = 8
 # Seconds between the SIGTERM of a plain `scancel` and the SIGKILL that follows (Slurm: 30 by
 # default; more here, for a step under way on 2 busy cores).
 KILL_WAIT_S = 90
+# Seconds a job step's credential is valid, which is also how long a requeued job waits before
+# it may start again (Slurm: 120 by default). A step starts well within this on one node.
+CRED_EXPIRE_S = 10
+# Seconds between the scheduler's passes over every pending job (Slurm: 60), which is what
+# starts a requeued job once its wait is over: no event does.
+SCHED_INTERVAL_S = 1
 # A job that ended stays visible to `scontrol show job` this long (its state and exit code).
 MIN_JOB_AGE_S = 600
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
@@ -71,7 +77,7 @@ SlurmdPort={_free_port()}
 SlurmUser={user}
 SlurmdUser={user}
 AuthType=auth/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire={CRED_EXPIRE_S}
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
@@ -86,6 +92,7 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval={SCHED_INTERVAL_S}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides

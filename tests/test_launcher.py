@@ -49,17 +49,27 @@ def cluster(tmp_path_factory):
 
 
 def _submit(cluster: Cluster, workdir: pathlib.Path, processes: int, extra_env=None) -> int:
-    """`sbatch --ntasks-per-node=P ... launch/slurm.sbatch --config=ppo_tiny:smoke ...`."""
+    """`sbatch --ntasks-per-node=P ... launch/slurm.sbatch --config=ppo_tiny:smoke ...`.
+
+    Cheaper than the smoke run where the launcher is not concerned: 2 devices (one per process
+    of a 2-process job), no warm start, 32 held-out prompts. A job and its resubmissions share
+    a compilation cache (`JAX_COMPILATION_CACHE_DIR`, as a user's would): a resubmission loads
+    the programs its first run compiled. The 1- and 2-process runs share nothing (each has its
+    workdir's cache, and the cache key holds the device assignment).
+    """
     env = {"PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}",
            "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_backend_optimization_level=0",  # not conftest's 8 devices
+           "JAX_COMPILATION_CACHE_DIR": str(workdir.parent / f"{workdir.name}-compiled"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # at O0 most compile in < 1 s
            "LOG_DIR": str(workdir.parent / f"{workdir.name}-logs"), **(extra_env or {})}
     return cluster.sbatch(
         ["--nodes=1", f"--ntasks-per-node={processes}", "--gpus-per-node=0",
          "--cpus-per-task=1", f"--output={workdir}.out", "--open-mode=append",
          "launch/slurm.sbatch", "--config=configs/ppo_tiny.py:smoke", f"--workdir={workdir}",
          f"--config.steps={STEPS}", "--config.checkpoint.every=100",  # only a stop saves
-         "--config.reward.workers=1",
+         "--config.cpu_devices=2", "--config.warm_start.sft_steps=0",
+         "--config.eval.max_prompts=32", "--config.reward.workers=1",
          # A graded reward: with all-zero rewards, whitening would amplify float noise.
          "--config.reward.function=tests/fixtures/reward_fns.py:digit_count",
          f"--heartbeat_timeout={HEARTBEAT_S}"],
