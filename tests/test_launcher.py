@@ -53,9 +53,10 @@ def _submit(cluster: Cluster, workdir: pathlib.Path, processes: int, extra_env=N
 
     Cheaper than the smoke run where the launcher is not concerned: 2 devices (one per process
     of a 2-process job), no warm start, 32 held-out prompts. A job and its resubmissions share
-    a compilation cache (`JAX_COMPILATION_CACHE_DIR`, as a user's would): a resubmission loads
-    the programs its first run compiled. The 1- and 2-process runs share nothing (each has its
-    workdir's cache, and the cache key holds the device assignment).
+    a compilation cache (`JAX_COMPILATION_CACHE_DIR`, as a user's would): process 0 of a
+    resubmission loads the programs its first run compiled (JAX writes entries from process 0
+    only, and on CPU process 1's keys differ: it compiles again). The 1- and 2-process runs
+    share nothing (each has its workdir's cache, and their keys differ).
     """
     env = {"PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}",
            "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
