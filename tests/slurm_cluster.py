@@ -208,7 +208,7 @@ class Cluster:
                 return fields
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {fields['JobState']} after {timeout_s} s")
-            time.sleep(0.25)
+            time.sleep(0.5)
 
     def stop(self) -> None:
         """Cancels every job, then stops the daemons (slurmd, slurmctld, munged, in that order)."""
