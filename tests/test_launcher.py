@@ -15,7 +15,8 @@
   settings `jaxrlhf.distributed` accepts.
 
 Needs `sbatch`, `slurmctld`, `slurmd` and `munged` (Debian: `apt-get install slurm-wlm munge`,
-which `.ci/run` does); skipped where they are absent.
+which `.ci/run` does); skipped where they are absent. `-m 'launcher and not slow'` runs the
+default part alone; `-m launcher` runs the slow ones too (a `-m` replaces pyproject's).
 """
 
 import json
