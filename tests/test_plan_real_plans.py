@@ -37,12 +37,39 @@ def experiments():
     return {case: real_check.experiment_of(case) for case in real_check.CONFIGS}
 
 
-@pytest.mark.parametrize("kind", ["searched", "heuristic"])
-def test_reals_7b_plans_fit_their_cluster(experiments, kind):
+def _logits_per_micro_batch(breakdown, choice) -> int:
+    """The breakdown's head logits if the head ran micro-batch by micro-batch, as ReaL's
+    pipeline runs it (jaxrlhf's pipelined train step runs it on the whole local batch)."""
+    return breakdown.logits // choice.micro_batches
+
+
+def test_reals_7b_heuristic_plan_fits_its_cluster(experiments):
     experiment = experiments["7B+7B"]
-    plan = real_check.real_plan(experiment, "7B+7B", kind)
+    plan = real_check.real_plan(experiment, "7B+7B", "heuristic")
     result = memory.plan_memory(experiment, plan, load_cluster(H100))
     assert result.fits, [str(v) for v in result.violations]
+
+
+@pytest.mark.parametrize("case, kind", [("7B+7B", "searched"), ("70B+7B", "searched"),
+                                        ("70B+7B", "heuristic")])
+def test_reals_pipelined_actor_train_is_what_does_not_fit(experiments, case, kind):
+    """Every MFC of ReaL's plans fits H100's 67.06 GiB but the pipelined actor_train: the
+    runtime's pipeline runs the LM head on the whole local mini-batch (fp32 logits over the
+    vocabulary, their log-softmax and its gradient) and GPipe keeps every iteration's saved
+    activations, where ReaL's 1F1B pipeline holds one micro-batch's head and p micro-batches'
+    activations. On the 7B plan the head alone is the excess: with one micro-batch's logits
+    actor_train would fit."""
+    experiment = experiments[case]
+    plan = real_check.real_plan(experiment, case, kind)
+    cluster = load_cluster(H100)
+    result = memory.plan_memory(experiment, plan, cluster)
+    assert [v.mfc for v in result.violations] == ["actor_train"]
+    choice = plan["actor_train"]
+    assert choice.pipeline > 1
+    own = memory.own_memory(experiment, experiment.graph.mfc("actor_train"), choice)
+    head = own.logits - _logits_per_micro_batch(own, choice)
+    if case == "7B+7B":
+        assert result.peak["actor_train"] - head <= cluster.usable_hbm_bytes
 
 
 def _resident(experiment, plan, role: Role) -> int:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -129,6 +130,21 @@ def holds_home_shards(home: CallChoice, other: CallChoice) -> bool:
     return True
 
 
+def gradient_bytes(p: ModelProfile, choice: CallChoice, tensor: int, stages: int) -> int:
+    """Gradient buffers per device of a train step (`engine.microbatch.accumulate`).
+
+    Over several micro-batches (a loop: p = 1 and k > 1) the fp32 accumulator lives beside one
+    micro-batch's gradients in the parameter dtype; with one backward pass (k = 1, or a
+    pipeline, which streams all k through one pass) the gradients are cast to fp32 once (no
+    second buffer when they are fp32 already). Both are whole over the data-parallel ranks:
+    ZeRO-1 slices the optimizer state, not the gradients (`parallel.zero` says why)."""
+    elements = p.trained_shard_elements(tensor, choice.fsdp, stages)
+    one_pass = stages > 1 or choice.micro_batches == 1
+    if one_pass and p.param_itemsize == 4:
+        return elements * 4
+    return elements * (4 + p.param_itemsize)
+
+
 def _sharded(dim: int, ways: int) -> float:
     """A dimension split `ways` ways, or whole when `ways` does not divide it (as the layout)."""
     return dim / ways if dim % ways == 0 else dim
@@ -198,11 +214,38 @@ def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float
     return live + cast + head
 
 
+def stage_weight_copy_bytes(p: ModelProfile, call: Call, choice: CallChoice, cpu: bool) -> int:
+    """The copy of a stage's layer weights (and, training, of their gradients) a pipelined
+    call holds on XLA:CPU.
+
+    `parallel.pipeline` views the layer stack [L, ...] as [S, L/S, ...] and vmaps each stage's
+    scan over its L/S layers; the batched scan reads its layers from a transposed [L/S, S, ...]
+    view, which XLA:CPU materialises (a copy of the stage's weights; its gradients come back
+    through the same transpose). With one layer per stage the transpose is a bitcast. Measured
+    on CPU devices only, so priced only there."""
+    per_stage = p.config.num_layers // choice.pipeline
+    if not cpu or choice.pipeline == 1 or per_stage == 1:
+        return 0
+    copies = 2 if call is Call.TRAIN_STEP else 1
+    return copies * per_stage * p.layer_shard_bytes(choice.tensor) // choice.fsdp
+
+
 def _stage_buffers(p: ModelProfile, choice: CallChoice, tokens: int) -> float:
-    """A pipeline stage's input and output activations of every micro-batch (0 without)."""
+    """A pipeline stage's input and output activations of the `tokens` one jit call streams
+    through it, all its micro-batches together (0 without a pipeline)."""
     if choice.pipeline == 1:
         return 0.0
-    return 2 * choice.micro_batches * tokens * p.config.hidden_size * p.act_itemsize
+    return 2 * tokens * p.config.hidden_size * p.act_itemsize
+
+
+def streamed_micro_batches(work: Workload, call: Call, choice: CallChoice) -> int:
+    """Micro-batches one jit call of a pipelined generate or inference MFC streams.
+
+    The executor runs such an MFC as `choice.micro_batches` = M sequential calls on strided
+    slices of the batch (`dataflow.executors.in_micro_batches`), and the layout's pipeline
+    streams M micro-batches of each slice again, or gcd(M, slice rows) when M does not divide
+    it (`parallel.pipeline.Pipeline.num_micro`): the batch is split twice, M·gcd ways."""
+    return math.gcd(choice.micro_batches, work.rows(call) // choice.micro_batches)
 
 
 def _pipelined_saved_bytes(p: ModelProfile, choice: CallChoice, tokens: int, context: int,
@@ -236,7 +279,8 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
     # no per-layer slice copy), else scanned.
     by_layer = cpu and call is Call.GENERATE and stages == 1 and choice.fsdp == 1
     scanned = (p.config.scan_layers or call is Call.GENERATE) and not by_layer
-    gathered = int(_gathered_bytes(p, choice, scanned))
+    gathered = int(_gathered_bytes(p, choice, scanned)) + stage_weight_copy_bytes(p, call, choice,
+                                                                                   cpu)
     if by_layer:
         gathered += p.config.num_layers * p.layer_shard_bytes(t)
     match call:
@@ -244,18 +288,22 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             tokens = work.packed_tokens_per_device(call, choice.dp_size, choice.micro_batches,
                                                    stages)
             params, optimizer = train_state_bytes(p, choice, fp32_master)
-            elements = p.trained_shard_elements(t, choice.fsdp, stages)
+            # A pipeline streams all micro-batches through one forward: the head (logits, their
+            # log-softmax and its gradient) then runs on the whole local batch at once.
+            head_tokens = tokens * choice.micro_batches if stages > 1 else tokens
             activations = (_pipelined_saved_bytes(p, choice, tokens, s, remat_stages)
                            + layer_working_bytes(p, tokens, s, t)
-                           + _stage_buffers(p, choice, tokens))
+                           + _stage_buffers(p, choice, head_tokens))
             return MemoryBreakdown(
-                params=params, optimizer=optimizer, grads=elements * (4 + p.param_itemsize),
-                activations=int(activations), logits=int(_logit_bytes(p, tokens, t, 3)),
+                params=params, optimizer=optimizer, grads=gradient_bytes(p, choice, t, stages),
+                activations=int(activations), logits=int(_logit_bytes(p, head_tokens, t, 3)),
                 gathered=gathered)
         case Call.INFERENCE:  # the layers, then the head: the larger phase is the peak
+            # One of the executor's calls (a micro-batch); a pipeline streams it in pieces.
             tokens = work.packed_tokens_per_device(call, choice.dp_size, choice.micro_batches,
                                                    stages)
-            peak = max(forward_peak_bytes(p, tokens, s, t), _logit_bytes(p, tokens, t, 2))
+            piece = tokens / (streamed_micro_batches(work, call, choice) if stages > 1 else 1)
+            peak = max(forward_peak_bytes(p, piece, s, t), _logit_bytes(p, tokens, t, 2))
             return MemoryBreakdown(params=params, gathered=gathered,
                                    activations=int(peak + _stage_buffers(p, choice, tokens)))
         case Call.GENERATE if stages == 1:  # the rollout engine (`engine.rollout`)
@@ -271,12 +319,14 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                        + gathered)
             return MemoryBreakdown(params=params, activations=int(max(fill, advance) - gathered),
                                    gathered=gathered, state=int(rows * s * kv_per_token))
-        case Call.GENERATE:  # a pipeline's static batch
-            tokens = rows * work.prompt_len  # the prefill, then a decode step is far smaller
-            # Pipelined decoding keeps every micro-batch in flight, each stage its layers' cache.
-            in_flight = choice.micro_batches if stages > 1 else 1
-            kv = in_flight * rows * s * p.kv_bytes_per_token() / (t * stages)
-            peak = (max(forward_peak_bytes(p, tokens, s, t), _logit_bytes(p, tokens, t, 1))
+        case Call.GENERATE:  # a pipeline's static batch, one executor call per micro-batch
+            # Pipelined decoding keeps every row of the call in flight, each stage its layers'
+            # cache; the prefill streams the call's rows in pieces (the decode steps are far
+            # smaller).
+            kv = rows * s * p.kv_bytes_per_token() / (t * stages)
+            tokens = rows * work.prompt_len
+            piece = tokens / streamed_micro_batches(work, call, choice)
+            peak = (max(forward_peak_bytes(p, piece, s, t), _logit_bytes(p, rows, t, 1))
                     + _stage_buffers(p, choice, tokens))
             # The layer scan reads the cache as its input and writes the new cache as its
             # output: a second copy lives through every pass.
