@@ -5,28 +5,36 @@ One MFC on its own (`call_memory`), per device:
   * optimizer (train): AdamW m and v (fp32 with a fp32 master or fp32 params, else the
     parameter dtype) plus the fp32 master copy, of the trained parameters (with LoRA the
     adapters alone, `ModelProfile.trained_shard_elements`);
-  * grads (train): the fp32 accumulator plus one micro-batch's gradients, of the same;
+  * grads (train): over a loop of micro-batches the fp32 accumulator plus one micro-batch's
+    gradients, of the same; after one backward pass (one micro-batch, or a pipeline) the
+    gradients cast to fp32 once (`gradient_bytes`); whole over data parallelism (ZeRO-1
+    slices the optimizer state only);
   * activations: what the backward pass keeps under the remat policy plus one layer's working
     set (train); without a backward pass (inference, generation's prefill) the layers and then
     the head run one after the other, so the larger of one layer's forward peak and the logits
     phase (generation adds the second cache copy its layer scan writes); the runtime's
     attention materialises fp32 scores [heads, query, slot], which dominate at long context;
-  * kv_cache (pipelined generate): keys and values of every slot of every row;
+  * kv_cache (pipelined generate): keys and values of every slot of every row of one executor
+    call;
   * state (generate on the rollout engine): its slots' KV cache at full capacity, an argument
     every executable of the engine takes and gives back (donated: one copy), so XLA counts it
     with the batch arguments, not the temporaries; the prefill (a fill) and the decode loop (an
     advance) are executables of their own, and the larger of the two is the peak;
   * logits (train): fp32 logits over the (tensor-sharded) vocabulary, with the log-softmax and
-    its gradient;
+    its gradient, of one micro-batch, or with a pipeline of the whole local batch (the head
+    runs after the pipeline has streamed every micro-batch);
   * gathered: a layer's largest weight matrix sliced out of the scanned stack or all-gathered
     over fsdp, and with fsdp the LM head's table;
   * pipelines (p > 1): a stage holds 1/p of the layers' parameters, state and gradients (the
     embedding and head whole, `ModelProfile.shard_bytes`) and of what they save for the
     backward pass, but for every iteration of the schedule: the runtime's GPipe loop keeps
     them for all M + p - 1 (bubble iterations compute on filler), or with stage
-    rematerialisation only every iteration's stage input; every stage also holds all
-    micro-batches' inputs and outputs, and pipelined decoding keeps all M micro-batches'
-    caches (`parallel/pipeline.py`).
+    rematerialisation only every iteration's stage input; a train step's stages also hold
+    all M micro-batches' inputs and outputs. A generate or inference MFC with M
+    micro-batches runs as M executor calls on slices of the batch, each streamed through the
+    pipeline in gcd(M, slice rows) pieces (`streamed_micro_batches`): a call holds one
+    slice's stage buffers and KV cache, a layer works on one piece. On XLA:CPU a stage of
+    several layers holds a copy of its weights (`stage_weight_copy_bytes`).
 
 A plan (`plan_memory`) adds what other models keep on the same devices while the MFC runs,
 following the runtime (`dataflow.runtime.ModelRuntime`): a trained model's parameters and
