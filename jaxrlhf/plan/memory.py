@@ -5,10 +5,10 @@ One MFC on its own (`call_memory`), per device:
   * optimizer (train): AdamW m and v (fp32 with a fp32 master or fp32 params, else the
     parameter dtype) plus the fp32 master copy, of the trained parameters (with LoRA the
     adapters alone, `ModelProfile.trained_shard_elements`);
-  * grads (train): over a loop of micro-batches the fp32 accumulator plus one micro-batch's
-    gradients, of the same; after one backward pass (one micro-batch, or a pipeline) the
-    gradients cast to fp32 once (`gradient_bytes`); whole over data parallelism (ZeRO-1
-    slices the optimizer state only);
+  * grads (train): the fp32 gradients (and the parameter-dtype ones they are cast from), the
+    fp32 accumulator over a loop of micro-batches (not after a pipeline's one backward pass),
+    and the optimizer's update as it is formed (`gradient_bytes`); whole over data
+    parallelism (ZeRO-1 slices the optimizer state only);
   * activations: what the backward pass keeps under the remat policy plus one layer's working
     set (train); without a backward pass (inference, generation's prefill) the layers and then
     the head run one after the other, so the larger of one layer's forward peak and the logits
@@ -139,18 +139,19 @@ def holds_home_shards(home: CallChoice, other: CallChoice) -> bool:
 
 
 def gradient_bytes(p: ModelProfile, choice: CallChoice, tensor: int, stages: int) -> int:
-    """Gradient buffers per device of a train step (`engine.microbatch.accumulate`).
+    """Gradient buffers per device of a train step (`engine.train_step`, `engine.microbatch`).
 
-    Over several micro-batches (a loop: p = 1 and k > 1) the fp32 accumulator lives beside one
-    micro-batch's gradients in the parameter dtype; with one backward pass (k = 1, or a
-    pipeline, which streams all k through one pass) the gradients are cast to fp32 once (no
-    second buffer when they are fp32 already). Both are whole over the data-parallel ranks:
-    ZeRO-1 slices the optimizer state, not the gradients (`parallel.zero` says why)."""
+    Per trained element: the gradients cast to fp32 (4 bytes), beside them the backward pass's
+    own in the parameter dtype when that is not fp32; over a loop of micro-batches (p = 1 and
+    k > 1; a pipeline streams all k through one backward pass) the fp32 accumulator too; and
+    the optimizer's update as it is formed, of which XLA keeps about half an fp32 tree live (2
+    bytes: measured on CPU devices, fp32 and bf16 parameters, one and several micro-batches,
+    `tests/test_plan_memory_terms.py`). All whole over data parallelism: ZeRO-1 slices the
+    optimizer state, not the gradients (`parallel.zero` says why)."""
     elements = p.trained_shard_elements(tensor, choice.fsdp, stages)
-    one_pass = stages > 1 or choice.micro_batches == 1
-    if one_pass and p.param_itemsize == 4:
-        return elements * 4
-    return elements * (4 + p.param_itemsize)
+    loop = stages == 1 and choice.micro_batches > 1
+    own_dtype = p.param_itemsize if p.param_itemsize != 4 else 0
+    return elements * (4 + own_dtype + (4 if loop else 0) + 2)
 
 
 def _sharded(dim: int, ways: int) -> float:
