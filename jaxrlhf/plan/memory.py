@@ -20,9 +20,10 @@ One MFC on its own (`call_memory`), per device:
     every executable of the engine takes and gives back (donated: one copy), so XLA counts it
     with the batch arguments, not the temporaries; the prefill (a fill) and the decode loop (an
     advance) are executables of their own, and the larger of the two is the peak;
-  * logits (train): fp32 logits over the (tensor-sharded) vocabulary, with the log-softmax and
-    its gradient, of one micro-batch, or with a pipeline of the whole local batch (the head
-    runs after the pipeline has streamed every micro-batch);
+  * logits (train): fp32 logits over the (tensor-sharded) vocabulary, kept for the backward
+    pass, and their gradient (the readout reduces the log-softmax over the vocabulary as it
+    goes), of one micro-batch, or with a pipeline of the whole local batch (the head runs
+    after the pipeline has streamed every micro-batch);
   * gathered: a layer's largest weight matrix sliced out of the scanned stack or all-gathered
     over fsdp, and with fsdp the LM head's table;
   * pipelines (p > 1): a stage holds 1/p of the layers' parameters, state and gradients (the
@@ -305,7 +306,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                            + _stage_buffers(p, choice, head_tokens))
             return MemoryBreakdown(
                 params=params, optimizer=optimizer, grads=gradient_bytes(p, choice, t, stages),
-                activations=int(activations), logits=int(_logit_bytes(p, head_tokens, t, 3)),
+                activations=int(activations), logits=int(_logit_bytes(p, head_tokens, t, 2)),
                 gathered=gathered)
         case Call.INFERENCE:  # the layers, then the head: the larger phase is the peak
             # One of the executor's calls (a micro-batch); a pipeline streams it in pieces.
