@@ -16,7 +16,6 @@ from jaxrlhf.data.tokenizer import ByteTokenizer, HFTokenizer
 from jaxrlhf.data.tools import ToolCall, ToolCallError, ToolCallFormat, parse_tool_calls
 from jaxrlhf.data.transcript import Transcript
 from jaxrlhf.dataflow.trajectories import EnvironmentFailed, TrajectoryLimits, rollout
-from jaxrlhf.engine.buckets import response_widths
 from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
 from jaxrlhf.engine.inference import (
     InferenceBatch, InferenceConfig, InferenceKind, InferenceOutput, make_inference_fn,
@@ -139,8 +138,7 @@ def engine():
     layout = make_layout("0-1:d2" if jax.device_count() >= 2 else "0:d1", model=config)
     tok = EarlyStops()
     gen_cfg = GenerateConfig(max_new_tokens=N, eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id)
-    generator = make_generate_fn(config, gen_cfg, layout,
-                                 prompt_buckets=(P, *(P + w for w in response_widths(N))))
+    generator = make_generate_fn(config, gen_cfg, layout, prompt_buckets=(P,))
     params = init_params(config, layout, jax.random.key(3))
     return config, layout, tok, generator, params
 
@@ -160,7 +158,7 @@ def _rollout(engine, pool, rows, max_error_rate=0.5, rng=None):
     config, layout, tok, generator, params = engine
     rng = jax.random.key(0) if rng is None else rng
     return rollout(generator, params, rng, pool, Transcript(tok), tok, rows,
-                   TrajectoryLimits(3, P, N, max_error_rate), layout.dp_size)
+                   TrajectoryLimits(3, P, N, max_error_rate))
 
 
 def test_trajectories_interleave_policy_turns_and_replies(engine, pool):
