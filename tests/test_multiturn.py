@@ -16,7 +16,7 @@ from jaxrlhf.data.tokenizer import ByteTokenizer, HFTokenizer
 from jaxrlhf.data.tools import ToolCall, ToolCallError, ToolCallFormat, parse_tool_calls
 from jaxrlhf.data.transcript import Transcript
 from jaxrlhf.dataflow.trajectories import EnvironmentFailed, TrajectoryLimits, rollout
-from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
+from jaxrlhf.engine.generate import GenerateConfig, decode_rows, make_generate_fn
 from jaxrlhf.engine.inference import (
     InferenceBatch, InferenceConfig, InferenceKind, InferenceOutput, make_inference_fn,
 )
@@ -24,8 +24,10 @@ from jaxrlhf.engine.packing import Rows
 from jaxrlhf.mfc import Role
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.parallel.layout import init_params, make_layout
-from jaxrlhf.parallel.reshard import fetch
+from jaxrlhf.parallel.reshard import fetch, transfer
 from tests.test_chat import LLAMA3_TEMPLATE, CHATML_TEMPLATE, llama3_dir, qwen_dir
+
+from tests.fixtures.envs import TwoTurns
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 MISBEHAVING = f"{FIXTURES / 'envs.py'}:Misbehaving"
@@ -161,11 +163,17 @@ def _rollout(engine, pool, rows, max_error_rate=0.5, rng=None):
                    TrajectoryLimits(3, P, N, max_error_rate))
 
 
-def test_trajectories_interleave_policy_turns_and_replies(engine, pool):
-    config, layout, tok, _, params = engine
+@pytest.fixture(scope="module")
+def instant(engine, pool):
+    """ROWS' trajectories with TwoTurns answering at once."""
     rng = jax.random.key(0)
     with jax.transfer_guard("disallow"):  # as a step runs it: nothing implicit
-        out = _rollout(engine, pool, ROWS, rng=rng)
+        return _rollout(engine, pool, ROWS, rng=rng)
+
+
+def test_trajectories_interleave_policy_turns_and_replies(engine, instant):
+    config, layout, tok, _, params = engine
+    out = instant
     assert out.turns_b.tolist() == [2] * len(ROWS)  # TwoTurns ends after the second turn
     np.testing.assert_array_equal(out.rewards_b, 1.25)  # 0.25 for the first turn, 1 at the end
     assert out.errors.total == 0 and out.tool_error_rate == 0.0
@@ -191,6 +199,69 @@ def test_trajectories_interleave_policy_turns_and_replies(engine, pool):
     w = out.policy_bn.shape[1]
     np.testing.assert_allclose(out.logp_bn[out.policy_bn], whole[:, -w:][out.policy_bn],
                                atol=1e-5, rtol=0)
+
+
+def _turn_synchronous(engine, rows, rng, max_turns=3):
+    """The reference rollout: each turn, every unfinished trajectory's conversation in one
+    batch (`decode_rows`, the generate call's path; trajectory i's turn j as row i * max_turns
+    + j), then TwoTurns (here, in-process) answers them all. (tokens, policy mask, log-probs)
+    of each trajectory after its prompt."""
+    _, layout, tok, generator, params = engine
+    transcript, env, dp = Transcript(tok), TwoTurns(), layout.dp_size
+    conversations = [env.reset(row) for row in rows]
+    firsts = [transcript.first_ids(c) for c in conversations]
+    ids, policy, logp = ([[] for _ in rows] for _ in range(3))
+    live, key = list(range(len(rows))), transfer(rng, layout.replicated())
+    for turn in range(max_turns):
+        if not live:
+            break
+        contexts = [firsts[i] + ids[i] for i in live]
+        k = -(-len(live) // dp) * dp  # rows rounded up with copies of the first
+        tokens_kp, mask_kp = np.zeros((k, P + N), np.int32), np.zeros((k, P + N), bool)
+        for j in range(k):
+            c = contexts[j] if j < len(live) else contexts[0]
+            tokens_kp[j, P + N - len(c):], mask_kp[j, P + N - len(c):] = c, True
+        streams_k = np.array([i * max_turns + turn for i in live] + [0] * (k - len(live)))
+        limits_k = np.array([N - len(ids[i]) for i in live] + [1] * (k - len(live)))
+        out, _ = decode_rows(generator.rollout_engine(P + N, k), params, tokens_kp, mask_kp,
+                             [key] * k, streams_k, k, limits_b=limits_k)
+        still = []
+        for j, i in enumerate(live):
+            mask_n = out["response_mask_bn"][j]
+            sampled = out["sequences_bs"][j, P + N:][mask_n].tolist()
+            ids[i], policy[i] = ids[i] + sampled, policy[i] + [True] * len(sampled)
+            logp[i] += out["logprobs_bn"][j][mask_n].tolist()
+            conversations[i].append({"role": "assistant", "content": tok.decode(sampled)})
+            reply = env.step(conversations[i], rows[i])
+            if reply.done or sampled[-1] not in tok.stop_ids or turn + 1 == max_turns:
+                continue
+            reply_ids = transcript.reply_ids(conversations[i], reply.messages)
+            if len(ids[i]) + len(reply_ids) < N:
+                ids[i], policy[i] = ids[i] + reply_ids, policy[i] + [False] * len(reply_ids)
+                logp[i] += [0.0] * len(reply_ids)
+                conversations[i] += reply.messages
+                still.append(i)
+        live = still
+    return ids, policy, logp
+
+
+def test_streamed_trajectories_are_the_turn_synchronous_ones_whatever_the_timing(
+        engine, pool, instant):
+    """The streamed rollout computes what one batch per turn computes, and a slow environment
+    (0 to 0.1 s a turn, rows queued for 4 slots) changes its timing only, not its tokens."""
+    config, layout, tok, generator, params = engine
+    ids, policy, logp = _turn_synchronous(engine, ROWS, jax.random.key(0))
+    rows = [dict(row, delay=0.05 * (i % 3)) for i, row in enumerate(ROWS)]
+    slow = rollout(generator, params, jax.random.key(0), pool, Transcript(tok), tok, rows,
+                   TrajectoryLimits(3, P, N, 0.5), slots=4)
+    for out in (instant, slow):
+        np.testing.assert_array_equal(out.turns_b, instant.turns_b)
+        for i in range(len(ROWS)):
+            n = len(ids[i])
+            assert out.tokens_bs[i, P:P + n].tolist() == ids[i] and not out.mask_bs[i, P + n:].any()
+            assert out.policy_bn[i, :n].tolist() == policy[i]
+            np.testing.assert_allclose(out.logp_bn[i, :n], logp[i], atol=1e-5, rtol=0)
+    assert max(out.turns_b) > 1  # replies were appended
 
 
 def test_a_failing_environment_ends_its_trajectory_with_reward_0_and_is_counted(engine, pool):
