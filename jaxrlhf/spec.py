@@ -70,7 +70,7 @@ class AlgorithmName(enum.Enum):
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _REWARD_KINDS = {"function": False, "model": True}  # reward.kind, cost.kind: scored by a model?
 _TASKS = {"reverse": tasks.ReverseTask, "arithmetic": tasks.ArithmeticTask,  # data.task.kind
-          "tool_arithmetic": tasks.ToolArithmeticTask}
+          "tool_arithmetic": tasks.ToolArithmeticTask, "lookup": tasks.LookupTask}
 
 
 # --- the specs ---------------------------------------------------------------------------

@@ -317,23 +317,23 @@ def test_environment_tokens_get_no_gradient():
 
 
 def test_env_config_errors_are_one_line_naming_the_key():
-    from configs import grpo_multiturn_tiny
+    from configs import tool_math_tiny
     from jaxrlhf.schema import ConfigError
     from jaxrlhf.spec import run_spec
 
-    spec = run_spec(grpo_multiturn_tiny.get_config("smoke"))
+    spec = run_spec(tool_math_tiny.get_config("smoke"))
     assert [m.name for m in spec.graph.mfcs] == ["actor_gen", "ref_inf", "actor_train"]
     assert "scores_b" in spec.graph.mfc("actor_gen").outputs and not spec.rewards
     assert spec.env.spec == "tools" and spec.env.max_turns == 3
     for key, value, words in [("class", "nope", "env.class: unknown environment 'nope'"),
                               ("class", f"{FIXTURES / 'envs.py'}:Nope", "has no class 'Nope'"),
                               ("max_turns", 0, "env.max_turns")]:
-        config = grpo_multiturn_tiny.get_config("smoke")
+        config = tool_math_tiny.get_config("smoke")
         config.env[key] = value
         with pytest.raises(ConfigError) as e:
             run_spec(config)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
-    config = grpo_multiturn_tiny.get_config("smoke")
+    config = tool_math_tiny.get_config("smoke")
     config.algorithm = "ppo"
     with pytest.raises(ConfigError, match="env.class='tools': multi-turn rollouts train with "
                                           "algorithm=grpo"):

@@ -8,7 +8,7 @@ import transformers
 from jaxrlhf.data import datasets, tasks, tools
 from jaxrlhf.data.datasets import SFTRow
 from jaxrlhf.data.encode import sft_batch
-from jaxrlhf.data.environments import ToolEnv
+from jaxrlhf.data.environments import LookupEnv, ToolEnv
 from jaxrlhf.data.tokenizer import ByteTokenizer, HFTokenizer
 from jaxrlhf.data.transcript import Transcript
 from tests.test_chat import llama3_dir, qwen_dir
@@ -79,3 +79,35 @@ def test_tool_task_demonstrations_slip_as_often_as_asked_and_the_env_agrees(tmp_
 
 
 
+
+
+def test_lookup_demonstrations_guess_as_often_as_asked_and_the_env_agrees(tmp_path):
+    """The facts task: every demonstration's replies are what `LookupEnv` answers, the clean
+    ones score 1 and the guessing ones (60%) ask once and score 0 (bar a lucky guess)."""
+    task = tasks.LookupTask(num_train=100, num_eval=20, num_sft=50, sft_noise=0.6)
+    data = tasks.make_lookup_task(task)
+    files = tasks.write_task(task, tmp_path)
+    assert datasets.read_rows(files.sft, datasets.RowKind.SFT) == data.sft  # JSONL round trip
+    assert not {(r.prompt, r.answer) for r in data.train} & {(r.prompt, r.answer)
+                                                              for r in data.eval}
+    env, guesses = LookupEnv(), 0
+    for row, prompt_row in zip(data.sft, data.train):
+        env_row = {"prompt": prompt_row.prompt, "answer": prompt_row.answer}
+        conversation = env.reset(env_row)
+        for turn, reply in zip(row.messages[::2], row.messages[1::2]):
+            conversation.append(turn)
+            assert env.step(conversation, env_row).messages == (reply,)
+            conversation.append(reply)
+        conversation.append(row.messages[-1])
+        final = env.step(conversation, env_row)
+        asked = len(row.messages) // 2
+        guesses += asked == 1
+        assert final.done and final.reward == float(row.messages[-1]["content"] ==
+                                                     prompt_row.answer)
+        assert asked == 1 or final.reward == 1.0  # asking for both is right
+    assert guesses == 30
+    row = {"prompt": "qw=", "answer": "5821"}
+    ask = lambda text: env.step([*env.reset(row), {"role": "assistant", "content": text}], row)
+    assert ask("w?").messages == ({"role": "tool", "content": "21"},)
+    assert ask("x?").messages[0]["content"].startswith("error: no key 'x'")
+    assert ask("5821").reward == 1.0 and ask("5822").reward == 0.0

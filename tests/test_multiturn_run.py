@@ -1,5 +1,5 @@
-"""configs/grpo_multiturn_tiny.py's smoke variant through the run stack, as
-`python -m jaxrlhf.train --config=configs/grpo_multiturn_tiny.py:smoke` runs it (slow: its
+"""configs/tool_math_tiny.py's smoke variant through the run stack, as
+`python -m jaxrlhf.train --config=configs/tool_math_tiny.py:smoke` runs it (slow: its
 compiles take about a minute on two loaded cores; the machinery is tested in the default suite
 by tests/test_multiturn.py)."""
 
@@ -8,14 +8,14 @@ import math
 
 import pytest
 
-from configs import grpo_multiturn_tiny
+from configs import tool_math_tiny
 from jaxrlhf.run import rl
 from jaxrlhf.run.check import check_config
 
 
 @pytest.mark.slow
 def test_multiturn_config_runs_its_smoke_variant(tmp_path):
-    summary = rl.run(check_config(grpo_multiturn_tiny.get_config("smoke"), str(tmp_path)))
+    summary = rl.run(check_config(tool_math_tiny.get_config("smoke"), str(tmp_path)))
     assert summary["steps"] == 2 and not summary["interrupted"], summary
     # held-out: greedy trajectories with the environment (2 warm-start steps never succeed)
     assert summary["accuracy_before"] == 0.0 and summary["reward_before"] == 0.0
@@ -32,7 +32,7 @@ def test_multiturn_config_runs_its_smoke_variant(tmp_path):
 def test_multiturn_config_learns_to_call_the_calculator_right(tmp_path):
     """The warm start's demonstrations subtract 60% of the time, so its greedy trajectories
     fail; GRPO over trajectories moves it to adding (about 2.5 minutes on two cores)."""
-    summary = rl.run(check_config(grpo_multiturn_tiny.get_config(), str(tmp_path)))
+    summary = rl.run(check_config(tool_math_tiny.get_config(), str(tmp_path)))
     assert summary["accuracy_before"] <= 0.4, summary
     assert summary["accuracy_after"] >= 0.8, summary
     assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.3, summary

@@ -19,10 +19,10 @@ processes (its machinery, a different function and value check), where a call th
 hangs past the timeout or returns something malformed is a counted error; the trajectory it
 belongs to ends with reward 0 (`dataflow/trajectories.py`).
 
-`ToolEnv` is the built-in environment: it answers the policy's tool calls (`data/tools.py`)
-with `tool` messages and scores the final answer against the row's by exact match, with reward
-only when the calculator was called first (the tiny multi-turn task of
-`configs/grpo_multiturn_tiny.py`).
+Built-in environments: `ToolEnv` answers the policy's tool calls (`data/tools.py`) with
+`tool` messages and scores the final answer against the row's by exact match, with reward only
+when the calculator was called first (`configs/tool_math_tiny.py`); `LookupEnv` answers
+questions for facts only it knows, one a turn (`configs/multiturn_tiny.py`).
 """
 
 from __future__ import annotations
@@ -92,7 +92,27 @@ class Llama3ToolEnv(ToolEnv):
     tool_format = tools.ToolCallFormat.LLAMA3
 
 
-BUILTIN_ENVS = {"tools": ToolEnv, "tools_llama3": Llama3ToolEnv}
+class LookupEnv:
+    """The facts of `data/tasks.LookupTask`: a prompt names keys ("qw="), the row's answer
+    holds their values (two digits each, in that order). A turn "k?" asks for key k's value
+    (a tool message; an error message for a key the prompt does not name); the first turn
+    that asks nothing is the answer, worth 1 when it is the row's, else 0."""
+
+    def reset(self, row: dict) -> list[Message]:
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, messages: list[Message], row: dict) -> EnvTurn:
+        text, keys = messages[-1]["content"].strip(), row["prompt"].rstrip("=")
+        if not text.endswith("?"):
+            return EnvTurn(None, float(text == row["answer"]), True)
+        key = text[:-1]
+        if len(key) != 1 or key not in keys:
+            return EnvTurn(({"role": "tool", "content": f"error: no key {key!r}"},), 0.0, False)
+        at = 2 * keys.index(key)
+        return EnvTurn(({"role": "tool", "content": row["answer"][at:at + 2]},), 0.0, False)
+
+
+BUILTIN_ENVS = {"tools": ToolEnv, "tools_llama3": Llama3ToolEnv, "lookup": LookupEnv}
 
 
 def resolve_env_class(spec: str) -> type:

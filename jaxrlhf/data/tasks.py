@@ -259,7 +259,71 @@ def make_tool_task(task: ToolArithmeticTask) -> TaskData:
     return dataclasses.replace(data, sft=sft)
 
 
-def write_task(task: ArithmeticTask | ReverseTask | ToolArithmeticTask,
+@dataclasses.dataclass(frozen=True)
+class LookupTask:
+    """Facts the policy must ask its environment for, one per turn (the built-in `lookup`
+    environment of `data/environments.py`).
+
+    A prompt names two distinct keys ("qw="); the row's answer is their values, two digits each,
+    in the prompt's order ("5821"), drawn afresh for every row, so only the environment knows
+    them: the policy asks for a key per turn ("q?"), the environment replies with its value,
+    and the policy's first turn that asks nothing is its answer (reward 1 when it is the row's).
+    A demonstration asks for both keys and answers; a fraction `sft_noise` of them ask for the
+    first key only and answer with a guess for the second. A model imitating them answers after
+    one question whenever that fraction is above one half, so its greedy trajectories mostly
+    score 0; every demonstration teaches the rest (asking by the prompt's keys, copying values).
+
+    Attributes:
+      num_train, num_eval: distinct train and held-out rows; num_sft: demonstrations (of the
+        train rows); sft_noise: the share of them that guess; seed: all of it is a function of it.
+    """
+
+    num_train: int = 2000
+    num_eval: int = 200
+    num_sft: int = 1000
+    sft_noise: float = 0.6
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.num_sft <= self.num_train:
+            raise ValueError(f"num_sft={self.num_sft} must be in [0, num_train={self.num_train}]")
+        if not 0.0 <= self.sft_noise <= 1.0:
+            raise ValueError(f"sft_noise={self.sft_noise} must be in [0, 1]")
+
+
+LOOKUP_KEYS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def make_lookup_task(task: LookupTask) -> TaskData:
+    """Generates the lookup task's rows; identical for equal `task` values."""
+    rng = np.random.default_rng(task.seed)
+    seen: dict[tuple[str, str], PromptRow] = {}
+    while len(seen) < task.num_train + task.num_eval:
+        keys = "".join(rng.choice(list(LOOKUP_KEYS), size=2, replace=False))
+        values = "".join(f"{v:02d}" for v in rng.integers(0, 100, size=2))
+        seen.setdefault((keys, values), PromptRow(prompt=keys + "=", answer=values))
+    rows = list(seen.values())
+    train, held_out = rows[: task.num_train], rows[task.num_train:]
+    noise_rng = np.random.default_rng([task.seed, 3])
+    noisy = set(noise_rng.permutation(task.num_sft)[: round(task.sft_noise * task.num_sft)].tolist())
+
+    def turns(i: int, row: PromptRow) -> tuple[dict, ...]:
+        (first, second), values = row.prompt[:2], row.answer
+        asked = ({"role": "assistant", "content": f"{first}?"},
+                 {"role": "tool", "content": values[:2]})
+        if i in noisy:  # the slip: a guess for the second value instead of asking
+            guess = f"{noise_rng.integers(0, 100):02d}"
+            return (*asked, {"role": "assistant", "content": values[:2] + guess})
+        return (*asked, {"role": "assistant", "content": f"{second}?"},
+                {"role": "tool", "content": values[2:]},
+                {"role": "assistant", "content": values})
+
+    sft = [SFTRow(prompt=row.prompt, response="", messages=turns(i, row))
+           for i, row in enumerate(train[: task.num_sft])]
+    return TaskData(train=train, eval=held_out, sft=sft, preference=[])
+
+
+def write_task(task: ArithmeticTask | ReverseTask | ToolArithmeticTask | LookupTask,
                out_dir: str | pathlib.Path) -> TaskFiles:
     """Writes train/eval prompts, SFT demonstrations and preference pairs as JSONL in `out_dir`."""
     out_dir = pathlib.Path(out_dir)
@@ -268,6 +332,8 @@ def write_task(task: ArithmeticTask | ReverseTask | ToolArithmeticTask,
             data = make_reverse_task(task)
         case ToolArithmeticTask():
             data = make_tool_task(task)
+        case LookupTask():
+            data = make_lookup_task(task)
         case _:
             data = make_task(task)
     return TaskFiles(
