@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import transformers
 
-from jaxrlhf.algorithms import grpo, multiturn
+from jaxrlhf.algorithms import grpo, losses, multiturn, ppo
+from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.data import tools
 from jaxrlhf.data.environments import EnvPool, Llama3ToolEnv, ToolEnv
 from jaxrlhf.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -313,6 +314,73 @@ def test_environment_tokens_get_no_gradient():
         assert (response[policy_bn] != 0).all()
 
 
+def _gae_over_policy_tokens(rewards_bn, values_bn, policy_bn, gamma, lam):
+    """numpy GAE of each row's policy tokens alone, as one sequence (the environment's cut
+    out): (advantages, returns) [b, n], 0 elsewhere."""
+    adv_bn, ret_bn = np.zeros_like(rewards_bn), np.zeros_like(rewards_bn)
+    for i in range(len(rewards_bn)):
+        at = np.flatnonzero(policy_bn[i])
+        r, v = rewards_bn[i, at], values_bn[i, at]
+        a, next_a, next_v = np.zeros(len(at)), 0.0, 0.0
+        for j in reversed(range(len(at))):
+            a[j] = r[j] + gamma * next_v - v[j] + gamma * lam * next_a
+            next_a, next_v = a[j], v[j]
+        adv_bn[i, at], ret_bn[i, at] = a, a + v
+    return adv_bn, ret_bn
+
+
+def test_ppo_over_trajectories_trains_and_values_the_policy_tokens_only():
+    """PPO over trajectories: each turn's reward on its turn's last token, GAE over the
+    policy's tokens (numpy, the environment's cut out), and the actor's and the critic's
+    losses have exactly zero gradient at the environment's tokens."""
+    cfg = ppo.PPOConfig(gamma=0.9, lam=0.8, whiten_advantages=False,
+                        kl=kl_lib.KLControllerConfig(init_kl_coef=0.1),
+                        policy=losses.PPOLossConfig(entropy_coef=0.01))
+    b, p, n = 4, 3, 10
+    algorithm = multiturn.make_ppo(cfg, batch_size=b)
+    assert {m.name for m in algorithm.mfcs} == {"actor_gen", "ref_inf", "critic_inf",
+                                                "actor_train", "critic_train"}
+    rng = np.random.default_rng(0)
+    policy_bn = np.ones((b, n), bool)
+    policy_bn[:, 3:6] = False  # a reply after the first turn (tokens 0-2)
+    policy_bn[:, 8:] = False  # padding after the second (tokens 6-7)
+    turn_rewards_bn = np.zeros((b, n), np.float32)
+    turn_rewards_bn[:, 2], turn_rewards_bn[:, 7] = [0.25, 0.0, 0.5, 0.0], [1.0, 0.0, 1.0, 2.0]
+    mask_bs = np.concatenate([np.ones((b, p), bool), np.arange(n) < 8 + np.zeros((b, 1))], 1)
+    behav_bn = -rng.random((b, n)).astype(np.float32) * policy_bn
+    ref_bn = -rng.random((b, n)).astype(np.float32)
+    values_bn = rng.standard_normal((b, n)).astype(np.float32)
+    buf = {"seq_tokens_bs": jnp.asarray(rng.integers(0, 200, (b, p + n)), jnp.int32),
+           "seq_mask_bs": jnp.asarray(mask_bs), "response_mask_bn": jnp.asarray(policy_bn),
+           "behav_logp_bn": jnp.asarray(behav_bn), "ref_logp_bn": jnp.asarray(ref_bn),
+           "values_bn": jnp.asarray(values_bn), "turn_rewards_bn": jnp.asarray(turn_rewards_bn),
+           "scores_b": jnp.asarray(turn_rewards_bn.sum(1))}
+    actor, critic = algorithm.train[Role.ACTOR], algorithm.train[Role.CRITIC]
+    batch, _ = actor.prepare(buf, algorithm.controller_init)
+    rewards_bn = turn_rewards_bn - 0.1 * (behav_bn - ref_bn)  # k1: -beta log(pi / ref)
+    want_adv, want_ret = _gae_over_policy_tokens(rewards_bn, values_bn, policy_bn, 0.9, 0.8)
+    np.testing.assert_allclose(batch["advantages_bn"], want_adv, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(batch["returns_bn"], want_ret, atol=1e-5, rtol=0)
+
+    def actor_loss(logp_bt, entropy_bt):
+        loss_sum, weight, _ = actor.loss_fn(InferenceOutput(logp_bt, entropy_bt), batch)
+        return loss_sum / weight
+
+    def critic_loss(values_bt):
+        loss_sum, weight, _ = critic.loss_fn(InferenceOutput(values_bt=values_bt), batch)
+        return loss_sum / weight
+
+    # Near the behaviour's log-probs and the old values: no token clipped (its gradient 0).
+    near = lambda x_bn: jnp.asarray(np.pad(x_bn + 0.01 * rng.standard_normal((b, n)),
+                                           ((0, 0), (p, 0))), jnp.float32)
+    logp_bt = near(behav_bn)
+    g_logp, g_entropy = jax.grad(actor_loss, argnums=(0, 1))(logp_bt, jnp.ones((b, p + n)))
+    values_bt = jnp.roll(near(values_bn), -1, axis=1)  # V(s_t) sits one before token t
+    g_values = np.asarray(jax.grad(critic_loss)(values_bt))[:, p - 1:-1]  # V(s_t) predicts t
+    for g in (np.asarray(g_logp)[:, p:], np.asarray(g_entropy)[:, p:], g_values):
+        assert (g[~policy_bn] == 0).all() and (g[policy_bn] != 0).all()
+
+
 # --- configuration ---------------------------------------------------------------------------
 
 
@@ -334,7 +402,12 @@ def test_env_config_errors_are_one_line_naming_the_key():
             run_spec(config)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
     config = tool_math_tiny.get_config("smoke")
-    config.algorithm = "ppo"
+    config.algorithm = "rloo"
     with pytest.raises(ConfigError, match="env.class='tools': multi-turn rollouts train with "
-                                          "algorithm=grpo"):
+                                          "algorithm=grpo or ppo"):
         run_spec(config)
+    config.algorithm = "ppo"
+    spec = run_spec(config)
+    assert [m.name for m in spec.graph.mfcs] == ["actor_gen", "ref_inf", "critic_inf",
+                                                  "actor_train", "critic_train"]
+    assert "turn_rewards_bn" in spec.graph.mfc("actor_gen").outputs and not spec.rewards

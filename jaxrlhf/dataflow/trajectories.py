@@ -78,6 +78,7 @@ class _Trajectory:
     policy: list[bool] = dataclasses.field(default_factory=list)
     logp: list[float] = dataclasses.field(default_factory=list)
     reward: float = 0.0
+    turn_rewards: dict[int, float] = dataclasses.field(default_factory=dict)  # at: reward
     turns: int = 0
     turn_ids: list[int] = dataclasses.field(default_factory=list)  # the policy's last turn
     tool_calls: int = 0  # tool messages the environment answered with
@@ -96,6 +97,8 @@ class Trajectories:
       policy_bn: bool [b, W], True on the tokens the policy wrote.
       logp_bn: float32 [b, W], their behaviour log-probs (0 elsewhere).
       rewards_b: float32 [b], the sum of each trajectory's turn rewards (0 where it failed).
+      turn_rewards_bn: float32 [b, W], each turn's reward on the last token of the policy's
+        turn it answered (0 elsewhere, and where the trajectory failed); rows sum to rewards_b.
       turns_b: int32 [b], policy turns; errors: the environment's failed calls.
       tool_error_rate: the share of the `tool` messages that report a failed call (starting
         "error:", as `data/tools.call_tool` writes them); 0 when there were none.
@@ -106,13 +109,14 @@ class Trajectories:
     policy_bn: np.ndarray
     logp_bn: np.ndarray
     rewards_b: np.ndarray
+    turn_rewards_bn: np.ndarray
     turns_b: np.ndarray
     errors: ErrorCounts
     tool_error_rate: float
 
 
 def _fail(t: _Trajectory) -> None:
-    t.failed, t.done, t.reward = True, True, 0.0
+    t.failed, t.done, t.reward, t.turn_rewards = True, True, 0.0, {}
 
 
 def _record_failures(batch: RewardBatch, live: Sequence[_Trajectory], messages: list[str]):
@@ -273,6 +277,7 @@ def _take_replies(stream: _Stream, pool: EnvPool, transcript: Transcript, tokeni
 def _take_reply(t: _Trajectory, reply: EnvTurn, transcript: Transcript, tokenizer: Tokenizer,
                 limits: TrajectoryLimits) -> None:
     t.reward += reply.reward
+    t.turn_rewards[len(t.ids) - 1] = reply.reward  # the turn's last token: the reply follows it
     stopped = bool(t.turn_ids) and t.turn_ids[-1] in tokenizer.stop_ids
     if reply.done or not reply.messages or not stopped or t.turns >= limits.max_turns:
         t.done = True
@@ -303,15 +308,18 @@ def _arrays(trajectories: list[_Trajectory], limits: TrajectoryLimits,
     b = len(trajectories)
     tokens_bs, mask_bs = np.zeros((b, p + w), np.int32), np.zeros((b, p + w), bool)
     policy_bn, logp_bn = np.zeros((b, w), bool), np.zeros((b, w), np.float32)
+    turn_rewards_bn = np.zeros((b, w), np.float32)
     for i, t in enumerate(trajectories):
         n = len(t.ids)
         tokens_bs[i, p - len(t.prompt_ids):p + n] = t.prompt_ids + t.ids
         mask_bs[i, p - len(t.prompt_ids):p + n] = True
         policy_bn[i, :n], logp_bn[i, :n] = t.policy, t.logp
+        for at, reward in t.turn_rewards.items():
+            turn_rewards_bn[i, at] = reward
     calls = sum(t.tool_calls for t in trajectories)
     return Trajectories(tokens_bs, mask_bs, policy_bn, logp_bn,
                         np.array([t.reward for t in trajectories], np.float32),
-                        np.array([t.turns for t in trajectories], np.int32),
+                        turn_rewards_bn, np.array([t.turns for t in trajectories], np.int32),
                         ErrorCounts(exception=failed),
                         sum(t.tool_errors for t in trajectories) / max(calls, 1))
 
@@ -321,8 +329,9 @@ def trajectory_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator
                         tokenizer: Tokenizer, limits: TrajectoryLimits,
                         on_result: Callable[[Trajectories], None]):
     """The generate MFC of a multi-turn run: reads the prompt rows (`prompt_text`, `answer`)
-    and writes its outputs in order: sequence tokens [b, s], sequence mask [b, s], policy-token
-    mask [b, n] (as the response mask), behaviour log-probs [b, n], trajectory rewards [b]."""
+    and writes those of its outputs its MFC names: sequence tokens `seq_tokens_bs`, sequence
+    mask `seq_mask_bs`, policy-token mask `response_mask_bn`, behaviour log-probs
+    `behav_logp_bn`, trajectory rewards `scores_b`, turn rewards `turn_rewards_bn`."""
     transcript = Transcript(tokenizer)
 
     def run(buf):
@@ -330,7 +339,10 @@ def trajectory_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator
         out = rollout(generator, model.params_on(layout), rng_of_step(), pool, transcript,
                       tokenizer, rows, limits)
         on_result(out)
-        host = (out.tokens_bs, out.mask_bs, out.policy_bn, out.logp_bn, out.rewards_b)
+        arrays = {"seq_tokens_bs": out.tokens_bs, "seq_mask_bs": out.mask_bs,
+                  "response_mask_bn": out.policy_bn, "behav_logp_bn": out.logp_bn,
+                  "scores_b": out.rewards_b, "turn_rewards_bn": out.turn_rewards_bn}
+        host = tuple(arrays[name] for name in mfc.outputs)
         placed = transfer(host, tuple(layout.batch_sharding(x.ndim) for x in host))
         return dict(zip(mfc.outputs, placed, strict=True))
 
