@@ -240,7 +240,7 @@ def rollout(generator: Generator, params, rng, pool: EnvPool, transcript: Transc
     stream = _Stream(engine, params, transfer(rng, generator.layout.replicated()), trajectories,
                      limits, slots)
     while stream.ready or stream.waiting or stream.busy():
-        _take_replies(stream, pool, transcript, tokenizer, messages)
+        _take_replies(stream, transcript, tokenizer, messages)
         stream.fill(tokenizer.pad_id)
         if not stream.busy():  # every unfinished trajectory waits on its environment
             if stream.waiting:
@@ -256,7 +256,7 @@ def rollout(generator: Generator, params, rng, pool: EnvPool, transcript: Transc
     return _arrays(trajectories, limits, messages)
 
 
-def _take_replies(stream: _Stream, pool: EnvPool, transcript: Transcript, tokenizer: Tokenizer,
+def _take_replies(stream: _Stream, transcript: Transcript, tokenizer: Tokenizer,
                   messages: list[str]) -> None:
     """Every reply that arrived: appended to its trajectory, which is ready for its next turn
     unless it ended."""
