@@ -1,15 +1,14 @@
 """GRPO over multi-turn trajectories on a tiny model, where the answer depends on facts the
 policy must ask its environment for, turn by turn: the built-in `lookup` environment
-(jaxrlhf/data/environments.py) knows each row's values of the two keys its prompt names
-("qw="); the policy asks "q?", then "w?", then answers both values ("5821"), reward 1 when
-right.
+(jaxrlhf/data/environments.py) knows each row's chain from the prompt's key ("q=") to a second
+key and from that to a two-digit value; the policy asks "q?" (reply: "n"), then "n?" (reply:
+"58"), then answers "58", reward 1 when right.
 
 The actor is first fine-tuned on trajectories (only the policy's turns trained) of which 60%
-ask for the first key only and guess the second value (`data.task.kind=lookup`), so its greedy
-trajectories answer after one question and mostly score 0; GRPO over trajectories (8 prompts
-× 4 trajectories a step) moves it to asking for both (tests/test_multiturn_run.py has the
-measured figures). Turns per trajectory and the tool-call error rate (questions for keys the
-prompt does not name) are logged.
+ask once and guess the value (`data.task.kind=lookup`), so its greedy trajectories guess after
+one question and mostly score 0; GRPO over trajectories (8 prompts × 4 trajectories a step)
+moves it to asking twice (tests/test_multiturn_run.py has the measured figures). Turns per
+trajectory and the tool-call error rate (questions for keys not in the chain) are logged.
 
 Each trajectory holds at most 3 policy turns and 128 tokens after its prompt (the policy's and
 the environment's). Run as `python -m jaxrlhf.train --config=configs/multiturn_tiny.py[:smoke]`.
@@ -26,7 +25,7 @@ def get_config(arg=None):
     config.env["class"] = "lookup"
     config.env.max_turns = 3
     config.data.task.kind = "lookup"
-    config.data.task.sft_noise = 0.6  # demonstrations that guess the second value
+    config.data.task.sft_noise = 0.6  # demonstrations that guess after one question
     config.warm_start.sft_steps = 400
     config.rollout.batch_size = 8
     config.optimizer.actor.lr = 2e-4  # as tool_math_tiny's: small steps keep the copying intact

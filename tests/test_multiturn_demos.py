@@ -82,8 +82,8 @@ def test_tool_task_demonstrations_slip_as_often_as_asked_and_the_env_agrees(tmp_
 
 
 def test_lookup_demonstrations_guess_as_often_as_asked_and_the_env_agrees(tmp_path):
-    """The facts task: every demonstration's replies are what `LookupEnv` answers, the clean
-    ones score 1 and the guessing ones (60%) ask once and score 0 (bar a lucky guess)."""
+    """The chained facts: every demonstration's replies are what `LookupEnv` answers, the
+    clean ones (asking twice) score 1 and the guessing ones (60%) ask once."""
     task = tasks.LookupTask(num_train=100, num_eval=20, num_sft=50, sft_noise=0.6)
     data = tasks.make_lookup_task(task)
     files = tasks.write_task(task, tmp_path)
@@ -104,10 +104,13 @@ def test_lookup_demonstrations_guess_as_often_as_asked_and_the_env_agrees(tmp_pa
         guesses += asked == 1
         assert final.done and final.reward == float(row.messages[-1]["content"] ==
                                                      prompt_row.answer)
-        assert asked == 1 or final.reward == 1.0  # asking for both is right
+        assert asked == 1 or final.reward == 1.0  # asking twice is right
     assert guesses == 30
-    row = {"prompt": "qw=", "answer": "5821"}
+    row = {"prompt": "q=", "answer": "58"}
+    link = tasks.lookup_link("q", "58")
     ask = lambda text: env.step([*env.reset(row), {"role": "assistant", "content": text}], row)
-    assert ask("w?").messages == ({"role": "tool", "content": "21"},)
-    assert ask("x?").messages[0]["content"].startswith("error: no key 'x'")
-    assert ask("5821").reward == 1.0 and ask("5822").reward == 0.0
+    assert ask("q?").messages == ({"role": "tool", "content": link},) and link != "q"
+    assert ask(f"{link}?").messages == ({"role": "tool", "content": "58"},)
+    other = next(k for k in "abc" if k not in ("q", link))
+    assert ask(f"{other}?").messages[0]["content"].startswith(f"error: no key '{other}'")
+    assert ask("58").reward == 1.0 and ask("57").reward == 0.0

@@ -22,7 +22,7 @@ belongs to ends with reward 0 (`dataflow/trajectories.py`).
 Built-in environments: `ToolEnv` answers the policy's tool calls (`data/tools.py`) with
 `tool` messages and scores the final answer against the row's by exact match, with reward only
 when the calculator was called first (`configs/tool_math_tiny.py`); `LookupEnv` answers
-questions for facts only it knows, one a turn (`configs/multiturn_tiny.py`).
+questions for chained facts only it knows, one a turn (`configs/multiturn_tiny.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import importlib
 import inspect
 from typing import Any, Callable, Sequence
 
-from jaxrlhf.data import rewards, tools
+from jaxrlhf.data import rewards, tasks, tools
 from jaxrlhf.data.rewards import ErrorKind, RewardHandle, RewardPool
 
 Message = dict[str, Any]
@@ -93,23 +93,24 @@ class Llama3ToolEnv(ToolEnv):
 
 
 class LookupEnv:
-    """The facts of `data/tasks.LookupTask`: a prompt names keys ("qw="), the row's answer
-    holds their values (two digits each, in that order). A turn "k?" asks for key k's value
-    (a tool message; an error message for a key the prompt does not name); the first turn
-    that asks nothing is the answer, worth 1 when it is the row's, else 0."""
+    """The chained facts of `data/tasks.LookupTask`: a prompt names a key ("q="), the row's
+    answer is the value at the chain's end. A turn "k?" asks for key k: the prompt's key is
+    answered with the chain's second key, that one with the value (tool messages; any other
+    key with an error message); the first turn that asks nothing is the answer, worth 1 when
+    it is the row's, else 0."""
 
     def reset(self, row: dict) -> list[Message]:
         return [{"role": "user", "content": row["prompt"]}]
 
     def step(self, messages: list[Message], row: dict) -> EnvTurn:
-        text, keys = messages[-1]["content"].strip(), row["prompt"].rstrip("=")
+        text, first, value = messages[-1]["content"].strip(), row["prompt"][0], row["answer"]
         if not text.endswith("?"):
-            return EnvTurn(None, float(text == row["answer"]), True)
+            return EnvTurn(None, float(text == value), True)
+        link = tasks.lookup_link(first, value)
+        facts = {first: link, link: value}
         key = text[:-1]
-        if len(key) != 1 or key not in keys:
-            return EnvTurn(({"role": "tool", "content": f"error: no key {key!r}"},), 0.0, False)
-        at = 2 * keys.index(key)
-        return EnvTurn(({"role": "tool", "content": row["answer"][at:at + 2]},), 0.0, False)
+        content = facts[key] if key in facts else f"error: no key {key!r}"
+        return EnvTurn(({"role": "tool", "content": content},), 0.0, False)
 
 
 BUILTIN_ENVS = {"tools": ToolEnv, "tools_llama3": Llama3ToolEnv, "lookup": LookupEnv}

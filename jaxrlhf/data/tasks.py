@@ -261,17 +261,18 @@ def make_tool_task(task: ToolArithmeticTask) -> TaskData:
 
 @dataclasses.dataclass(frozen=True)
 class LookupTask:
-    """Facts the policy must ask its environment for, one per turn (the built-in `lookup`
-    environment of `data/environments.py`).
+    """Facts the policy must ask its environment for, turn by turn (the built-in `lookup`
+    environment of `data/environments.py`): a chain of two lookups.
 
-    A prompt names two distinct keys ("qw="); the row's answer is their values, two digits each,
-    in the prompt's order ("5821"), drawn afresh for every row, so only the environment knows
-    them: the policy asks for a key per turn ("q?"), the environment replies with its value,
-    and the policy's first turn that asks nothing is its answer (reward 1 when it is the row's).
-    A demonstration asks for both keys and answers; a fraction `sft_noise` of them ask for the
-    first key only and answer with a guess for the second. A model imitating them answers after
-    one question whenever that fraction is above one half, so its greedy trajectories mostly
-    score 0; every demonstration teaches the rest (asking by the prompt's keys, copying values).
+    A prompt names a key ("q="); the row's answer is a two-digit value ("58") drawn afresh for
+    every row. Asked for the prompt's key ("q?"), the environment names a second key
+    (`lookup_link`: a function of the prompt's key and the value, so only it knows which);
+    asked for that one, it replies with the value; the policy's first turn that asks nothing is
+    its answer (reward 1 when it is the row's value). A demonstration asks twice and answers; a
+    fraction `sft_noise` of them ask once and answer a guess. A model imitating them guesses
+    after one question whenever that fraction is above one half, so its greedy trajectories
+    mostly score 0; every demonstration teaches the rest (asking for the key a reply names,
+    copying the value).
 
     Attributes:
       num_train, num_eval: distinct train and held-out rows; num_sft: demonstrations (of the
@@ -289,9 +290,18 @@ class LookupTask:
             raise ValueError(f"num_sft={self.num_sft} must be in [0, num_train={self.num_train}]")
         if not 0.0 <= self.sft_noise <= 1.0:
             raise ValueError(f"sft_noise={self.sft_noise} must be in [0, 1]")
+        if self.num_train + self.num_eval > len(LOOKUP_KEYS) * 100:
+            raise ValueError(f"num_train + num_eval must be at most {len(LOOKUP_KEYS) * 100} "
+                             "(keys x values)")
 
 
 LOOKUP_KEYS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def lookup_link(key: str, value: str) -> str:
+    """The second key of the chain from `key` to the two-digit `value` (never `key` itself)."""
+    at = LOOKUP_KEYS.index(key)
+    return LOOKUP_KEYS[(at + 1 + 7 * int(value) % (len(LOOKUP_KEYS) - 1)) % len(LOOKUP_KEYS)]
 
 
 def make_lookup_task(task: LookupTask) -> TaskData:
@@ -299,24 +309,21 @@ def make_lookup_task(task: LookupTask) -> TaskData:
     rng = np.random.default_rng(task.seed)
     seen: dict[tuple[str, str], PromptRow] = {}
     while len(seen) < task.num_train + task.num_eval:
-        keys = "".join(rng.choice(list(LOOKUP_KEYS), size=2, replace=False))
-        values = "".join(f"{v:02d}" for v in rng.integers(0, 100, size=2))
-        seen.setdefault((keys, values), PromptRow(prompt=keys + "=", answer=values))
+        key, value = LOOKUP_KEYS[rng.integers(len(LOOKUP_KEYS))], f"{rng.integers(100):02d}"
+        seen.setdefault((key, value), PromptRow(prompt=key + "=", answer=value))
     rows = list(seen.values())
     train, held_out = rows[: task.num_train], rows[task.num_train:]
     noise_rng = np.random.default_rng([task.seed, 3])
     noisy = set(noise_rng.permutation(task.num_sft)[: round(task.sft_noise * task.num_sft)].tolist())
 
     def turns(i: int, row: PromptRow) -> tuple[dict, ...]:
-        (first, second), values = row.prompt[:2], row.answer
-        asked = ({"role": "assistant", "content": f"{first}?"},
-                 {"role": "tool", "content": values[:2]})
-        if i in noisy:  # the slip: a guess for the second value instead of asking
-            guess = f"{noise_rng.integers(0, 100):02d}"
-            return (*asked, {"role": "assistant", "content": values[:2] + guess})
-        return (*asked, {"role": "assistant", "content": f"{second}?"},
-                {"role": "tool", "content": values[2:]},
-                {"role": "assistant", "content": values})
+        key, value = row.prompt[0], row.answer
+        link = lookup_link(key, value)
+        asked = ({"role": "assistant", "content": f"{key}?"}, {"role": "tool", "content": link})
+        if i in noisy:  # the slip: a guess instead of the second question
+            return (*asked, {"role": "assistant", "content": f"{noise_rng.integers(100):02d}"})
+        return (*asked, {"role": "assistant", "content": f"{link}?"},
+                {"role": "tool", "content": value}, {"role": "assistant", "content": value})
 
     sft = [SFTRow(prompt=row.prompt, response="", messages=turns(i, row))
            for i, row in enumerate(train[: task.num_sft])]
