@@ -46,9 +46,9 @@ from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.reshard import transfer
 
 
-# Tokens decoded between looks at which rows ended their turn (a sync point on a few scalars):
-# a turn's environment call starts at the end of the chunk it ended in, and a reply's
-# trajectory takes a slot only at a chunk's end, so short chunks hand turns over sooner.
+# The most tokens decoded between looks at the slots (a sync point on a few scalars). A chunk
+# ends early as soon as a row ends its turn, so that its environment call starts at once; a
+# reply that arrives meanwhile takes a free slot only at a chunk's end, so chunks are short.
 TURN_CHUNK_TOKENS = 8
 
 
@@ -188,8 +188,9 @@ class _Stream:
     def advance(self) -> list[tuple[int, list[int], list[float]]]:
         """Decodes a chunk of tokens in every busy slot; (trajectory, its turn's ids, their
         log-probs) of each row that ended its turn, whose slot is then free."""
+        busy = sum(i >= 0 for i in self.in_slot)
         self.state = self.engine.advance(self.state, self.params, 0, TURN_CHUNK_TOKENS,
-                                         self.longest)
+                                         self.longest, stop_busy=busy - 1)
         done_b, counts = self.engine.poll(self.state)
         self.longest = int(counts[2])
         ended = [s for s, i in enumerate(self.in_slot) if i >= 0 and done_b[s]]
