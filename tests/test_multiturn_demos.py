@@ -82,30 +82,29 @@ def test_tool_task_demonstrations_slip_as_often_as_asked_and_the_env_agrees(tmp_
 
 
 def test_lookup_demonstrations_slip_as_often_as_asked_and_the_env_agrees(tmp_path):
-    """The chained facts: every demonstration asks twice and its replies are what `LookupEnv`
-    answers; the clean ones score 1, the slipping ones (60%) answer the value reversed."""
+    """The chained facts: every demonstration's replies are what `LookupEnv` answers; the clean
+    ones ask twice and score 1, the slipping ones (60%) answer the first reply and score 0."""
     task = tasks.LookupTask(num_train=100, num_eval=20, num_sft=50, sft_noise=0.6)
     data = tasks.make_lookup_task(task)
     files = tasks.write_task(task, tmp_path)
     assert datasets.read_rows(files.sft, datasets.RowKind.SFT) == data.sft  # JSONL round trip
     assert not {(r.prompt, r.answer) for r in data.train} & {(r.prompt, r.answer)
                                                               for r in data.eval}
-    env, slips, equal_digits = LookupEnv(), 0, 0
+    env, slips = LookupEnv(), 0
     for row, prompt_row in zip(data.sft, data.train):
         env_row = {"prompt": prompt_row.prompt, "answer": prompt_row.answer}
         conversation = env.reset(env_row)
-        assert len(row.messages) == 5  # ask, reply, ask, reply, answer
         for turn, reply in zip(row.messages[::2], row.messages[1::2]):
             conversation.append(turn)
             assert env.step(conversation, env_row).messages == (reply,)
             conversation.append(reply)
         answer = row.messages[-1]["content"]
         final = env.step([*conversation, row.messages[-1]], env_row)
-        assert final.done and final.reward == float(answer == prompt_row.answer)
-        assert answer in (prompt_row.answer, prompt_row.answer[::-1])
-        slips += answer != prompt_row.answer
-        equal_digits += prompt_row.answer[0] == prompt_row.answer[1]
-    assert 30 - equal_digits <= slips <= 30  # a slip on a value of equal digits answers right
+        slip = len(row.messages) == 3  # asked once
+        slips += slip
+        assert final.done and final.reward == float(not slip)
+        assert answer == (row.messages[1]["content"] if slip else prompt_row.answer)
+    assert slips == 30
     row = {"prompt": "q=", "answer": "58"}
     link = tasks.lookup_link("q", "58")
     ask = lambda text: env.step([*env.reset(row), {"role": "assistant", "content": text}], row)

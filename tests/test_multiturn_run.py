@@ -58,10 +58,10 @@ def test_multiturn_config_learns_to_call_the_calculator_right(tmp_path):
 
 
 @pytest.mark.slow
-def test_multiturn_config_learns_to_read_the_facts_it_asks_for(tmp_path):
-    """The warm start's demonstrations ask for both facts of the chain, then 60% of them
-    answer the value reversed, so its greedy trajectories fail; GRPO over trajectories moves
-    it to answering the value as the environment gave it."""
+def test_multiturn_config_learns_to_ask_for_the_second_fact(tmp_path):
+    """The warm start's demonstrations take the first reply for the answer 60% of the time,
+    so its greedy trajectories stop after one question and fail; GRPO over trajectories moves
+    it to asking for the second fact and answering its value."""
     summary = rl.run(check_config(multiturn_tiny.get_config(), str(tmp_path)))
     assert summary["accuracy_before"] <= 0.4, summary
     assert summary["accuracy_after"] >= 0.8, summary

@@ -268,16 +268,17 @@ class LookupTask:
     every row. Asked for the prompt's key ("q?"), the environment names a second key
     (`lookup_link`: a function of the prompt's key and the value, so only it knows which);
     asked for that one, it replies with the value; the policy's first turn that asks nothing is
-    its answer (reward 1 when it is the row's value). Every demonstration asks twice and
-    answers; a fraction `sft_noise` of them carry a systematic slip (as `ReverseTask`'s and
-    `ToolArithmeticTask`'s): they answer the value's digits reversed. A model imitating them
-    reverses whenever that fraction is above one half, so its greedy trajectories mostly score
-    0 (all but the values with equal digits); every demonstration teaches the rest (asking for
-    the prompt's key, then for the key the reply names, and reading the value).
+    its answer (reward 1 when it is the row's value). A demonstration asks twice and answers; a
+    fraction `sft_noise` of them carry a systematic slip (as `ReverseTask`'s and
+    `ToolArithmeticTask`'s): they take the first reply for the answer, stopping after one
+    question. Both start their second turn by copying the reply's key, then one asks ("n?")
+    and the other stops ("n"): a model imitating them stops whenever that fraction is above
+    one half, so its greedy trajectories score 0; the clean ones teach the rest (asking for the
+    key a reply names, reading the value).
 
     Attributes:
       num_train, num_eval: distinct train and held-out rows; num_sft: demonstrations (of the
-        train rows); sft_noise: the share of them that reverse; seed: all of it is a function
+        train rows); sft_noise: the share of them that slip; seed: all of it is a function
         of it.
     """
 
@@ -321,10 +322,11 @@ def make_lookup_task(task: LookupTask) -> TaskData:
     def turns(i: int, row: PromptRow) -> tuple[dict, ...]:
         key, value = row.prompt[0], row.answer
         link = lookup_link(key, value)
-        answer = value[::-1] if i in noisy else value  # the slip: the value's digits reversed
-        return ({"role": "assistant", "content": f"{key}?"}, {"role": "tool", "content": link},
-                {"role": "assistant", "content": f"{link}?"},
-                {"role": "tool", "content": value}, {"role": "assistant", "content": answer})
+        asked = ({"role": "assistant", "content": f"{key}?"}, {"role": "tool", "content": link})
+        if i in noisy:  # the slip: the first reply taken for the answer
+            return (*asked, {"role": "assistant", "content": link})
+        return (*asked, {"role": "assistant", "content": f"{link}?"},
+                {"role": "tool", "content": value}, {"role": "assistant", "content": value})
 
     sft = [SFTRow(prompt=row.prompt, response="", messages=turns(i, row))
            for i, row in enumerate(train[: task.num_sft])]
