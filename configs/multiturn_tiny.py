@@ -7,8 +7,9 @@ key and from that to a two-digit value; the policy asks "q?" (reply: "n"), then 
 The actor is first fine-tuned on trajectories (only the policy's turns trained) of which 60%
 take the first reply ("n") for the answer (`data.task.kind=lookup`), so its greedy
 trajectories stop after one question and score 0; GRPO over trajectories (8 prompts × 4
-trajectories a step) moves it to asking the second question (tests/test_multiturn_run.py has
-the measured figures). Turns per trajectory and the tool-call error rate (questions for keys
+trajectories a step) moves it to asking the second question: held-out accuracy 0.17 before
+RL and 1.0 after 30 steps, turns per trajectory 2.2 -> 3.0, in about 8 minutes with the warm
+start on 2 loaded CPU cores (tests/test_multiturn_run.py). Turns per trajectory and the tool-call error rate (questions for keys
 not in the chain) are logged.
 
 Each trajectory holds at most 3 policy turns and 128 tokens after its prompt (the policy's and
