@@ -186,13 +186,15 @@ def generate(
     )
 
 
-# Fewer slots are not worth their compiles: a step of 8 rows costs little more than one of 1
-# (reading the weights), and every slot bucket compiles its own decode loop per capacity.
-MIN_SLOTS = 8
+# Fewer slots are not worth their compiles (every slot bucket compiles its own decode loop per
+# capacity): below a few rows a step costs what reading the weights costs. W-cpu d1, CPU ms per
+# decode step at capacity 48 / 384: 4 slots 1.9 / 2.9, 8 slots 2.7 / 4.4, 16 slots 3.7 / 5.8
+# (process time of `Rollout.advance` on a filled state, median of 5).
+MIN_SLOTS = 4
 
 
 def _smaller_sizes(slots: int, dp: int) -> list[int]:
-    """The states a state of `slots` compacts into, largest first: 8, 12, 16, 24, 32, 48, ...
+    """The states a state of `slots` compacts into, largest first: 4, 6, 8, 12, 16, 24, ...
     (two per octave, so a state shrinks by a quarter or a third at a time, never by more than
     needed) below `slots`, multiples of the data-parallel size, at least MIN_SLOTS."""
     sizes, low = set(), MIN_SLOTS
@@ -208,19 +210,20 @@ def _compacted_size(live: int, slots: int, dp: int) -> int:
     return min((n for n in _smaller_sizes(slots, dp) if n >= live), default=slots)
 
 
-def _stop_busy(slots: int, queued: int, dp: int) -> int:
+def _stop_busy(slots: int, queued: int, dp: int, beyond_chunk: bool) -> int:
     """How few busy slots end a chunk early (`Rollout.advance`'s stop_busy), the slots all
     busy or the queue empty (`decode_rows` fills before each chunk): with rows queued, once
     an eighth of the slots (at least one per device, at most the queue) are free to take
-    them; with none, once the busy rows fit the next smaller state (`_smaller_sizes`); 0
-    (every row done, or the chunk's end) where there is none.
+    them; with none, once the busy rows fit the next smaller state (`_smaller_sizes`), if
+    rows may go on past this chunk (`beyond_chunk`: else a compaction cannot pay for its
+    dispatch and compile); 0 (every row done, or the chunk's end) otherwise.
 
     Why: a finished row's slot decodes padding to the end of its chunk. On the long-tailed
     rollout row (W-cpu d1, 64 rows, median 64 tokens) 40% of the slot-steps did so.
     """
     if queued:
         return slots - min(queued, max(dp, slots // 8))
-    return next(iter(_smaller_sizes(slots, dp)), 0)
+    return next(iter(_smaller_sizes(slots, dp)), 0) if beyond_chunk else 0
 
 
 class Occupancy(NamedTuple):
@@ -286,7 +289,8 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
                 row_of[s] = i
             longest = max(longest, 1)
         state = engine.advance(state, params, 0, chunk_tokens, longest, lockstep,
-                               _stop_busy(len(row_of), len(queue), engine.layout.dp_size))
+                               _stop_busy(len(row_of), len(queue), engine.layout.dp_size,
+                                          reach - longest > chunk_tokens))
         rows = None
         if lockstep and longest + chunk_tokens >= reach:
             done_b, counts, rows = engine.collect(state)
