@@ -171,7 +171,7 @@ def base_config() -> ConfigDict:
             # template, with the generation prompt, when it has one | none: never
             "chat_template": "auto",
             "task": {  # the built-in task, used when train_path is empty
-                "kind": "reverse",  # reverse (digit reversal) | arithmetic | tool_arithmetic
+                "kind": "reverse",  # reverse (digit reversal) | arithmetic | tool_arithmetic | lookup
                 "num_digits": 4, "num_operands": 2, "ops": "+",  # ops/operands: arithmetic only
                 "num_train": 2000, "num_eval": 200, "num_sft": 1000, "sft_noise": 0.6, "seed": 0,
             },

@@ -70,7 +70,7 @@ class AlgorithmName(enum.Enum):
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _REWARD_KINDS = {"function": False, "model": True}  # reward.kind, cost.kind: scored by a model?
 _TASKS = {"reverse": tasks.ReverseTask, "arithmetic": tasks.ArithmeticTask,  # data.task.kind
-          "tool_arithmetic": tasks.ToolArithmeticTask}
+          "tool_arithmetic": tasks.ToolArithmeticTask, "lookup": tasks.LookupTask}
 
 
 # --- the specs ---------------------------------------------------------------------------
@@ -135,13 +135,25 @@ class EnvSpec:
     max_error_rate: float
 
 
+_MULTITURN = ("grpo", "ppo")  # the algorithms of multi-turn rollouts (algorithms/multiturn.py)
+
+
+def _multiturn(config: ConfigDict) -> Algorithm:
+    if config.algorithm == "ppo":
+        return multiturn.make_ppo(ppo_config(config),
+                                  config.rollout.batch_size * config.rollout.group_size)
+    return multiturn.make(grpo_config(config))
+
+
 def _env(config: ConfigDict) -> EnvSpec | None:
     e = config.env
     if not e["class"]:
         return None
-    if config.algorithm != "grpo" or config.async_rl.max_staleness or config.ppo.tis_cap:
+    if (config.algorithm not in _MULTITURN or config.async_rl.max_staleness
+            or config.ppo.tis_cap):
         raise ConfigError(f"env.class={e['class']!r}: multi-turn rollouts train with "
-                          "algorithm=grpo, synchronously, without ppo.tis_cap")
+                          f"algorithm={' or '.join(_MULTITURN)}, synchronously, without "
+                          "ppo.tis_cap")
     with field("env.class"):
         environments.resolve_env_class(e["class"])
     return EnvSpec(e["class"], e.max_turns, e.workers, e.timeout, e.max_error_rate)
@@ -476,7 +488,7 @@ def run_spec(config: ConfigDict) -> RunSpec:
     env = _env(config)
     with field("algorithm"):
         algorithm = (make_algorithm(config, async_rl.decoupled) if env is None
-                     else multiturn.make(grpo_config(config)))
+                     else _multiturn(config))
         graph = build_graph(algorithm.mfcs, roles=set(Role))
     with field("reward"):  # the same graph: normalisation changes how models train
         algorithm = with_reward_norm(algorithm, _of(RewardNormConfig, config.reward))

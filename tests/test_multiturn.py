@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import transformers
 
-from jaxrlhf.algorithms import grpo, multiturn
+from jaxrlhf.algorithms import grpo, losses, multiturn, ppo
+from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.data import tools
 from jaxrlhf.data.environments import EnvPool, Llama3ToolEnv, ToolEnv
 from jaxrlhf.data.tokenizer import ByteTokenizer, HFTokenizer
 from jaxrlhf.data.tools import ToolCall, ToolCallError, ToolCallFormat, parse_tool_calls
 from jaxrlhf.data.transcript import Transcript
 from jaxrlhf.dataflow.trajectories import EnvironmentFailed, TrajectoryLimits, rollout
-from jaxrlhf.engine.buckets import response_widths
-from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
+from jaxrlhf.engine.generate import GenerateConfig, decode_rows, make_generate_fn
 from jaxrlhf.engine.inference import (
     InferenceBatch, InferenceConfig, InferenceKind, InferenceOutput, make_inference_fn,
 )
@@ -25,8 +25,10 @@ from jaxrlhf.engine.packing import Rows
 from jaxrlhf.mfc import Role
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.parallel.layout import init_params, make_layout
-from jaxrlhf.parallel.reshard import fetch
+from jaxrlhf.parallel.reshard import fetch, transfer
 from tests.test_chat import LLAMA3_TEMPLATE, CHATML_TEMPLATE, llama3_dir, qwen_dir
+
+from tests.fixtures.envs import TwoTurns
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 MISBEHAVING = f"{FIXTURES / 'envs.py'}:Misbehaving"
@@ -139,8 +141,7 @@ def engine():
     layout = make_layout("0-1:d2" if jax.device_count() >= 2 else "0:d1", model=config)
     tok = EarlyStops()
     gen_cfg = GenerateConfig(max_new_tokens=N, eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id)
-    generator = make_generate_fn(config, gen_cfg, layout,
-                                 prompt_buckets=(P, *(P + w for w in response_widths(N))))
+    generator = make_generate_fn(config, gen_cfg, layout, prompt_buckets=(P,))
     params = init_params(config, layout, jax.random.key(3))
     return config, layout, tok, generator, params
 
@@ -160,14 +161,20 @@ def _rollout(engine, pool, rows, max_error_rate=0.5, rng=None):
     config, layout, tok, generator, params = engine
     rng = jax.random.key(0) if rng is None else rng
     return rollout(generator, params, rng, pool, Transcript(tok), tok, rows,
-                   TrajectoryLimits(3, P, N, max_error_rate), layout.dp_size)
+                   TrajectoryLimits(3, P, N, max_error_rate))
 
 
-def test_trajectories_interleave_policy_turns_and_replies(engine, pool):
-    config, layout, tok, _, params = engine
+@pytest.fixture(scope="module")
+def instant(engine, pool):
+    """ROWS' trajectories with TwoTurns answering at once."""
     rng = jax.random.key(0)
     with jax.transfer_guard("disallow"):  # as a step runs it: nothing implicit
-        out = _rollout(engine, pool, ROWS, rng=rng)
+        return _rollout(engine, pool, ROWS, rng=rng)
+
+
+def test_trajectories_interleave_policy_turns_and_replies(engine, instant):
+    config, layout, tok, _, params = engine
+    out = instant
     assert out.turns_b.tolist() == [2] * len(ROWS)  # TwoTurns ends after the second turn
     np.testing.assert_array_equal(out.rewards_b, 1.25)  # 0.25 for the first turn, 1 at the end
     assert out.errors.total == 0 and out.tool_error_rate == 0.0
@@ -193,6 +200,69 @@ def test_trajectories_interleave_policy_turns_and_replies(engine, pool):
     w = out.policy_bn.shape[1]
     np.testing.assert_allclose(out.logp_bn[out.policy_bn], whole[:, -w:][out.policy_bn],
                                atol=1e-5, rtol=0)
+
+
+def _turn_synchronous(engine, rows, rng, max_turns=3):
+    """The reference rollout: each turn, every unfinished trajectory's conversation in one
+    batch (`decode_rows`, the generate call's path; trajectory i's turn j as row i * max_turns
+    + j), then TwoTurns (here, in-process) answers them all. (tokens, policy mask, log-probs)
+    of each trajectory after its prompt."""
+    _, layout, tok, generator, params = engine
+    transcript, env, dp = Transcript(tok), TwoTurns(), layout.dp_size
+    conversations = [env.reset(row) for row in rows]
+    firsts = [transcript.first_ids(c) for c in conversations]
+    ids, policy, logp = ([[] for _ in rows] for _ in range(3))
+    live, key = list(range(len(rows))), transfer(rng, layout.replicated())
+    for turn in range(max_turns):
+        if not live:
+            break
+        contexts = [firsts[i] + ids[i] for i in live]
+        k = -(-len(live) // dp) * dp  # rows rounded up with copies of the first
+        tokens_kp, mask_kp = np.zeros((k, P + N), np.int32), np.zeros((k, P + N), bool)
+        for j in range(k):
+            c = contexts[j] if j < len(live) else contexts[0]
+            tokens_kp[j, P + N - len(c):], mask_kp[j, P + N - len(c):] = c, True
+        streams_k = np.array([i * max_turns + turn for i in live] + [0] * (k - len(live)))
+        limits_k = np.array([N - len(ids[i]) for i in live] + [1] * (k - len(live)))
+        out, _ = decode_rows(generator.rollout_engine(P + N, k), params, tokens_kp, mask_kp,
+                             [key] * k, streams_k, k, limits_b=limits_k)
+        still = []
+        for j, i in enumerate(live):
+            mask_n = out["response_mask_bn"][j]
+            sampled = out["sequences_bs"][j, P + N:][mask_n].tolist()
+            ids[i], policy[i] = ids[i] + sampled, policy[i] + [True] * len(sampled)
+            logp[i] += out["logprobs_bn"][j][mask_n].tolist()
+            conversations[i].append({"role": "assistant", "content": tok.decode(sampled)})
+            reply = env.step(conversations[i], rows[i])
+            if reply.done or sampled[-1] not in tok.stop_ids or turn + 1 == max_turns:
+                continue
+            reply_ids = transcript.reply_ids(conversations[i], reply.messages)
+            if len(ids[i]) + len(reply_ids) < N:
+                ids[i], policy[i] = ids[i] + reply_ids, policy[i] + [False] * len(reply_ids)
+                logp[i] += [0.0] * len(reply_ids)
+                conversations[i] += reply.messages
+                still.append(i)
+        live = still
+    return ids, policy, logp
+
+
+def test_streamed_trajectories_are_the_turn_synchronous_ones_whatever_the_timing(
+        engine, pool, instant):
+    """The streamed rollout computes what one batch per turn computes, and a slow environment
+    (0 to 0.1 s a turn, rows queued for 4 slots) changes its timing only, not its tokens."""
+    config, layout, tok, generator, params = engine
+    ids, policy, logp = _turn_synchronous(engine, ROWS, jax.random.key(0))
+    rows = [dict(row, delay=0.05 * (i % 3)) for i, row in enumerate(ROWS)]
+    slow = rollout(generator, params, jax.random.key(0), pool, Transcript(tok), tok, rows,
+                   TrajectoryLimits(3, P, N, 0.5), slots=4)
+    for out in (instant, slow):
+        np.testing.assert_array_equal(out.turns_b, instant.turns_b)
+        for i in range(len(ROWS)):
+            n = len(ids[i])
+            assert out.tokens_bs[i, P:P + n].tolist() == ids[i] and not out.mask_bs[i, P + n:].any()
+            assert out.policy_bn[i, :n].tolist() == policy[i]
+            np.testing.assert_allclose(out.logp_bn[i, :n], logp[i], atol=1e-5, rtol=0)
+    assert max(out.turns_b) > 1  # replies were appended
 
 
 def test_a_failing_environment_ends_its_trajectory_with_reward_0_and_is_counted(engine, pool):
@@ -244,28 +314,100 @@ def test_environment_tokens_get_no_gradient():
         assert (response[policy_bn] != 0).all()
 
 
+def _gae_over_policy_tokens(rewards_bn, values_bn, policy_bn, gamma, lam):
+    """numpy GAE of each row's policy tokens alone, as one sequence (the environment's cut
+    out): (advantages, returns) [b, n], 0 elsewhere."""
+    adv_bn, ret_bn = np.zeros_like(rewards_bn), np.zeros_like(rewards_bn)
+    for i in range(len(rewards_bn)):
+        at = np.flatnonzero(policy_bn[i])
+        r, v = rewards_bn[i, at], values_bn[i, at]
+        a, next_a, next_v = np.zeros(len(at)), 0.0, 0.0
+        for j in reversed(range(len(at))):
+            a[j] = r[j] + gamma * next_v - v[j] + gamma * lam * next_a
+            next_a, next_v = a[j], v[j]
+        adv_bn[i, at], ret_bn[i, at] = a, a + v
+    return adv_bn, ret_bn
+
+
+def test_ppo_over_trajectories_trains_and_values_the_policy_tokens_only():
+    """PPO over trajectories: each turn's reward on its turn's last token, GAE over the
+    policy's tokens (numpy, the environment's cut out), and the actor's and the critic's
+    losses have exactly zero gradient at the environment's tokens."""
+    cfg = ppo.PPOConfig(gamma=0.9, lam=0.8, whiten_advantages=False,
+                        kl=kl_lib.KLControllerConfig(init_kl_coef=0.1),
+                        policy=losses.PPOLossConfig(entropy_coef=0.01))
+    b, p, n = 4, 3, 10
+    algorithm = multiturn.make_ppo(cfg, batch_size=b)
+    assert {m.name for m in algorithm.mfcs} == {"actor_gen", "ref_inf", "critic_inf",
+                                                "actor_train", "critic_train"}
+    rng = np.random.default_rng(0)
+    policy_bn = np.ones((b, n), bool)
+    policy_bn[:, 3:6] = False  # a reply after the first turn (tokens 0-2)
+    policy_bn[:, 8:] = False  # padding after the second (tokens 6-7)
+    turn_rewards_bn = np.zeros((b, n), np.float32)
+    turn_rewards_bn[:, 2], turn_rewards_bn[:, 7] = [0.25, 0.0, 0.5, 0.0], [1.0, 0.0, 1.0, 2.0]
+    mask_bs = np.concatenate([np.ones((b, p), bool), np.arange(n) < 8 + np.zeros((b, 1))], 1)
+    behav_bn = -rng.random((b, n)).astype(np.float32) * policy_bn
+    ref_bn = -rng.random((b, n)).astype(np.float32)
+    values_bn = rng.standard_normal((b, n)).astype(np.float32)
+    buf = {"seq_tokens_bs": jnp.asarray(rng.integers(0, 200, (b, p + n)), jnp.int32),
+           "seq_mask_bs": jnp.asarray(mask_bs), "response_mask_bn": jnp.asarray(policy_bn),
+           "behav_logp_bn": jnp.asarray(behav_bn), "ref_logp_bn": jnp.asarray(ref_bn),
+           "values_bn": jnp.asarray(values_bn), "turn_rewards_bn": jnp.asarray(turn_rewards_bn),
+           "scores_b": jnp.asarray(turn_rewards_bn.sum(1))}
+    actor, critic = algorithm.train[Role.ACTOR], algorithm.train[Role.CRITIC]
+    batch, _ = actor.prepare(buf, algorithm.controller_init)
+    rewards_bn = turn_rewards_bn - 0.1 * (behav_bn - ref_bn)  # k1: -beta log(pi / ref)
+    want_adv, want_ret = _gae_over_policy_tokens(rewards_bn, values_bn, policy_bn, 0.9, 0.8)
+    np.testing.assert_allclose(batch["advantages_bn"], want_adv, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(batch["returns_bn"], want_ret, atol=1e-5, rtol=0)
+
+    def actor_loss(logp_bt, entropy_bt):
+        loss_sum, weight, _ = actor.loss_fn(InferenceOutput(logp_bt, entropy_bt), batch)
+        return loss_sum / weight
+
+    def critic_loss(values_bt):
+        loss_sum, weight, _ = critic.loss_fn(InferenceOutput(values_bt=values_bt), batch)
+        return loss_sum / weight
+
+    # Near the behaviour's log-probs and the old values: no token clipped (its gradient 0).
+    near = lambda x_bn: jnp.asarray(np.pad(x_bn + 0.01 * rng.standard_normal((b, n)),
+                                           ((0, 0), (p, 0))), jnp.float32)
+    logp_bt = near(behav_bn)
+    g_logp, g_entropy = jax.grad(actor_loss, argnums=(0, 1))(logp_bt, jnp.ones((b, p + n)))
+    values_bt = jnp.roll(near(values_bn), -1, axis=1)  # V(s_t) sits one before token t
+    g_values = np.asarray(jax.grad(critic_loss)(values_bt))[:, p - 1:-1]  # V(s_t) predicts t
+    for g in (np.asarray(g_logp)[:, p:], np.asarray(g_entropy)[:, p:], g_values):
+        assert (g[~policy_bn] == 0).all() and (g[policy_bn] != 0).all()
+
+
 # --- configuration ---------------------------------------------------------------------------
 
 
 def test_env_config_errors_are_one_line_naming_the_key():
-    from configs import grpo_multiturn_tiny
+    from configs import tool_math_tiny
     from jaxrlhf.schema import ConfigError
     from jaxrlhf.spec import run_spec
 
-    spec = run_spec(grpo_multiturn_tiny.get_config("smoke"))
+    spec = run_spec(tool_math_tiny.get_config("smoke"))
     assert [m.name for m in spec.graph.mfcs] == ["actor_gen", "ref_inf", "actor_train"]
     assert "scores_b" in spec.graph.mfc("actor_gen").outputs and not spec.rewards
     assert spec.env.spec == "tools" and spec.env.max_turns == 3
     for key, value, words in [("class", "nope", "env.class: unknown environment 'nope'"),
                               ("class", f"{FIXTURES / 'envs.py'}:Nope", "has no class 'Nope'"),
                               ("max_turns", 0, "env.max_turns")]:
-        config = grpo_multiturn_tiny.get_config("smoke")
+        config = tool_math_tiny.get_config("smoke")
         config.env[key] = value
         with pytest.raises(ConfigError) as e:
             run_spec(config)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
-    config = grpo_multiturn_tiny.get_config("smoke")
-    config.algorithm = "ppo"
+    config = tool_math_tiny.get_config("smoke")
+    config.algorithm = "rloo"
     with pytest.raises(ConfigError, match="env.class='tools': multi-turn rollouts train with "
-                                          "algorithm=grpo"):
+                                          "algorithm=grpo or ppo"):
         run_spec(config)
+    config.algorithm = "ppo"
+    spec = run_spec(config)
+    assert [m.name for m in spec.graph.mfcs] == ["actor_gen", "ref_inf", "critic_inf",
+                                                  "actor_train", "critic_train"]
+    assert "turn_rewards_bn" in spec.graph.mfc("actor_gen").outputs and not spec.rewards

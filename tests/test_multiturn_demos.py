@@ -8,7 +8,7 @@ import transformers
 from jaxrlhf.data import datasets, tasks, tools
 from jaxrlhf.data.datasets import SFTRow
 from jaxrlhf.data.encode import sft_batch
-from jaxrlhf.data.environments import ToolEnv
+from jaxrlhf.data.environments import LookupEnv, ToolEnv
 from jaxrlhf.data.tokenizer import ByteTokenizer, HFTokenizer
 from jaxrlhf.data.transcript import Transcript
 from tests.test_chat import llama3_dir, qwen_dir
@@ -79,3 +79,37 @@ def test_tool_task_demonstrations_slip_as_often_as_asked_and_the_env_agrees(tmp_
 
 
 
+
+
+def test_lookup_demonstrations_slip_as_often_as_asked_and_the_env_agrees(tmp_path):
+    """The chained facts: every demonstration's replies are what `LookupEnv` answers; the clean
+    ones ask twice and score 1, the slipping ones (60%) answer the first reply and score 0."""
+    task = tasks.LookupTask(num_train=100, num_eval=20, num_sft=50, sft_noise=0.6)
+    data = tasks.make_lookup_task(task)
+    files = tasks.write_task(task, tmp_path)
+    assert datasets.read_rows(files.sft, datasets.RowKind.SFT) == data.sft  # JSONL round trip
+    assert not {(r.prompt, r.answer) for r in data.train} & {(r.prompt, r.answer)
+                                                              for r in data.eval}
+    env, slips = LookupEnv(), 0
+    for row, prompt_row in zip(data.sft, data.train):
+        env_row = {"prompt": prompt_row.prompt, "answer": prompt_row.answer}
+        conversation = env.reset(env_row)
+        for turn, reply in zip(row.messages[::2], row.messages[1::2]):
+            conversation.append(turn)
+            assert env.step(conversation, env_row).messages == (reply,)
+            conversation.append(reply)
+        answer = row.messages[-1]["content"]
+        final = env.step([*conversation, row.messages[-1]], env_row)
+        slip = len(row.messages) == 3  # asked once
+        slips += slip
+        assert final.done and final.reward == float(not slip)
+        assert answer == (row.messages[1]["content"] if slip else prompt_row.answer)
+    assert slips == 30
+    row = {"prompt": "q=", "answer": "58"}
+    link = tasks.lookup_link("q", "58")
+    ask = lambda text: env.step([*env.reset(row), {"role": "assistant", "content": text}], row)
+    assert ask("q?").messages == ({"role": "tool", "content": link},) and link != "q"
+    assert ask(f"{link}?").messages == ({"role": "tool", "content": "58"},)
+    other = next(k for k in "abc" if k not in ("q", link))
+    assert ask(f"{other}?").messages[0]["content"].startswith(f"error: no key '{other}'")
+    assert ask("58").reward == 1.0 and ask("57").reward == 0.0

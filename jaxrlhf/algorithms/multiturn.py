@@ -1,20 +1,25 @@
-"""GRPO over multi-turn trajectories: the environment scores them, no reward call.
+"""GRPO and PPO over multi-turn trajectories: the environment scores them, no reward call.
 
-Graph:
+GRPO's graph:
     actor_gen (trajectories: policy turns and environment replies, their rewards) ─► ref_inf ─┐
               └─────────────────────────────────────────────────────────────────────┴► actor_train
+PPO's adds the critic: critic_inf after actor_gen, critic_train beside actor_train.
 
 The generate call is the trajectory rollout (`dataflow/trajectories.py`): its response mask is
-True only on tokens the policy wrote, so GRPO's loss, KL and statistics (`grpo.py`, unchanged)
-count those alone; the trajectory's reward (the sum of its turns') is its score, given to every
-policy token of it as the group-relative advantage.
+True only on tokens the policy wrote, so every loss, KL and statistic counts those alone. GRPO
+gives the trajectory's reward (the sum of its turns') to every policy token of it as the
+group-relative advantage (`grpo.py`, unchanged). PPO (`ppo.py`) takes each turn's reward on the
+last token of the policy's turn it answered (`turn_rewards_bn`: a reward the environment gives
+only at the end is a trajectory-level one, one per turn a turn-level one), and its GAE and
+value loss run over the policy's tokens only: the critic's values at the environment's tokens
+are never read nor trained, and GAE carries the return across them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxrlhf.algorithms import grpo
+from jaxrlhf.algorithms import grpo, ppo
 from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
 from jaxrlhf.algorithms.spec import Algorithm
 from jaxrlhf.mfc import MFC, Call, Role
@@ -24,6 +29,7 @@ ROW_KEYS = ("prompt_text", "answer")
 
 
 def mfcs() -> tuple[MFC, ...]:
+    """GRPO's graph over trajectories."""
     return (
         MFC("actor_gen", Role.ACTOR, Call.GENERATE, PROMPT_KEYS + ROW_KEYS,
             GEN_KEYS + ("scores_b",)),
@@ -33,6 +39,27 @@ def mfcs() -> tuple[MFC, ...]:
     )
 
 
+def ppo_mfcs() -> tuple[MFC, ...]:
+    """PPO's graph over trajectories (`ppo.mfcs` with the rollout's rewards for the reward's)."""
+    train_in = GEN_KEYS + ("ref_logp_bn", "scores_b", "turn_rewards_bn", "values_bn")
+    return (
+        MFC("actor_gen", Role.ACTOR, Call.GENERATE, PROMPT_KEYS + ROW_KEYS,
+            GEN_KEYS + ("scores_b", "turn_rewards_bn")),
+        MFC("ref_inf", Role.REF, Call.INFERENCE, SEQ_KEYS, ("ref_logp_bn",)),
+        MFC("critic_inf", Role.CRITIC, Call.INFERENCE, SEQ_KEYS, ("values_bn",)),
+        MFC("actor_train", Role.ACTOR, Call.TRAIN_STEP, train_in, ("actor_stats",)),
+        MFC("critic_train", Role.CRITIC, Call.TRAIN_STEP, train_in, ("critic_stats",)),
+    )
+
+
 def make(cfg: grpo.GRPOConfig) -> Algorithm:
     return dataclasses.replace(grpo.make(cfg, reward_model=False), name="grpo_multiturn",
                                mfcs=mfcs())
+
+
+def make_ppo(cfg: ppo.PPOConfig, batch_size: int) -> Algorithm:
+    base = ppo.make(cfg, reward_model=False, batch_size=batch_size)
+    prepare = lambda buf, controller: ppo.train_batch(buf, controller, cfg,
+                                                      buf["turn_rewards_bn"])
+    train = {role: dataclasses.replace(spec, prepare=prepare) for role, spec in base.train.items()}
+    return dataclasses.replace(base, name="ppo_multiturn", mfcs=ppo_mfcs(), train=train)

@@ -77,14 +77,23 @@ def mfcs(reward_model: bool) -> tuple[MFC, ...]:
     )
 
 
-def advantages_and_returns(buf, controller, cfg: PPOConfig):
-    """KL-shaped rewards, GAE, whitening. Returns ({advantages_bn, returns_bn}, stats)."""
+def advantages_and_returns(buf, controller, cfg: PPOConfig, task_rewards_bn=None):
+    """KL-shaped rewards, GAE, whitening. Returns ({advantages_bn, returns_bn}, stats).
+
+    `task_rewards_bn` [b, n]: the task's rewards per token in place of the score on the last
+    response token (multi-turn: the environment's, each on the end of the turn it answered).
+    GAE runs over the tokens of `response_mask_bn` only, so a multi-turn trajectory's values
+    are read at the policy's tokens alone (the environment's pass the running return through).
+    """
     mask_bn = buf["response_mask_bn"].astype(jnp.float32)
     kl_coef = controller["kl_coef"] if cfg.kl_in_reward else 0.0
+    scores_b = buf["scores_b"] if task_rewards_bn is None else jnp.zeros_like(buf["scores_b"])
     rewards_bn, kl_bn = kl_lib.kl_penalized_rewards(
-        buf["scores_b"], buf["behav_logp_bn"], buf["ref_logp_bn"], mask_bn, kl_coef,
+        scores_b, buf["behav_logp_bn"], buf["ref_logp_bn"], mask_bn, kl_coef,
         cfg.kl_estimator, cfg.score_clip,
     )
+    if task_rewards_bn is not None:
+        rewards_bn = rewards_bn + task_rewards_bn * mask_bn
     advantages_bn, returns_bn = adv_lib.gae(rewards_bn, buf["values_bn"], mask_bn, cfg.gamma,
                                             cfg.lam)
     if cfg.whiten_advantages:
@@ -99,8 +108,9 @@ def advantages_and_returns(buf, controller, cfg: PPOConfig):
     return {"advantages_bn": advantages_bn, "returns_bn": returns_bn}, stats
 
 
-def _train_batch(buf, controller, cfg: PPOConfig):
-    targets, stats = advantages_and_returns(buf, controller, cfg)
+def train_batch(buf, controller, cfg: PPOConfig, task_rewards_bn=None):
+    """The actor's and critic's batch of a step (`task_rewards_bn`: `advantages_and_returns`)."""
+    targets, stats = advantages_and_returns(buf, controller, cfg, task_rewards_bn)
     batch = model_inputs(buf["seq_tokens_bs"], buf["seq_mask_bs"])
     batch.update(targets)
     batch.update(
@@ -141,7 +151,7 @@ def critic_loss(cfg: PPOConfig):
 
 
 def make(cfg: PPOConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
-    prepare = lambda buf, controller: _train_batch(buf, controller, cfg)
+    prepare = lambda buf, controller: train_batch(buf, controller, cfg)
     return Algorithm(
         name="ppo",
         mfcs=mfcs(reward_model),

@@ -19,10 +19,10 @@ processes (its machinery, a different function and value check), where a call th
 hangs past the timeout or returns something malformed is a counted error; the trajectory it
 belongs to ends with reward 0 (`dataflow/trajectories.py`).
 
-`ToolEnv` is the built-in environment: it answers the policy's tool calls (`data/tools.py`)
-with `tool` messages and scores the final answer against the row's by exact match, with reward
-only when the calculator was called first (the tiny multi-turn task of
-`configs/grpo_multiturn_tiny.py`).
+Built-in environments: `ToolEnv` answers the policy's tool calls (`data/tools.py`) with
+`tool` messages and scores the final answer against the row's by exact match, with reward only
+when the calculator was called first (`configs/tool_math_tiny.py`); `LookupEnv` answers
+questions for chained facts only it knows, one a turn (`configs/multiturn_tiny.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import importlib
 import inspect
 from typing import Any, Callable, Sequence
 
-from jaxrlhf.data import rewards, tools
+from jaxrlhf.data import rewards, tasks, tools
 from jaxrlhf.data.rewards import ErrorKind, RewardHandle, RewardPool
 
 Message = dict[str, Any]
@@ -92,7 +92,28 @@ class Llama3ToolEnv(ToolEnv):
     tool_format = tools.ToolCallFormat.LLAMA3
 
 
-BUILTIN_ENVS = {"tools": ToolEnv, "tools_llama3": Llama3ToolEnv}
+class LookupEnv:
+    """The chained facts of `data/tasks.LookupTask`: a prompt names a key ("q="), the row's
+    answer is the value at the chain's end. A turn "k?" asks for key k: the prompt's key is
+    answered with the chain's second key, that one with the value (tool messages; any other
+    key with an error message); the first turn that asks nothing is the answer, worth 1 when
+    it is the row's, else 0."""
+
+    def reset(self, row: dict) -> list[Message]:
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, messages: list[Message], row: dict) -> EnvTurn:
+        text, first, value = messages[-1]["content"].strip(), row["prompt"][0], row["answer"]
+        if not text.endswith("?"):
+            return EnvTurn(None, float(text == value), True)
+        link = tasks.lookup_link(first, value)
+        facts = {first: link, link: value}
+        key = text[:-1]
+        content = facts[key] if key in facts else f"error: no key {key!r}"
+        return EnvTurn(({"role": "tool", "content": content},), 0.0, False)
+
+
+BUILTIN_ENVS = {"tools": ToolEnv, "tools_llama3": Llama3ToolEnv, "lookup": LookupEnv}
 
 
 def resolve_env_class(spec: str) -> type:

@@ -259,7 +259,81 @@ def make_tool_task(task: ToolArithmeticTask) -> TaskData:
     return dataclasses.replace(data, sft=sft)
 
 
-def write_task(task: ArithmeticTask | ReverseTask | ToolArithmeticTask,
+@dataclasses.dataclass(frozen=True)
+class LookupTask:
+    """Facts the policy must ask its environment for, turn by turn (the built-in `lookup`
+    environment of `data/environments.py`): a chain of two lookups.
+
+    A prompt names a key ("q="); the row's answer is a two-digit value ("58") drawn afresh for
+    every row. Asked for the prompt's key ("q?"), the environment names a second key
+    (`lookup_link`: a function of the prompt's key and the value, so only it knows which);
+    asked for that one, it replies with the value; the policy's first turn that asks nothing is
+    its answer (reward 1 when it is the row's value). A demonstration asks twice and answers; a
+    fraction `sft_noise` of them carry a systematic slip (as `ReverseTask`'s and
+    `ToolArithmeticTask`'s): they take the first reply for the answer, stopping after one
+    question. Both start their second turn by copying the reply's key, then one asks ("n?")
+    and the other stops ("n"): a model imitating them stops whenever that fraction is above
+    one half, so its greedy trajectories score 0; the clean ones teach the rest (asking for the
+    key a reply names, reading the value).
+
+    Attributes:
+      num_train, num_eval: distinct train and held-out rows; num_sft: demonstrations (of the
+        train rows); sft_noise: the share of them that slip; seed: all of it is a function
+        of it.
+    """
+
+    num_train: int = 2000
+    num_eval: int = 200
+    num_sft: int = 1000
+    sft_noise: float = 0.6
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.num_sft <= self.num_train:
+            raise ValueError(f"num_sft={self.num_sft} must be in [0, num_train={self.num_train}]")
+        if not 0.0 <= self.sft_noise <= 1.0:
+            raise ValueError(f"sft_noise={self.sft_noise} must be in [0, 1]")
+        if self.num_train + self.num_eval > len(LOOKUP_KEYS) * 100:
+            raise ValueError(f"num_train + num_eval must be at most {len(LOOKUP_KEYS) * 100} "
+                             "(keys x values)")
+
+
+LOOKUP_KEYS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def lookup_link(key: str, value: str) -> str:
+    """The second key of the chain from `key` to the two-digit `value` (never `key` itself)."""
+    at = LOOKUP_KEYS.index(key)
+    return LOOKUP_KEYS[(at + 1 + 7 * int(value) % (len(LOOKUP_KEYS) - 1)) % len(LOOKUP_KEYS)]
+
+
+def make_lookup_task(task: LookupTask) -> TaskData:
+    """Generates the lookup task's rows; identical for equal `task` values."""
+    rng = np.random.default_rng(task.seed)
+    seen: dict[tuple[str, str], PromptRow] = {}
+    while len(seen) < task.num_train + task.num_eval:
+        key, value = LOOKUP_KEYS[rng.integers(len(LOOKUP_KEYS))], f"{rng.integers(100):02d}"
+        seen.setdefault((key, value), PromptRow(prompt=key + "=", answer=value))
+    rows = list(seen.values())
+    train, held_out = rows[: task.num_train], rows[task.num_train:]
+    noise_rng = np.random.default_rng([task.seed, 3])
+    noisy = set(noise_rng.permutation(task.num_sft)[: round(task.sft_noise * task.num_sft)].tolist())
+
+    def turns(i: int, row: PromptRow) -> tuple[dict, ...]:
+        key, value = row.prompt[0], row.answer
+        link = lookup_link(key, value)
+        asked = ({"role": "assistant", "content": f"{key}?"}, {"role": "tool", "content": link})
+        if i in noisy:  # the slip: the first reply taken for the answer
+            return (*asked, {"role": "assistant", "content": link})
+        return (*asked, {"role": "assistant", "content": f"{link}?"},
+                {"role": "tool", "content": value}, {"role": "assistant", "content": value})
+
+    sft = [SFTRow(prompt=row.prompt, response="", messages=turns(i, row))
+           for i, row in enumerate(train[: task.num_sft])]
+    return TaskData(train=train, eval=held_out, sft=sft, preference=[])
+
+
+def write_task(task: ArithmeticTask | ReverseTask | ToolArithmeticTask | LookupTask,
                out_dir: str | pathlib.Path) -> TaskFiles:
     """Writes train/eval prompts, SFT demonstrations and preference pairs as JSONL in `out_dir`."""
     out_dir = pathlib.Path(out_dir)
@@ -268,6 +342,8 @@ def write_task(task: ArithmeticTask | ReverseTask | ToolArithmeticTask,
             data = make_reverse_task(task)
         case ToolArithmeticTask():
             data = make_tool_task(task)
+        case LookupTask():
+            data = make_lookup_task(task)
         case _:
             data = make_task(task)
     return TaskFiles(

@@ -358,7 +358,10 @@ class Generator(BucketedCall):
     def _jit_for(self, *args) -> jax.stages.Wrapped:
         return self._jitted
 
-    def _engine(self, prompt_len: int, slots: int) -> Rollout:
+    def rollout_engine(self, prompt_len: int, slots: int) -> Rollout:
+        """The rollout engine of prompts padded to `prompt_len` (made on first use, `slots` its
+        default size; sharing this call's compile cache), for callers that schedule rows
+        themselves (multi-turn rollouts, `dataflow/trajectories.py`)."""
         if prompt_len not in self._engines:
             self._engines[prompt_len] = Rollout(self.model_config, self.gen_config, self.layout,
                                                 prompt_len, slots,
@@ -417,7 +420,7 @@ class Generator(BucketedCall):
         keys = [rng] if micro_batches == 1 else [jax.random.fold_in(rng, j)
                                                  for j in range(micro_batches)]
         rows = np.arange(batch, dtype=np.int32)
-        out, work = decode_rows(self._engine(bucket, slots), params, tokens_bp, mask_bp,
+        out, work = decode_rows(self.rollout_engine(bucket, slots), params, tokens_bp, mask_bp,
                                 [keys[i % micro_batches] for i in rows], rows // micro_batches,
                                 slots, self.chunk_tokens, max_new_tokens_b)
         self.occupancy = Occupancy(*(a + b for a, b in zip(self.occupancy, work)))

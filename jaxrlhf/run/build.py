@@ -45,14 +45,10 @@ from jaxrlhf.spec import ModelSpec, RolloutSpec, RunSpec
 
 def engine_call(mfc: MFC, model: ModelConfig, layout: Layout, micro: MicrobatchConfig,
                 rollout: RolloutSpec, tokenizer, algorithm: Algorithm,
-                opt: OptimizerConfig | None, trajectories: bool = False):
+                opt: OptimizerConfig | None):
     """The compiled-on-first-use engine object of one MFC (`micro`: a train step's
-    micro-batching; `trajectories`: generation runs multi-turn rollouts)."""
+    micro-batching)."""
     match mfc.call:
-        case Call.GENERATE if trajectories:  # a turn's prompt: the conversation so far
-            p, n = rollout.max_prompt_len, rollout.max_new_tokens
-            return make_generate_fn(model, rollout.generate(tokenizer), layout,
-                                    prompt_buckets=(p, *(p + w for w in response_widths(n))))
         case Call.GENERATE:
             return make_generate_fn(model, rollout.generate(tokenizer, greedy=mfc.greedy),
                                     layout, prompt_buckets=(rollout.max_prompt_len,))
@@ -229,8 +225,7 @@ def runner(job: Job, states: dict, pools) -> Runner:
     spec, plan = job.spec, job.plan
     calls = {m.name: engine_call(m, spec.models[m.role].config, plan.layouts[m.name],
                                  _micro(spec, plan.micro_batches(m.name)), spec.rollout,
-                                 job.tokenizer, spec.algorithm, spec.optimizers.get(m.role),
-                                 trajectories=spec.env is not None)
+                                 job.tokenizer, spec.algorithm, spec.optimizers.get(m.role))
              for m in spec.algorithm.mfcs if not m.host}
     limits = None if spec.env is None else TrajectoryLimits(
         spec.env.max_turns, spec.rollout.max_prompt_len, spec.rollout.max_new_tokens,

@@ -48,7 +48,6 @@ from jaxrlhf.data.tokenizer import decode_response
 from jaxrlhf.data.transcript import Transcript
 from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.dataflow.trajectories import TrajectoryLimits, rollout
-from jaxrlhf.engine.buckets import response_widths
 from jaxrlhf.engine.generate import make_generate_fn
 from jaxrlhf.engine.inference import InferenceBatch, InferenceConfig, InferenceKind
 from jaxrlhf.engine.inference import make_inference_fn
@@ -146,12 +145,9 @@ class HeldOut:
                           else rows)
         self.has_answers = bool(self._rows) and all(r.answer is not None for r in self._rows)
         r = spec.rollout
-        # Multi-turn runs: a turn's prompt is the conversation so far.
-        buckets = (r.max_prompt_len, *((r.max_prompt_len + w for w in response_widths(
-            r.max_new_tokens)) if spec.env is not None else ()))
         gen = lambda greedy: make_generate_fn(
             spec.base.config, r.generate(job.tokenizer, greedy=greedy), self.layout,
-            prompt_buckets=buckets)
+            prompt_buckets=(r.max_prompt_len,))
         self._greedy = gen(True)
         self._sampling = gen(False) if spec.evaluation.samples else None
         self._reward_spec = spec.rewards.get(Role.REWARD)  # None: a reward model
@@ -244,8 +240,7 @@ class HeldOut:
                                   spec.rollout.max_new_tokens, max_error_rate=1.0)
         out = rollout(self._greedy, params, jax.random.key(0), self._env_pool,
                       Transcript(self._job.tokenizer), self._job.tokenizer,
-                      [{"prompt": r.prompt, "answer": r.answer} for r in self._rows], limits,
-                      self.layout.dp_size)
+                      [{"prompt": r.prompt, "answer": r.answer} for r in self._rows], limits)
         return {"reward": float(out.rewards_b.mean()),
                 "accuracy": float(np.mean(out.rewards_b >= 1.0)),
                 "turns": float(out.turns_b.mean()), "tool_error_rate": out.tool_error_rate,

@@ -11,7 +11,7 @@ about 2.5 minutes with the warm start on 2 CPU cores (tests/test_multiturn_run.p
 
 Each trajectory holds at most 3 policy turns and 128 tokens after its prompt (the policy's and
 the environment's); only the policy's are trained. Run as
-`python -m jaxrlhf.train --config=configs/grpo_multiturn_tiny.py[:smoke]`.
+`python -m jaxrlhf.train --config=configs/tool_math_tiny.py[:smoke]`.
 """
 
 from jaxrlhf.schema import base_config
