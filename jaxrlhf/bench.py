@@ -143,8 +143,9 @@ def rollout_main(config, spec: str) -> dict:
         figures.append(rollout_rows.measure_row(row, model, layout, params, tokens_bp, mask_bp,
                                                 r.generate(tokenizer), _STEPS.value, peak))
         print(f"row {row.name}: engine {figures[-1]['engine_seconds']:.3f} s", flush=True)
-    peak = max(peak, floor.machine_peak(model.dtype, again=True))
-    for f in figures:  # the better probe: load only slows it
+    first, peak = peak, max(peak, floor.machine_peak(model.dtype, again=True))
+    for f in figures:  # the better probe (load only slows it) sets every row's floor
+        f["floor_seconds_live"] *= first / peak
         f["fraction_of_floor_live"] = f["floor_seconds_live"] / f["engine_seconds"]
     print(rollout_rows.table(figures))
     return {"mode": "rollout", "layout": str(layout), "devices": len(jax.devices()),
