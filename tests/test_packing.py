@@ -212,11 +212,7 @@ def test_planner_counts_packed_tokens():
     work."""
     profile = profile_of(get_size("small"))
     choice = CallChoice(DeviceRange(0, 1), data=2)
-    cluster = Cluster(
-        name="test_1x2", hosts=1, devices_per_host=2, hbm_bytes=10**9, peak_bf16_flops=1e12,
-        hbm_bandwidth=1e11, intra_host_bandwidth=1e10, inter_host_bandwidth=1e9,
-        host_link_bandwidth=5e8, matmul_efficiency=0.5, hbm_efficiency=0.5,
-        comm_efficiency=0.5)
+    cluster = _CLUSTER
     padded = Workload(batch_size=64, prompt_len=64, new_tokens=448)
     packed = Workload(batch_size=64, prompt_len=64, new_tokens=448, mean_new_tokens=64.0)
     assert packed.packed_tokens_per_device(Call.TRAIN_STEP, 2, 1) == 8 * 512  # 32 x 128 tokens
@@ -228,3 +224,45 @@ def test_planner_counts_packed_tokens():
         full, small = (call_memory(profile, call, w, choice).activations
                        for w in (padded, packed))
         assert small == pytest.approx(full / 4, rel=0.01)
+
+
+_CLUSTER = Cluster(
+    name="test_1x2", hosts=1, devices_per_host=2, hbm_bytes=10**9, peak_bf16_flops=1e12,
+    hbm_bandwidth=1e11, intra_host_bandwidth=1e10, inter_host_bandwidth=1e9,
+    host_link_bandwidth=5e8, matmul_efficiency=0.5, hbm_efficiency=0.5, comm_efficiency=0.5)
+
+
+def _plan_seconds(expected_new_tokens: float) -> dict[str, float]:
+    """The planner's seconds for the default (PPO) config's train and inference calls, and its
+    step's, every MFC on two data-parallel devices, with responses of that expected mean
+    length (of at most 448)."""
+    from jaxrlhf.plan.choice import ExecutionPlan
+    from jaxrlhf.plan.evaluate import Evaluator
+    from jaxrlhf.schema import base_config
+    from jaxrlhf.spec import run_spec
+
+    config = base_config()
+    config.rollout.update(batch_size=64, max_prompt_len=64, max_new_tokens=448,
+                          expected_new_tokens=expected_new_tokens)
+    experiment = run_spec(config).experiment()
+    evaluator = Evaluator(experiment, _CLUSTER)
+    choice = CallChoice(DeviceRange(0, 1), data=2)
+    device_mfcs = [m.name for m in experiment.graph.mfcs if not m.host]
+    seconds = {name: evaluator.mfc_seconds(name, choice) for name in device_mfcs
+               if experiment.graph.mfc(name).call is not Call.GENERATE}
+    plan = ExecutionPlan.of({name: choice for name in device_mfcs})
+    seconds["step"] = evaluator.evaluate(plan).step_seconds
+    return seconds
+
+
+def test_expected_new_tokens_prices_packed_calls():
+    """`rollout.expected_new_tokens` reaches the planner: the train steps and inference calls of
+    responses expected at 64 of 448 tokens cost well under half of those at the limit, and so
+    does less of the step."""
+    at_limit, unset, short = (_plan_seconds(n) for n in (448.0, 0.0, 64.0))
+    assert at_limit == unset  # 0 means max_new_tokens
+    assert {"actor_train", "critic_train", "ref_inf", "critic_inf"} <= set(at_limit)
+    for name, seconds in at_limit.items():
+        if name != "step":
+            assert short[name] < 0.5 * seconds, name
+    assert short["step"] < at_limit["step"]
