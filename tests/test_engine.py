@@ -170,3 +170,24 @@ def test_micro_batches_queue_for_a_fraction_of_the_slots(spec):
         np.testing.assert_allclose(np.asarray(got.logprobs_bn)[j::4], want.logprobs_bn,
                                    rtol=1e-5, atol=1e-5)
     assert got.response_bn.shape == (16, 24)
+
+
+def test_a_chunk_ends_when_finished_rows_can_leave_their_slots():
+    """16 rows, 12 of them 3 tokens long and 4 of them 24, in chunks of 32: the first chunk
+    stops after the short rows' last step (2 decode steps of 16 slots; the prefill samples
+    each first token), the long rows go on in 8 slots (21 steps), rather than 16 slots
+    decoding finished rows to the chunk's end."""
+    layout, params = _setup("0:d1")
+    cfg = GenerateConfig(24, STOPS, 0, temperature=1.0, force_max_length=True)
+    tokens, mask = _prompts(16, group=4, seed=4)
+    rng = jax.random.key(2)
+    limits = np.array([24, 3, 3, 3] * 4, np.int32)
+    engine = Rollout(CONFIG, cfg, layout, P, 16)
+    out, work = decode_rows(engine, params, tokens, mask, [rng] * 16,
+                            np.arange(16, dtype=np.int32), slots=16, chunk_tokens=32,
+                            limits_b=limits)
+    np.testing.assert_array_equal(out["response_mask_bn"].sum(1), limits)
+    want = _reference(layout, params, cfg, tokens, mask, rng)
+    np.testing.assert_array_equal(np.where(out["response_mask_bn"], out["sequences_bs"][:, P:], 0),
+                                  np.where(out["response_mask_bn"], want.response_bn, 0))
+    assert work == (16 * 2 + 8 * 21, limits.sum() - 16)

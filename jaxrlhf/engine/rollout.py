@@ -299,9 +299,10 @@ def _without_state(fill, params, *args) -> SlotState:
 
 
 def _advance(model: Transformer, cfg: GenerateConfig, lockstep: bool, params, s: SlotState,
-             num_steps, version) -> SlotState:
+             num_steps, stop_busy, version) -> SlotState:
     """Up to `num_steps` (traced) more tokens in every busy slot (generate's loop body, per
-    slot), on the state's cache as it is (its capacity covers every busy row's reach).
+    slot), on the state's cache as it is (its capacity covers every busy row's reach); it
+    stops early once at most `stop_busy` (traced) of its slots are busy.
 
     `lockstep`: every busy row is at the same step (they started together), so a step writes
     every row's keys at one cache slot (a dynamic update in place; a finished row's slot past
@@ -330,7 +331,9 @@ def _advance(model: Transformer, cfg: GenerateConfig, lockstep: bool, params, s:
         r = r._replace(logits_bv=logits_b1v[:, 0], cache=constrain_cache(cache))
         return _choose(r, cfg, version, at), t + 1
 
-    cond = lambda carry: (carry[1] < num_steps) & ~jnp.all(carry[0].done_b)
+    def cond(carry: tuple[SlotState, jax.Array]) -> jax.Array:
+        busy = jnp.sum(~carry[0].done_b, dtype=jnp.int32)
+        return (carry[1] < num_steps) & (busy > jnp.maximum(stop_busy, 0))
     s, _ = jax.lax.while_loop(cond, body, (s, jnp.zeros((), jnp.int32)))
     return s
 
@@ -449,9 +452,10 @@ class Rollout:
         self.compile_cache = CompileCache("rollout") if compile_cache is None else compile_cache
         self._scalar = layout.replicated()
         self._scalars: dict[int, jax.Array] = {}
-        # Each data-parallel device can decode its own slots alone when it holds all weights.
+        # Each data-parallel device can decode its own slots alone when it holds all weights
+        # (then each stops a chunk on its own: see `advance`'s stop_busy).
         strategy = layout.strategy
-        self._per_device = strategy.fsdp == 1 and strategy.tensor == 1
+        self.per_device = strategy.fsdp == 1 and strategy.tensor == 1
         self._rows = jax.jit(functools.partial(_rows, gen_config))
         self._poll = jax.jit(_poll)
         self._collect = jax.jit(lambda s: (_poll(s), _rows(gen_config, s)))
@@ -561,16 +565,16 @@ class Rollout:
         ints_k5[:, _INTS.row] = rows_k
         ints_k5[:, _INTS.limit] = limits_k
         slots, capacity = self.size(state)
-        place = self._fill_on_each_device if self._per_device else self._fill_spmd
+        place = self._fill_on_each_device if self.per_device else self._fill_spmd
         ints, prompts, shardings, compile_key = place(slots, ints_k5, prompts_k2p)
         ints, prompts, table = transfer((ints, prompts, table),
                                         (*shardings, (self._scalar,) * len(table)))
         vacant = isinstance(state, Vacant)
         fn = functools.partial(_fill, self.prefill_model, self.cfg,
-                               self._empty_fn(state, self._per_device) if vacant else None)
+                               self._empty_fn(state, self.per_device) if vacant else None)
         if vacant:  # no state argument: the fill builds it
             fn = functools.partial(_without_state, fn)
-        if self._per_device:
+        if self.per_device:
             fn = self._on_each_device(fn, slots, capacity, *(x.spec for x in shardings),
                                       PartitionSpec(), state_in=not vacant)
         state_args = () if vacant else (state,)
@@ -666,7 +670,8 @@ class Rollout:
                          donate=(1,))
 
     def advance(self, state: SlotState, params, version: int, num_steps: int,
-                longest: int | None = None, lockstep: bool = False) -> SlotState:
+                longest: int | None = None, lockstep: bool = False,
+                stop_busy: int = 0) -> SlotState:
         """Up to `num_steps` more tokens in every busy slot under `params` (of policy `version`,
         the weights its cache was computed with: `reload` first after new weights).
 
@@ -675,16 +680,22 @@ class Rollout:
             a slot filled since has 1): the cache is first fitted to what such rows reach in
             this call (`fit`). None: all max_new_tokens response slots.
           lockstep: every busy slot is at the same step (filled together, none since).
+          stop_busy: stop as soon as at most this many slots are busy (0: when all are done):
+            the caller can then refill the freed slots or compact the state, rather than
+            decode finished rows' slots to the end of the chunk. Decoding each device's own
+            slots, each device stops when its share (stop_busy / data-parallel size) is met.
         """
         n_max = self.cfg.max_new_tokens
         needed = n_max if longest is None else max(int(longest), 1) + num_steps
         state = self.fit(state, needed)
         slots, capacity = self.size(state)
         fn = functools.partial(_advance, self.model, self.cfg, lockstep)
-        if self._per_device:
-            fn = self._on_each_device(fn, slots, capacity, PartitionSpec())
+        if self.per_device:
+            fn = self._on_each_device(fn, slots, capacity, PartitionSpec(), PartitionSpec())
+            stop_busy //= self.layout.dp_size
         return self._run(("advance", slots, capacity, lockstep), (slots, capacity), fn, params,
                          state, self._scalar_on_devices(num_steps),
+                         self._scalar_on_devices(stop_busy),
                          self._scalar_on_devices(version), donate=(1,))
 
     def compact(self, state: SlotState, keep: list[int]) -> SlotState:
