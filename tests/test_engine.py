@@ -173,7 +173,7 @@ def test_micro_batches_queue_for_a_fraction_of_the_slots(spec):
 
 
 def test_a_chunk_ends_when_finished_rows_can_leave_their_slots():
-    """16 rows, 12 of them 3 tokens long and 4 of them 24, in chunks of 32: the first chunk
+    """16 rows, 12 of them 3 tokens long and 4 of them 24, in chunks of 16: the first chunk
     stops after the short rows' last step (2 decode steps of 16 slots; the prefill samples
     each first token), the long rows go on in 8 slots (21 steps), rather than 16 slots
     decoding finished rows to the chunk's end."""
@@ -184,7 +184,7 @@ def test_a_chunk_ends_when_finished_rows_can_leave_their_slots():
     limits = np.array([24, 3, 3, 3] * 4, np.int32)
     engine = Rollout(CONFIG, cfg, layout, P, 16)
     out, work = decode_rows(engine, params, tokens, mask, [rng] * 16,
-                            np.arange(16, dtype=np.int32), slots=16, chunk_tokens=32,
+                            np.arange(16, dtype=np.int32), slots=16, chunk_tokens=16,
                             limits_b=limits)
     np.testing.assert_array_equal(out["response_mask_bn"].sum(1), limits)
     want = _reference(layout, params, cfg, tokens, mask, rng)

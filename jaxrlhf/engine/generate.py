@@ -208,19 +208,20 @@ def _compacted_size(live: int, slots: int, dp: int) -> int:
     return min((n for n in _smaller_sizes(slots, dp) if n >= live), default=slots)
 
 
-def _stop_busy(slots: int, queued: int, dp: int) -> int:
+def _stop_busy(slots: int, queued: int, dp: int, beyond_chunk: bool) -> int:
     """How few busy slots end a chunk early (`Rollout.advance`'s stop_busy), the slots all
     busy or the queue empty (`decode_rows` fills before each chunk): with rows queued, once
     an eighth of the slots (at least one per device, at most the queue) are free to take
-    them; with none, once the busy rows fit the next smaller state (`_smaller_sizes`); 0
-    (every row done, or the chunk's end) where there is none.
+    them; with none, once the busy rows fit the next smaller state (`_smaller_sizes`), if
+    rows may go on past this chunk (`beyond_chunk`: else a compaction cannot pay for its
+    dispatch and compile); 0 (every row done, or the chunk's end) otherwise.
 
     Why: a finished row's slot decodes padding to the end of its chunk. On the long-tailed
     rollout row (W-cpu d1, 64 rows, median 64 tokens) 40% of the slot-steps did so.
     """
     if queued:
         return slots - min(queued, max(dp, slots // 8))
-    return next(iter(_smaller_sizes(slots, dp)), 0)
+    return next(iter(_smaller_sizes(slots, dp)), 0) if beyond_chunk else 0
 
 
 class Occupancy(NamedTuple):
@@ -286,7 +287,8 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
                 row_of[s] = i
             longest = max(longest, 1)
         state = engine.advance(state, params, 0, chunk_tokens, longest, lockstep,
-                               _stop_busy(len(row_of), len(queue), engine.layout.dp_size))
+                               _stop_busy(len(row_of), len(queue), engine.layout.dp_size,
+                                          reach - longest > chunk_tokens))
         rows = None
         if lockstep and longest + chunk_tokens >= reach:
             done_b, counts, rows = engine.collect(state)
