@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import random
 import re
@@ -29,39 +28,18 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from storm_job import (
+    REPO, job_env, kill_group, rl_records, saves_in_progress, start, train_command,
+)
+
 KINDS = ("startup", "step", "save")
 # Metrics that measure the machine or count since process start, not the training.
 _SYSTEM_SUFFIXES = ("_seconds", "_bytes", "recompiles", "tokens_per_second")
 
 
-def train_command(workdir: pathlib.Path, steps: int) -> list[str]:
-    """The tiny PPO job, checkpointing every step (so that kills often meet a save)."""
-    return [sys.executable, "-m", "jaxrlhf.train", "--config=configs/ppo_tiny.py",
-            f"--config.steps={steps}", "--config.warm_start.sft_steps=20",
-            "--config.warm_start.batch_size=16", "--config.rollout.batch_size=16",
-            "--config.data.task.num_eval=16", "--config.reward.workers=1",
-            "--config.checkpoint.every=1", "--config.checkpoint.keep=2",
-            f"--workdir={workdir}"]
-
-
-def rl_records(workdir: pathlib.Path) -> list[dict]:
-    """RL step records of metrics.jsonl (a line being written is skipped)."""
-    path = workdir / "metrics.jsonl"
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return [r for r in rows if "reward" in r]
-
-
-def temporary_checkpoints(workdir: pathlib.Path) -> set[str]:
-    """Orbax's temporary checkpoint directories: a save in progress (or one a kill cut short)."""
-    directory = workdir / "checkpoints"
-    return {p.name for p in directory.iterdir() if "tmp" in p.name} if directory.exists() else set()
+def _command(workdir: pathlib.Path, steps: int) -> list[str]:
+    """Checkpointing every step, so that kills often meet a save."""
+    return train_command(workdir, steps, reward_workers=1, checkpoint_every=1)
 
 
 def kill_moment(kind: str, proc: subprocess.Popen, workdir: pathlib.Path, rng: random.Random,
@@ -84,18 +62,12 @@ def kill_moment(kind: str, proc: subprocess.Popen, workdir: pathlib.Path, rng: r
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, step_seconds))
         return proc.poll() is None
-    before = temporary_checkpoints(workdir)  # left by earlier kills
-    while not temporary_checkpoints(workdir) - before:  # "save": a new one is being written
+    before = saves_in_progress(workdir)  # left by earlier kills
+    while not saves_in_progress(workdir) - before:  # "save": a new one is being written
         if proc.poll() is not None or time.monotonic() > deadline:
             return False
         time.sleep(0.002)
     return True
-
-
-def start(command: list[str], env: dict, log: pathlib.Path) -> subprocess.Popen:
-    # A session of its own, so that the kill reaches the reward workers too.
-    return subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
 
 
 def outcome_of(log: pathlib.Path) -> dict:
@@ -131,12 +103,11 @@ def main() -> None:
     args = parser.parse_args()
     root = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="jaxrlhf-storm-"))
     root.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(root / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = job_env(root)
     rng = random.Random(args.seed)
 
     began = time.monotonic()
-    reference = subprocess.run(train_command(root / "reference", args.steps), cwd=REPO, env=env,
+    reference = subprocess.run(_command(root / "reference", args.steps), cwd=REPO, env=env,
                                capture_output=True, text=True, timeout=args.run_timeout)
     if reference.returncode != 0:
         sys.exit(f"the reference run failed:\n{reference.stderr[-3000:]}")
@@ -146,23 +117,21 @@ def main() -> None:
 
     work, logs = root / "storm", root / "logs"
     logs.mkdir(exist_ok=True)
-    command = train_command(work, args.steps)
+    command = _command(work, args.steps)
     kills, attempts, rows = 0, 0, []
     while kills < args.kills:
         kind = KINDS[attempts % len(KINDS)]
         attempts += 1
         log = logs / f"run_{attempts:02d}.log"
-        before = temporary_checkpoints(work)
+        before = saves_in_progress(work)
         proc = start(command, env, log)
         if kill_moment(kind, proc, work, rng, step_seconds, args.run_timeout):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_group(proc)
             kills += 1
-            was_saving = bool(temporary_checkpoints(work) - before)
+            was_saving = bool(saves_in_progress(work) - before)
         else:
             if proc.poll() is None:  # timed out waiting: a hang
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                kill_group(proc)
                 sys.exit(f"run {attempts} made no progress in {args.run_timeout:.0f} s ({log})")
             was_saving = False
         row = {"run": attempts, "kind": kind, "killed": proc.returncode == -signal.SIGKILL,

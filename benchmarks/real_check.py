@@ -8,6 +8,12 @@ seconds of each MFC and of the whole step (Table 6). This script writes each pla
 terms, prices it with the planner (per-MFC cost model, memory model, ReaL's Algorithm 1 over
 the augmented graph) and prints prediction, measurement and relative error per MFC and step.
 
+Memory: each MFC's peak per device (its own call plus what other models keep on its devices
+meanwhile, `plan.memory.plan_memory`), whether it fits the cluster's usable memory (the
+breakdown of each that does not is printed under the table), and the peak less what jaxrlhf's
+runtime holds beyond ReaL's (`beyond_real`: a pipelined train step's head on the whole local
+batch, GPipe's saved activations of every iteration instead of 1F1B's p micro-batches).
+
 Two pricings:
   * `file`: the cluster file's figures and default efficiencies as shipped (nothing fitted);
   * `fit7B`: efficiencies and overheads fitted (`cost.fit_calibration`) to the twelve 7B+7B
@@ -51,6 +57,7 @@ if str(ROOT) not in sys.path:
 from jaxrlhf.mfc import Call  # noqa: E402
 from jaxrlhf.parallel.strategy import DeviceRange  # noqa: E402
 from jaxrlhf.plan import cost as cost_lib  # noqa: E402
+from jaxrlhf.plan import memory  # noqa: E402
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan  # noqa: E402
 from jaxrlhf.plan.cluster import Cluster, load_cluster  # noqa: E402
 from jaxrlhf.plan.evaluate import Evaluator  # noqa: E402
@@ -140,6 +147,24 @@ def real_plan(experiment: Experiment, case: str, kind: str) -> ExecutionPlan:
     return ExecutionPlan.of(choices)
 
 
+def beyond_real(experiment: Experiment, plan: ExecutionPlan, name: str) -> int:
+    """Bytes per device an MFC holds in jaxrlhf beyond what ReaL's runtime holds: a pipelined
+    train step's head runs on the whole local batch (ReaL's: one micro-batch at a time), and
+    its GPipe schedule keeps the saved activations of all M + p - 1 iterations (ReaL's 1F1B:
+    at most p micro-batches in flight per stage). 0 for every other MFC."""
+    mfc, choice = experiment.graph.mfc(name), plan[name]
+    if mfc.call is not Call.TRAIN_STEP or choice.pipeline == 1:
+        return 0
+    p, work, stages = experiment.profile(mfc.role), experiment.workload, choice.pipeline
+    own = memory.own_memory(experiment, mfc, choice)
+    head = own.logits - own.logits // choice.micro_batches
+    tokens = work.packed_tokens_per_device(Call.TRAIN_STEP, choice.dp_size,
+                                           choice.micro_batches, stages)
+    per_stage = memory.saved_activation_bytes(p, tokens, work.seq_len, choice.tensor) / stages
+    schedule = per_stage * (choice.micro_batches + stages - 1 - min(choice.micro_batches, stages))
+    return int(head + schedule)
+
+
 def fit_on_7b(cluster: Cluster, experiments: dict[str, Experiment]) -> Cluster:
     """The cluster with efficiencies and overheads fitted to the 7B+7B MFC times only."""
     records = []
@@ -158,27 +183,33 @@ def _error(predicted: float, measured: float) -> float:
 
 
 def price(cluster: Cluster, experiments: dict[str, Experiment]) -> list[dict]:
-    """One record per (case, plan, MFC or End2End): measured, predicted, relative error, and
-    whether the memory model lets the plan fit (a plan it rejects is priced all the same)."""
+    """One record per (case, plan, MFC or End2End): measured, predicted, relative error, the
+    MFC's peak per device and whether the memory model lets it fit (the step: the whole plan),
+    with the breakdown of an MFC over capacity (a plan it rejects is priced all the same)."""
     rows = []
     for (case, kind), table in TABLES.items():
         experiment = experiments[case]
         evaluator = Evaluator(experiment, cluster)
         plan = real_plan(experiment, case, kind)
         evaluation = evaluator.evaluate(plan)
+        over = {v.mfc: v for v in evaluation.memory.violations}
         for name, row in zip(MFCS, table):
             predicted = evaluation.mfc_seconds[name]
             rows.append(dict(case=case, plan=kind, mfc=REAL_NAMES[name], measured=row.seconds,
                              predicted=predicted, error=_error(predicted, row.seconds),
-                             fits=evaluation.fits,
+                             fits=name not in over,
+                             over=str(over[name]) if name in over else None,
                              peak_gib=evaluation.memory.peak[name] / 2**30,
+                             real_held_gib=(evaluation.memory.peak[name]
+                                            - beyond_real(experiment, plan, name)) / 2**30,
                              measured_no_cuda_graph=(GEN_NO_GRAPH[case, kind]
                                                      if name == "actor_gen" else None)))
         step = evaluator.simulate(plan).step_seconds
         measured, no_graph = END2END[case, kind]
         rows.append(dict(case=case, plan=kind, mfc="End2End", measured=measured,
                          predicted=step, error=_error(step, measured), fits=evaluation.fits,
-                         peak_gib=None, measured_no_cuda_graph=no_graph))
+                         over=None, peak_gib=None, real_held_gib=None,
+                         measured_no_cuda_graph=no_graph))
     return rows
 
 
@@ -193,13 +224,14 @@ def speedups(rows: list[dict]) -> dict[str, dict[str, float]]:
 def table(rows: list[dict]) -> str:
     """ReaL's Table 6 layout: one line per MFC and plan, measured beside predicted."""
     header = ("case", "plan", "MFC", "measured s", "predicted s", "error", "fits",
-              "peak GiB", "measured w/o CUDA graph")
+              "peak GiB", "as ReaL holds GiB", "measured w/o CUDA graph")
     lines = [header]
     for r in rows:
         lines.append((r["case"], r["plan"], r["mfc"], f"{r['measured']:.1f}",
                       f"{r['predicted']:.1f}", f"{r['error']:+.0%}",
                       "yes" if r["fits"] else "NO", "" if r["peak_gib"] is None
-                      else f"{r['peak_gib']:.1f}",
+                      else f"{r['peak_gib']:.1f}", "" if r["real_held_gib"] is None
+                      else f"{r['real_held_gib']:.1f}",
                       "" if r["measured_no_cuda_graph"] is None
                       else f"{r['measured_no_cuda_graph']:.1f}"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -250,6 +282,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{c['layer_overhead'] * 1e6:.1f} us, call {c['call_overhead'] * 1e3:.2f} ms, "
               f"array {c['array_overhead'] * 1e6:.1f} us ==")
         print(table(pricing["rows"]))
+        for r in pricing["rows"]:
+            if r["over"]:
+                print(f"{r['case']} {r['plan']}: {r['over']}")
         for key, value in pricing["summary"].items():
             print(f"{key}: {value:.0%}")
         for case, s in pricing["speedup_heuristic_over_searched"].items():

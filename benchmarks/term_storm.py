@@ -34,45 +34,18 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from storm_job import (
+    REPO, WARM_START_STEPS, job_env, kill_group, left_in_session, records, rl_records,
+    saves_in_progress, start, train_command,
+)
+
 KINDS = ("startup", "warm_start", "evaluation", "step", "save")
 TRACEBACK = "Traceback (most recent call last)"
-_WARM, _WARM_STEPS = "sft/actor/loss", 20  # a warm-start record; the warm start's steps
-
-
-def train_command(workdir: pathlib.Path, steps: int) -> list[str]:
-    """The tiny PPO job with a warm start and a reward pool, checkpointing every other step."""
-    return [sys.executable, "-m", "jaxrlhf.train", "--config=configs/ppo_tiny.py",
-            f"--config.steps={steps}", f"--config.warm_start.sft_steps={_WARM_STEPS}",
-            "--config.warm_start.batch_size=16", "--config.rollout.batch_size=16",
-            "--config.data.task.num_eval=16", "--config.reward.workers=2",
-            "--config.checkpoint.every=2", "--config.checkpoint.keep=2",
-            f"--workdir={workdir}"]
-
-
-def records(workdir: pathlib.Path) -> list[dict]:
-    """metrics.jsonl's records (a line being written is skipped)."""
-    path, rows = workdir / "metrics.jsonl", []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return rows
+_WARM = "sft/actor/loss"  # in a warm-start record
 
 
 def rl_steps(workdir: pathlib.Path) -> int:
-    return max([r["step"] for r in records(workdir) if "reward" in r], default=-1)
-
-
-def saving(workdir: pathlib.Path) -> set[str]:
-    """Orbax's temporary checkpoint directories (a save in progress), the warm start's too."""
-    found = set()
-    for directory in (workdir / "checkpoints", workdir / "checkpoints/warm_start"):
-        if directory.exists():
-            found |= {str(p) for p in directory.iterdir() if "tmp" in p.name}
-    return found
+    return max([r["step"] for r in rl_records(workdir)], default=-1)
 
 
 def wait_for(kind: str, proc: subprocess.Popen, log: pathlib.Path, workdir: pathlib.Path,
@@ -82,7 +55,7 @@ def wait_for(kind: str, proc: subprocess.Popen, log: pathlib.Path, workdir: path
     start_step = rl_steps(workdir)
     warm_records = sum(_WARM in r for r in records(workdir))
     after = time.monotonic() + rng.uniform(0.5, 8.0)
-    before = saving(workdir)
+    before = saves_in_progress(workdir)
 
     def came() -> bool:
         match kind:
@@ -91,12 +64,12 @@ def wait_for(kind: str, proc: subprocess.Popen, log: pathlib.Path, workdir: path
             case "warm_start":
                 return sum(_WARM in r for r in records(workdir)) > warm_records
             case "evaluation":  # the warm start's end checkpoint written, no evaluation yet
-                return ((workdir / f"checkpoints/warm_start/{_WARM_STEPS}").is_dir()
+                return ((workdir / f"checkpoints/warm_start/{WARM_START_STEPS}").is_dir()
                         and "held-out before" not in log.read_text())
             case "step":
                 return rl_steps(workdir) > start_step
             case "save":
-                return bool(saving(workdir) - before)
+                return bool(saves_in_progress(workdir) - before)
 
     while not came():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -105,18 +78,6 @@ def wait_for(kind: str, proc: subprocess.Popen, log: pathlib.Path, workdir: path
     if kind == "step":
         time.sleep(rng.uniform(0.0, 0.5))
     return proc.poll() is None
-
-
-def _session(sid: int, seconds: float = 5.0) -> list[str]:
-    """The processes left in session `sid` (the helpers exit once the trainer is gone: given
-    a few seconds)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        left = subprocess.run(["pgrep", "-s", str(sid)], capture_output=True,
-                              text=True).stdout.split()
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
 
 
 def outcome(log: pathlib.Path) -> dict:
@@ -143,10 +104,9 @@ def main() -> None:
     args = parser.parse_args()
     root = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="jaxrlhf-term-storm-"))
     (root / "logs").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(root / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = job_env(root)
     rng, work = random.Random(args.seed), root / "work"
-    command = train_command(work, args.steps)
+    command = train_command(work, args.steps, reward_workers=2, checkpoint_every=2)
     began, rows, attempts = time.monotonic(), [], 0
     while len(rows) < args.terms:
         # The phases before RL come once, in order (a stop in the evaluation saves checkpoint
@@ -155,13 +115,10 @@ def main() -> None:
                 ("startup", "step", "save")[len(rows) % 3])
         attempts += 1
         log = root / "logs" / f"run_{attempts:02d}.log"
-        # A session of its own: the signal goes to its whole process group, as timeout's does.
-        proc = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True,
-                                stdout=log.open("w"), stderr=subprocess.STDOUT)
+        proc = start(command, env, log)
         if not wait_for(kind, proc, log, work, rng, args.run_timeout):
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                kill_group(proc)
                 sys.exit(f"run {attempts} made no progress in {args.run_timeout:.0f} s ({log})")
             row = {"run": attempts, "kind": kind, "moment_missed": True, "exit": proc.returncode,
                    **outcome(log)}
@@ -175,10 +132,9 @@ def main() -> None:
             proc.wait(timeout=args.grace)
             killed = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_group(proc)
             killed = True
-        leftover = _session(proc.pid)
+        leftover = left_in_session(proc.pid)
         row = {"run": attempts, "kind": kind, "exit": proc.returncode,
                "exit_seconds": round(time.monotonic() - t0, 1), "killed_after_grace": killed,
                "processes_left": len(leftover), **outcome(log)}

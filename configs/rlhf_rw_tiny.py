@@ -6,16 +6,12 @@ task's preference pairs (reversed answer chosen, copied answer rejected). accura
 accuracy_after are held-out preference accuracy (the zero head starts at 0: every pair tied).
 """
 
-from jaxrlhf.schema import base_config
+from configs import rw_tiny
 
 
 def get_config(arg=None):
-    if arg not in (None, "smoke"):
-        raise ValueError(f"unknown variant {arg!r}; known: smoke")
-    config = base_config()
-    config.algorithm = "rw"
-    config.steps = 60
-    config.rollout.batch_size = 32  # preference pairs per step (64 sequences)
-    if arg == "smoke":  # the same job in seconds (`--config=configs/rlhf_rw_tiny.py:smoke`)
-        config.steps = 2
+    """rw_tiny's job (`:smoke`: the same in seconds) without its warm start: the trunk is the
+    SFT stage's."""
+    config = rw_tiny.get_config(arg)
+    config.warm_start.sft_steps = 0
     return config

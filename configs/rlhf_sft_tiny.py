@@ -22,19 +22,11 @@ python -m jaxrlhf.train --config=configs/rlhf_ppo_tiny.py --workdir=/tmp/rlhf/pp
 ```
 """
 
-from jaxrlhf.schema import base_config
+from configs import sft_tiny
 
 
 def get_config(arg=None):
-    if arg not in (None, "smoke"):
-        raise ValueError(f"unknown variant {arg!r}; known: smoke")
-    config = base_config()
-    config.algorithm = "sft"
-    config.steps = 300
+    """sft_tiny's job (`:smoke`: the same in seconds) on noisy demonstrations."""
+    config = sft_tiny.get_config(arg)
     config.data.task.sft_noise = 0.6  # 60% of the demonstrations copy instead of reversing
-    config.rollout.batch_size = 32  # demonstrations per step
-    config.optimizer.actor.lr = 3e-3
-    config.optimizer.actor.min_lr_ratio = 0.1
-    if arg == "smoke":  # the same job in seconds (`--config=configs/rlhf_sft_tiny.py:smoke`)
-        config.steps = 2
     return config

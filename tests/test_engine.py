@@ -175,7 +175,7 @@ def test_micro_batches_queue_for_a_fraction_of_the_slots(spec):
 def test_a_chunk_ends_when_finished_rows_can_leave_their_slots():
     """16 rows, 12 of them 3 tokens long and 4 of them 24, in chunks of 16: the first chunk
     stops after the short rows' last step (2 decode steps of 16 slots; the prefill samples
-    each first token), the long rows go on in 8 slots (21 steps), rather than 16 slots
+    each first token), the long rows go on in 4 slots (21 steps), rather than 16 slots
     decoding finished rows to the chunk's end."""
     layout, params = _setup("0:d1")
     cfg = GenerateConfig(24, STOPS, 0, temperature=1.0, force_max_length=True)
@@ -190,4 +190,4 @@ def test_a_chunk_ends_when_finished_rows_can_leave_their_slots():
     want = _reference(layout, params, cfg, tokens, mask, rng)
     np.testing.assert_array_equal(np.where(out["response_mask_bn"], out["sequences_bs"][:, P:], 0),
                                   np.where(out["response_mask_bn"], want.response_bn, 0))
-    assert work == (16 * 2 + 8 * 21, limits.sum() - 16)
+    assert work == (16 * 2 + 4 * 21, limits.sum() - 16)

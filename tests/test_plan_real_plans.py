@@ -37,12 +37,35 @@ def experiments():
     return {case: real_check.experiment_of(case) for case in real_check.CONFIGS}
 
 
-@pytest.mark.parametrize("kind", ["searched", "heuristic"])
-def test_reals_7b_plans_fit_their_cluster(experiments, kind):
+def test_reals_7b_heuristic_plan_fits_its_cluster(experiments):
     experiment = experiments["7B+7B"]
-    plan = real_check.real_plan(experiment, "7B+7B", kind)
+    plan = real_check.real_plan(experiment, "7B+7B", "heuristic")
     result = memory.plan_memory(experiment, plan, load_cluster(H100))
     assert result.fits, [str(v) for v in result.violations]
+
+
+@pytest.mark.parametrize("case, kind", [("7B+7B", "searched"), ("70B+7B", "searched"),
+                                        ("70B+7B", "heuristic")])
+def test_reals_pipelined_actor_train_is_what_does_not_fit(experiments, case, kind):
+    """Every MFC of ReaL's plans fits H100's 67.06 GiB but the pipelined actor_train: the
+    runtime's pipeline runs the LM head on the whole local mini-batch (fp32 logits over the
+    vocabulary and their gradient) and GPipe keeps every iteration's saved
+    activations, where ReaL's 1F1B pipeline holds one micro-batch's head and at most p
+    micro-batches' activations per stage. Less those two, actor_train fits."""
+    experiment = experiments[case]
+    plan = real_check.real_plan(experiment, case, kind)
+    cluster = load_cluster(H100)
+    result = memory.plan_memory(experiment, plan, cluster)
+    assert [v.mfc for v in result.violations] == ["actor_train"]
+    choice = plan["actor_train"]
+    own = memory.own_memory(experiment, experiment.graph.mfc("actor_train"), choice)
+    # By hand: one data rank's rows of an update, whole sequences (a pipeline packs nothing).
+    work, p = experiment.workload, experiment.profile(Role.ACTOR)
+    tokens = work.batch_size // work.mini_batches // choice.data * work.seq_len
+    assert own.logits == tokens * p.out_dim // choice.tensor * 4 * 2
+    beyond = real_check.beyond_real(experiment, plan, "actor_train")
+    assert beyond >= own.logits - own.logits // choice.micro_batches
+    assert result.peak["actor_train"] - beyond <= cluster.usable_hbm_bytes
 
 
 def _resident(experiment, plan, role: Role) -> int:

@@ -173,3 +173,23 @@ def update_kl_coef(
             return kl_coef * (1.0 + error * n_steps / config.horizon)
         case _:
             raise ValueError(f"unknown KL controller {config.kind}")
+
+
+def update_controller(
+    controller: dict, stats: dict, batch_size: int, config: KLControllerConfig
+) -> dict:
+    """The host-side controller state after one step: β from `update_kl_coef` on the step's
+    mean KL per sequence (`stats["kl"]`) over `batch_size` sequences; other entries (e.g.
+    Safe-RLHF's λ) carried over unchanged.
+
+    Args:
+      controller: {"kl_coef": β, ...} of the previous step.
+      stats: the step's statistics, with "kl".
+      batch_size: sequences in the step's batch.
+      config: the KL controller.
+
+    Returns:
+      A new dict, β a Python float.
+    """
+    new = update_kl_coef(controller["kl_coef"], stats["kl"], batch_size, config)
+    return {**controller, "kl_coef": float(new)}

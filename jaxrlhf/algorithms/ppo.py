@@ -140,11 +140,6 @@ def critic_loss(cfg: PPOConfig):
     return loss_fn
 
 
-def update_controller(controller, stats, cfg: PPOConfig, batch_size: int) -> dict:
-    new = kl_lib.update_kl_coef(controller["kl_coef"], stats["kl"], batch_size, cfg.kl)
-    return {**controller, "kl_coef": float(new)}
-
-
 def make(cfg: PPOConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
     prepare = lambda buf, controller: _train_batch(buf, controller, cfg)
     return Algorithm(
@@ -156,6 +151,6 @@ def make(cfg: PPOConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
             Role.CRITIC: TrainSpec(prepare, critic_loss(cfg), cfg.mini_batches, cfg.epochs),
         },
         controller_init={"kl_coef": cfg.kl.init_kl_coef},
-        controller_update=lambda c, s: update_controller(c, s, cfg, batch_size),
+        controller_update=lambda c, s: kl_lib.update_controller(c, s, batch_size, cfg.kl),
         temperature=cfg.temperature,
     )

@@ -120,11 +120,6 @@ def actor_loss(cfg: ReinforceConfig, proximal: Proximal | None = None):
     return clipped_surrogate(cfg.policy, proximal)
 
 
-def update_controller(controller, stats, cfg: ReinforceConfig, batch_size: int) -> dict:
-    new = kl_lib.update_kl_coef(controller["kl_coef"], stats["kl"], batch_size, cfg.kl)
-    return {**controller, "kl_coef": float(new)}
-
-
 def make(cfg: ReinforceConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
     prepare = lambda buf, controller: _train_batch(buf, controller, cfg)
     return Algorithm(
@@ -133,6 +128,6 @@ def make(cfg: ReinforceConfig, *, reward_model: bool, batch_size: int) -> Algori
         train={Role.ACTOR: TrainSpec(prepare, actor_loss(cfg), cfg.mini_batches, cfg.epochs,
                                      policy_readout(cfg.temperature))},
         controller_init={"kl_coef": cfg.kl.init_kl_coef},
-        controller_update=lambda c, s: update_controller(c, s, cfg, batch_size),
+        controller_update=lambda c, s: kl_lib.update_controller(c, s, batch_size, cfg.kl),
         temperature=cfg.temperature,
     )

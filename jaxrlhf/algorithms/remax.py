@@ -23,7 +23,7 @@ from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
 from jaxrlhf.algorithms.spec import (
-    Algorithm, TrainSpec, model_inputs, policy_readout, response_policy,
+    Algorithm, TrainSpec, clipped_surrogate, model_inputs, policy_readout,
 )
 from jaxrlhf.mfc import MFC, Call, Role
 
@@ -107,28 +107,14 @@ def _train_batch(buf, controller, cfg: ReMaxConfig):
     return batch, stats
 
 
-def actor_loss(cfg: ReMaxConfig):
-    def loss_fn(out, batch):
-        logp_bn, entropy_bn = response_policy(out, batch)
-        return losses.ppo_policy_loss(logp_bn, batch["old_logp_bn"], batch["advantages_bn"],
-                                      batch["mask_bn"], cfg.policy, entropy_bn=entropy_bn)
-
-    return loss_fn
-
-
-def update_controller(controller, stats, cfg: ReMaxConfig, batch_size: int) -> dict:
-    new = kl_lib.update_kl_coef(controller["kl_coef"], stats["kl"], batch_size, cfg.kl)
-    return {**controller, "kl_coef": float(new)}
-
-
 def make(cfg: ReMaxConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
     prepare = lambda buf, controller: _train_batch(buf, controller, cfg)
     return Algorithm(
         name="remax",
         mfcs=mfcs(reward_model),
-        train={Role.ACTOR: TrainSpec(prepare, actor_loss(cfg), cfg.mini_batches, cfg.epochs,
+        train={Role.ACTOR: TrainSpec(prepare, clipped_surrogate(cfg.policy), cfg.mini_batches, cfg.epochs,
                                      policy_readout(cfg.temperature))},
         controller_init={"kl_coef": cfg.kl.init_kl_coef},
-        controller_update=lambda c, s: update_controller(c, s, cfg, batch_size),
+        controller_update=lambda c, s: kl_lib.update_controller(c, s, batch_size, cfg.kl),
         temperature=cfg.temperature,
     )

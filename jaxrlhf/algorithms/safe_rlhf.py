@@ -134,7 +134,7 @@ def _cost_critic_batch(buf, controller, cfg: SafeRLHFConfig):
 
 def update_controller(controller, stats, cfg: SafeRLHFConfig, batch_size: int) -> dict:
     """β by the KL controller; log λ by one dual-ascent step on the step's mean cost."""
-    new = ppo.update_controller(controller, stats, cfg.ppo, batch_size)
+    new = kl_lib.update_controller(controller, stats, batch_size, cfg.ppo.kl)
     log_lambda = losses.lagrange_update(controller["log_lambda"], stats["cost"], cfg.lagrange)
     return {**new, "log_lambda": float(log_lambda)}
 

@@ -186,13 +186,15 @@ def generate(
     )
 
 
-# Fewer slots are not worth their compiles: a step of 8 rows costs little more than one of 1
-# (reading the weights), and every slot bucket compiles its own decode loop per capacity.
-MIN_SLOTS = 8
+# Fewer slots are not worth their compiles (every slot bucket compiles its own decode loop per
+# capacity): below a few rows a step costs what reading the weights costs. W-cpu d1, CPU ms per
+# decode step at capacity 48 / 384: 4 slots 1.9 / 2.9, 8 slots 2.7 / 4.4, 16 slots 3.7 / 5.8
+# (process time of `Rollout.advance` on a filled state, median of 5).
+MIN_SLOTS = 4
 
 
 def _smaller_sizes(slots: int, dp: int) -> list[int]:
-    """The states a state of `slots` compacts into, largest first: 8, 12, 16, 24, 32, 48, ...
+    """The states a state of `slots` compacts into, largest first: 4, 6, 8, 12, 16, 24, ...
     (two per octave, so a state shrinks by a quarter or a third at a time, never by more than
     needed) below `slots`, multiples of the data-parallel size, at least MIN_SLOTS."""
     sizes, low = set(), MIN_SLOTS

@@ -18,7 +18,6 @@ trained tokens over the step's median seconds.
 from __future__ import annotations
 
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,8 @@ from jaxrlhf.engine.microbatch import MicrobatchConfig
 from jaxrlhf.engine.optimizer import OptimizerConfig
 from jaxrlhf.engine.train_step import create_train_state, make_train_step
 from jaxrlhf.mfc import Role
+from jaxrlhf.perf import alternated
+from jaxrlhf.perf.alternated import Column
 from jaxrlhf.perf.rollout_rows import RolloutRow
 
 
@@ -48,12 +49,6 @@ def step_buffer(lengths_b: np.ndarray, prompt_len: int, max_new_tokens: int, voc
     return {"seq_tokens_bs": tokens.astype(np.int32), "seq_mask_bs": seq_mask,
             "response_mask_bn": mask_bn, "behav_logp_bn": logp(), "ref_logp_bn": logp(),
             "scores_b": scores, "values_bn": np.zeros((rows, width), np.float32)}
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - start
 
 
 def measure_row(row: RolloutRow, algorithm: Algorithm, model_config, layout, params,
@@ -77,12 +72,10 @@ def measure_row(row: RolloutRow, algorithm: Algorithm, model_config, layout, par
         states[rows], metrics = steps[rows](states[rows], batch)
         return metrics
 
-    for rows in steps:  # compiles
-        _timed(lambda rows=rows: call(rows))
-    seconds = {rows: [] for rows in steps}
-    for _ in range(repeats):
-        for rows in steps:
-            seconds[rows].append(_timed(lambda rows=rows: call(rows)))
+    calls = {rows: (lambda rows=rows: call(rows)) for rows in steps}
+    for fn in calls.values():  # compiles
+        alternated.timed(fn)
+    seconds = alternated.seconds(calls, repeats)
     trained = int(np.count_nonzero(buf["seq_mask_bs"]))
     packed_s, padded_s = (statistics.median(seconds[r]) for r in steps)
     _, plan = steps[packing.Rows.PACKED].plan(batch)
@@ -99,16 +92,16 @@ def measure_row(row: RolloutRow, algorithm: Algorithm, model_config, layout, par
     }
 
 
+COLUMNS = (
+    Column("row", "row", 9), Column("longest", "longest", 7), Column("width", "width", 5),
+    Column("rows", "rows", 4), Column("packed", "packed_rows", 6),
+    Column("tokens", "trained_tokens", 7), Column("packed s", "packed_seconds", 9, ".3f"),
+    Column("padded s", "padded_seconds", 9, ".3f"),
+    Column("packed tok/s", "packed_tokens_per_s", 12, ".0f"),
+    Column("padded tok/s", "padded_tokens_per_s", 12, ".0f"), Column("x", "speedup", 5, ".2f"),
+)
+
+
 def table(rows: list[dict]) -> str:
-    """The rows as a text table."""
-    head = (f"{'row':>9} {'longest':>7} {'width':>5} {'rows':>4} {'packed':>6} {'tokens':>7} "
-            f"{'packed s':>9} {'padded s':>9} {'packed tok/s':>12} {'padded tok/s':>12} "
-            f"{'x':>5}")
-    lines = [head]
-    for r in rows:
-        lines.append(
-            f"{r['row']:>9} {r['longest']:>7} {r['width']:>5} {r['rows']:>4} "
-            f"{r['packed_rows']:>6} {r['trained_tokens']:>7} {r['packed_seconds']:>9.3f} "
-            f"{r['padded_seconds']:>9.3f} {r['packed_tokens_per_s']:>12.0f} "
-            f"{r['padded_tokens_per_s']:>12.0f} {r['speedup']:>5.2f}")
-    return "\n".join(lines)
+    """The rows (`measure_row`'s figures) as a text table."""
+    return alternated.table(rows, COLUMNS)

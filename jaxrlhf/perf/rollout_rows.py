@@ -22,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
-import time
 
 import jax
 import numpy as np
 
 from jaxrlhf.engine.generate import GenerateConfig, decode_model, generate, make_generate_fn
 from jaxrlhf.models.sizes import abstract_params
+from jaxrlhf.perf import alternated
+from jaxrlhf.perf.alternated import Column
 from jaxrlhf.perf.flops import call_flops
 
 TAIL_MEDIAN, TAIL_SIGMA, TAIL_LOW, TAIL_HIGH = 64, 1.0, 4, 1024
@@ -72,12 +73,6 @@ def grouped_prompts(batch: int, group: int, prompt_len: int, vocab: int, special
     return tokens, np.ones_like(tokens, bool)
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - start
-
-
 def measure_row(row: RolloutRow, model_config, layout, params, tokens_bp, mask_bp,
                 gen_config: GenerateConfig, repeats: int, peak: float) -> dict:
     """One row's figures: engine and static seconds (medians of `repeats` alternated calls
@@ -96,12 +91,9 @@ def measure_row(row: RolloutRow, model_config, layout, params, tokens_bp, mask_b
     placed = jax.device_put((tokens_bp, mask_bp), rows)
     calls = {"engine": lambda: engine(params, tokens_bp, mask_bp, rng, lengths_b),
              "static": lambda: static(params, *placed, rng)}
-    warm = {name: _timed(call) for name, call in calls.items()}  # compiles
+    warm = {name: alternated.timed(call) for name, call in calls.items()}  # compiles
     compiles, occupancy = engine.compiles, engine.occupancy
-    seconds = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            seconds[name].append(_timed(call))
+    seconds = alternated.seconds(calls, repeats)
     slot_steps, live = (after - before for after, before in zip(engine.occupancy, occupancy))
     useful = int(lengths_b.sum())
     engine_s, static_s = (statistics.median(seconds[name]) for name in ("engine", "static"))
@@ -121,17 +113,17 @@ def measure_row(row: RolloutRow, model_config, layout, params, tokens_bp, mask_b
     }
 
 
+COLUMNS = (
+    Column("row", "row", 9), Column("longest", "longest", 7),
+    Column("useful", "useful_tokens", 7), Column("engine s", "engine_seconds", 9, ".3f"),
+    Column("static s", "static_seconds", 9, ".3f"),
+    Column("tok/s", "useful_tokens_per_s", 8, ".0f"),
+    Column("x static", "speedup_vs_static", 8, ".2f"), Column("occup.", "occupancy", 6, ".2f"),
+    Column("floor%", "fraction_of_floor_live", 6, ".1f", scale=100),
+    Column("compiles", "compiles", 8), Column("recomp.", "recompiles_after_warmup", 7),
+)
+
+
 def table(rows: list[dict]) -> str:
-    """The rows as a text table."""
-    head = (f"{'row':>9} {'longest':>7} {'useful':>7} {'engine s':>9} {'static s':>9} "
-            f"{'tok/s':>8} {'x static':>8} {'occup.':>6} {'floor%':>6} {'compiles':>8} "
-            f"{'recomp.':>7}")
-    lines = [head]
-    for r in rows:
-        lines.append(
-            f"{r['row']:>9} {r['longest']:>7} {r['useful_tokens']:>7} {r['engine_seconds']:>9.3f} "
-            f"{r['static_seconds']:>9.3f} {r['useful_tokens_per_s']:>8.0f} "
-            f"{r['speedup_vs_static']:>8.2f} {r['occupancy']:>6.2f} "
-            f"{100 * r['fraction_of_floor_live']:>6.1f} {r['compiles']:>8} "
-            f"{r['recompiles_after_warmup']:>7}")
-    return "\n".join(lines)
+    """The rows (`measure_row`'s figures) as a text table."""
+    return alternated.table(rows, COLUMNS)

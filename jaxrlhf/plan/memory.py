@@ -5,28 +5,37 @@ One MFC on its own (`call_memory`), per device:
   * optimizer (train): AdamW m and v (fp32 with a fp32 master or fp32 params, else the
     parameter dtype) plus the fp32 master copy, of the trained parameters (with LoRA the
     adapters alone, `ModelProfile.trained_shard_elements`);
-  * grads (train): the fp32 accumulator plus one micro-batch's gradients, of the same;
+  * grads (train): the fp32 gradients (and the parameter-dtype ones they are cast from), the
+    fp32 accumulator over a loop of micro-batches (not after a pipeline's one backward pass),
+    and the optimizer's update as it is formed (`gradient_bytes`); whole over data
+    parallelism (ZeRO-1 slices the optimizer state only);
   * activations: what the backward pass keeps under the remat policy plus one layer's working
     set (train); without a backward pass (inference, generation's prefill) the layers and then
     the head run one after the other, so the larger of one layer's forward peak and the logits
     phase (generation adds the second cache copy its layer scan writes); the runtime's
     attention materialises fp32 scores [heads, query, slot], which dominate at long context;
-  * kv_cache (pipelined generate): keys and values of every slot of every row;
+  * kv_cache (pipelined generate): keys and values of every slot of every row of one executor
+    call;
   * state (generate on the rollout engine): its slots' KV cache at full capacity, an argument
     every executable of the engine takes and gives back (donated: one copy), so XLA counts it
     with the batch arguments, not the temporaries; the prefill (a fill) and the decode loop (an
     advance) are executables of their own, and the larger of the two is the peak;
-  * logits (train): fp32 logits over the (tensor-sharded) vocabulary, with the log-softmax and
-    its gradient;
+  * logits (train): fp32 logits over the (tensor-sharded) vocabulary, kept for the backward
+    pass, and their gradient (the readout reduces the log-softmax over the vocabulary as it
+    goes), of one micro-batch, or with a pipeline of the whole local batch (the head runs
+    after the pipeline has streamed every micro-batch);
   * gathered: a layer's largest weight matrix sliced out of the scanned stack or all-gathered
     over fsdp, and with fsdp the LM head's table;
   * pipelines (p > 1): a stage holds 1/p of the layers' parameters, state and gradients (the
     embedding and head whole, `ModelProfile.shard_bytes`) and of what they save for the
     backward pass, but for every iteration of the schedule: the runtime's GPipe loop keeps
     them for all M + p - 1 (bubble iterations compute on filler), or with stage
-    rematerialisation only every iteration's stage input; every stage also holds all
-    micro-batches' inputs and outputs, and pipelined decoding keeps all M micro-batches'
-    caches (`parallel/pipeline.py`).
+    rematerialisation only every iteration's stage input; a train step's stages also hold
+    all M micro-batches' inputs and outputs. A generate or inference MFC with M
+    micro-batches runs as M executor calls on slices of the batch, each streamed through the
+    pipeline in gcd(M, slice rows) pieces (`streamed_micro_batches`): a call holds one
+    slice's stage buffers and KV cache, a layer works on one piece. On XLA:CPU a stage of
+    several layers holds a copy of its weights (`stage_weight_copy_bytes`).
 
 A plan (`plan_memory`) adds what other models keep on the same devices while the MFC runs,
 following the runtime (`dataflow.runtime.ModelRuntime`): a trained model's parameters and
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -129,6 +139,22 @@ def holds_home_shards(home: CallChoice, other: CallChoice) -> bool:
     return True
 
 
+def gradient_bytes(p: ModelProfile, choice: CallChoice, tensor: int, stages: int) -> int:
+    """Gradient buffers per device of a train step (`engine.train_step`, `engine.microbatch`).
+
+    Per trained element: the gradients cast to fp32 (4 bytes), beside them the backward pass's
+    own in the parameter dtype when that is not fp32; over a loop of micro-batches (p = 1 and
+    k > 1; a pipeline streams all k through one backward pass) the fp32 accumulator too; and
+    the optimizer's update as it is formed, of which XLA keeps about half an fp32 tree live (2
+    bytes: measured on CPU devices, fp32 and bf16 parameters, one and several micro-batches,
+    `tests/test_plan_memory_terms.py`). All whole over data parallelism: ZeRO-1 slices the
+    optimizer state, not the gradients (`parallel.zero` says why)."""
+    elements = p.trained_shard_elements(tensor, choice.fsdp, stages)
+    loop = stages == 1 and choice.micro_batches > 1
+    own_dtype = p.param_itemsize if p.param_itemsize != 4 else 0
+    return elements * (4 + own_dtype + (4 if loop else 0) + 2)
+
+
 def _sharded(dim: int, ways: int) -> float:
     """A dimension split `ways` ways, or whole when `ways` does not divide it (as the layout)."""
     return dim / ways if dim % ways == 0 else dim
@@ -198,11 +224,38 @@ def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float
     return live + cast + head
 
 
+def stage_weight_copy_bytes(p: ModelProfile, call: Call, choice: CallChoice, cpu: bool) -> int:
+    """The copy of a stage's layer weights (and, training, of their gradients) a pipelined
+    call holds on XLA:CPU.
+
+    `parallel.pipeline` views the layer stack [L, ...] as [S, L/S, ...] and vmaps each stage's
+    scan over its L/S layers; the batched scan reads its layers from a transposed [L/S, S, ...]
+    view, which XLA:CPU materialises (a copy of the stage's weights; its gradients come back
+    through the same transpose). With one layer per stage the transpose is a bitcast. Measured
+    on CPU devices only, so priced only there."""
+    per_stage = p.config.num_layers // choice.pipeline
+    if not cpu or choice.pipeline == 1 or per_stage == 1:
+        return 0
+    copies = 2 if call is Call.TRAIN_STEP else 1
+    return copies * per_stage * p.layer_shard_bytes(choice.tensor) // choice.fsdp
+
+
 def _stage_buffers(p: ModelProfile, choice: CallChoice, tokens: int) -> float:
-    """A pipeline stage's input and output activations of every micro-batch (0 without)."""
+    """A pipeline stage's input and output activations of the `tokens` one jit call streams
+    through it, all its micro-batches together (0 without a pipeline)."""
     if choice.pipeline == 1:
         return 0.0
-    return 2 * choice.micro_batches * tokens * p.config.hidden_size * p.act_itemsize
+    return 2 * tokens * p.config.hidden_size * p.act_itemsize
+
+
+def streamed_micro_batches(work: Workload, call: Call, choice: CallChoice) -> int:
+    """Micro-batches one jit call of a pipelined generate or inference MFC streams.
+
+    The executor runs such an MFC as `choice.micro_batches` = M sequential calls on strided
+    slices of the batch (`dataflow.executors.in_micro_batches`), and the layout's pipeline
+    streams M micro-batches of each slice again, or gcd(M, slice rows) when M does not divide
+    it (`parallel.pipeline.Pipeline.num_micro`): the batch is split twice, M·gcd ways."""
+    return math.gcd(choice.micro_batches, work.rows(call) // choice.micro_batches)
 
 
 def _pipelined_saved_bytes(p: ModelProfile, choice: CallChoice, tokens: int, context: int,
@@ -236,7 +289,8 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
     # no per-layer slice copy), else scanned.
     by_layer = cpu and call is Call.GENERATE and stages == 1 and choice.fsdp == 1
     scanned = (p.config.scan_layers or call is Call.GENERATE) and not by_layer
-    gathered = int(_gathered_bytes(p, choice, scanned))
+    gathered = int(_gathered_bytes(p, choice, scanned)) + stage_weight_copy_bytes(p, call, choice,
+                                                                                   cpu)
     if by_layer:
         gathered += p.config.num_layers * p.layer_shard_bytes(t)
     match call:
@@ -244,18 +298,22 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             tokens = work.packed_tokens_per_device(call, choice.dp_size, choice.micro_batches,
                                                    stages)
             params, optimizer = train_state_bytes(p, choice, fp32_master)
-            elements = p.trained_shard_elements(t, choice.fsdp, stages)
+            # A pipeline streams all micro-batches through one forward: the head (logits, their
+            # log-softmax and its gradient) then runs on the whole local batch at once.
+            head_tokens = tokens * choice.micro_batches if stages > 1 else tokens
             activations = (_pipelined_saved_bytes(p, choice, tokens, s, remat_stages)
                            + layer_working_bytes(p, tokens, s, t)
-                           + _stage_buffers(p, choice, tokens))
+                           + _stage_buffers(p, choice, head_tokens))
             return MemoryBreakdown(
-                params=params, optimizer=optimizer, grads=elements * (4 + p.param_itemsize),
-                activations=int(activations), logits=int(_logit_bytes(p, tokens, t, 3)),
+                params=params, optimizer=optimizer, grads=gradient_bytes(p, choice, t, stages),
+                activations=int(activations), logits=int(_logit_bytes(p, head_tokens, t, 2)),
                 gathered=gathered)
         case Call.INFERENCE:  # the layers, then the head: the larger phase is the peak
+            # One of the executor's calls (a micro-batch); a pipeline streams it in pieces.
             tokens = work.packed_tokens_per_device(call, choice.dp_size, choice.micro_batches,
                                                    stages)
-            peak = max(forward_peak_bytes(p, tokens, s, t), _logit_bytes(p, tokens, t, 2))
+            piece = tokens / (streamed_micro_batches(work, call, choice) if stages > 1 else 1)
+            peak = max(forward_peak_bytes(p, piece, s, t), _logit_bytes(p, tokens, t, 2))
             return MemoryBreakdown(params=params, gathered=gathered,
                                    activations=int(peak + _stage_buffers(p, choice, tokens)))
         case Call.GENERATE if stages == 1:  # the rollout engine (`engine.rollout`)
@@ -271,12 +329,14 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                        + gathered)
             return MemoryBreakdown(params=params, activations=int(max(fill, advance) - gathered),
                                    gathered=gathered, state=int(rows * s * kv_per_token))
-        case Call.GENERATE:  # a pipeline's static batch
-            tokens = rows * work.prompt_len  # the prefill, then a decode step is far smaller
-            # Pipelined decoding keeps every micro-batch in flight, each stage its layers' cache.
-            in_flight = choice.micro_batches if stages > 1 else 1
-            kv = in_flight * rows * s * p.kv_bytes_per_token() / (t * stages)
-            peak = (max(forward_peak_bytes(p, tokens, s, t), _logit_bytes(p, tokens, t, 1))
+        case Call.GENERATE:  # a pipeline's static batch, one executor call per micro-batch
+            # Pipelined decoding keeps every row of the call in flight, each stage its layers'
+            # cache; the prefill streams the call's rows in pieces (the decode steps are far
+            # smaller).
+            kv = rows * s * p.kv_bytes_per_token() / (t * stages)
+            tokens = rows * work.prompt_len
+            piece = tokens / streamed_micro_batches(work, call, choice)
+            peak = (max(forward_peak_bytes(p, piece, s, t), _logit_bytes(p, rows, t, 1))
                     + _stage_buffers(p, choice, tokens))
             # The layer scan reads the cache as its input and writes the new cache as its
             # output: a second copy lives through every pass.
