@@ -185,6 +185,10 @@ def base_config() -> ConfigDict:
             "top_k": 0,
             "top_p": 1.0,
             "force_max_length": False,  # ignore EOS and always generate max_new_tokens (bench)
+            # The responses' expected mean length: train steps and inference pack sequences
+            # (engine/packing.py), so the planner prices their tokens, not max_new_tokens'
+            # padded rows. 0: max_new_tokens (every response runs to the limit).
+            "expected_new_tokens": 0.0,
         },
         # Policy-gradient settings shared by the RL algorithms (clipping, updates per step; β
         # and its controller for ppo, rloo, reinforce_pp, remax and safe_rlhf; GAE/critic for
@@ -298,7 +302,7 @@ _BOUNDS = (
                "cost.max_error_rate", "micro_batch_tokens", "warm_start.sft_steps", "reward.clip",
                "async_rl.max_staleness", "async_rl.behav_imp_weight_cap", "eval.every",
                "eval.samples", "eval.max_prompts", "ppo.tis_cap", "dapo.overlong_buffer",
-               "dapo.overlong_penalty")),
+               "dapo.overlong_penalty", "rollout.expected_new_tokens")),
     (">", 0, ("dapo.clip_eps_high", "gspo.clip_eps", "gspo.clip_eps_high", "rollout.top_p", "reward.timeout", "env.timeout", "warm_start.lr", "optimizer.actor.lr",
               "optimizer.critic.lr")),
     ("<=", 1, ("rollout.top_p", "reward.max_error_rate", "cost.max_error_rate",
@@ -331,3 +335,17 @@ def check_ranges(config: ConfigDict) -> None:
     if batch % config.ppo.mini_batches:
         raise ConfigError(f"ppo.mini_batches={config.ppo.mini_batches} does not divide the "
                           f"rollout batch of {batch}")
+    _check_expected_new_tokens(config.rollout)
+
+
+def _check_expected_new_tokens(r: ConfigDict) -> None:
+    """rollout.expected_new_tokens is a mean of lengths that run to at most max_new_tokens,
+    and exactly to it when generation is forced to."""
+    expected = r.expected_new_tokens
+    if expected > r.max_new_tokens:
+        raise ConfigError(f"rollout.expected_new_tokens={expected}: must be <= "
+                          f"rollout.max_new_tokens={r.max_new_tokens}")
+    if r.force_max_length and expected not in (0, r.max_new_tokens):
+        raise ConfigError(f"rollout.expected_new_tokens={expected}: every response runs to "
+                          f"rollout.max_new_tokens={r.max_new_tokens} "
+                          "(rollout.force_max_length)")

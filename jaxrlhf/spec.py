@@ -96,6 +96,12 @@ class RolloutSpec:
     top_k: int
     top_p: float
     force_max_length: bool
+    expected_new_tokens: float = 0.0  # 0: max_new_tokens
+
+    @property
+    def mean_new_tokens(self) -> float | None:
+        """The responses' expected mean length the planner prices (None: max_new_tokens)."""
+        return self.expected_new_tokens or None
 
     @property
     def rows(self) -> int:
@@ -261,7 +267,7 @@ class RunSpec:
         r = self.rollout
         workload = Workload(batch_size=r.rows, prompt_len=r.max_prompt_len,
                             new_tokens=r.max_new_tokens, mini_batches=self.mini_batches,
-                            epochs=self.epochs)
+                            epochs=self.epochs, mean_new_tokens=r.mean_new_tokens)
         master = {role: opt.fp32_master for role, opt in self.optimizers.items()}
         return Experiment.of(self.graph, self.model_configs(), workload, fp32_master=master,
                              offload_frozen=self.placement.offload_frozen,

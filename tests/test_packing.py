@@ -212,11 +212,7 @@ def test_planner_counts_packed_tokens():
     work."""
     profile = profile_of(get_size("small"))
     choice = CallChoice(DeviceRange(0, 1), data=2)
-    cluster = Cluster(
-        name="test_1x2", hosts=1, devices_per_host=2, hbm_bytes=10**9, peak_bf16_flops=1e12,
-        hbm_bandwidth=1e11, intra_host_bandwidth=1e10, inter_host_bandwidth=1e9,
-        host_link_bandwidth=5e8, matmul_efficiency=0.5, hbm_efficiency=0.5,
-        comm_efficiency=0.5)
+    cluster = _CLUSTER
     padded = Workload(batch_size=64, prompt_len=64, new_tokens=448)
     packed = Workload(batch_size=64, prompt_len=64, new_tokens=448, mean_new_tokens=64.0)
     assert packed.packed_tokens_per_device(Call.TRAIN_STEP, 2, 1) == 8 * 512  # 32 x 128 tokens
@@ -228,3 +224,107 @@ def test_planner_counts_packed_tokens():
         full, small = (call_memory(profile, call, w, choice).activations
                        for w in (padded, packed))
         assert small == pytest.approx(full / 4, rel=0.01)
+
+
+_CLUSTER = Cluster(
+    name="test_1x2", hosts=1, devices_per_host=2, hbm_bytes=10**9, peak_bf16_flops=1e12,
+    hbm_bandwidth=1e11, intra_host_bandwidth=1e10, inter_host_bandwidth=1e9,
+    host_link_bandwidth=5e8, matmul_efficiency=0.5, hbm_efficiency=0.5, comm_efficiency=0.5)
+
+
+def _plan_seconds(expected_new_tokens: float) -> dict[str, float]:
+    """The planner's seconds for the default (PPO) config's train and inference calls, and its
+    step's, every MFC on two data-parallel devices, with responses of that expected mean
+    length (of at most 448)."""
+    from jaxrlhf.plan.choice import ExecutionPlan
+    from jaxrlhf.plan.evaluate import Evaluator
+    from jaxrlhf.schema import base_config
+    from jaxrlhf.spec import run_spec
+
+    config = base_config()
+    config.rollout.update(batch_size=64, max_prompt_len=64, max_new_tokens=448,
+                          expected_new_tokens=expected_new_tokens)
+    experiment = run_spec(config).experiment()
+    evaluator = Evaluator(experiment, _CLUSTER)
+    choice = CallChoice(DeviceRange(0, 1), data=2)
+    device_mfcs = [m.name for m in experiment.graph.mfcs if not m.host]
+    seconds = {name: evaluator.mfc_seconds(name, choice) for name in device_mfcs
+               if experiment.graph.mfc(name).call is not Call.GENERATE}
+    plan = ExecutionPlan.of({name: choice for name in device_mfcs})
+    seconds["step"] = evaluator.evaluate(plan).step_seconds
+    return seconds
+
+
+def test_expected_new_tokens_prices_packed_calls():
+    """`rollout.expected_new_tokens` reaches the planner: the train steps and inference calls of
+    responses expected at 64 of 448 tokens cost well under half of those at the limit, and so
+    does less of the step."""
+    at_limit, unset, short = (_plan_seconds(n) for n in (448.0, 0.0, 64.0))
+    assert at_limit == unset  # 0 means max_new_tokens
+    assert {"actor_train", "critic_train", "ref_inf", "critic_inf"} <= set(at_limit)
+    for name, seconds in at_limit.items():
+        if name != "step":
+            assert short[name] < 0.5 * seconds, name
+    assert short["step"] < at_limit["step"]
+
+
+def _tail_segments(seed: int, rows: int, width: int = 1024) -> np.ndarray:
+    """[rows, width] right-padded rows, lengths lognormal (median 64) clipped to [4, 1024]:
+    the rollout benchmark's long tail."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.exp(rng.normal(np.log(64), 1.0, rows)), 4, 1024).astype(int)
+    return (np.arange(width)[None] < lengths[:, None]).astype(np.int32)
+
+
+@pytest.mark.parametrize("micro,shards", [(1, 4), (2, 4), (1, 8)])
+def test_spread_plan_balances_the_ranks_tokens(micro, shards):
+    """On long-tailed lengths each shard packing its own rows leaves the fullest rank with
+    1.1-1.9x the mean tokens; dealt longest first, every rank is within 2% of the mean and the
+    packed rows (what every rank computes) shrink. Every token is placed once, and back."""
+    for seed in range(3):
+        seg_bt = _tail_segments(seed, 64)
+        own = packing.plan(seg_bt, micro, shards, packing.Rows.PACKED)
+        spread = packing.plan(seg_bt, micro, shards, packing.Rows.PACKED, spread=True)
+        assert spread.rows == packing.spread_rows(seg_bt, micro, shards) <= own.rows
+        own_md, spread_md = (packing.shard_tokens(p, shards) for p in (own, spread))
+        np.testing.assert_array_equal(own_md.sum(1), spread_md.sum(1))
+        imbalance = lambda t_md: float(np.max(t_md.max(1) / t_md.mean(1)))
+        assert imbalance(own_md) > 1.1 and imbalance(spread_md) < 1.02, seed
+        for j in range(micro):
+            real = seg_bt[j::micro] != 0
+            gather, packed_seg = spread.gather_mrt[j], spread.segment_ids_mrt[j]
+            np.testing.assert_array_equal(np.sort(gather[packed_seg != 0]),
+                                          np.flatnonzero(real.reshape(-1)))
+            np.testing.assert_array_equal(gather.reshape(-1)[spread.scatter_mbt[j][real]],
+                                          np.flatnonzero(real.reshape(-1)))
+
+
+@pytest.mark.slow  # two compiles, ~10 s on quiet cores (90 s at load 20)
+@pytest.mark.devices(2)
+def test_spread_train_step_equals_padded():
+    """A train step on two data-parallel devices whose shards' own rows would need 8 packed
+    rows takes the spread plan (6) and updates as the padded rows do (within 1e-5)."""
+    from test_token_microbatch import _batch, sequence_nll
+
+    from jaxrlhf.engine import optimizer as opt
+    from jaxrlhf.parallel.layout import make_layout
+
+    model_cfg = MODEL
+    layout = make_layout("0-1:d2", model=model_cfg)
+    optimizer = opt.OptimizerConfig(lr=1e-3, warmup_steps=0, total_steps=4, eps=1e-6)
+    params = jax.tree.map(np.asarray, _params(model_cfg))
+    batch = _batch(6, rows=16)
+    steps = {rows: ts.make_train_step(model_cfg, layout, sequence_nll, optimizer, rows=rows)
+             for rows in packing.Rows}
+    count, plan, spread = steps[packing.Rows.PACKED]._planned(batch)
+    assert spread and (count, plan.rows) == (1, 6)
+    assert packing.plan(batch["segment_ids_bt"], 1, 2, packing.Rows.PACKED).rows == 8
+    out = {}
+    for rows, step in steps.items():
+        state, metrics = step(ts.create_train_state(params, model_cfg, layout, optimizer), batch)
+        out[rows] = jax.device_get((metrics, state.params))
+    (got, got_params), (want, want_params) = out[packing.Rows.PACKED], out[packing.Rows.PADDED]
+    for key in ("loss", "grad_norm", "num_tokens", "weight"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    for g, w in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params)):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)

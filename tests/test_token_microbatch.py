@@ -77,7 +77,9 @@ def test_token_budget_step_equals_one_padded_micro_batch():
                                 mb.MicrobatchConfig.by_token_budget(6 * 32))
     padded = ts.make_train_step(MODEL, layout, sequence_nll, OPT, rows=packing.Rows.PADDED)
     states = {id(s): ts.create_train_state(params, MODEL, layout, OPT) for s in (budget, padded)}
-    for seed in (1, 3):  # other lengths, the same bucket: (2 micro-batches, 6 packed rows)
+    # Other lengths, the same bucket: (2 micro-batches, 6 packed rows); lengths that dealt
+    # evenly over the shards need fewer rows take a spread plan (tests/test_packing.py).
+    for seed in (1, 2):
         batch = _batch(seed)
         count, plan = budget.plan(batch)
         assert (count, plan.rows) == (2, 6)  # padded rows in this budget: 8 micro-batches

@@ -142,23 +142,36 @@ def logprobs_and_entropy(logits_btv: jax.Array, batch: InferenceBatch, temperatu
                          with_entropy: bool) -> tuple[jax.Array, jax.Array | None]:
     """Per-token log-probs (and entropies) from an LM head's logits (traceable, differentiable).
 
-    One log-softmax serves both (the [b, t, vocab] array is the largest of the forward).
+    The [b, t, vocab] logits are the largest array of the forward, so they are read as few
+    times as possible and no [b, t, vocab] log-softmax is ever materialised: with y = z - max(z)
+    (z the tempered logits) and s = Σ exp(y), the log-prob of the next token is y[token] - log s
+    (the arithmetic of `sampling.token_logprobs`'s log-softmax, so generation's log-probs agree)
+    and the entropy log s - Σ exp(y)·y / s. Every position of the row is computed and the
+    [b, t] results are shifted by one afterwards: slicing the logits to the t - 1 predicting
+    positions first copied the whole [b, t, vocab] array (forward and backward).
 
     Returns:
       (logprobs_bt, entropy_bt or None), float32 [b, t]; entry t belongs to token t (predicted
       by the logits at t - 1); 0 where token t has no predecessor in its sequence.
     """
-    logp_btv = jax.nn.log_softmax(sampling.temper(logits_btv[:, :-1], temperature), axis=-1)
+    z_btv = sampling.temper(logits_btv, temperature)
+    # The max only shifts for stability; its gradient contributions cancel exactly.
+    y_btv = z_btv - jax.lax.stop_gradient(jnp.max(z_btv, axis=-1, keepdims=True))
+    exp_btv = jnp.exp(y_btv)
+    sum_bt = jnp.sum(exp_btv, axis=-1)
+    log_sum_bt = jnp.log(sum_bt)
+    # Row t predicts token t + 1; the last row predicts nothing (its token is a stand-in).
+    next_bt = jnp.pad(batch.tokens_bt[:, 1:], ((0, 0), (0, 1))).astype(jnp.int32)
+    picked_bt = jnp.take_along_axis(y_btv, next_bt[..., None], axis=-1)[..., 0]
     valid_bt = _predicted_bt(batch.segment_ids_bt)
 
-    def align(x_bt):
-        return jnp.where(valid_bt, jnp.pad(x_bt, ((0, 0), (1, 0))), 0.0)
+    def align(x_bt):  # entry t of the result from row t - 1 of the logits
+        return jnp.where(valid_bt, jnp.pad(x_bt[:, :-1], ((0, 0), (1, 0))), 0.0)
 
-    next_bt = batch.tokens_bt[:, 1:, None].astype(jnp.int32)
-    logprobs_bt = align(jnp.take_along_axis(logp_btv, next_bt, axis=-1)[..., 0])
+    logprobs_bt = align(picked_bt - log_sum_bt)
     entropy_bt = None
     if with_entropy:
-        entropy_bt = align(-jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1))
+        entropy_bt = align(log_sum_bt - jnp.sum(exp_btv * y_btv, axis=-1) / sum_bt)
     return logprobs_bt, entropy_bt
 
 

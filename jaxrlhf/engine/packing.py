@@ -19,6 +19,14 @@ nothing between devices (a gather across shards costs XLA an all-reduce per call
 collective stalls every device's worker until the slowest arrives). Within a block sequences
 go, longest first, to the fullest row that has room for them (best fit decreasing).
 
+With long-tailed lengths the shards' own rows can hold very different token counts, and every
+shard computes as many packed rows as the fullest needs. A *spread* plan (`plan(...,
+spread=True)`) balances them instead: each micro-batch's sequences are dealt to the shards
+longest first, each to the shard with the fewest tokens so far (greedy LPT), then packed into
+that shard's rows as above. Its indices count within the whole micro-batch, so packing and
+unpacking read across devices (`pack`/`unpack` with shards=1); a caller takes it where it needs
+fewer packed rows than the shards' own (`engine.train_step`).
+
 `Rows.PADDED` is the same machinery with the identity plan (sequence i in row i, where it
 lies): what a pipelined layout runs, and the baseline benchmarks compare against.
 """
@@ -126,7 +134,7 @@ def rows_needed(length_n: np.ndarray, width: int, multiple: int) -> int:
 
 
 def plan(segment_ids_bt: np.ndarray, micro_batches: int, shards: int, rows: Rows,
-         min_rows: int = 0) -> PackPlan:
+         min_rows: int = 0, spread: bool = False) -> PackPlan:
     """The plan of a batch, host side.
 
     Args:
@@ -137,11 +145,16 @@ def plan(segment_ids_bt: np.ndarray, micro_batches: int, shards: int, rows: Rows
         devices.
       rows: PACKED, or PADDED for the identity plan (R = b/m).
       min_rows: R is at least this (a caller's bucket).
+      spread: PACKED only: balance the shards' tokens (module docstring); the indices then
+        count within the whole micro-batch.
 
     Returns:
-      A PackPlan of numpy arrays; its indices count within a shard's block (see `pack`).
+      A PackPlan of numpy arrays; its indices count within a shard's block (see `pack`), or
+      within the micro-batch when `spread`.
     """
     segment_ids_bt = np.asarray(segment_ids_bt)
+    if spread:
+        return _spread_plan(segment_ids_bt, micro_batches, shards, min_rows)
     batch, width = segment_ids_bt.shape
     per_shard = batch // micro_batches // shards  # padded rows of a micro-batch on one shard
     local, groups = _blocks(segment_ids_bt, micro_batches, shards)
@@ -181,9 +194,72 @@ def packed_rows(segment_ids_bt: np.ndarray, micro_batches: int, shards: int) -> 
     return shards * _block_rows(local, groups, segment_ids_bt.shape[1])
 
 
-def _micro_plan(spans: Spans, row_n, offset_n, batch: int, width: int, rows: int):
+def _deal(length_n: np.ndarray, shards: int) -> np.ndarray:
+    """int64 [n]: the shard of each sequence, longest first to the shard with the fewest tokens
+    so far (greedy LPT: no shard ends above the mean by more than one sequence)."""
+    shard_n = np.zeros(len(length_n), np.int64)
+    load_d = np.zeros(shards, np.int64)
+    for i in np.argsort(-length_n, kind="stable"):
+        d = int(np.argmin(load_d))
+        shard_n[i] = d
+        load_d[d] += length_n[i]
+    return shard_n
+
+
+def _spread_groups(segment_ids_bt: np.ndarray, micro_batches: int, shards: int):
+    """(spans with rows counted within their micro-batch, [indices of the spans of group g] for
+    g = j * shards + d): shard d's share of micro-batch j's sequences, dealt by `_deal`."""
+    spans = sequence_spans(segment_ids_bt)
+    micro_n = spans.row_n % micro_batches
+    shard_n = np.zeros(len(micro_n), np.int64)
+    for j in range(micro_batches):
+        in_j = np.flatnonzero(micro_n == j)
+        shard_n[in_j] = _deal(spans.length_n[in_j], shards)
+    local = Spans(spans.row_n // micro_batches, spans.start_n, spans.length_n)
+    group_n = micro_n * shards + shard_n
+    return local, [np.flatnonzero(group_n == g) for g in range(micro_batches * shards)]
+
+
+def spread_rows(segment_ids_bt: np.ndarray, micro_batches: int, shards: int) -> int:
+    """R of `plan(..., Rows.PACKED, spread=True)`, without building the plan."""
+    local, groups = _spread_groups(np.asarray(segment_ids_bt), micro_batches, shards)
+    return shards * _block_rows(local, groups, segment_ids_bt.shape[1])
+
+
+def _spread_plan(segment_ids_bt: np.ndarray, micro_batches: int, shards: int,
+                 min_rows: int) -> PackPlan:
+    """`plan(..., spread=True)`: each shard's dealt sequences packed into its own block of the
+    micro-batch's packed rows, indices counted within the micro-batch."""
+    batch, width = segment_ids_bt.shape
+    local, groups = _spread_groups(segment_ids_bt, micro_batches, shards)
+    count = max(_block_rows(local, groups, width), -(-min_rows // shards))
+    micro_plans = []
+    for j in range(micro_batches):
+        parts = []
+        for d in range(shards):
+            g = groups[j * shards + d]
+            row_g, offset_g = _fill(local.length_n[g], width, count)
+            parts.append(_micro_plan(Spans(*(x[g] for x in local)), row_g, offset_g,
+                                     batch // micro_batches, width, count, row_base=d * count))
+        gathers, segments, scatters = zip(*parts)
+        # Each shard's scatter is 0 off its own sequences' tokens: their sum is the whole one.
+        micro_plans.append((np.concatenate(gathers), np.concatenate(segments),
+                            np.sum(scatters, axis=0, dtype=np.int32)))
+    return PackPlan(*(np.stack(arrays) for arrays in zip(*micro_plans)))
+
+
+def shard_tokens(plan_: PackPlan, shards: int) -> np.ndarray:
+    """int64 [m, shards]: the real tokens in each shard's block of each micro-batch's packed
+    rows (what each data-parallel rank computes on)."""
+    seg_mdn = np.asarray(plan_.segment_ids_mrt).reshape(plan_.gather_mrt.shape[0], shards, -1)
+    return np.count_nonzero(seg_mdn, axis=-1)
+
+
+def _micro_plan(spans: Spans, row_n, offset_n, batch: int, width: int, rows: int,
+                row_base: int = 0):
     """One block's (gather_rt, segment_ids_rt, scatter_bt), numpy int32: `spans` of its
-    `batch` padded rows into its `rows` packed rows."""
+    `batch` padded rows into its `rows` packed rows (which start at packed row `row_base` of
+    the rows the scatter indices count)."""
     gather_rt = np.zeros((rows, width), np.int32)
     segment_ids_rt = np.zeros((rows, width), np.int32)
     scatter_bt = np.zeros((batch, width), np.int32)
@@ -194,7 +270,7 @@ def _micro_plan(spans: Spans, row_n, offset_n, batch: int, width: int, rows: int
         gather_rt[r, off:off + n] = src * width + start + np.arange(n)
         segment_ids_rt[r, off:off + n] = next_id_r[r]
         next_id_r[r] += 1
-        scatter_bt[src, start:start + n] = r * width + off + np.arange(n)
+        scatter_bt[src, start:start + n] = (row_base + r) * width + off + np.arange(n)
     return gather_rt, segment_ids_rt, scatter_bt
 
 

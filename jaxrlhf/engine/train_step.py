@@ -162,6 +162,7 @@ class _StepSpec:
     readout: InferenceConfig  # what the loss reads of the model
     num_micro: int  # micro-batches accumulated one after another
     pipeline: Pipeline | None = None  # on a pipelined layout: streams its micro-batches
+    spread: bool = False  # the plan balances the shards' tokens (`packing.plan`'s spread)
 
 
 def _grad_fn(model: Transformer, loss_fn: LossFn, readout: InferenceConfig, shards: int,
@@ -210,7 +211,7 @@ def _train_step(state: TrainState, batch: Batch, plan: packing.PackPlan, *, spec
     keep_sharded = lambda g: jax.lax.with_sharding_constraint(g, trained_shardings)
     grads_sum, sums = microbatch.accumulate(
         _grad_fn(Transformer(spec.model_config, spec.pipeline), loss_fn, spec.readout,
-                 layout.dp_size, frozen),
+                 1 if spec.spread else layout.dp_size, frozen),
         trained, (batch_kb, plan), keep_sharded,
     )
     weight = sums["weight"]
@@ -287,13 +288,25 @@ class TrainStep(BucketedCall):
         chooses it for this step's config, and the packed rows of each micro-batch (host numpy;
         a sync on the batch's segment ids). On a pipeline the plan is one micro-batch of the
         rows as given: the pipeline cuts them into its k micro-batches itself."""
+        return self._planned(batch)[:2]
+
+    def _planned(self, batch: Batch) -> tuple[int, packing.PackPlan, bool]:
+        """`plan`'s (k, plan) and whether the plan is spread: on a data-parallel layout, where
+        each shard packing its own rows needs more packed rows than sequences dealt evenly
+        over the shards (long-tailed lengths), the spread plan; its packing reads across
+        devices, a gather of the batch's token arrays that costs far less than the rows."""
         segment_ids_bt = np.asarray(fetch(batch["segment_ids_bt"]))
-        plan = microbatch.plan_microbatches(self.microbatch_cfg, segment_ids_bt,
-                                            self.layout.dp_size, self.rows)
+        shards = self.layout.dp_size
+        plan = microbatch.plan_microbatches(self.microbatch_cfg, segment_ids_bt, shards,
+                                            self.rows)
         count = plan.gather_mrt.shape[0]
         if self.layout.pipeline > 1:
-            plan = packing.plan(segment_ids_bt, 1, self.layout.dp_size, packing.Rows.PADDED)
-        return count, plan
+            return count, packing.plan(segment_ids_bt, 1, shards, packing.Rows.PADDED), False
+        if (self.rows is packing.Rows.PACKED and shards > 1
+                and packing.spread_rows(segment_ids_bt, count, shards) < plan.rows):
+            return count, packing.plan(segment_ids_bt, count, shards, self.rows,
+                                       spread=True), True
+        return count, plan, False
 
     def num_microbatches(self, batch: Batch) -> int:
         return self.plan(batch)[0]
@@ -304,32 +317,34 @@ class TrainStep(BucketedCall):
         The state is normally already on `self.shardings` (then placing it is a no-op); a state
         left on another layout, e.g. by a reshard, is moved back first.
         """
-        count, plan = self.plan(batch)
+        count, plan, spread = self._planned(batch)
         state = transfer(state, self.shardings)
         batch = transfer(batch, self.batch_shardings(batch))
         plan = transfer(plan, self._plan_shardings(plan))
         executable = self.compile_cache.get(
-            (shape_key((batch, plan)), count),
-            lambda: self._lower_planned(count, state, batch, plan))
+            (shape_key((batch, plan)), count, spread),
+            lambda: self._lower_planned(count, state, batch, plan, spread))
         return executable(state, batch, plan)
 
     def _lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         """The lowered step for `batch` (its plan included), e.g. to read its HLO."""
-        count, plan = self.plan(batch)
-        return self._lower_planned(count, state, batch, plan)
+        count, plan, spread = self._planned(batch)
+        return self._lower_planned(count, state, batch, plan, spread)
 
-    def _lower_planned(self, count: int, state, batch, plan) -> jax.stages.Lowered:
+    def _lower_planned(self, count: int, state, batch, plan, spread: bool = False
+                       ) -> jax.stages.Lowered:
         with self.layout.activation_context():
-            return self._jit_for(count, batch, plan).lower(state, batch, plan)
+            return self._jit_for(count, batch, plan, spread).lower(state, batch, plan)
 
     def _plan_shardings(self, plan: packing.PackPlan) -> packing.PackPlan:
         return jax.tree.map(lambda x: _micro_sharding(self.layout, x.ndim), plan)
 
-    def _jit_for(self, count: int, batch: Batch, plan: packing.PackPlan) -> jax.stages.Wrapped:
+    def _jit_for(self, count: int, batch: Batch, plan: packing.PackPlan, spread: bool = False
+                 ) -> jax.stages.Wrapped:
         # A pipeline streams the micro-batches through its stages in one pass instead.
         pipeline = layer_stack(self.layout, count)
         spec = _StepSpec(self.model_config, self.opt_cfg, self.readout,
-                         1 if pipeline else count, pipeline)
+                         1 if pipeline else count, pipeline, spread)
         step_fn = functools.partial(
             _train_step, spec=spec, loss_fn=self.loss_fn, layout=self.layout,
             param_shardings=self.shardings.params,

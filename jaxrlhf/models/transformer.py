@@ -105,14 +105,40 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> j
     return jnp.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding, HF "rotate half" convention; angles computed in fp32."""
-    angles_btf = positions_bt[..., None].astype(jnp.float32) * inv_freq
-    angles_btd = jnp.concatenate([angles_btf, angles_btf], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles_btd).astype(x_bthd.dtype), jnp.sin(angles_btd).astype(x_bthd.dtype)
+def rope_tables(positions_bt: jax.Array, inv_freq: jax.Array, dtype,
+                positions_below: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [b, t, 1, head_dim] in `dtype` of the RoPE angles (computed in fp32), HF's
+    "rotate half" layout.
+
+    `positions_below`: every position is known to be below it (a forward without a cache: a
+    row's positions restart with each of its sequences); the tables are then computed for
+    positions 0 .. positions_below - 1 and gathered. Why: XLA fuses an elementwise producer into
+    each of its consumers, so the [b, t, head_dim] sines and cosines were evaluated in every
+    rotation of the queries and keys, forward and backward, of every layer (20 times each in
+    W-cpu's unrolled train step); a gather reads each table entry many times, so XLA keeps the
+    small table whole and fuses only the gather.
+    """
+    if positions_below is None:
+        angles_btf = positions_bt[..., None].astype(jnp.float32) * inv_freq
+        angles_btd = jnp.concatenate([angles_btf, angles_btf], axis=-1)[:, :, None, :]
+        return jnp.cos(angles_btd).astype(dtype), jnp.sin(angles_btd).astype(dtype)
+    angles_pf = jnp.arange(positions_below, dtype=jnp.float32)[:, None] * inv_freq
+    angles_pd = jnp.concatenate([angles_pf, angles_pf], axis=-1)
+    pick = lambda table_pd: jnp.take(table_pd.astype(dtype), positions_bt, axis=0,
+                                     mode="clip")[:, :, None, :]
+    return pick(jnp.cos(angles_pd)), pick(jnp.sin(angles_pd))
+
+
+def rotate(x_bthd: jax.Array, cos_bt1d: jax.Array, sin_bt1d: jax.Array) -> jax.Array:
+    """Rotary embedding of x [b, t, heads, head_dim] by `rope_tables`' (cos, sin)."""
     x1, x2 = jnp.split(x_bthd, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x_bthd * cos + rotated * sin
+    return x_bthd * cos_bt1d + rotated * sin_bt1d
+
+
+def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, HF "rotate half" convention; angles computed in fp32."""
+    return rotate(x_bthd, *rope_tables(positions_bt, inv_freq, x_bthd.dtype))
 
 
 class RMSNorm(nn.Module):
@@ -208,7 +234,9 @@ class Attention(nn.Module):
         q = nn.with_logical_constraint(q, ("batch", "length", "act_heads", "head_dim"))
         k = nn.with_logical_constraint(k, ("batch", "length", "act_kv_heads", "head_dim"))
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        q, k = apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq)
+        cos_bt1d, sin_bt1d = rope_tables(positions_bt, inv_freq, q.dtype,
+                                         None if layer_cache is not None else q.shape[1])
+        q, k = rotate(q, cos_bt1d, sin_bt1d), rotate(k, cos_bt1d, sin_bt1d)
 
         if layer_cache is None:
             k_all, v_all, new_cache = k, v, None
