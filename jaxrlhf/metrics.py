@@ -26,7 +26,6 @@ import shutil
 from collections.abc import Mapping
 
 import jax
-from tensorboardX import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -112,6 +111,9 @@ class MetricsWriter:
         earlier = read_records(path)
         shutil.rmtree(self.dir / TENSORBOARD_DIR, ignore_errors=True)
         self._jsonl = path.open("a", encoding="utf-8")
+        # Imported here: tensorboardX imports torch where it is installed (~2 s), which every
+        # process that only reads a config (a bad flag, the planner) would pay.
+        from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(str(self.dir / TENSORBOARD_DIR))
         self._wandb = None if wandb is None else _WandbRun(wandb, self.dir, config)
         for record in earlier:
