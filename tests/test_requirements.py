@@ -42,7 +42,10 @@ def _imported_modules() -> dict[str, str]:
                 else:
                     continue
                 for name in names:
-                    out.setdefault(name.split(".")[0], f"{path.relative_to(ROOT)}:{node.lineno}")
+                    top = name.split(".")[0]
+                    if (path.parent / f"{top}.py").exists():
+                        continue  # a script's sibling: its folder is on sys.path when it runs
+                    out.setdefault(top, f"{path.relative_to(ROOT)}:{node.lineno}")
     return out
 
 
