@@ -16,27 +16,16 @@ Each trajectory holds at most 3 policy turns and 128 tokens after its prompt (th
 the environment's). Run as `python -m jaxrlhf.train --config=configs/multiturn_tiny.py[:smoke]`.
 """
 
-from jaxrlhf.schema import base_config
+from configs import tool_math_tiny
 
 
 def get_config(arg=None):
-    if arg not in (None, "smoke"):
-        raise ValueError(f"unknown variant {arg!r}; known: smoke")
-    config = base_config()
-    config.algorithm = "grpo"
+    """tool_math_tiny's job (`:smoke`: the same in seconds) on the lookup task."""
+    config = tool_math_tiny.get_config(arg)
     config.env["class"] = "lookup"
-    config.env.max_turns = 3
     config.data.task.kind = "lookup"
-    config.data.task.sft_noise = 0.6  # demonstrations that stop after one question
-    config.warm_start.sft_steps = 800  # reading the value: in 40% of the demonstrations only
-    config.rollout.batch_size = 8
-    config.optimizer.actor.lr = 2e-4  # as tool_math_tiny's: small steps keep the copying intact
-    config.rollout.group_size = 4
-    config.rollout.max_new_tokens = 128
-    config.steps = 30
-    config.eval.max_prompts = 64  # held-out greedy trajectories before and after
-    if arg == "smoke":  # the same job in seconds
-        config.steps = 2
-        config.warm_start.sft_steps = 2
-        config.eval.max_prompts = 8
+    # sft_noise 0.6: demonstrations that stop after one question.
+    if arg is None:
+        config.warm_start.sft_steps = 800  # reading the value: in 40% of the demonstrations only
+        config.steps = 30
     return config
