@@ -104,16 +104,45 @@ def _session(sid: int) -> list[str]:
 def test_reward_workers_outlive_stop_signals_until_the_pool_closes():
     for method in StartMethod:
         with RewardPool("exact_match", num_workers=2, start_method=method) as pool:
-            assert pool.submit(["p"], ["1"], ["1"]).result(timeout=60).valid_b.all()  # started
+            assert pool.submit(["p"], ["1"], ["1"]).result(timeout=60).valid_b.all()
             pids = [w.process.pid for w in pool._workers]
-            for pid in pids:
-                os.kill(pid, signal.SIGTERM)
-                os.kill(pid, signal.SIGINT)
+            _stop_signals_to(pids)
             batch = pool.submit(["p"] * 4, ["1", "2", "3", "4"], ["1"] * 4).result(timeout=60)
             assert batch.errors.total == 0 and batch.rewards_b.tolist() == [1, 0, 0, 0]
             assert [w.process.pid for w in pool._workers] == pids  # none replaced
         for pid in pids:  # closing the pool ends them
             assert not os.path.exists(f"/proc/{pid}") or "zombie" in _state(pid)
+
+
+_FORKSERVER_MASKS = """
+import pathlib
+from jaxrlhf.data.rewards import RewardPool, StartMethod
+with RewardPool("exact_match", num_workers=1, start_method=StartMethod.FORKSERVER) as pool:
+    pool.submit(["p"], ["1"], ["1"]).result(timeout=60)
+    worker = pool._workers[0].process.pid
+    status = pathlib.Path(f"/proc/{worker}/status").read_text().splitlines()
+    forkserver = next(int(line.split()[1]) for line in status if line.startswith("PPid:"))
+    status = pathlib.Path(f"/proc/{forkserver}/status").read_text().splitlines()
+    print(*(line for line in status if line.startswith(("SigBlk:", "SigIgn:"))))
+"""
+
+
+def test_workers_forked_later_start_with_stop_signals_held():
+    """A worker dies to a stop signal that comes before `_worker_main` ignores them (unpickling
+    its arguments, importing the main module) unless it starts with them blocked; a forkserver
+    worker inherits the forkserver's mask. A fresh process, because multiprocessing launches
+    its resource tracker (which unblocks both signals) only once per process."""
+    out = subprocess.run([sys.executable, "-c", _FORKSERVER_MASKS], capture_output=True,
+                         text=True, timeout=120, cwd=REPO, check=True).stdout.split()
+    held = int(out[out.index("SigBlk:") + 1], 16) | int(out[out.index("SigIgn:") + 1], 16)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        assert held >> (sig - 1) & 1, f"the forkserver's children start open to {sig.name}"
+
+
+def _stop_signals_to(pids: list[int]) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGINT)
 
 
 def _state(pid: int) -> str:

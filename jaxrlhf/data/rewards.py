@@ -24,6 +24,7 @@ import inspect
 import math
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.resource_tracker
 import numbers
 import pathlib
 import signal
@@ -181,7 +182,12 @@ def _stop_signals_blocked():
     """Blocks SIGINT and SIGTERM in the calling thread while it starts a worker: the child (and
     a forkserver started now) inherits the blocked mask from its first instruction, so that no
     stop signal sent to the group can kill it before `_worker_main` ignores them. A signal that
-    comes meanwhile waits, and reaches the trainer once they are unblocked."""
+    comes meanwhile waits, and reaches the trainer once they are unblocked.
+
+    The resource tracker starts first, outside the block: starting it unblocks both signals in
+    the calling thread (multiprocessing blocks and then unblocks them around its launch), and a
+    forkserver launched after that would pass the unblocked mask to every worker it forks."""
+    multiprocessing.resource_tracker.ensure_running()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         yield
