@@ -3,16 +3,18 @@
 Measures an RL algorithm's step the way the papers do (ReaL, HybridFlow): synthetic prompts at
 the maximum prompt length, generation forced to the maximum length, randomly initialised models
 of the configured sizes, and a reward that scores nothing. The first step (which compiles) is
-not counted; figures are medians over the measured steps.
+not counted.
 
-Everything is set against the machine's FLOP floor measured in the same process
-(`jaxrlhf.perf`): a jitted matmul probe at the workload's dtype gives the peak FLOP/s, and each
-MFC and the step get model FLOPs, floor seconds (FLOPs / peak), the fraction of the floor
-reached, MFU over only that MFC's devices (never above 1), and XLA's peak memory per device.
-The probe runs before and after the steps and the better counts (load only slows it); if a call
-still runs faster than the probe allows, every row's peak is raised by that ratio (printed), so no
-fraction of the floor or MFU exceeds 1. It prints that table, then one JSON line with every figure
-and the host's RSS.
+Everything is set against the machine's FLOP floor measured in the same process, in rounds
+(`jaxrlhf.perf.rounds`): each of `--steps` rounds times the matmul probe at the workload's
+dtype (the machine's FLOP/s), a whole step, then each device MFC alone on the step's buffer
+(its executor, as the step calls it), on the wall clock and in CPU seconds of the process.
+Each call's fraction of the floor (model FLOPs at the probe's rate, over its seconds) is taken
+per round against that round's probe, and printed as the median with the lowest and highest
+round, on both clocks: on shared cores the wall clock follows other processes' load, CPU
+seconds much less. Per call also its MFU (over only its own devices) and XLA's peak memory
+per device; the scheduler's time table of the rounds' steps comes first, and one JSON line
+with every figure and the host's RSS last.
 `--profile=DIR` writes a JAX profiler trace of one more step (not counted).
 
 `--rollout=64,512,2048,tail` measures generation alone instead, one row per entry
@@ -29,8 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import statistics
-import time
 
 import numpy as np
 from absl import flags
@@ -40,7 +40,8 @@ from jaxrlhf import cli
 from jaxrlhf.backend import use_cpu_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config", lock_config=True)
-_STEPS = flags.DEFINE_integer("steps", 3, "measured steps (after one compile step)")
+_STEPS = flags.DEFINE_integer("steps", 3, "measured rounds (after one compile step): "
+                              "the probe, a step, each MFC alone")
 _PROFILE = flags.DEFINE_string("profile", "", "write a JAX profiler trace of one step here")
 _ROLLOUT = flags.DEFINE_string("rollout", "", "generation alone, one row per entry: new-token "
                                "counts and tail[:MAX] (e.g. 64,512,2048,tail)")
@@ -82,32 +83,37 @@ def built_run(config, tokenizer):
             runner.close()
 
 
-def mfc_figures(setup, runner, config, timings, machine_peak: float):
-    """Figures per device MFC, then the step's, with peak memory per MFC (bytes)."""
-    from jaxrlhf.perf import floor, report
-    from jaxrlhf.perf.flops import Figures, call_flops, with_peak_no_call_beat
+def floor_calls(setup, runner, config, step_call):
+    """name -> (call, model FLOPs) of what the floor rounds time: the whole step (`step_call`),
+    then each device MFC alone on the latest step's buffer (its executor, as the step runs it:
+    inputs moved to its layout, parameters fetched, its engine call; a train step trains)."""
+    from jaxrlhf.perf.flops import call_flops
 
     r = config.rollout
     rows, context = r.batch_size * r.group_size, r.max_prompt_len + r.max_new_tokens
-    figures, memory = [], {}
-    for mfc in setup.graph.mfcs:
-        if mfc.host:
-            continue
-        devices = setup.plan.layouts[mfc.name].devices
-        flops = call_flops(setup.models[mfc.role], mfc.call.value, rows, context,
-                           updates=config.ppo.epochs)
-        seconds = report.median_seconds(timings, mfc.name)
-        figures.append(Figures(mfc.name, seconds, flops, len(devices),
-                               floor.devices_peak(devices, machine_peak, config.models.actor.dtype), machine_peak))
-        memory[mfc.name] = report.compiled_peak_bytes(
-            runner.engines[mfc.name].compile_cache.executables())
-    total = sum(f.flops for f in figures)
-    n_dev = len({d for m in setup.graph.mfcs if not m.host
-                 for d in setup.plan.layouts[m.name].devices})
-    figures.append(Figures("step", report.median_seconds(timings), total, n_dev, machine_peak,
-                           machine_peak))
-    figures, raised_by = with_peak_no_call_beat(figures)
-    return figures, memory, raised_by
+    executors = runner.scheduler.executors
+    mfcs = {m.name: call_flops(setup.models[m.role], m.call.value, rows, context,
+                               updates=config.ppo.epochs)
+            for m in setup.graph.mfcs if not m.host}
+    calls = {"step": (step_call, sum(mfcs.values()))}
+    for name, flops in mfcs.items():
+        calls[name] = (lambda name=name: executors[name](step_call.buffer), flops)
+    return calls
+
+
+class _Steps:
+    """Calls of the runner's step on fresh synthetic prompts, keeping each step's timing and
+    buffer (what the MFCs timed alone read)."""
+
+    def __init__(self, runner, config, tokenizer):
+        self.runner, self.config, self.tokenizer = runner, config, tokenizer
+        self.timings, self.buffer = [], None
+
+    def __call__(self) -> None:
+        result = self.runner.step(synthetic_prompts(self.config, self.tokenizer,
+                                                    self.runner.step_index))
+        self.timings.append(result.timing)
+        self.buffer = result.buffer
 
 
 def rollout_main(config, spec: str) -> dict:
@@ -207,49 +213,39 @@ def main():
 
     from jaxrlhf.data.tokenizer import load_tokenizer
     from jaxrlhf.dataflow.timeline import time_table
-    from jaxrlhf.perf import floor, report
+    from jaxrlhf.perf import floor, report, rounds
 
     config.unlock()
     config.rollout.force_max_length = True
     config.reward.function = "zero"
     tokenizer = load_tokenizer(config.tokenizer)
-    machine_peak = floor.machine_peak(config.models.actor.dtype)
-    timings, cpu_seconds = [], []
+    probe, probe_flops = floor.machine_probe(config.models.actor.dtype)
     with built_run(config, tokenizer) as (setup, runner):
-        for step in range(_STEPS.value + 1):
-            start = time.process_time()
-            timings.append(runner.step(synthetic_prompts(config, tokenizer, step)).timing)
-            cpu_seconds.append(time.process_time() - start)
+        steps = _Steps(runner, config, tokenizer)
+        steps()  # compiles every MFC
+        steps.timings.clear()
+        calls = floor_calls(setup, runner, config, steps)
+        measured = rounds.measure(probe, probe_flops, calls, _STEPS.value)
         if _PROFILE.value:
             with jax.profiler.trace(_PROFILE.value):
-                runner.step(synthetic_prompts(config, tokenizer, _STEPS.value + 1))
-        measured = timings[1:]
-        probe = max(machine_peak, floor.machine_peak(config.models.actor.dtype, again=True))
-        figures, memory, raised_by = mfc_figures(setup, runner, config, measured, probe)
-        print(time_table(measured, setup.plan.specs))
-    print(f"peak: probe {probe / 1e9:.1f} GFLOP/s (best of before and after the steps)"
-          + (f", raised x{raised_by:.2f} to the rate a call reached" if raised_by > 1 else ""))
-    print(report.table(figures, memory))
-    step = figures[-1]
+                steps()
+        memory = {name: report.compiled_peak_bytes(
+            runner.engines[name].compile_cache.executables()) for name in calls if name != "step"}
+        devices = {name: len(setup.plan.layouts[name].devices) for name in memory}
+        print(time_table(steps.timings[:_STEPS.value], setup.plan.specs))
+    devices["step"] = len(jax.devices())
+    print(report.floor_table(measured, devices, memory))
     r = config.rollout
     tokens = r.batch_size * r.group_size * (r.max_prompt_len + r.max_new_tokens)
     rss, rss_peak = report.host_rss_bytes()
+    step = measured.rows[0]
     print(json.dumps({
-        "algorithm": setup.algorithm.name, "step_seconds": step.seconds,
-        "tokens_per_second": tokens / step.seconds, "mfu": step.mfu,
-        "fraction_of_floor": step.fraction_of_floor, "floor_seconds": step.floor_seconds,
-        "peak_gflops_per_s": step.machine_peak / 1e9, "probe_gflops_per_s": probe / 1e9,
-        "probe_raised_by": raised_by, "dtype": config.models.actor.dtype,
+        "algorithm": setup.algorithm.name, "step_seconds": step.seconds(rounds.Clock.WALL).median,
+        "tokens_per_second": tokens / step.seconds(rounds.Clock.WALL).median,
+        **report.floor_figures(measured, devices, memory), "dtype": config.models.actor.dtype,
         "devices": len(jax.devices()), "placement": dict(setup.plan.specs),
-        "mfcs": {f.name: {**f.as_dict(), **({"peak_bytes": memory[f.name]}
-                                             if f.name in memory else {})} for f in figures},
         "host_rss_bytes": rss, "host_rss_peak_bytes": rss_peak,
-        "step_seconds_all": [t.seconds for t in measured],
-        # CPU seconds of this process per step (all threads): less sensitive than wall time to
-        # other processes on shared cores, so A/B comparisons use it too.
-        "step_cpu_seconds": statistics.median(cpu_seconds[1:]),
     }))
-
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")

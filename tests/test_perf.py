@@ -1,4 +1,4 @@
-"""FLOP accounting and MFU of the bench (`jaxrlhf.perf`): known workloads, MFU <= 1."""
+"""FLOP accounting and the floor rounds of the bench (`jaxrlhf.perf`): known workloads, fractions\nof the floor taken per round."""
 
 import time
 
@@ -9,10 +9,9 @@ import pytest
 from jaxrlhf.engine.inference import InferenceBatch
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.models.transformer import Transformer
-from jaxrlhf.perf import floor
 from jaxrlhf.models.sizes import matmul_params
-from jaxrlhf.perf.flops import (Figures, call_flops, forward_flops_per_token,
-                                with_peak_no_call_beat)
+from jaxrlhf.perf import floor, rounds
+from jaxrlhf.perf.flops import call_flops, forward_flops_per_token
 
 
 def test_w_cpu_step_flops():
@@ -50,45 +49,44 @@ def test_forward_flops_match_xla_cost_analysis():
     assert formula <= xla_flops <= 1.1 * formula
 
 
-def test_mfu_of_a_known_matmul_is_at_most_one():
-    """A matmul of exactly 2·n³ FLOPs timed here: MFU = rate / probe peak, and <= 1."""
-    n = 512
-    a = jnp.ones((n, n), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x)
-    jax.block_until_ready(matmul(a))
-    start = time.perf_counter()
-    jax.block_until_ready(matmul(a))
-    seconds = time.perf_counter() - start
-    devices = jax.devices()[:1]
-    peak = floor.matmul_peak(devices, jnp.float32, size=512, repeats=2)
-    machine = floor.machine_peak(jnp.float32, size=512, repeats=2)
-    assert machine >= peak > 0
-    fig = Figures("matmul", seconds, 2.0 * n**3, 1, peak, machine)
-    assert 0 < fig.mfu <= 1.0
-    if not fig.peak_raised:
-        assert fig.mfu == pytest.approx(2.0 * n**3 / seconds / peak)
-    assert fig.floor_seconds == pytest.approx(2.0 * n**3 / machine)
+def test_machine_probe_is_a_compiled_matmul():
+    """The probe a benchmark's rounds time: a compiled matmul of 2·n³ FLOPs whose rate is the
+    machine's peak, within the timing noise of the cached probes."""
+    call, flops = floor.machine_probe(jnp.float32, size=256)
+    assert flops == 2.0 * 256**3
+    out = jax.block_until_ready(call())
+    assert out.shape == (256, 256) and out.dtype == jnp.float32
+    assert floor.machine_peak(jnp.float32, size=256, repeats=2) > 0
 
 
-def test_mfu_never_exceeds_one_when_the_probe_underestimates():
-    """A run faster than the probe raises the peak used (flagged) instead of reporting MFU > 1."""
-    fig = Figures("gen", seconds=1.0, flops=4e9, devices=1, peak=2e9, machine_peak=2e9)
-    assert fig.peak_raised and fig.mfu == 1.0
-    slow = Figures("gen", seconds=4.0, flops=4e9, devices=2, peak=2e9, machine_peak=2e9)
-    assert not slow.peak_raised and slow.mfu == pytest.approx(0.5)
-    assert slow.fraction_of_floor == pytest.approx(0.5) and slow.floor_seconds == 2.0
+def test_fractions_are_taken_per_round_against_that_rounds_probe():
+    """A round slowed by load slows the probe and the call alike: its fraction stays, where a
+    fraction against another round's probe would not. Median, lowest and highest round; the
+    best call against the best probe."""
+    S = rounds.Seconds
+    row = rounds.Row("ref_inf", flops=10.0, seconds_r=(S(2.0, 4.0), S(8.0, 4.0), S(2.5, 5.0)))
+    measured = rounds.Rounds(probe_flops=20.0, probe_r=(S(1.0, 2.0), S(4.0, 2.0), S(1.0, 2.0)),
+                             rows=(row,))
+    wall = measured.fraction(row, rounds.Clock.WALL)
+    assert (wall.median, wall.low, wall.high) == pytest.approx((0.25, 0.2, 0.25))
+    cpu = measured.fraction(row, rounds.Clock.CPU)
+    assert (cpu.median, cpu.low, cpu.high) == pytest.approx((0.25, 0.2, 0.25))
+    assert measured.best_fraction(row, rounds.Clock.WALL) == pytest.approx(0.25)
+    assert measured.peak(rounds.Clock.WALL).low == pytest.approx(5.0)
+    assert wall.percent() == "25.0% (20.0-25.0)"
 
 
-def test_one_peak_for_a_run_where_a_call_beat_the_probe():
-    """A call faster than its probe raises every row's peak by the same ratio: no MFU and no
-    fraction of the floor above 1, and the rows keep their order."""
-    rows = [Figures("gen", seconds=1.0, flops=2e9, devices=1, peak=1e9, machine_peak=1e9),
-            Figures("ref", seconds=1.0, flops=3e9, devices=1, peak=1e9, machine_peak=1e9),
-            Figures("step", seconds=8.0, flops=5e9, devices=1, peak=1e9, machine_peak=1e9)]
-    assert rows[1].fraction_of_floor == 3.0  # the probe was slowed: a fraction above 1
-    scaled, factor = with_peak_no_call_beat(rows)
-    assert factor == 3.0
-    assert [f.fraction_of_floor for f in scaled] == pytest.approx([2 / 3, 1.0, 5 / 24])
-    assert all(f.mfu <= 1.0 and not f.peak_raised for f in scaled)
-    unchanged, factor = with_peak_no_call_beat([rows[2]])
-    assert factor == 1.0 and unchanged == [rows[2]]
+def test_rounds_interleave_the_probe_and_the_calls_on_both_clocks():
+    """Each round runs the probe (best of its calls), then every call once, in order; the CPU
+    clock counts this process's CPU seconds, not time spent waiting."""
+    order = []
+    probe = lambda: order.append("probe")
+    spin = lambda: order.append("spin") or sum(range(200_000))
+    sleep = lambda: order.append("sleep") or time.sleep(0.05)
+    measured = rounds.measure(probe, 1.0, {"spin": (spin, 1.0), "sleep": (sleep, 1.0)},
+                              rounds=2, probe_calls=2)
+    assert order == ["probe"] + 2 * ["probe", "probe", "spin", "sleep"]
+    spin_row, sleep_row = measured.rows
+    assert [r.name for r in measured.rows] == ["spin", "sleep"] and len(measured.probe_r) == 2
+    assert all(s.wall >= 0.05 and s.cpu < 0.5 * s.wall for s in sleep_row.seconds_r)
+    assert all(s.cpu > 0 for s in spin_row.seconds_r)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +30,21 @@ def _timed_best(fn, *args, repeats: int) -> float:
     return best
 
 
-@functools.lru_cache(maxsize=None)
-def _probe(device_ids: tuple[int, ...], dtype_name: str, size: int, repeats: int) -> float:
-    devices = [d for d in jax.devices() if d.id in device_ids]
+def probe_call(devices: Sequence[jax.Device], dtype, size: int | None = None
+               ) -> tuple[Callable[[], jax.Array], float]:
+    """(a call of the compiled matmul probe on `devices` at `dtype`, its FLOPs).
+
+    Args:
+      devices: the devices it spreads over (batch-parallel, no communication).
+      dtype: the workload's compute dtype.
+      size: matrix side; default 2048 on CPU (a 1024 matmul is too short to reach the peak
+        on a few cores), 8192 on accelerators.
+    """
+    if size is None:
+        size = 2048 if devices[0].platform == "cpu" else 8192
     mesh = Mesh(np.array(devices), ("d",))
     rows = NamedSharding(mesh, PartitionSpec("d"))
-    dtype = jnp.dtype(dtype_name)
+    dtype = jnp.dtype(dtype)
     # [size, size] @ [size, size], the rows of the left side split over the devices and the
     # right side replicated: 2·size³ FLOPs with no communication, plain 2-D dots per device.
     run = jax.jit(lambda a, b: a @ b, out_shardings=rows)
@@ -43,7 +52,14 @@ def _probe(device_ids: tuple[int, ...], dtype_name: str, size: int, repeats: int
     a = jax.device_put(jax.random.normal(key_a, (size, size), dtype), rows)
     b = jax.device_put(jax.random.normal(key_b, (size, size), dtype),
                        NamedSharding(mesh, PartitionSpec()))
-    return 2.0 * size**3 / _timed_best(run, a, b, repeats=repeats)
+    return (lambda: run(a, b)), 2.0 * size**3
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(device_ids: tuple[int, ...], dtype_name: str, size: int | None, repeats: int
+           ) -> float:
+    call, flops = probe_call([d for d in jax.devices() if d.id in device_ids], dtype_name, size)
+    return flops / _timed_best(call, repeats=repeats)
 
 
 def matmul_peak(devices: Sequence[jax.Device], dtype, *, size: int | None = None,
@@ -57,8 +73,6 @@ def matmul_peak(devices: Sequence[jax.Device], dtype, *, size: int | None = None
         on a few cores), 8192 on accelerators.
       repeats: timed calls; the best counts.
     """
-    if size is None:
-        size = 2048 if devices[0].platform == "cpu" else 8192
     ids = tuple(sorted(d.id for d in devices))
     return _probe(ids, jnp.dtype(dtype).name, size, repeats)
 
@@ -78,13 +92,10 @@ def machine_peak(dtype, *, again: bool = False, **kwargs) -> float:
     return max(matmul_peak(devices, dtype, **kwargs), matmul_peak(devices[:1], dtype, **kwargs))
 
 
-def devices_peak(devices: Sequence[jax.Device], machine: float, dtype) -> float:
-    """The peak FLOP/s an MFC on `devices` can reach.
-
-    CPU virtual devices share the host's cores, so any subset of them can reach (and none can
-    pass) the machine's peak. Accelerators are independent: one device's probe times their
-    number.
-    """
-    if devices[0].platform == "cpu":
-        return machine
-    return matmul_peak(devices[:1], dtype) * len(devices)
+def machine_probe(dtype, size: int | None = None) -> tuple[Callable[[], jax.Array], float]:
+    """`probe_call` of the faster of the all-device and the one-device probe (best of three
+    calls each; `machine_peak` says why either can win): the probe a benchmark times again
+    beside its calls (`perf.rounds`)."""
+    devices = jax.devices()
+    probes = [probe_call(devices, dtype, size), probe_call(devices[:1], dtype, size)]
+    return max(probes, key=lambda p: p[1] / _timed_best(p[0], repeats=3))

@@ -1,14 +1,14 @@
-"""Per-MFC figures of a benchmark run: time against the floor, compiled peak memory, host RSS."""
+"""Per-MFC figures of a benchmark run: fractions of the floor (`perf.rounds`), compiled peak
+memory, host RSS."""
 
 from __future__ import annotations
 
 import resource
-import statistics
 from collections.abc import Mapping, Sequence
 
 import jax
 
-from jaxrlhf.perf.flops import Figures
+from jaxrlhf.perf.rounds import Clock, Rounds
 
 
 def compiled_peak_bytes(executables: Sequence[jax.stages.Compiled]) -> int:
@@ -37,22 +37,56 @@ def host_rss_bytes() -> tuple[int, int]:
     return current, peak
 
 
-def median_seconds(timings: Sequence, name: str | None = None) -> float:
-    """Median over measured steps of the step's (or one MFC's) seconds."""
-    if name is None:
-        return statistics.median(t.seconds for t in timings)
-    return statistics.median(t.mfcs[name].seconds for t in timings)
+def mfu_scale(devices: int, machine_devices: int) -> float:
+    """MFU over a fraction of the machine's floor: the machine's peak over the peak of the
+    call's own devices. CPU virtual devices share the host's cores (any subset can reach the
+    machine's peak): 1; accelerators add up: all devices over the call's."""
+    return 1.0 if jax.devices()[0].platform == "cpu" else machine_devices / devices
 
 
-def table(rows: Sequence[Figures], memory: Mapping[str, int]) -> str:
-    """A fixed-width table of the figures, one line per MFC and one for the step (rows on one
-    peak, `flops.with_peak_no_call_beat`: a raised probe is the run's to report)."""
-    head = (f"{'mfc':<14}{'dev':>4}{'seconds':>9}{'GFLOP':>8}{'floor s':>9}{'of floor':>9}"
-            f"{'MFU':>7}{'peak MiB':>10}")
-    lines = [head, "-" * len(head)]
-    for f in rows:
-        mib = f"{memory[f.name] / 2**20:.1f}" if f.name in memory else "-"
-        lines.append(f"{f.name:<14}{f.devices:>4}{f.seconds:>9.3f}{f.flops / 1e9:>8.1f}"
-                     f"{f.floor_seconds:>9.3f}{f.fraction_of_floor:>9.1%}{f.mfu:>7.1%}"
-                     f"{mib:>10}")
+def floor_figures(measured: Rounds, devices: Mapping[str, int], memory: Mapping[str, int]
+                  ) -> dict:
+    """Every figure of a benchmark's floor rounds (JSON-ready): the probe's rate, then per call
+    its seconds, FLOPs, fraction of the floor (median, lowest, highest round; best call
+    against best probe) on both clocks, MFU and peak memory per device."""
+    machine = devices["step"]
+    out = {"rounds": len(measured.probe_r),
+           "peak_gflops_per_s": measured.peak(Clock.WALL).median / 1e9,
+           "peak_gflops_per_cpu_s": measured.peak(Clock.CPU).median / 1e9, "calls": {}}
+    for row in measured.rows:
+        figures = {"gflops": row.flops / 1e9, "devices": devices[row.name]}
+        for clock in Clock:
+            fraction = measured.fraction(row, clock)
+            figures[clock.value] = {"seconds": [s.on(clock) for s in row.seconds_r],
+                                    "fraction_of_floor": fraction.as_dict(),
+                                    "best_fraction_of_floor": measured.best_fraction(row, clock)}
+        figures["mfu"] = (measured.fraction(row, Clock.WALL).median
+                          * mfu_scale(devices[row.name], machine))
+        if row.name in memory:
+            figures["peak_bytes"] = memory[row.name]
+        out["calls"][row.name] = figures
+    return out
+
+
+def floor_table(measured: Rounds, devices: Mapping[str, int], memory: Mapping[str, int]) -> str:
+    """The floor rounds as a fixed-width table: per call its median seconds and fraction of the
+    floor (median, lowest-highest round) on both clocks, MFU, compiled peak memory."""
+    peak_wall, peak_cpu = measured.peak(Clock.WALL), measured.peak(Clock.CPU)
+    head = (f"{'call':<13}{'dev':>4}{'GFLOP':>7}{'wall s':>8}  {'of floor (wall)':<20}"
+            f"{'cpu s':>7}  {'of floor (cpu)':<20}{'MFU':>6}{'peak MiB':>10}")
+    lines = [f"probe: {peak_wall.median / 1e9:.1f} GFLOP/s ({peak_wall.low / 1e9:.1f}-"
+             f"{peak_wall.high / 1e9:.1f}), {peak_cpu.median / 1e9:.1f} GFLOP per CPU s "
+             f"({peak_cpu.low / 1e9:.1f}-{peak_cpu.high / 1e9:.1f}); median (lowest-highest) "
+             f"of {len(measured.probe_r)} rounds, each call's fraction against its round's "
+             "probe", head, "-" * len(head)]
+    for row in measured.rows[1:] + measured.rows[:1]:  # the step last
+        mib = f"{memory[row.name] / 2**20:.1f}" if row.name in memory else "-"
+        mfu = (measured.fraction(row, Clock.WALL).median
+               * mfu_scale(devices[row.name], devices["step"]))
+        lines.append(
+            f"{row.name:<13}{devices[row.name]:>4}{row.flops / 1e9:>7.1f}"
+            f"{row.seconds(Clock.WALL).median:>8.3f}  "
+            f"{measured.fraction(row, Clock.WALL).percent():<20}"
+            f"{row.seconds(Clock.CPU).median:>7.3f}  "
+            f"{measured.fraction(row, Clock.CPU).percent():<20}{mfu:>6.1%}{mib:>10}")
     return "\n".join(lines)
