@@ -339,34 +339,6 @@ class Dense(nn.Module):
                 + _adapted(self, kernel, self.axes, x, 1))
 
 
-@jax.custom_vjp
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) * up, elementwise (the SwiGLU MLP's hidden activation, [..., f]).
-
-    Its gradient is written out so that the backward pass is one elementwise pass over (gate,
-    up, incoming gradient), both gradients from it, and the forward keeps nothing but the two
-    dot outputs it already has. Why: differentiated as written, XLA:CPU kept sigmoid(gate) and
-    silu(gate) as separate [b·t, f] arrays for the backward, each its own unfused loop over
-    the MLP's widest activations (three passes forward and two more backward per layer where
-    one each suffices).
-    """
-    return nn.silu(gate) * up
-
-
-def _swiglu_fwd(gate, up):
-    return swiglu(gate, up), (gate, up)
-
-
-def _swiglu_bwd(residuals, d_out):
-    gate, up = residuals
-    sig = jax.nn.sigmoid(gate)
-    # d silu(g) / dg = s + g·s·(1 - s) = s·(1 + g·(1 - s)), s = sigmoid(g)
-    return d_out * up * sig * (1 + gate * (1 - sig)), d_out * gate * sig
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
 class MLP(nn.Module):
     config: ModelConfig
 
@@ -379,7 +351,7 @@ class MLP(nn.Module):
 
         gate = dense("gate_proj", cfg.intermediate_size, ("embed", "mlp"))(x_btd)
         up = dense("up_proj", cfg.intermediate_size, ("embed", "mlp"))(x_btd)
-        h_btf = nn.with_logical_constraint(swiglu(gate, up), ("batch", "length", "act_mlp"))
+        h_btf = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "length", "act_mlp"))
         return dense("down_proj", cfg.hidden_size, ("mlp", "embed"))(h_btf)
 
 
