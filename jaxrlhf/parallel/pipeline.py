@@ -44,6 +44,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.models.config import RematPolicy
 from jaxrlhf.models.transformer import KVCache, LayerFn, LayerInputs
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.strategy import Axis
@@ -264,6 +265,15 @@ def _stage_fn(layer_fn: LayerFn, unroll: bool):
         return x_btd, KVCache(*(write_back(c, n, o) for c, n, o in zip(cache, new_m, cache_m)))
 
     return stage
+
+
+def remats_stages(remat: RematPolicy) -> bool:
+    """Whether a pipelined train step checkpoints each stage (`Pipeline.remat_stages`): under
+    the model's RematPolicy.FULL, the policy that keeps least. GPipe keeps what every layer
+    saves for every iteration of the schedule, M + S - 1 times L/S layer inputs per stage
+    under FULL; stage checkpoints keep M + S - 1 stage inputs and recompute one stage's layer
+    inputs at a time, for one more forward pass of the stage (`plan.cost.train_cost`)."""
+    return remat is RematPolicy.FULL
 
 
 def layer_stack(layout: Layout, micro_batches: int | None = None, *,
