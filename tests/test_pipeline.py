@@ -2,8 +2,10 @@
 an inference under p2, p4, d2p2t2 and p2f2 equal d8, greedy generation under p2 equals d8 token
 for token, and parameters reshard between pipelined and non-pipelined layouts bit for bit."""
 
+import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,6 +203,53 @@ def test_train_step_equals_d8(d8_params, d8_train_step, name):
     moved = max(float(np.max(np.abs(a - b))) for a, b in
                 zip(jax.tree.leaves(params), jax.tree.leaves(fetch(d8_params))))
     assert moved > 1e-4
+
+
+def test_pipelined_train_step_reads_out_one_micro_batch_at_a_time(d8_params):
+    """The head's fp32 logits [rows, t, vocab] exist for one micro-batch's rows only: the
+    pipeline's output is read out in chunks under remat (`inference.readout_in_chunks`),
+    forward and backward, never for the whole batch at once."""
+    layout = layout_of("p2")
+    step = make_train_step(MODEL, layout, token_ce, OPT, MicrobatchConfig.by_count(MICRO))
+    state = create_train_state(on(layout, d8_params), MODEL, layout, OPT)
+    text = step._lower(state, make_batch(0)).as_text()
+    logits = lambda rows: f"tensor<{rows}x{LENGTH}x{MODEL.vocab_size}xf32>"
+    assert logits(BATCH // MICRO) in text
+    assert logits(BATCH) not in text
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(inner, jax.extend.core.ClosedJaxpr):
+                    yield from _eqns(inner.jaxpr)
+                elif isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("remat, staged", [("full", True), ("none", False)])
+def test_pipelined_train_step_checkpoints_stages_under_full_remat(remat, staged):
+    """Under the model's full remat each stage is checkpointed per iteration
+    (`pipeline.remats_stages`): a rematerialised computation holding the stage's loop over its
+    layers; otherwise checkpoints (the head's chunks, a layer's) hold no loop."""
+    from jaxrlhf.models.config import RematPolicy
+
+    model = dataclasses.replace(MODEL, remat=RematPolicy(remat))
+    layout = make_layout(PIPELINED["p2"], model=model, micro_batches=MICRO)
+    step = make_train_step(model, layout, token_ce, OPT, MicrobatchConfig.by_count(MICRO))
+    state = jax.eval_shape(lambda: create_train_state(
+        nn.unbox(abstract_params(model)), model, layout, OPT))
+    batch = make_batch(0)
+    count, plan = step.plan(batch)
+    with layout.activation_context():
+        jaxpr = jax.make_jaxpr(step._jit_for(count, batch, plan))(state, batch, plan).jaxpr
+    checkpointed_loops = [
+        eqn for eqn in _eqns(jaxpr) if eqn.primitive.name == "remat2"
+        and any(inner.primitive.name == "scan" for inner in _eqns(eqn.params["jaxpr"]))]
+    assert bool(checkpointed_loops) == staged
 
 
 def _logprobs(name, d8_params):
