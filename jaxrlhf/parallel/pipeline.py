@@ -22,8 +22,10 @@ It runs a GPipe schedule written SPMD-style, without per-stage programs:
 Stage s works on micro-batch i - s at iteration i; outside [0, M) it computes on filler (the
 bubble, (S-1)/(M+S-1) of the time) whose results are never used. Reverse-mode autodiff of the
 same loop is the backward pipeline (activations of every iteration are kept, as GPipe does;
-the model's remat policy applies per layer), so train_step, inference and generation all run
-pipelined through the one forward.
+the model's remat policy applies per layer, and under full remat a train step checkpoints each
+stage too, `remats_stages`), so train_step, inference and generation all run pipelined
+through the one forward. The head runs after the pipeline, over its output one micro-batch's
+rows at a time (`engine.inference.readout_in_chunks`).
 
 KV cache (generation): the cache [L, b, S_len, k, d] is viewed as [S, L/S, b/M, M, S_len, k, d];
 stage s reads micro-batch m's slice and writes back only the t slots it filled, and only when m
