@@ -178,12 +178,12 @@ def d8_train_step(d8_params):
     return _train_step("d8", d8_params)
 
 
-def _train_step(name, d8_params):
+def _train_step(name, d8_params, model=MODEL):
     layout = layout_of(name)
     params = jax.tree.map(jnp.copy, on(layout, d8_params))  # the step donates its input
-    state = create_train_state(params, MODEL, layout, OPT)
+    state = create_train_state(params, model, layout, OPT)
     micro = MICRO if layout.pipeline > 1 else 1  # d8 has one row per device: the whole batch
-    step = make_train_step(MODEL, layout, token_ce, OPT, MicrobatchConfig.by_count(micro))
+    step = make_train_step(model, layout, token_ce, OPT, MicrobatchConfig.by_count(micro))
     state, metrics = step(state, make_batch(0))
     return fetch(state.params), fetch(metrics)
 
@@ -250,6 +250,21 @@ def test_pipelined_train_step_checkpoints_stages_under_full_remat(remat, staged)
         eqn for eqn in _eqns(jaxpr) if eqn.primitive.name == "remat2"
         and any(inner.primitive.name == "scan" for inner in _eqns(eqn.params["jaxpr"]))]
     assert bool(checkpointed_loops) == staged
+
+
+@pytest.mark.slow  # ~15 s on 2 cores: one more compile of a pipelined train step
+def test_full_remat_pipelined_train_step_equals_d8(d8_params, d8_train_step):
+    """Under full remat the p2 step checkpoints its stages as well as its layers and reads its
+    head out in chunks: the update of d8 without remat all the same."""
+    from jaxrlhf.models.config import RematPolicy
+
+    model = dataclasses.replace(MODEL, remat=RematPolicy.FULL)
+    params, metrics = _train_step("p2", d8_params, model)
+    ref_params, ref_metrics = d8_train_step
+    for key in ("loss", "grad_norm", "num_tokens"):
+        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-5, err_msg=key)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
 def _logprobs(name, d8_params):
