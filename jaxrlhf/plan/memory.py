@@ -157,7 +157,15 @@ def gradient_bytes(p: ModelProfile, choice: CallChoice, tensor: int, stages: int
     the optimizer's update as it is formed, of which XLA keeps about half an fp32 tree live (2
     bytes: measured on CPU devices, fp32 and bf16 parameters, one and several micro-batches,
     `tests/test_plan_memory_terms.py`). All whole over data parallelism: ZeRO-1 slices the
-    optimizer state, not the gradients (`parallel.zero` says why)."""
+    optimizer state, not the gradients (`parallel.zero` says why).
+
+    With bf16 parameters and a pipeline that is 2 + 4 + 2 = 8 bytes, four times the
+    parameters: the backward pass's bf16 gradients (a pipeline sums them over its iterations
+    in that dtype), the fp32 copy `microbatch.accumulate` casts them to (divided by the
+    weight in place; XLA's buffer assignment on CPU holds both trees at the peak), which the
+    global norm and the update read, and the update. No copy is redundant: the fp32 tree
+    could shrink to each rank's 1/d ZeRO-1 slice only if the norm were taken from the bf16
+    gradients, which changes its summation inputs."""
     elements = p.trained_shard_elements(tensor, choice.fsdp, stages)
     loop = stages == 1 and choice.micro_batches > 1
     own_dtype = p.param_itemsize if p.param_itemsize != 4 else 0
