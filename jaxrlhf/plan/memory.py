@@ -163,9 +163,10 @@ def gradient_bytes(p: ModelProfile, choice: CallChoice, tensor: int, stages: int
     parameters: the backward pass's bf16 gradients (a pipeline sums them over its iterations
     in that dtype), the fp32 copy `microbatch.accumulate` casts them to (divided by the
     weight in place; XLA's buffer assignment on CPU holds both trees at the peak), which the
-    global norm and the update read, and the update. No copy is redundant: the fp32 tree
-    could shrink to each rank's 1/d ZeRO-1 slice only if the norm were taken from the bf16
-    gradients, which changes its summation inputs."""
+    global norm and the update read, and the update. None of them is a second accumulator;
+    the fp32 tree could shrink to each rank's 1/d ZeRO-1 slice if the norm read the bf16
+    gradients through a fused cast and the update cast its slice only (not done: ZeRO-1's
+    bitwise equality keeps the gradients whole through the norm, `parallel.zero`)."""
     elements = p.trained_shard_elements(tensor, choice.fsdp, stages)
     loop = stages == 1 and choice.micro_batches > 1
     own_dtype = p.param_itemsize if p.param_itemsize != 4 else 0
