@@ -14,7 +14,7 @@ import pytest
 from jaxrlhf.engine import optimizer as opt
 from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
 from jaxrlhf.engine.inference import (
-    InferenceBatch, InferenceConfig, InferenceKind, make_inference_fn,
+    InferenceBatch, InferenceConfig, InferenceKind, make_inference_fn, readout,
 )
 from jaxrlhf.engine.microbatch import MicrobatchConfig
 from jaxrlhf.engine.train_step import create_train_state, make_train_step
@@ -265,6 +265,37 @@ def test_full_remat_pipelined_train_step_equals_d8(d8_params, d8_train_step):
         np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-5, err_msg=key)
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_chunked_readout_sums_the_head_gradient_in_fp32():
+    """With bf16 weights the head weight's gradient over C chunks is the fp32 sum of the
+    chunks' own (bf16) gradients, rounded once: what a loop of micro-batches gives. A sum in
+    the weight's dtype would round at every chunk."""
+    from jaxrlhf.engine.inference import readout_in_chunks
+    from jaxrlhf.models.transformer import head_out
+
+    cfg = get_size("tiny", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    rows, length, chunks = 32, 16, 8
+    keys = jax.random.split(jax.random.key(0), 3)
+    kernel_dv = (0.1 * jax.random.normal(keys[0], (cfg.hidden_size, cfg.vocab_size))
+                 ).astype(jnp.bfloat16)
+    x_btd = jax.random.normal(keys[1], (rows, length, cfg.hidden_size)).astype(jnp.bfloat16)
+    tokens_bt = jax.random.randint(keys[2], (rows, length), 0, cfg.vocab_size)
+    batch = InferenceBatch(tokens_bt, jnp.broadcast_to(jnp.arange(length), (rows, length)),
+                           jnp.ones((rows, length), jnp.int32))
+    cfg_lp = InferenceConfig(InferenceKind.LOGPROBS)
+    chunked = jax.jit(jax.grad(lambda k: jnp.sum(readout_in_chunks(
+        cfg, cfg_lp, k, x_btd, batch, chunks).logprobs_bt)))(kernel_dv)
+    # A chunk's own gradient, in bf16: rows c, c + C, ...
+    chunk_grad = jax.jit(jax.grad(lambda k, x_btd, part: jnp.sum(readout(
+        cfg_lp, head_out(cfg, k, x_btd), part).logprobs_bt)))
+    total = np.zeros(kernel_dv.shape, np.float32)
+    for c in range(chunks):  # in the scan's order
+        part = InferenceBatch(*(a[c::chunks] for a in batch))
+        total += np.asarray(chunk_grad(kernel_dv, x_btd[c::chunks], part), np.float32)
+    assert chunked.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(chunked, np.float32),
+                                  np.asarray(jnp.asarray(total).astype(jnp.bfloat16), np.float32))
 
 
 def _logprobs(name, d8_params):

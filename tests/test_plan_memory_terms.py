@@ -102,6 +102,19 @@ def test_gradient_buffers_follow_the_accumulation(spec, micro, dtype, per_elemen
     assert memory.call_memory(p, Call.TRAIN_STEP, WORK, choice).grads == elements * per_element
 
 
+@pytest.mark.parametrize("dtype, copy", [(jnp.bfloat16, True), (jnp.float32, False)])
+def test_pipelined_train_step_reads_out_with_an_fp32_head_copy(dtype, copy):
+    """After a pipeline the head weight enters the chunked readout as an fp32 copy (its
+    gradient summed over the chunks in fp32): d2p2 holds 4 bytes per head element more than
+    d4 with bf16 parameters, nothing more with fp32 ones."""
+    cfg = get_size("small", dtype=dtype, param_dtype=dtype)
+    p = profile_of(cfg)
+    piped, flat = (memory.call_memory(p, Call.TRAIN_STEP, WORK, _choice(spec, 2))
+                   for spec in ("0-3:d2p2", "0-3:d4"))
+    head = 4 * cfg.hidden_size * cfg.vocab_size
+    assert piped.gathered - flat.gathered == (head if copy else 0)
+
+
 def test_stage_weight_copy_is_priced_on_cpu_with_several_layers_per_stage():
     p = profile_of(SMALL)  # 4 layers
     layer = p.layer_shard_bytes(1)

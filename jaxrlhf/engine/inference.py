@@ -236,8 +236,10 @@ def readout_in_chunks(model_config: ModelConfig, cfg: InferenceConfig, kernel_dv
     At most one chunk's [b/C, t, vocab] logits (and their gradient) are live, forward or
     backward: the backward pass keeps only x_btd and recomputes one chunk's logits at a time.
     The readout is row by row, so each entry equals the whole batch's up to the head's
-    summation order; the head weight's gradient is summed over the chunks (in its dtype, as
-    a pipeline sums its layers' over iterations).
+    summation order. The head weight's gradient is summed over the chunks in fp32, as a loop
+    of micro-batches sums: the scan adds a closed-over operand's gradients in its dtype, so
+    the weight enters it as an fp32 copy (a bf16 sum would round at every chunk: twice the
+    error against the whole batch's gradient, measured with bf16 weights over 16 chunks).
 
     Args:
       kernel_dv: the head's weight (`transformer.head_kernel`).
@@ -251,6 +253,7 @@ def readout_in_chunks(model_config: ModelConfig, cfg: InferenceConfig, kernel_dv
         return readout(cfg, head_out(model_config, kernel_dv, x_btd), batch)
 
     one_chunk = jax.checkpoint(one_chunk, prevent_cse=False)  # a scan body: nothing to CSE
+    kernel_dv = kernel_dv.astype(jnp.float32)  # cast back to the compute dtype in `head_out`
     x_cbtd = nn.with_logical_constraint(split_rows(x_btd, chunks),
                                         (None, "batch", "length", "act_embed"))
     batch_c = InferenceBatch(*(split_rows(a, chunks) for a in batch))

@@ -29,7 +29,8 @@ One MFC on its own (`call_memory`), per device:
     pass (`engine.inference.readout_in_chunks`; inference's head likewise runs one streamed
     piece at a time);
   * gathered: a layer's largest weight matrix sliced out of the scanned stack or all-gathered
-    over fsdp, and with fsdp the LM head's table;
+    over fsdp, and with fsdp the LM head's table; after a pipeline, an fp32 copy of the head's
+    weight (bf16 parameters, `_head_copy_bytes`);
   * pipelines (p > 1): a stage holds 1/p of the layers' parameters, state and gradients (the
     embedding and head whole, `ModelProfile.shard_bytes`) and of what they save for the
     backward pass, but for every iteration of the schedule: the runtime's GPipe loop keeps
@@ -233,6 +234,15 @@ def _head_backward_bytes(p: ModelProfile, tokens: int, tensor: int) -> float:
     return _logit_bytes(p, tokens, tensor, 2) + (head if p.config.head is HeadKind.LM else 0)
 
 
+def _head_copy_bytes(p: ModelProfile, choice: CallChoice) -> int:
+    """The fp32 copy of the LM head's weight a pipelined train step reads its output with, so
+    the head's gradient is summed over the chunks in fp32
+    (`engine.inference.readout_in_chunks`); none for fp32 parameters or a scalar head."""
+    if p.config.head is not HeadKind.LM or p.param_itemsize == 4:
+        return 0
+    return int(4 * p.config.hidden_size * _sharded(p.out_dim, choice.tensor) / choice.fsdp)
+
+
 def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float:
     """Weights materialised beside the parameters while a layer runs.
 
@@ -333,6 +343,8 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             # them all; the head (logits, their log-softmax and its gradient) then runs over
             # its output one micro-batch at a time, recomputed in the backward pass
             # (`engine.inference.readout_in_chunks`): one micro-batch's logits, as a loop.
+            if stages > 1:
+                gathered += _head_copy_bytes(p, choice)
             activations = (pipelined_saved_bytes(p, choice, tokens, s, remat_stages)
                            + layer_working_bytes(p, tokens, s, t)
                            + _stage_buffers(p, choice, tokens * choice.micro_batches))
