@@ -449,6 +449,7 @@ class Transformer(nn.Module):
         cache_index: jax.Array | int = 0,
         kv_segment_ids_bs: jax.Array | None = None,
         last_only: bool = False,
+        with_head: bool = True,
     ) -> tuple[jax.Array, KVCache | None]:
         """Forward pass.
 
@@ -462,9 +463,13 @@ class Transformer(nn.Module):
           kv_segment_ids_bs: int [batch, S] segment ids of every cache slot *after* this write.
           last_only: apply the head to the last position only (prefill needs just the next
             token's logits; the [batch, len, vocab] array would dominate its memory).
+          with_head: False returns the final norm's output x_btd [batch, len, embed] (compute
+            dtype) instead of the head's, for a caller that applies `head_out` itself, e.g.
+            in row chunks (`engine.inference`).
 
         Returns:
-          (logits_btv float32 or values_bt float32, updated cache or None).
+          (logits_btv float32 or values_bt float32, or x_btd without the head; updated cache
+          or None).
         """
         cfg = self.config
         embed = nn.Embed(
@@ -488,25 +493,44 @@ class Transformer(nn.Module):
         x_btd = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, name="norm")(x_btd)
         if last_only:
             x_btd = x_btd[:, -1:]
-        return self._head(embed, x_btd), new_cache
+        if not with_head and not self.is_initializing():
+            return x_btd, new_cache
+        return head_out(cfg, self._head_kernel(embed), x_btd), new_cache
 
-    def _head(self, embed: nn.Embed, x_btd: jax.Array) -> jax.Array:
+    def _head_kernel(self, embed: nn.Embed) -> jax.Array:
+        """The head's weight, declared here unless it is the tied embedding (`head_kernel`)."""
         cfg = self.config
         match cfg.head:
             case HeadKind.LM if cfg.tie_word_embeddings:
-                kernel_dv = embed.embedding.T
+                return embed.embedding.T
             case HeadKind.LM:
-                kernel_dv = self.param(
+                return self.param(
                     "lm_head", nn.with_logical_partitioning(_init(), ("embed", "vocab")),
                     (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype,
                 )
             case HeadKind.SCALAR:
-                kernel_dv = self.param(
+                return self.param(
                     "score", nn.with_logical_partitioning(nn.initializers.zeros, ("embed", None)),
                     (cfg.hidden_size, 1), cfg.param_dtype,
                 )
-        out = flat_matmul(x_btd, kernel_dv.astype(cfg.dtype), 1,
-                          preferred_element_type=jnp.float32)
-        if cfg.head is HeadKind.SCALAR:
-            return out[..., 0]
-        return nn.with_logical_constraint(out, ("batch", "length", "act_vocab"))
+
+
+def head_kernel(cfg: ModelConfig, params) -> jax.Array:
+    """The head's weight [embed, vocab] (LM; the embedding's transpose when tied) or
+    [embed, 1] (scalar) in the parameter dtype, from the model's (unboxed) parameter tree."""
+    match cfg.head:
+        case HeadKind.LM if cfg.tie_word_embeddings:
+            return params["embed_tokens"]["embedding"].T
+        case HeadKind.LM:
+            return params["lm_head"]
+        case HeadKind.SCALAR:
+            return params["score"]
+
+
+def head_out(cfg: ModelConfig, kernel_dv: jax.Array, x_btd: jax.Array) -> jax.Array:
+    """The head on final-norm outputs x_btd [b, t, embed] with its weight `kernel_dv`
+    (`head_kernel`): logits_btv float32 (LM) or values_bt float32 (scalar)."""
+    out = flat_matmul(x_btd, kernel_dv.astype(cfg.dtype), 1, preferred_element_type=jnp.float32)
+    if cfg.head is HeadKind.SCALAR:
+        return out[..., 0]
+    return nn.with_logical_constraint(out, ("batch", "length", "act_vocab"))
