@@ -15,6 +15,24 @@ rows, 32-token prompts; a cache of 32 + C slots for each capacity C.
 
 Prints CPU ms (`time.process_time`: what this process ran, the fair A/B on a loaded machine)
 and wall ms per step, and the keys' and values' bytes per CPU second. Not a test.
+
+Measured on the 2-core development machine shared with five other processes (load average
+12-17, so wall times are not comparable; CPU ms are):
+
+  attention of a step (`--parts=attention`, one process, alternated), CPU ms:
+    S      80    544   1,056
+    before 1.82  10.90  24.30
+    tiled  1.16   7.25  16.92   (the softmax's division after the product; tiles alone:
+                                 1.51, 8.13, 14.37 against 1.75, 10.94, 20.80 in a run at load 12)
+  whole engine step (`--parts=step`, main's code and this one in alternated processes), CPU ms:
+    capacity  48     128    256    512    1,024
+    before    10.96  12.72  16.81  22.19  34.07   (23.7 us per cache slot)
+    tiled     10.27  12.35  15.38  18.98  27.70   (17.9 us per cache slot)
+
+What is left per cache slot is the two products reading the fp32 cache (262 KB per slot over
+64 rows and 4 layers) at ~15-20 GB/s on one core: XLA:CPU runs them as YNNPACK fusions with
+concurrency 1 (its runtime's own report, `TF_CPP_VMODULE=ynn_fusion_thunk=3`), so the
+second core is idle during them; YNNPACK's bf16 products ran no faster than fp32 here.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ strided streams as head_dim, and the product ran at 9 GB/s at 1,056 slots (W-cpu
 kv heads of dim 64), two and a half times slower than the output's p [g, S] x V [S, d], which
 reads V row after row. Stored as tiles [S / T, d, T], every tile one contiguous block of T
 slots, the scores are a product batched over (row, kv head, tile) that reads each tile
-straight through: 2.3x faster at 1,056 slots, 2.5x at 128 (`benchmarks/decode_step.py`).
-Tiles of 8 or 16 slots ran ten times slower than 64 (the per-product overhead of that many
-small products); 32 runs within 25% of 64.
+straight through. The scores' product alone, CPU ms for 4 layers at 1,024 slots (128), against
+15.6 (1.6) for the [d, S] matrix: tiles of 8 slots 17.5 (2.2), 16: 12.6 (1.7), 32: 8.5 (0.76),
+64: 7.2 (0.59), 128: 13.6 (1.4). A whole step's attention: `benchmarks/decode_step.py`.
 
 The tile is 64 slots where the cache length is a multiple of 64, else 32, and the tiles may run
 past the cache's last slot (at most 31 slots, zeros, never attended): a length a static shape
