@@ -294,9 +294,10 @@ class InferenceFn(BucketedCall):
     """One inference call kind of one model on one layout (use `make_inference_fn`).
 
     Calling it right-pads the batch (segment 0) to the next length bucket, packs its sequences
-    into rows of that width (`engine.packing`; a sync point on the batch's segment ids), runs
-    the executable compiled for (bucket, batch, packed rows) on this layout, and returns the
-    outputs on the padded rows, per-token ones cut back to length t.
+    into rows of that width (`engine.packing`; a sync point on the batch's segment ids: each
+    data-parallel shard's own rows, or the sequences dealt over the shards where that needs
+    fewer rows), runs the executable compiled for (bucket, batch, packed rows, spread) on this
+    layout, and returns the outputs on the padded rows, per-token ones cut back to length t.
     """
 
     def __init__(self, model_config: ModelConfig, cfg: InferenceConfig, layout: Layout,
@@ -320,28 +321,37 @@ class InferenceFn(BucketedCall):
             values_bt=rows_sharding if cfg.kind is InferenceKind.VALUES else None,
             scores_bk=rows_sharding if cfg.kind is InferenceKind.SCORES else None,
         )
-        self._jitted = jax.jit(
+        # Per plan kind: each shard's own rows (pack within each shard's block), or spread
+        # (`packing.fewest_rows`: indices across the whole batch, shards=1).
+        self._jitted = {spread: jax.jit(
             functools.partial(infer_packed, Transformer(model_config, stack), cfg,
-                              layout.dp_size),
+                              1 if spread else layout.dp_size),
             in_shardings=(layout.param_shardings(abstract_params(model_config)),
                           InferenceBatch(rows_sharding, rows_sharding, rows_sharding),
                           self._plan_shardings),
             out_shardings=out_shardings,
-        )
+        ) for spread in (False, True)}
 
-    def _jit_for(self, *args) -> jax.stages.Wrapped:
-        return self._jitted
+    def _jit_for(self, params, batch, plan, spread: bool = False) -> jax.stages.Wrapped:
+        return self._jitted[spread]
 
-    def _lower(self, params, batch: InferenceBatch, plan=None) -> jax.stages.Lowered:
+    def _lower(self, params, batch: InferenceBatch, plan=None, spread: bool = False
+               ) -> jax.stages.Lowered:
         """The lowered call on a batch of a bucket's length (its plan made if not given)."""
         if plan is None:
-            plan = self._plan(batch.segment_ids_bt)
-        return super()._lower(params, batch, plan)
+            plan, spread = self._plan(batch.segment_ids_bt)
+        with self.layout.activation_context():
+            return self._jit_for(params, batch, plan, spread).lower(params, batch, plan)
 
-    def _plan(self, segment_ids_bt) -> packing.PackPlan:
-        """The batch's packed rows, placed (a sync on its segment ids)."""
-        plan = packing.plan(np.asarray(fetch(segment_ids_bt)), 1, self.layout.dp_size, self.rows)
-        return transfer(plan, self._plan_shardings)
+    def _plan(self, segment_ids_bt) -> tuple[packing.PackPlan, bool]:
+        """(the batch's packed rows, placed; whether they are spread over the shards): a sync
+        on its segment ids. The shards' own rows, or the spread plan where it needs fewer."""
+        segment_ids_bt = np.asarray(fetch(segment_ids_bt))
+        shards = self.layout.dp_size
+        plan, spread = packing.fewest_rows(
+            segment_ids_bt, packing.plan(segment_ids_bt, 1, shards, self.rows), shards,
+            self.rows)
+        return transfer(plan, self._plan_shardings), spread
 
     def __call__(self, params, batch: InferenceBatch) -> InferenceOutput:
         """Runs the call kind.
@@ -360,10 +370,11 @@ class InferenceFn(BucketedCall):
         padded = InferenceBatch(
             *(buckets.pad_axis(x, bucket, axis=1).astype(jnp.int32) for x in batch)
         )
-        plan = self._plan(buckets.pad_axis(np.asarray(fetch(batch.segment_ids_bt)), bucket,
-                                           axis=1))
+        plan, spread = self._plan(buckets.pad_axis(np.asarray(fetch(batch.segment_ids_bt)),
+                                                   bucket, axis=1))
         padded = jax.device_put(padded, self._rows)
-        compiled = self._executable((bucket, batch_size, plan.rows), params, padded, plan)
+        compiled = self.compile_cache.get((bucket, batch_size, plan.rows, spread),
+                                          lambda: self._lower(params, padded, plan, spread))
         out = compiled(params, padded, plan)
         per_token = {
             name: x[:, :length] for name, x in out._asdict().items()

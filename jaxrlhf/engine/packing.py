@@ -24,8 +24,8 @@ shard computes as many packed rows as the fullest needs. A *spread* plan (`plan(
 spread=True)`) balances them instead: each micro-batch's sequences are dealt to the shards
 longest first, each to the shard with the fewest tokens so far (greedy LPT), then packed into
 that shard's rows as above. Its indices count within the whole micro-batch, so packing and
-unpacking read across devices (`pack`/`unpack` with shards=1); a caller takes it where it needs
-fewer packed rows than the shards' own (`engine.train_step`).
+unpacking read across devices (`pack`/`unpack` with shards=1); train steps and inference take
+it where it needs fewer packed rows than the shards' own (`fewest_rows`).
 
 `Rows.PADDED` is the same machinery with the identity plan (sequence i in row i, where it
 lies): what a pipelined layout runs, and the baseline benchmarks compare against.
@@ -246,6 +246,20 @@ def _spread_plan(segment_ids_bt: np.ndarray, micro_batches: int, shards: int,
         micro_plans.append((np.concatenate(gathers), np.concatenate(segments),
                             np.sum(scatters, axis=0, dtype=np.int32)))
     return PackPlan(*(np.stack(arrays) for arrays in zip(*micro_plans)))
+
+
+def fewest_rows(segment_ids_bt: np.ndarray, own: PackPlan, shards: int, rows: Rows
+                ) -> tuple[PackPlan, bool]:
+    """(plan, spread): the spread plan of `own`'s micro-batches where it needs fewer packed rows
+    than `own` (each shard packing its own rows: long-tailed lengths on several data-parallel
+    shards), else `own`. Every rank computes as many packed rows as the fullest needs, and a
+    spread plan's cross-device gather of the token arrays costs far less than the rows it
+    saves; a caller compiles its call for both (`pack`/`unpack` with shards=1 when spread)."""
+    micro_batches = own.gather_mrt.shape[0]
+    if (rows is Rows.PACKED and shards > 1
+            and spread_rows(segment_ids_bt, micro_batches, shards) < own.rows):
+        return plan(segment_ids_bt, micro_batches, shards, rows, spread=True), True
+    return own, False
 
 
 def shard_tokens(plan_: PackPlan, shards: int) -> np.ndarray:

@@ -302,11 +302,7 @@ class TrainStep(BucketedCall):
         count = plan.gather_mrt.shape[0]
         if self.layout.pipeline > 1:
             return count, packing.plan(segment_ids_bt, 1, shards, packing.Rows.PADDED), False
-        if (self.rows is packing.Rows.PACKED and shards > 1
-                and packing.spread_rows(segment_ids_bt, count, shards) < plan.rows):
-            return count, packing.plan(segment_ids_bt, count, shards, self.rows,
-                                       spread=True), True
-        return count, plan, False
+        return count, *packing.fewest_rows(segment_ids_bt, plan, shards, self.rows)
 
     def num_microbatches(self, batch: Batch) -> int:
         return self.plan(batch)[0]
