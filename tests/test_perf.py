@@ -90,3 +90,28 @@ def test_rounds_interleave_the_probe_and_the_calls_on_both_clocks():
     assert [r.name for r in measured.rows] == ["spin", "sleep"] and len(measured.probe_r) == 2
     assert all(s.wall >= 0.05 and s.cpu < 0.5 * s.wall for s in sleep_row.seconds_r)
     assert all(s.cpu > 0 for s in spin_row.seconds_r)
+
+
+@pytest.mark.slow  # a W-cpu smoke job, compiles and one round: ~30 s
+def test_bench_prints_each_calls_fraction_per_round():
+    """`python -m jaxrlhf.bench` end to end: the JSON line has every device MFC and the step,
+    each with one timing per round on both clocks and its fractions' median within their
+    range."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxrlhf.bench", "--config=configs/grpo_bench_cpu.py:smoke,d1",
+         "--steps=2"], capture_output=True, text=True, timeout=600,
+        cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(figures["calls"]) == {"step", "actor_gen", "ref_inf", "actor_train"}
+    assert figures["rounds"] == 2 and figures["peak_gflops_per_s"] > 0
+    for name, call in figures["calls"].items():
+        for clock in ("wall", "cpu"):
+            assert len(call[clock]["seconds"]) == 2, name
+            f = call[clock]["fraction_of_floor"]
+            assert 0 < f["low"] <= f["median"] <= f["high"], (name, clock)
