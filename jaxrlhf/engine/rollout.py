@@ -61,6 +61,7 @@ from jaxrlhf.parallel.layout import Layout, check_batch_divisible
 from jaxrlhf.parallel.pipeline import Pipeline
 from jaxrlhf.parallel.reshard import fetch, transfer
 
+_REPLICATED = PartitionSpec()
 NO_VERSION = -1  # versions_bn where no token was sampled
 _MIN_CAPACITY = 16
 
@@ -489,19 +490,26 @@ class Rollout:
         return SlotState(rows1, rows2, rows1, rows1, cache, rows2, rows2, rows2,
                          rows2, rows2, rows2, rows1, rows1, rows1, rows1, rows1)
 
-    def _run(self, key: tuple, out_size: tuple[int, int], fn, *args,
-             donate: tuple[int, ...] = ()) -> SlotState:
-        """Compiles `fn(*args)` once per `key` under the layout's context, for a result of
-        `out_size` (slots, capacity); the arguments `donate` (the state: it is replaced by the
-        result) lend their buffers to the result."""
-        jitted = jax.jit(fn, out_shardings=self._shardings(*out_size), donate_argnums=donate)
+    def _run(self, key: tuple, build, *args, donate: tuple[int, ...] = ()):
+        """Runs the executable of `key`, compiled on its first use from `build()` -> (fn, its
+        out-shardings) under the layout's context; the arguments `donate` (the state: it is
+        replaced by the result) lend their buffers to the result.
 
+        Why `build` is a thunk: a call that hits the cache (every call after warm-up) then
+        makes no jit wrapper, shard_map or shardings (~1 ms of host time per call on the main
+        job's shape)."""
         def lower():
+            fn, out_shardings = build()
+            jitted = jax.jit(fn, out_shardings=out_shardings, donate_argnums=donate)
             with self.layout.activation_context():
                 return jitted.lower(*args)
 
         # The prompt length in the key: a Generator's engines share its compile cache.
         return self.compile_cache.get((self.prompt_len, *key), lower)(*args)
+
+    def _state_out(self, fn, slots: int, capacity: int):
+        """`_run`'s build of `fn`, whose result is a state of (slots, capacity)."""
+        return lambda: (fn, self._shardings(slots, capacity))
 
     def _scalar_on_devices(self, value: int) -> jax.Array:
         """An int32 scalar on every device, uploaded once per value (a version, a step
@@ -516,7 +524,8 @@ class Rollout:
         """Every slot free: `slots` (default the engine's) rows with a cache of `capacity`
         response slots (default the smallest bucket)."""
         vacant = self.vacant(slots, capacity)
-        return self._run(("empty", *vacant), vacant, self._empty_fn(vacant, local=False))
+        return self._run(("empty", *vacant),
+                         self._state_out(self._empty_fn(vacant, local=False), *vacant))
 
     def vacant(self, slots: int | None = None, capacity: int | None = None) -> Vacant:
         """`empty`'s state, not built until the first `fill` builds it in its own executable."""
@@ -544,6 +553,32 @@ class Rollout:
           rows_k: int [k] each row's index in its (micro-)batch.
           limits_k: int [k] the most response tokens of each row (default N: up to EOS).
         """
+        slots, capacity = self.size(state)
+        ints, prompts, table, specs, compile_key = self._fill_inputs(
+            slots, slots_k, prompt_tokens_kp, prompt_mask_kp, keys, rows_k, limits_k)
+        vacant = isinstance(state, Vacant)
+
+        def build():
+            fn = functools.partial(_fill, self.prefill_model, self.cfg,
+                                   self._empty_fn(state, self.per_device) if vacant else None)
+            if vacant:  # no state argument: the fill builds it
+                fn = functools.partial(_without_state, fn)
+            if self.per_device:
+                state_specs = self._state_specs(slots, capacity)
+                fn = self._on_each_device(
+                    fn, (_REPLICATED, *(() if vacant else (state_specs,)), *specs, _REPLICATED,
+                         _REPLICATED), state_specs)
+            return fn, self._shardings(slots, capacity)
+
+        state_args = () if vacant else (state,)
+        return self._run(("fill", vacant, slots, capacity, *compile_key, len(table)), build,
+                         params, *state_args, ints, prompts, table,
+                         self._scalar_on_devices(version), donate=() if vacant else (1,))
+
+    def _fill_inputs(self, slots: int, slots_k, prompt_tokens_kp, prompt_mask_kp, keys, rows_k,
+                     limits_k):
+        """A fill's device inputs (`fill`'s arguments): (ints, prompts, the key table, the
+        partition specs of ints and prompts, their compile-key part)."""
         k, prompt_len = np.shape(prompt_tokens_kp)
         if prompt_len != self.prompt_len:
             raise ValueError(f"rollout prompts must be padded to {self.prompt_len}, got "
@@ -564,23 +599,11 @@ class Rollout:
         ints_k5[:, _INTS.key] = [where[id(key)] for key in keys]
         ints_k5[:, _INTS.row] = rows_k
         ints_k5[:, _INTS.limit] = limits_k
-        slots, capacity = self.size(state)
         place = self._fill_on_each_device if self.per_device else self._fill_spmd
         ints, prompts, shardings, compile_key = place(slots, ints_k5, prompts_k2p)
         ints, prompts, table = transfer((ints, prompts, table),
                                         (*shardings, (self._scalar,) * len(table)))
-        vacant = isinstance(state, Vacant)
-        fn = functools.partial(_fill, self.prefill_model, self.cfg,
-                               self._empty_fn(state, self.per_device) if vacant else None)
-        if vacant:  # no state argument: the fill builds it
-            fn = functools.partial(_without_state, fn)
-        if self.per_device:
-            fn = self._on_each_device(fn, slots, capacity, *(x.spec for x in shardings),
-                                      PartitionSpec(), state_in=not vacant)
-        state_args = () if vacant else (state,)
-        return self._run(("fill", vacant, slots, capacity, *compile_key, len(table)),
-                         (slots, capacity), fn, params, *state_args, ints, prompts, table,
-                         self._scalar_on_devices(version), donate=() if vacant else (1,))
+        return ints, prompts, table, tuple(x.spec for x in shardings), compile_key
 
     def _fill_spmd(self, slots: int, ints_k5: np.ndarray, prompts_k2p: np.ndarray):
         """`fill`'s inputs for one SPMD program: (ints [size, 5], prompts [u, 2, P], their
@@ -612,22 +635,25 @@ class Rollout:
         dp = self.layout.dp_size
         per_device = slots // dp
         device_k = ints_k5[:, _INTS.slot] // per_device
-        mine = [np.flatnonzero(device_k == device) for device in range(dp)]
-        distinct = [distinct_prompts(prompts_k2p[m, 0], prompts_k2p[m, 1]) if len(m) else
-                    (np.zeros(0, np.int64), np.zeros(0, np.int64)) for m in mine]
-        m = _pow2(max(len(x) for x in mine))
-        u = _pow2(max(len(first) for first, _ in distinct))
+        # Each device's distinct prompts: the distinct (device, prompt) pairs, found with one
+        # search over all rows (not one per device), in order of device.
+        first_g, src_k = distinct_prompts(prompts_k2p[:, 0], prompts_k2p[:, 1])
+        pairs, first_q, local_k = np.unique(device_k * len(first_g) + src_k, return_index=True,
+                                            return_inverse=True)
+        pair_device_q = pairs // len(first_g)
+        rank = lambda sorted_x: np.arange(len(sorted_x)) - np.searchsorted(sorted_x, sorted_x)
+        local_k = local_k.reshape(-1) - np.searchsorted(pair_device_q, device_k)
+        m = _pow2(np.bincount(device_k, minlength=dp).max())
+        u = _pow2(np.bincount(pair_device_q, minlength=dp).max())
         ints = np.zeros((dp * m, len(_INTS)), np.int32)
         ints[:, _INTS.slot] = per_device  # padding: a local slot out of range
+        order = np.argsort(device_k, kind="stable")
+        at = device_k[order] * m + rank(device_k[order])
+        ints[at] = ints_k5[order]
+        ints[at, _INTS.src] = local_k[order]
+        ints[at, _INTS.slot] -= device_k[order] * per_device
         pick_u = np.zeros(dp * u, np.int64)  # distinct prompt -> input row
-        for device, (rows_here, (first, src_here)) in enumerate(zip(mine, distinct)):
-            if not len(rows_here):
-                continue
-            at = slice(device * m, device * m + len(rows_here))
-            ints[at] = ints_k5[rows_here]
-            ints[at, _INTS.src] = src_here
-            ints[at, _INTS.slot] -= device * per_device
-            pick_u[device * u:device * u + len(first)] = rows_here[first]
+        pick_u[pair_device_q * u + rank(pair_device_q)] = first_q
         shardings = self.layout.batch_sharding(2), self.layout.batch_sharding(3)
         return ints, prompts_k2p[pick_u], shardings, (u, m)
 
@@ -652,7 +678,8 @@ class Rollout:
         if want <= capacity <= 2 * want:
             return state
         fn = functools.partial(_resize, length=self.prompt_len + want)
-        return self._run(("resize", slots, capacity, want), (slots, want), fn, state)
+        return self._run(("resize", slots, capacity, want), self._state_out(fn, slots, want),
+                         state)
 
     def reload(self, state: SlotState, params, longest: int | None = None) -> SlotState:
         """Every slot's cache recomputed under new weights (an interruption).
@@ -666,7 +693,8 @@ class Rollout:
         n_new = capacity if longest is None else min(
             capacity_for(longest, self.cfg.max_new_tokens), capacity)
         fn = functools.partial(_recompute_cache, self.prefill_model, n_new)
-        return self._run(("reload", slots, capacity, n_new), (slots, capacity), fn, params, state,
+        return self._run(("reload", slots, capacity, n_new),
+                         self._state_out(fn, slots, capacity), params, state,
                          donate=(1,))
 
     def advance(self, state: SlotState, params, version: int, num_steps: int,
@@ -689,11 +717,18 @@ class Rollout:
         needed = n_max if longest is None else max(int(longest), 1) + num_steps
         state = self.fit(state, needed)
         slots, capacity = self.size(state)
-        fn = functools.partial(_advance, self.model, self.cfg, lockstep)
+
+        def build():
+            fn = functools.partial(_advance, self.model, self.cfg, lockstep)
+            if self.per_device:
+                state_specs = self._state_specs(slots, capacity)
+                fn = self._on_each_device(fn, (_REPLICATED, state_specs) + (_REPLICATED,) * 3,
+                                          state_specs)
+            return fn, self._shardings(slots, capacity)
+
         if self.per_device:
-            fn = self._on_each_device(fn, slots, capacity, PartitionSpec(), PartitionSpec())
             stop_busy //= self.layout.dp_size
-        return self._run(("advance", slots, capacity, lockstep), (slots, capacity), fn, params,
+        return self._run(("advance", slots, capacity, lockstep), build, params,
                          state, self._scalar_on_devices(num_steps),
                          self._scalar_on_devices(stop_busy),
                          self._scalar_on_devices(version), donate=(1,))
@@ -704,14 +739,16 @@ class Rollout:
         slots, capacity = self.size(state)
         check_batch_divisible(self.layout, len(keep), "compacted slots")
         keep_m = transfer(np.asarray(keep, np.int32), self._scalar)
-        return self._run(("compact", slots, capacity, len(keep)), (len(keep), capacity),
-                         _compact, state, keep_m)
+        return self._run(("compact", slots, capacity, len(keep)),
+                         self._state_out(_compact, len(keep), capacity), state, keep_m)
 
-    def _on_each_device(self, fn, slots: int, capacity: int, *arg_specs: PartitionSpec,
-                        state_in: bool = True):
-        """`fn(params, state, *args, version)` (without `state` unless `state_in`) run by each
-        device on its own slots (`shard_map`; the weights are replicated), `args` split as
-        `arg_specs` say.
+    def _state_specs(self, slots: int, capacity: int) -> SlotState:
+        """The partition specs of a state's arrays."""
+        return jax.tree.map(lambda sharding: sharding.spec, self._shardings(slots, capacity))
+
+    def _on_each_device(self, fn, in_specs: tuple, out_specs):
+        """`fn` run by each device on its own slots (`shard_map`), its arguments and result
+        split as `in_specs` and `out_specs` say (the weights, its first argument, replicated).
 
         Why: SPMD, advance's loop condition (are all slots done?) is an all-reduce across the
         data-parallel devices every decode step, where a device that got ahead waits for the
@@ -719,18 +756,14 @@ class Rollout:
         2 devices): each device's own loop stops when its own slots are done. A fill gathered
         its prompts (five all-gathers per call) for the slot writes.
         """
-        specs = jax.tree.map(lambda sharding: sharding.spec, self._shardings(slots, capacity))
-
         def local(*args):
             with nn.logical_axis_rules(()):  # local shapes: no sharding constraints inside
                 return fn(*args)
 
         # check_vma off: a scanned prefill's fresh cache (zeros, the same on every device)
         # would have to be cast to varying before it may carry each device's own keys.
-        return jax.shard_map(local, mesh=self.layout.mesh, out_specs=specs,
-                             in_specs=(PartitionSpec(), *((specs,) if state_in else ()),
-                                       *arg_specs, PartitionSpec()),
-                             check_vma=False)
+        return jax.shard_map(local, mesh=self.layout.mesh, in_specs=in_specs,
+                             out_specs=out_specs, check_vma=False)
 
     def poll(self, state: SlotState) -> tuple[np.ndarray, np.ndarray]:
         """(done_b bool [S], counts int32 [3]: slot-steps decoded, tokens sampled in them, the
