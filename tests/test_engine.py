@@ -91,6 +91,29 @@ def test_engine_equals_the_static_batch(spec, case):
     assert gen.occupancy.tokens == lengths.sum() - 16  # the prefill samples each first token
 
 
+@pytest.mark.parametrize("spec", ["0:d1", "0-1:d2"])
+def test_a_call_within_one_chunk_runs_as_one_executable(spec):
+    """16 rows in 16 slots, at most 6 new tokens in chunks of 8 (the main job's shape): one
+    executable fills, decodes and reads out every row on the device, with the static batch's
+    tokens and log-probs, its output shardings and the decode work counted."""
+    layout, params = _setup(spec)
+    cfg = GenerateConfig(6, STOPS, 0, temperature=1.0)
+    tokens, mask = _prompts(16, group=4, seed=5)
+    rng = jax.random.key(9)
+    gen = make_generate_fn(CONFIG, cfg, layout, prompt_buckets=(P,), chunk_tokens=8)
+    got = gen(params, tokens, mask, rng)
+    want = _reference(layout, params, cfg, tokens, mask, rng)
+    _assert_same(got, want)
+    assert [x.sharding for x in got] == list(gen._out_shardings)
+    lengths = want.response_lengths_b
+    assert lengths.min() < lengths.max()  # EOS ends some rows early
+    assert gen.compiles == 1
+    # Row i in slot i; each device decodes its own slots until they are done.
+    per_device = lengths.reshape(layout.dp_size, -1)
+    steps = per_device.shape[1] * (per_device.max(axis=1) - 1).sum()
+    assert gen.occupancy == (steps, lengths.sum() - 16)
+
+
 def test_a_queue_smaller_than_the_batch_decodes_every_row_alike():
     """4 slots for 12 rows, chunks of 3 tokens: rows wait, then take the slots of finished
     ones; every row is what the static batch gives it."""

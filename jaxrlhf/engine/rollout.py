@@ -339,6 +339,15 @@ def _advance(model: Transformer, cfg: GenerateConfig, lockstep: bool, params, s:
     return s
 
 
+def _fill_and_decode(fill, advance, finish, params, ints, prompts, table, version, num_steps):
+    """A state built and filled (`fill`: `_fill` of a vacant state), decoded in lockstep until
+    every row is done or `num_steps` (traced) more tokens (`advance`: `_advance`), then read
+    out: (finish(state), work_b2 int32 [S, 2]: each slot's decode steps and tokens sampled)."""
+    s = fill(params, None, ints, prompts, table, version)
+    s = advance(params, s, num_steps, jnp.zeros((), jnp.int32), version)
+    return finish(s), jnp.stack([s.steps_b, s.tokens_b], axis=1)
+
+
 def _resize(s: SlotState, length: int) -> SlotState:
     """The state with a cache of `length` slots: zero-padded, or cut (the caller knows no busy
     row reaches past the cut)."""
@@ -499,9 +508,9 @@ class Rollout:
         makes no jit wrapper, shard_map or shardings (~1 ms of host time per call on the main
         job's shape)."""
         def lower():
-            fn, out_shardings = build()
-            jitted = jax.jit(fn, out_shardings=out_shardings, donate_argnums=donate)
             with self.layout.activation_context():
+                fn, out_shardings = build()
+                jitted = jax.jit(fn, out_shardings=out_shardings, donate_argnums=donate)
                 return jitted.lower(*args)
 
         # The prompt length in the key: a Generator's engines share its compile cache.
@@ -656,6 +665,48 @@ class Rollout:
         pick_u[pair_device_q * u + rank(pair_device_q)] = first_q
         shardings = self.layout.batch_sharding(2), self.layout.batch_sharding(3)
         return ints, prompts_k2p[pick_u], shardings, (u, m)
+
+    def decode_at_once(self, params, version: int, prompt_tokens_kp, prompt_mask_kp, keys,
+                       rows_k, limits_k, finish):
+        """Every row decoded to its end in one executable, row i in slot i: the fill, the token
+        loop and `finish` of the final state, with no look from the host in between.
+
+        For a batch that fits in the slots and ends within one chunk of tokens (the main job's
+        shape): `fill`, `advance` and `collect` would run the same steps with two more
+        dispatches, a sync on the host, and the rows fetched to the host and back.
+
+        Args:
+          prompt_tokens_kp, prompt_mask_kp, keys, rows_k, limits_k: as `fill`'s, for k rows (a
+            multiple of the data-parallel size); the cache holds the longest limit.
+          finish: `f(state) -> pytree` of arrays [k, ...] (a module-level function: it is part
+            of the compile key), computed on the device.
+
+        Returns:
+          (finish(state), work_k2 int32 [k, 2]: each slot's decode steps and tokens sampled in
+          them, as `poll`'s counts), on the device, rows split as the state's.
+        """
+        k = len(prompt_tokens_kp)
+        check_batch_divisible(self.layout, k, "rollout slots")
+        n_max = self.cfg.max_new_tokens
+        reach = n_max if limits_k is None else min(int(np.max(limits_k)), n_max)
+        vacant = Vacant(k, capacity_for(reach, n_max))
+        ints, prompts, table, specs, compile_key = self._fill_inputs(
+            k, np.arange(k), prompt_tokens_kp, prompt_mask_kp, keys, rows_k, limits_k)
+        args = (params, ints, prompts, table, self._scalar_on_devices(version),
+                self._scalar_on_devices(reach - 1))
+
+        def build():
+            fill = functools.partial(_fill, self.prefill_model, self.cfg,
+                                     self._empty_fn(vacant, self.per_device))
+            advance = functools.partial(_advance, self.model, self.cfg, True)
+            fn = functools.partial(_fill_and_decode, fill, advance, finish)
+            if self.per_device:
+                fn = self._on_each_device(fn, (_REPLICATED, *specs) + (_REPLICATED,) * 3,
+                                          self.layout.batch_sharding(1).spec)
+            rows = lambda x: self.layout.batch_sharding(x.ndim)
+            return fn, jax.tree.map(rows, jax.eval_shape(fn, *args))
+
+        return self._run(("at once", *vacant, *compile_key, len(table), finish), build, *args)
 
     def spread(self, free: list[int], slots: int | None = None) -> list[int]:
         """Free slots in the order to fill them: taking turns over the devices (a fill
