@@ -288,11 +288,12 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
             for s, i in zip(targets, take):
                 row_of[s] = i
             longest = max(longest, 1)
-        state = engine.advance(state, params, 0, chunk_tokens, longest, lockstep,
+        steps = engine.chunk_steps(state, longest, chunk_tokens)
+        state = engine.advance(state, params, 0, steps, longest, lockstep,
                                _stop_busy(len(row_of), len(queue), engine.layout.dp_size,
-                                          reach - longest > chunk_tokens))
+                                          reach - longest > steps))
         rows = None
-        if lockstep and longest + chunk_tokens >= reach:
+        if lockstep and longest + steps >= reach:
             done_b, counts, rows = engine.collect(state)
         else:
             done_b, counts = engine.poll(state)
