@@ -2,7 +2,7 @@
 compacted as they thin out, over a KV cache sized to what the live rows can reach.
 
 Every generation runs here: the synchronous `generate` call kind (jaxrlhf/engine/generate.py
-drives it through `engine.batching`) and the asynchronous rollout workers
+drives it through `decode_rows`, or `decode_at_once`) and the asynchronous rollout workers
 (jaxrlhf/run/rollout_worker.py). The engine keeps S rows ("slots") on the device, each at its
 own response position, and offers:
 
@@ -14,6 +14,9 @@ own response position, and offers:
   compact(state, keep)                        the slots `keep` only, as a smaller state
   poll(state) / rows(state)                   which slots are done / every slot's row (host)
   reload(state, params, longest)              every cache recomputed under new weights
+  decode_at_once(params, version, rows, ...)  a batch that fits in the slots and ends within
+                                              a chunk: fill, token loop and read-out in one
+                                              executable (no host look in between)
 
 Slot s's response token i sits in cache slot P + i of row s; a decode step writes each row at
 its own slot and attends causally from there, so a refilled slot never sees its predecessor's
@@ -22,8 +25,10 @@ keys (they lie after its own position until it overwrites them).
 Why the cache has a capacity: a decode step reads its whole cache array, a static shape. The
 state's cache holds P + C slots, C a bucket (`capacity_buckets`: two per octave) just above
 what the busy rows reach in the next `advance`; `advance` grows it (or shrinks it, when long
-rows have left) before decoding, one copy each time. A step then reads at most ~1.5x the live
-slots, and the engine compiles one `advance` per (slots, capacity) bucket. On XLA:CPU each
+rows have left) before decoding, in its own executable, one copy each time, and ends its chunk
+where the busy rows outgrow that bucket (`chunk_steps`), rather than read a larger cache for
+the whole chunk. A step then reads at most ~1.5x the live slots, and the engine compiles one
+`advance` per (slots, capacity before, capacity after). On XLA:CPU each
 layer keeps its own cache laid out for one-query attention (`models.transformer.DecodeKV`,
 `engine.decode_layers`); elsewhere the stacked [L, S, P + C, k, d] cache is written by scatter.
 
