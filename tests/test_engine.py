@@ -133,8 +133,8 @@ def test_a_queue_smaller_than_the_batch_decodes_every_row_alike():
 
 
 def test_capacity_follows_the_live_rows():
-    """Small chunks grow the cache bucket by bucket (same tokens); a state whose long rows
-    left is cut back."""
+    """Small chunks grow the cache bucket by bucket, each chunk ending at its bucket's end
+    (same tokens); a state whose long rows left is cut back."""
     layout, params = _setup("0:d1")
     cfg = GenerateConfig(100, STOPS, 0, temperature=1.0, force_max_length=True)
     tokens, mask = _prompts(4, group=1, seed=2)
@@ -151,6 +151,11 @@ def test_capacity_follows_the_live_rows():
     assert engine.size(state) == (4, 100)
     assert engine.size(engine.fit(state, 60)) == (4, 100)  # within 2x: kept
     assert engine.size(engine.fit(state, 30)) == (4, 32)  # cut
+    # A chunk ends where its rows outgrow the bucket holding their next token (16: 15 steps
+    # from token 1, one from 15; 24 from 16), or the state's larger cache that fit keeps.
+    small = engine.empty(4)
+    assert [engine.chunk_steps(small, n, 32) for n in (1, 15, 16)] == [15, 1, 8]
+    assert engine.chunk_steps(state, 60, 32) == 32 and engine.chunk_steps(state, 40, 32) == 8
 
 
 def test_a_group_is_prefilled_once():
