@@ -11,8 +11,8 @@ the augmented graph) and prints prediction, measurement and relative error per M
 Memory: each MFC's peak per device (its own call plus what other models keep on its devices
 meanwhile, `plan.memory.plan_memory`), whether it fits the cluster's usable memory (the
 breakdown of each that does not is printed under the table), and the peak less what jaxrlhf's
-runtime holds beyond ReaL's (`beyond_real`: a pipelined train step's head on the whole local
-batch, GPipe's saved activations of every iteration instead of 1F1B's p micro-batches).
+runtime holds beyond ReaL's (`beyond_real`: what a pipelined train step's stages keep for the
+backward pass, against 1F1B's p micro-batches).
 
 Two pricings:
   * `file`: the cluster file's figures and default efficiencies as shipped (nothing fitted);
@@ -55,6 +55,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from jaxrlhf.mfc import Call  # noqa: E402
+from jaxrlhf.parallel.pipeline import remats_stages  # noqa: E402
 from jaxrlhf.parallel.strategy import DeviceRange  # noqa: E402
 from jaxrlhf.plan import cost as cost_lib  # noqa: E402
 from jaxrlhf.plan import memory  # noqa: E402
@@ -148,21 +149,22 @@ def real_plan(experiment: Experiment, case: str, kind: str) -> ExecutionPlan:
 
 
 def beyond_real(experiment: Experiment, plan: ExecutionPlan, name: str) -> int:
-    """Bytes per device an MFC holds in jaxrlhf beyond what ReaL's runtime holds: a pipelined
-    train step's head runs on the whole local batch (ReaL's: one micro-batch at a time), and
-    its GPipe schedule keeps the saved activations of all M + p - 1 iterations (ReaL's 1F1B:
-    at most p micro-batches in flight per stage). 0 for every other MFC."""
+    """Bytes per device an MFC holds in jaxrlhf beyond what ReaL's runtime holds: what a
+    pipelined train step's stages keep for the backward pass (GPipe: every iteration of the
+    schedule's saved activations, or under full remat each iteration's stage input,
+    `parallel.pipeline.remats_stages`) less ReaL's 1F1B (at most p micro-batches' saved
+    activations per stage); negative where jaxrlhf keeps less, paid with one more forward.
+    Its head, like ReaL's, runs one micro-batch at a time. 0 for every other MFC."""
     mfc, choice = experiment.graph.mfc(name), plan[name]
     if mfc.call is not Call.TRAIN_STEP or choice.pipeline == 1:
         return 0
     p, work, stages = experiment.profile(mfc.role), experiment.workload, choice.pipeline
-    own = memory.own_memory(experiment, mfc, choice)
-    head = own.logits - own.logits // choice.micro_batches
     tokens = work.packed_tokens_per_device(Call.TRAIN_STEP, choice.dp_size,
                                            choice.micro_batches, stages)
     per_stage = memory.saved_activation_bytes(p, tokens, work.seq_len, choice.tensor) / stages
-    schedule = per_stage * (choice.micro_batches + stages - 1 - min(choice.micro_batches, stages))
-    return int(head + schedule)
+    runtime = memory.pipelined_saved_bytes(p, choice, tokens, work.seq_len,
+                                           remats_stages(p.config.remat))
+    return int(runtime - per_stage * min(choice.micro_batches, stages))
 
 
 def fit_on_7b(cluster: Cluster, experiments: dict[str, Experiment]) -> Cluster:

@@ -2,8 +2,10 @@
 an inference under p2, p4, d2p2t2 and p2f2 equal d8, greedy generation under p2 equals d8 token
 for token, and parameters reshard between pipelined and non-pipelined layouts bit for bit."""
 
+import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from jaxrlhf.engine import optimizer as opt
 from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
 from jaxrlhf.engine.inference import (
-    InferenceBatch, InferenceConfig, InferenceKind, make_inference_fn,
+    InferenceBatch, InferenceConfig, InferenceKind, make_inference_fn, readout,
 )
 from jaxrlhf.engine.microbatch import MicrobatchConfig
 from jaxrlhf.engine.train_step import create_train_state, make_train_step
@@ -176,12 +178,12 @@ def d8_train_step(d8_params):
     return _train_step("d8", d8_params)
 
 
-def _train_step(name, d8_params):
+def _train_step(name, d8_params, model=MODEL):
     layout = layout_of(name)
     params = jax.tree.map(jnp.copy, on(layout, d8_params))  # the step donates its input
-    state = create_train_state(params, MODEL, layout, OPT)
+    state = create_train_state(params, model, layout, OPT)
     micro = MICRO if layout.pipeline > 1 else 1  # d8 has one row per device: the whole batch
-    step = make_train_step(MODEL, layout, token_ce, OPT, MicrobatchConfig.by_count(micro))
+    step = make_train_step(model, layout, token_ce, OPT, MicrobatchConfig.by_count(micro))
     state, metrics = step(state, make_batch(0))
     return fetch(state.params), fetch(metrics)
 
@@ -201,6 +203,99 @@ def test_train_step_equals_d8(d8_params, d8_train_step, name):
     moved = max(float(np.max(np.abs(a - b))) for a, b in
                 zip(jax.tree.leaves(params), jax.tree.leaves(fetch(d8_params))))
     assert moved > 1e-4
+
+
+def test_pipelined_train_step_reads_out_one_micro_batch_at_a_time(d8_params):
+    """The head's fp32 logits [rows, t, vocab] exist for one micro-batch's rows only: the
+    pipeline's output is read out in chunks under remat (`inference.readout_in_chunks`),
+    forward and backward, never for the whole batch at once."""
+    layout = layout_of("p2")
+    step = make_train_step(MODEL, layout, token_ce, OPT, MicrobatchConfig.by_count(MICRO))
+    state = create_train_state(on(layout, d8_params), MODEL, layout, OPT)
+    text = step._lower(state, make_batch(0)).as_text()
+    logits = lambda rows: f"tensor<{rows}x{LENGTH}x{MODEL.vocab_size}xf32>"
+    assert logits(BATCH // MICRO) in text
+    assert logits(BATCH) not in text
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(inner, jax.extend.core.ClosedJaxpr):
+                    yield from _eqns(inner.jaxpr)
+                elif isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("remat, staged", [("full", True), ("none", False)])
+def test_pipelined_train_step_checkpoints_stages_under_full_remat(remat, staged):
+    """Under the model's full remat each stage is checkpointed per iteration
+    (`pipeline.remats_stages`): a rematerialised computation holding the stage's loop over its
+    layers; otherwise checkpoints (the head's chunks, a layer's) hold no loop."""
+    from jaxrlhf.models.config import RematPolicy
+
+    model = dataclasses.replace(MODEL, remat=RematPolicy(remat))
+    layout = make_layout(PIPELINED["p2"], model=model, micro_batches=MICRO)
+    step = make_train_step(model, layout, token_ce, OPT, MicrobatchConfig.by_count(MICRO))
+    state = jax.eval_shape(lambda: create_train_state(
+        nn.unbox(abstract_params(model)), model, layout, OPT))
+    batch = make_batch(0)
+    count, plan = step.plan(batch)
+    with layout.activation_context():
+        jaxpr = jax.make_jaxpr(step._jit_for(count, batch, plan))(state, batch, plan).jaxpr
+    checkpointed_loops = [
+        eqn for eqn in _eqns(jaxpr) if eqn.primitive.name == "remat2"
+        and any(inner.primitive.name == "scan" for inner in _eqns(eqn.params["jaxpr"]))]
+    assert bool(checkpointed_loops) == staged
+
+
+@pytest.mark.slow  # ~15 s on 2 cores: one more compile of a pipelined train step
+def test_full_remat_pipelined_train_step_equals_d8(d8_params, d8_train_step):
+    """Under full remat the p2 step checkpoints its stages as well as its layers and reads its
+    head out in chunks: the update of d8 without remat all the same."""
+    from jaxrlhf.models.config import RematPolicy
+
+    model = dataclasses.replace(MODEL, remat=RematPolicy.FULL)
+    params, metrics = _train_step("p2", d8_params, model)
+    ref_params, ref_metrics = d8_train_step
+    for key in ("loss", "grad_norm", "num_tokens"):
+        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-5, err_msg=key)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_chunked_readout_sums_the_head_gradient_in_fp32():
+    """With bf16 weights the head weight's gradient over C chunks is the fp32 sum of the
+    chunks' own (bf16) gradients, rounded once: what a loop of micro-batches gives. A sum in
+    the weight's dtype would round at every chunk."""
+    from jaxrlhf.engine.inference import readout_in_chunks
+    from jaxrlhf.models.transformer import head_out
+
+    cfg = get_size("tiny", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    rows, length, chunks = 32, 16, 8
+    keys = jax.random.split(jax.random.key(0), 3)
+    kernel_dv = (0.1 * jax.random.normal(keys[0], (cfg.hidden_size, cfg.vocab_size))
+                 ).astype(jnp.bfloat16)
+    x_btd = jax.random.normal(keys[1], (rows, length, cfg.hidden_size)).astype(jnp.bfloat16)
+    tokens_bt = jax.random.randint(keys[2], (rows, length), 0, cfg.vocab_size)
+    batch = InferenceBatch(tokens_bt, jnp.broadcast_to(jnp.arange(length), (rows, length)),
+                           jnp.ones((rows, length), jnp.int32))
+    cfg_lp = InferenceConfig(InferenceKind.LOGPROBS)
+    chunked = jax.jit(jax.grad(lambda k: jnp.sum(readout_in_chunks(
+        cfg, cfg_lp, k, x_btd, batch, chunks).logprobs_bt)))(kernel_dv)
+    # A chunk's own gradient, in bf16: rows c, c + C, ...
+    chunk_grad = jax.jit(jax.grad(lambda k, x_btd, part: jnp.sum(readout(
+        cfg_lp, head_out(cfg, k, x_btd), part).logprobs_bt)))
+    total = np.zeros(kernel_dv.shape, np.float32)
+    for c in range(chunks):  # in the scan's order
+        part = InferenceBatch(*(a[c::chunks] for a in batch))
+        total += np.asarray(chunk_grad(kernel_dv, x_btd[c::chunks], part), np.float32)
+    assert chunked.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(chunked, np.float32),
+                                  np.asarray(jnp.asarray(total).astype(jnp.bfloat16), np.float32))
 
 
 def _logprobs(name, d8_params):

@@ -9,9 +9,9 @@ read), and each layer's keys and values once or twice more (transposed for the a
 dots). W-cpu's generation (d4t2) spent about 40% of its op time in these copies.
 
 Here the weights are sliced out once, before the token loop (`split_params`; the loop then
-only reads them), the cache is cut into one `DecodeKV` per layer (keys [b, k, d, S], values
-[b, k, S, d]; `split_cache`), and the layers are unrolled (`LayerByLayer`): layer l writes its
-new keys and values into its own cache in place and attends over it as it lies
+only reads them), the cache is cut into one `DecodeKV` per layer (keys in tiles of slots, values [b, k, S, d];
+`models.decode_kv`, `split_cache`), and the layers are unrolled (`LayerByLayer`): layer l
+writes its new keys and values into its own cache in place and attends over it as it lies
 (`attention.cached_query_attention`: two batched matrix products whose operands XLA:CPU's dots
 read in place).
 
@@ -30,7 +30,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.models.transformer import DecodeKV, KVCache, LayerFn, LayerInputs
+from jaxrlhf.models.decode_kv import DecodeKV
+from jaxrlhf.models.transformer import KVCache, LayerFn, LayerInputs
 
 
 def split_layers(layers) -> tuple:
@@ -48,10 +49,9 @@ def split_params(params) -> dict:
 
 
 def split_cache(cache: KVCache) -> tuple[DecodeKV, ...]:
-    """One `DecodeKV` per layer (keys [b, k, d, S], values [b, k, S, d]), from the stacked
-    [L, b, S, k, d] cache: one transposing copy, before a token loop."""
-    return tuple(DecodeKV(jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)))
-                 for k, v in zip(cache.k_lbskd, cache.v_lbskd))
+    """One `DecodeKV` per layer, from the stacked [L, b, S, k, d] cache: one transposing copy,
+    before a token loop."""
+    return tuple(DecodeKV.from_stacked(k, v) for k, v in zip(cache.k_lbskd, cache.v_lbskd))
 
 
 _SEGMENTS = 4
@@ -76,17 +76,13 @@ def segment_ends(n_new: int) -> tuple[int, ...]:
 
 def grow_cache(caches: tuple[DecodeKV, ...], length: int) -> tuple[DecodeKV, ...]:
     """Each layer's cache zero-padded to `length` slots."""
-    def grow(x, axis):
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, length - x.shape[axis])
-        return jnp.pad(x, widths)
-    return tuple(DecodeKV(grow(c.kT_bkds, 3), grow(c.v_bksd, 2)) for c in caches)
+    return tuple(c.resized(length) for c in caches)
 
 
 def stack_cache(caches: tuple[DecodeKV, ...]) -> KVCache:
     """The stacked [L, b, S, k, d] KVCache of per-layer ones (`split_cache` undone)."""
-    return KVCache(jnp.stack([jnp.transpose(c.kT_bkds, (0, 3, 1, 2)) for c in caches]),
-                   jnp.stack([jnp.transpose(c.v_bksd, (0, 2, 1, 3)) for c in caches]))
+    keys, values = zip(*(c.stacked() for c in caches))
+    return KVCache(jnp.stack(keys), jnp.stack(values))
 
 
 @dataclasses.dataclass(frozen=True)

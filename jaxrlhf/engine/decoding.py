@@ -16,7 +16,9 @@ import jax.numpy as jnp
 from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.sampling import SamplingParams, sample, token_logprobs
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer
+from jaxrlhf.models import decode_kv
+from jaxrlhf.models.decode_kv import DecodeKV
+from jaxrlhf.models.transformer import KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.pipeline import layer_stack
 
@@ -76,9 +78,7 @@ def draw(logits_bv, keys_b, active_b, cfg: GenerateConfig):
     return token_b, logp_b, stopped_b & (not cfg.force_max_length)
 
 
-# DecodeKV: keys [b, k, d, S], values [b, k, S, d].
-DECODE_AXES = DecodeKV(("batch", "act_kv_heads", "head_dim", None),
-                        ("batch", "act_kv_heads", None, "head_dim"))
+DECODE_AXES = decode_kv.AXES  # each DecodeKV array's logical axes
 
 
 def constrain_cache(cache: KVCache | tuple[DecodeKV, ...]):

@@ -22,6 +22,7 @@ import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,9 +32,9 @@ from jaxrlhf.engine import buckets, packing, sampling
 from jaxrlhf.engine.call import BucketedCall
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
-from jaxrlhf.models.transformer import Transformer
+from jaxrlhf.models.transformer import Transformer, head_kernel, head_out
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
-from jaxrlhf.parallel.pipeline import layer_stack
+from jaxrlhf.parallel.pipeline import Pipeline, layer_stack, merge_rows, split_rows
 from jaxrlhf.parallel.reshard import fetch, transfer
 
 
@@ -204,9 +205,61 @@ def readout(cfg: InferenceConfig, model_out: jax.Array, batch: InferenceBatch) -
 
 def infer(model: Transformer, cfg: InferenceConfig, params, batch: InferenceBatch):
     """The body of every inference call kind on rows as given (traceable). Returns an
-    InferenceOutput."""
-    model_out, _ = model.apply({"params": params}, *batch)
-    return readout(cfg, model_out, batch)
+    InferenceOutput.
+
+    Over a pipeline's output the head and the readout run in the pipeline's row chunks
+    (`readout_in_chunks`): the pipeline streams its micro-batches through the layers and
+    hands back the whole batch's hidden states, whose [b, t, vocab] logits at once would be
+    the largest array of the call (and of a train step's backward pass)."""
+    chunks = head_chunks(model, batch.tokens_bt.shape[0])
+    if chunks == 1:
+        model_out, _ = model.apply({"params": params}, *batch)
+        return readout(cfg, model_out, batch)
+    x_btd, _ = model.apply({"params": params}, *batch, with_head=False)
+    return readout_in_chunks(model.config, cfg, head_kernel(model.config, params), x_btd, batch,
+                             chunks)
+
+
+def head_chunks(model: Transformer, rows: int) -> int:
+    """Row chunks `infer` runs the head of `rows` rows in: a pipeline's micro-batches
+    (`Pipeline.num_micro`), else 1 (a micro-batch loop around the call bounds the head)."""
+    stack = model.layer_stack
+    return stack.num_micro(rows) if isinstance(stack, Pipeline) else 1
+
+
+def readout_in_chunks(model_config: ModelConfig, cfg: InferenceConfig, kernel_dv: jax.Array,
+                      x_btd: jax.Array, batch: InferenceBatch, chunks: int) -> InferenceOutput:
+    """`readout` of the head on final-norm outputs x_btd [b, t, d], in `chunks` row chunks
+    one after another (rows c, c+C, c+2C, ...: a pipeline's micro-batches, spread over the
+    data-parallel devices as they are), each under `jax.checkpoint`.
+
+    At most one chunk's [b/C, t, vocab] logits (and their gradient) are live, forward or
+    backward: the backward pass keeps only x_btd and recomputes one chunk's logits at a time.
+    The readout is row by row, so each entry equals the whole batch's up to the head's
+    summation order. The head weight's gradient is summed over the chunks in fp32, as a loop
+    of micro-batches sums: the scan adds a closed-over operand's gradients in its dtype, so
+    the weight enters it as an fp32 copy (a bf16 sum would round at every chunk: twice the
+    error against the whole batch's gradient, measured with bf16 weights over 16 chunks).
+
+    Args:
+      kernel_dv: the head's weight (`transformer.head_kernel`).
+      batch: [b, t] the rows x_btd was computed on (b divisible by `chunks`).
+
+    Returns:
+      The InferenceOutput `readout` gives on the whole batch, fields [b, t] (or [b, k]).
+    """
+
+    def one_chunk(kernel_dv, x_btd, batch):
+        return readout(cfg, head_out(model_config, kernel_dv, x_btd), batch)
+
+    one_chunk = jax.checkpoint(one_chunk, prevent_cse=False)  # a scan body: nothing to CSE
+    kernel_dv = kernel_dv.astype(jnp.float32)  # cast back to the compute dtype in `head_out`
+    x_cbtd = nn.with_logical_constraint(split_rows(x_btd, chunks),
+                                        (None, "batch", "length", "act_embed"))
+    batch_c = InferenceBatch(*(split_rows(a, chunks) for a in batch))
+    _, out_c = jax.lax.scan(lambda _, xs: (None, one_chunk(kernel_dv, *xs)), None,
+                            (x_cbtd, batch_c))
+    return InferenceOutput(*(None if x is None else merge_rows(x) for x in out_c))
 
 
 def infer_packed(model: Transformer, cfg: InferenceConfig, shards: int, params,

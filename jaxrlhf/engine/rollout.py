@@ -94,8 +94,8 @@ class SlotState(NamedTuple):
       logits_bv: float32 [S, vocab] the model's prediction of that token.
       last_token_b: int32 [S] response token step - 1.
       done_b: bool [S] nothing to decode: the row stopped (EOS or N tokens) or the slot is free.
-      cache: the KV cache of P + C slots: one `DecodeKV` per layer (keys [S, k, d, P + C],
-        values [S, k, P + C, d]) when the model decodes layer by layer, else one stacked
+      cache: the KV cache of P + C slots: one `DecodeKV` per layer (`models.decode_kv`)
+        when the model decodes layer by layer, else one stacked
         KVCache [L, S, P + C, k, d].
       response_bn: int32 [S, N] sampled tokens (pad_token_id after the end).
       logprobs_bn: float32 [S, N] each token's log-prob (0 where none).
@@ -153,7 +153,7 @@ class Vacant(NamedTuple):
 
 
 def _cache_len(cache) -> int:
-    return cache.k_lbskd.shape[2] if isinstance(cache, KVCache) else cache[0].v_bksd.shape[2]
+    return cache.k_lbskd.shape[2] if isinstance(cache, KVCache) else cache[0].length
 
 
 def _segments_bs(prompt_mask_bp, n_new: int) -> jax.Array:
@@ -201,10 +201,9 @@ def _zeros_cache(config: ModelConfig, by_layer: bool, slots: int, length: int):
     stacked = KVCache.zeros(config, slots, length)
     if not by_layer:
         return constrain_cache(stacked)
-    shape = lambda *dims: jnp.zeros(dims, config.dtype)
-    k, d = config.num_kv_heads, config.head_dim
-    return constrain_cache(tuple(DecodeKV(shape(slots, k, d, length), shape(slots, k, length, d))
-                                  for _ in range(config.num_layers)))
+    return constrain_cache(tuple(
+        DecodeKV.zeros(slots, config.num_kv_heads, config.head_dim, length, config.dtype)
+        for _ in range(config.num_layers)))
 
 
 def _empty(config: ModelConfig, by_layer: bool, cfg: GenerateConfig, slots: int, prompt_len: int,
@@ -236,12 +235,8 @@ def _write_prompts(cache, new: KVCache, slots_k, src_k, length: int):
     if isinstance(cache, KVCache):
         return KVCache(*(c.at[:, slots_k, :length].set(v[:, src_k].astype(c.dtype), mode="drop")
                          for c, v in zip(cache, new)))
-    return tuple(
-        DecodeKV(c.kT_bkds.at[slots_k, :, :, :length].set(
-                     jnp.transpose(k[src_k], (0, 2, 3, 1)).astype(c.kT_bkds.dtype), mode="drop"),
-                 c.v_bksd.at[slots_k, :, :length].set(
-                     jnp.transpose(v[src_k], (0, 2, 1, 3)).astype(c.v_bksd.dtype), mode="drop"))
-        for c, k, v in zip(cache, new.k_lbskd, new.v_lbskd))
+    return tuple(c.write_prefix(slots_k, k[src_k], v[src_k])
+                 for c, k, v in zip(cache, new.k_lbskd, new.v_lbskd))
 
 
 class _FillInts(NamedTuple):
@@ -366,7 +361,7 @@ def _resize(s: SlotState, length: int) -> SlotState:
     if isinstance(s.cache, KVCache):
         cache = KVCache(*(fit(c, 2) for c in s.cache))
     else:
-        cache = tuple(DecodeKV(fit(c.kT_bkds, 3), fit(c.v_bksd, 2)) for c in s.cache)
+        cache = tuple(c.resized(length) for c in s.cache)
     return s._replace(cache=constrain_cache(cache))
 
 
@@ -383,7 +378,7 @@ def _compact(s: SlotState, keep_m) -> SlotState:
     if isinstance(s.cache, KVCache):
         cache = KVCache(*(take(c, 1) for c in s.cache))
     else:
-        cache = tuple(DecodeKV(take(c.kT_bkds), take(c.v_bksd)) for c in s.cache)
+        cache = tuple(c.take(keep_m) for c in s.cache)
     fields = {name: take(x) for name, x in s._asdict().items() if name != "cache"}
     zeros = jnp.zeros(keep_m.shape, jnp.int32)
     return SlotState(**{**fields, "steps_b": zeros, "tokens_b": zeros},
@@ -497,8 +492,7 @@ class Rollout:
         lay, c = self.layout, self.model.config
         length = self.prompt_len + capacity
         if self.by_layer:
-            shapes = ((slots, c.num_kv_heads, c.head_dim, length),
-                      (slots, c.num_kv_heads, length, c.head_dim))
+            shapes = DecodeKV.shapes(slots, c.num_kv_heads, c.head_dim, length)
             layer = DecodeKV(*(lay.sharding(axes, shape)
                                for axes, shape in zip(DECODE_AXES, shapes)))
             cache = (layer,) * c.num_layers

@@ -49,7 +49,7 @@ from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import Layout, init_params
-from jaxrlhf.parallel.pipeline import Pipeline, layer_stack
+from jaxrlhf.parallel.pipeline import Pipeline, layer_stack, remats_stages
 from jaxrlhf.parallel.reshard import fetch, transfer
 from jaxrlhf.parallel.zero import over_data
 
@@ -342,7 +342,8 @@ class TrainStep(BucketedCall):
     def _jit_for(self, count: int, batch: Batch, plan: packing.PackPlan, spread: bool = False
                  ) -> jax.stages.Wrapped:
         # A pipeline streams the micro-batches through its stages in one pass instead.
-        pipeline = layer_stack(self.layout, count)
+        pipeline = layer_stack(self.layout, count,
+                               remat_stages=remats_stages(self.model_config.remat))
         spec = _StepSpec(self.model_config, self.opt_cfg, self.readout,
                          1 if pipeline else count, pipeline, spread)
         step_fn = functools.partial(

@@ -23,6 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.models.decode_kv import DecodeKV
 from kernels import decode_attention, flash_attention
 
 _NEG_INF = -1e30  # finite, so fully masked rows (padding queries) give no NaN
@@ -140,20 +141,22 @@ def _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax
     return out_bkgtd.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, heads, head_dim)
 
 
-def cached_query_attention(q_b1hd, kT_bkds, v_bksd, q_seg_b1, kv_seg_bs, q_offset,
+def cached_query_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offset,
                            impl: AttentionImpl = AttentionImpl.XLA) -> jax.Array:
     """`dot_product_attention` of one query per row (a decode step) against a layer's own cache
-    laid out as `models.transformer.DecodeKV`: keys [b, k, d, S], values [b, k, S, d].
+    laid out as `models.decode_kv.DecodeKV`: keys in tiles [b, k, c, d, i], values [b, k, S, d].
 
-    With XLA both products are batched matrix products over (row, kv head) whose operands lie
-    as the dot reads them (scores: q [g, d] x K^T [d, S]; output: p [g, S] x V [S, d]), so the
-    cache is read once, in place. Scores and softmax in fp32, probabilities rounded to q's
-    dtype, as `_xla_attention`. Other implementations get the cache in their own layout
-    (a transpose per call: the Pallas kernels in interpret mode on CPU, for tests).
+    With XLA both products are batched matrix products whose big operand, the cache, lies as
+    the dot reads it: the scores q [g, d] x K [d, i] per (row, kv head, tile), each tile one
+    contiguous block (the queries broadcast over the tiles: c x g x d per (row, kv head),
+    1/32 of the keys at 64-slot tiles); the output p [g, S] x V [S, d] per (row, kv head).
+    Scores and softmax in fp32, probabilities rounded to q's dtype, as `_xla_attention`. Other
+    implementations get the cache in their own layout (a transpose per call: the Pallas kernels
+    in interpret mode on CPU, for tests).
 
     Args:
       q_b1hd: [b, 1, heads, head_dim] one query per row.
-      kT_bkds, v_bksd: the cache, written up to each row's query slot.
+      k_bkcdi, v_bksd: the cache, written up to each row's query slot.
       q_seg_b1, kv_seg_bs, q_offset: as `dot_product_attention`.
       impl: the implementation.
 
@@ -161,21 +164,30 @@ def cached_query_attention(q_b1hd, kT_bkds, v_bksd, q_seg_b1, kv_seg_bs, q_offse
       [b, 1, heads, head_dim] in q's dtype.
     """
     if resolve_impl(impl) is not AttentionImpl.XLA:
-        k_bskd, v_bskd = jnp.moveaxis(kT_bkds, 3, 1), jnp.moveaxis(v_bksd, 2, 1)
+        k_bskd, v_bskd = DecodeKV(k_bkcdi, v_bksd).stacked()
         return dot_product_attention(q_b1hd, k_bskd, v_bskd, q_seg_b1, kv_seg_bs, q_offset, impl)
     batch, _, heads, head_dim = q_b1hd.shape
-    kv_heads, k_len = kT_bkds.shape[1], kT_bkds.shape[3]
+    _, kv_heads, tiles, _, tile = k_bkcdi.shape
+    k_len = v_bksd.shape[2]
     dtype = q_b1hd.dtype
     q_slot_b1 = _query_slots(q_offset, batch, 1)
     k_slot_bs = jnp.broadcast_to(jnp.arange(k_len), (batch, k_len))
     mask_b11s = attention_mask(q_slot_b1, q_seg_b1, k_slot_bs, kv_seg_bs)[:, 0, 0]
-    q_bkgd = q_b1hd.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    scores_bkgs = jnp.einsum("bkgd,bkds->bkgs", q_bkgd, kT_bkds.astype(dtype),
-                             preferred_element_type=jnp.float32) / math.sqrt(head_dim)
+    groups = heads // kv_heads
+    q_bkcgd = jnp.broadcast_to(q_b1hd.reshape(batch, kv_heads, 1, groups, head_dim),
+                               (batch, kv_heads, tiles, groups, head_dim))
+    scores_bkcgi = jnp.einsum("bkcgd,bkcdi->bkcgi", q_bkcgd, k_bkcdi.astype(dtype),
+                              preferred_element_type=jnp.float32)
+    scores_bkgs = jnp.swapaxes(scores_bkcgi, 2, 3).reshape(batch, kv_heads, groups, tiles * tile)
+    scores_bkgs = scores_bkgs[..., :k_len] / math.sqrt(head_dim)
     scores_bkgs = jnp.where(mask_b11s[:, None], scores_bkgs, _NEG_INF)
-    probs_bkgs = jax.nn.softmax(scores_bkgs, axis=-1).astype(dtype)
-    out_bkgd = jnp.einsum("bkgs,bksd->bkgd", probs_bkgs, v_bksd.astype(dtype))
-    return out_bkgd.reshape(batch, 1, heads, head_dim)
+    # The softmax's division after the product, on the [b, k, g, d] output: one pass over the
+    # scores fewer. (Rounded to q's dtype are then the unnormalised weights, in (0, 1].)
+    weights_bkgs = jnp.exp(scores_bkgs - jnp.max(scores_bkgs, axis=-1, keepdims=True))
+    total_bkg1 = jnp.sum(weights_bkgs, axis=-1, keepdims=True)
+    out_bkgd = jnp.einsum("bkgs,bksd->bkgd", weights_bkgs.astype(dtype), v_bksd.astype(dtype),
+                          preferred_element_type=jnp.float32) / total_bkg1
+    return out_bkgd.astype(dtype).reshape(batch, 1, heads, head_dim)
 
 
 # --- cuDNN (jax.nn.dot_product_attention) -------------------------------------------------

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxrlhf.models import attention, lora
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy, RopeScaling
+from jaxrlhf.models.decode_kv import DecodeKV
 
 # Logical axis names used by parameters and activations. Rules in meshes/ map them to mesh axes.
 LOGICAL_AXES = (
@@ -46,24 +47,6 @@ class KVCache(NamedTuple):
     def zeros(config: ModelConfig, batch: int, cache_len: int) -> "KVCache":
         shape = (config.num_layers, batch, cache_len, config.num_kv_heads, config.head_dim)
         return KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
-
-
-class DecodeKV(NamedTuple):
-    """One layer's own cache in a token loop, laid out for one-query attention as two plain
-    batched matrix products (`attention.cached_query_attention`).
-
-    kT_bkds: keys [batch, kv_heads, head_dim, cache_len]; v_bksd: values [batch, kv_heads,
-    cache_len, head_dim].
-
-    Why transposed: a decode step's scores are q [g, d] x K^T [d, S] and its output
-    p [g, S] x V [S, d] per (row, kv head); stored this way both are products in the layout
-    XLA:CPU's dots read in place. The [b, S, k, d] layout made XLA:CPU copy (and transpose) the
-    layer's whole cache every token, or, as multiply-reduces, run at a fraction of the memory
-    bandwidth (W-cpu's 64 rows at 544 slots: 5.7 ms a layer against 2.9 ms for the dots).
-    """
-
-    kT_bkds: jax.Array
-    v_bksd: jax.Array
 
 
 def _init(stddev: float = 0.02):
@@ -235,7 +218,7 @@ class Attention(nn.Module):
         k = nn.with_logical_constraint(k, ("batch", "length", "act_kv_heads", "head_dim"))
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos_bt1d, sin_bt1d = rope_tables(positions_bt, inv_freq, q.dtype,
-                                         None if layer_cache is not None else q.shape[1])
+                                         _positions_below(layer_cache, q.shape[1]))
         q, k = rotate(q, cos_bt1d, sin_bt1d), rotate(k, cos_bt1d, sin_bt1d)
 
         if layer_cache is None:
@@ -245,7 +228,7 @@ class Attention(nn.Module):
             new_cache, k_all, v_all = _write_cache(layer_cache, k, v, cache_index)
         if isinstance(new_cache, DecodeKV):  # one token against this layer's own cache
             out_bthd = attention.cached_query_attention(
-                q, new_cache.kT_bkds, new_cache.v_bksd, segment_ids_bt, kv_segment_ids_bs,
+                q, new_cache.k_bkcdi, new_cache.v_bksd, segment_ids_bt, kv_segment_ids_bs,
                 cache_index, impl=cfg.attention)
         else:
             out_bthd = attention.dot_product_attention(
@@ -255,6 +238,17 @@ class Attention(nn.Module):
         out_bthd = nn.with_logical_constraint(out_bthd, ("batch", "length", "act_heads", "head_dim"))
         out = OutProjection(cfg, name="o_proj")(out_bthd)
         return out, new_cache
+
+
+def _positions_below(layer_cache, q_len: int) -> int | None:
+    """A bound on the positions of a layer's queries, for `rope_tables`: the queries' own length
+    without a cache, a `DecodeKV`'s length (a token's position is at most its cache slot), else
+    none. Why a bound for a `DecodeKV`: its attention broadcasts the rotated query over the key
+    tiles, and XLA fused the rotation's sines and cosines into that broadcast (once per tile:
+    a fifth of a decode step at 1,056 slots); gathered from a table, they are not recomputed."""
+    if layer_cache is None:
+        return q_len
+    return layer_cache[0].length if isinstance(layer_cache[0], DecodeKV) else None
 
 
 def _write_cache(layer_cache, k_btkd, v_btkd, cache_index):
@@ -290,20 +284,10 @@ def _write_cache(layer_cache, k_btkd, v_btkd, cache_index):
 
 
 def _write_decode(cache: DecodeKV, k_b1kd, v_b1kd, cache_index) -> DecodeKV:
-    """One new token per row into a layer's `DecodeKV`, in place: at slot `cache_index` (a
-    scalar) or row r's at `cache_index[r]` (int [b]; a scatter, which writes only the rows'
-    slots where a select would rewrite the whole cache every token)."""
+    """One new token per row into a layer's `DecodeKV`, in place (`DecodeKV.write_token`)."""
     if k_b1kd.shape[1] != 1:
         raise ValueError(f"a DecodeKV cache takes one token per row, got {k_b1kd.shape[1]}")
-    k_bkd = k_b1kd[:, 0].astype(cache.kT_bkds.dtype)
-    v_bkd = v_b1kd[:, 0].astype(cache.v_bksd.dtype)
-    if jnp.ndim(cache_index):
-        rows_b = jnp.arange(k_bkd.shape[0])
-        return DecodeKV(cache.kT_bkds.at[rows_b, :, :, cache_index].set(k_bkd),
-                        cache.v_bksd.at[rows_b, :, cache_index, :].set(v_bkd))
-    return DecodeKV(
-        jax.lax.dynamic_update_slice(cache.kT_bkds, k_bkd[..., None], (0, 0, 0, cache_index)),
-        jax.lax.dynamic_update_slice(cache.v_bksd, v_bkd[:, :, None], (0, 0, cache_index, 0)))
+    return cache.write_token(k_b1kd[:, 0], v_b1kd[:, 0], cache_index)
 
 
 def _write_rows(cache: KVCache, layer, k_b1kd, v_b1kd, index_b):
@@ -465,6 +449,7 @@ class Transformer(nn.Module):
         cache_index: jax.Array | int = 0,
         kv_segment_ids_bs: jax.Array | None = None,
         last_only: bool = False,
+        with_head: bool = True,
     ) -> tuple[jax.Array, KVCache | None]:
         """Forward pass.
 
@@ -478,9 +463,13 @@ class Transformer(nn.Module):
           kv_segment_ids_bs: int [batch, S] segment ids of every cache slot *after* this write.
           last_only: apply the head to the last position only (prefill needs just the next
             token's logits; the [batch, len, vocab] array would dominate its memory).
+          with_head: False returns the final norm's output x_btd [batch, len, embed] (compute
+            dtype) instead of the head's, for a caller that applies `head_out` itself, e.g.
+            in row chunks (`engine.inference`).
 
         Returns:
-          (logits_btv float32 or values_bt float32, updated cache or None).
+          (logits_btv float32 or values_bt float32, or x_btd without the head; updated cache
+          or None).
         """
         cfg = self.config
         embed = nn.Embed(
@@ -504,25 +493,44 @@ class Transformer(nn.Module):
         x_btd = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, name="norm")(x_btd)
         if last_only:
             x_btd = x_btd[:, -1:]
-        return self._head(embed, x_btd), new_cache
+        if not with_head and not self.is_initializing():
+            return x_btd, new_cache
+        return head_out(cfg, self._head_kernel(embed), x_btd), new_cache
 
-    def _head(self, embed: nn.Embed, x_btd: jax.Array) -> jax.Array:
+    def _head_kernel(self, embed: nn.Embed) -> jax.Array:
+        """The head's weight, declared here unless it is the tied embedding (`head_kernel`)."""
         cfg = self.config
         match cfg.head:
             case HeadKind.LM if cfg.tie_word_embeddings:
-                kernel_dv = embed.embedding.T
+                return embed.embedding.T
             case HeadKind.LM:
-                kernel_dv = self.param(
+                return self.param(
                     "lm_head", nn.with_logical_partitioning(_init(), ("embed", "vocab")),
                     (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype,
                 )
             case HeadKind.SCALAR:
-                kernel_dv = self.param(
+                return self.param(
                     "score", nn.with_logical_partitioning(nn.initializers.zeros, ("embed", None)),
                     (cfg.hidden_size, 1), cfg.param_dtype,
                 )
-        out = flat_matmul(x_btd, kernel_dv.astype(cfg.dtype), 1,
-                          preferred_element_type=jnp.float32)
-        if cfg.head is HeadKind.SCALAR:
-            return out[..., 0]
-        return nn.with_logical_constraint(out, ("batch", "length", "act_vocab"))
+
+
+def head_kernel(cfg: ModelConfig, params) -> jax.Array:
+    """The head's weight [embed, vocab] (LM; the embedding's transpose when tied) or
+    [embed, 1] (scalar) in the parameter dtype, from the model's (unboxed) parameter tree."""
+    match cfg.head:
+        case HeadKind.LM if cfg.tie_word_embeddings:
+            return params["embed_tokens"]["embedding"].T
+        case HeadKind.LM:
+            return params["lm_head"]
+        case HeadKind.SCALAR:
+            return params["score"]
+
+
+def head_out(cfg: ModelConfig, kernel_dv: jax.Array, x_btd: jax.Array) -> jax.Array:
+    """The head on final-norm outputs x_btd [b, t, embed] with its weight `kernel_dv`
+    (`head_kernel`): logits_btv float32 (LM) or values_bt float32 (scalar)."""
+    out = flat_matmul(x_btd, kernel_dv.astype(cfg.dtype), 1, preferred_element_type=jnp.float32)
+    if cfg.head is HeadKind.SCALAR:
+        return out[..., 0]
+    return nn.with_logical_constraint(out, ("batch", "length", "act_vocab"))

@@ -22,8 +22,10 @@ It runs a GPipe schedule written SPMD-style, without per-stage programs:
 Stage s works on micro-batch i - s at iteration i; outside [0, M) it computes on filler (the
 bubble, (S-1)/(M+S-1) of the time) whose results are never used. Reverse-mode autodiff of the
 same loop is the backward pipeline (activations of every iteration are kept, as GPipe does;
-the model's remat policy applies per layer), so train_step, inference and generation all run
-pipelined through the one forward.
+the model's remat policy applies per layer, and under full remat a train step checkpoints each
+stage too, `remats_stages`), so train_step, inference and generation all run pipelined
+through the one forward. The head runs after the pipeline, over its output one micro-batch's
+rows at a time (`engine.inference.readout_in_chunks`).
 
 KV cache (generation): the cache [L, b, S_len, k, d] is viewed as [S, L/S, b/M, M, S_len, k, d];
 stage s reads micro-batch m's slice and writes back only the t slots it filled, and only when m
@@ -44,6 +46,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.models.config import RematPolicy
 from jaxrlhf.models.transformer import KVCache, LayerFn, LayerInputs
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.strategy import Axis
@@ -264,6 +267,15 @@ def _stage_fn(layer_fn: LayerFn, unroll: bool):
         return x_btd, KVCache(*(write_back(c, n, o) for c, n, o in zip(cache, new_m, cache_m)))
 
     return stage
+
+
+def remats_stages(remat: RematPolicy) -> bool:
+    """Whether a pipelined train step checkpoints each stage (`Pipeline.remat_stages`): under
+    the model's RematPolicy.FULL, the policy that keeps least. GPipe keeps what every layer
+    saves for every iteration of the schedule, M + S - 1 times L/S layer inputs per stage
+    under FULL; stage checkpoints keep M + S - 1 stage inputs and recompute one stage's layer
+    inputs at a time, for one more forward pass of the stage (`plan.cost.train_cost`)."""
+    return remat is RematPolicy.FULL
 
 
 def layer_stack(layout: Layout, micro_batches: int | None = None, *,

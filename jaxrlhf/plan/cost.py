@@ -71,6 +71,7 @@ from scipy import optimize
 from jaxrlhf.mfc import Call
 from jaxrlhf.models.config import RematPolicy
 from jaxrlhf.parallel import strategy as strategy_lib
+from jaxrlhf.parallel.pipeline import remats_stages
 from jaxrlhf.parallel.strategy import Axis
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import OVERHEADS, Calibration, Cluster
@@ -242,9 +243,12 @@ def bubble_fraction(choice: CallChoice) -> float:
 
 
 def train_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Cluster,
-               fp32_master: bool, remat_stages: bool = False) -> CallCost:
+               fp32_master: bool, remat_stages: bool | None = None) -> CallCost:
     """One train_step MFC: `work.updates` optimizer updates (`remat_stages`: a pipeline that
-    recomputes each stage's forward in the backward pass, one more forward)."""
+    recomputes each stage's forward in the backward pass, one more forward; None: as the
+    runtime does, `parallel.pipeline.remats_stages`)."""
+    if remat_stages is None:
+        remat_stages = remats_stages(p.config.remat)
     tokens = work.packed_tokens_per_device(Call.TRAIN_STEP, choice.dp_size,
                                            choice.micro_batches, choice.pipeline)
     s = work.seq_len

@@ -20,12 +20,17 @@ One MFC on its own (`call_memory`), per device:
     every executable of the engine takes and gives back (donated: one copy), so XLA counts it
     with the batch arguments, not the temporaries; the prefill (a fill) and the decode loop (an
     advance) are executables of their own, and the larger of the two is the peak;
-  * logits (train): fp32 logits over the (tensor-sharded) vocabulary, kept for the backward
-    pass, and their gradient (the readout reduces the log-softmax over the vocabulary as it
-    goes), of one micro-batch, or with a pipeline of the whole local batch (the head runs
-    after the pipeline has streamed every micro-batch);
+  * logits (train): the head's phase of the backward pass, before the layers' (the peak is
+    the larger of the two phases, `MemoryBreakdown.temporaries`): fp32 logits over the
+    (tensor-sharded) vocabulary, kept for the backward pass, and their gradient (the readout
+    reduces the log-softmax over the vocabulary as it goes), of one micro-batch, and the head
+    weight's gradient: a loop of micro-batches runs one at a time, and over a pipeline's
+    output the head runs one micro-batch's rows at a time and recomputes them in the backward
+    pass (`engine.inference.readout_in_chunks`; inference's head likewise runs one streamed
+    piece at a time);
   * gathered: a layer's largest weight matrix sliced out of the scanned stack or all-gathered
-    over fsdp, and with fsdp the LM head's table;
+    over fsdp, and with fsdp the LM head's table; after a pipeline, an fp32 copy of the head's
+    weight (bf16 parameters, `_head_copy_bytes`);
   * pipelines (p > 1): a stage holds 1/p of the layers' parameters, state and gradients (the
     embedding and head whole, `ModelProfile.shard_bytes`) and of what they save for the
     backward pass, but for every iteration of the schedule: the runtime's GPipe loop keeps
@@ -59,6 +64,7 @@ import numpy as np
 
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.config import HeadKind, RematPolicy
+from jaxrlhf.parallel.pipeline import remats_stages
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.experiment import Experiment, Workload
@@ -87,7 +93,11 @@ class MemoryBreakdown:
 
     @property
     def temporaries(self) -> int:
-        return self.grads + self.activations + self.kv_cache + self.logits + self.gathered
+        """Activations and cache, plus the larger of a train step's two backward phases: the
+        head's (logits) runs first, and its buffers are freed before the layers' gradients
+        and weight slices are formed (`grads`, `gathered`; inference and generation have no
+        logits term)."""
+        return self.activations + self.kv_cache + max(self.logits, self.grads + self.gathered)
 
     @property
     def total(self) -> int:
@@ -148,7 +158,16 @@ def gradient_bytes(p: ModelProfile, choice: CallChoice, tensor: int, stages: int
     the optimizer's update as it is formed, of which XLA keeps about half an fp32 tree live (2
     bytes: measured on CPU devices, fp32 and bf16 parameters, one and several micro-batches,
     `tests/test_plan_memory_terms.py`). All whole over data parallelism: ZeRO-1 slices the
-    optimizer state, not the gradients (`parallel.zero` says why)."""
+    optimizer state, not the gradients (`parallel.zero` says why).
+
+    With bf16 parameters and a pipeline that is 2 + 4 + 2 = 8 bytes, four times the
+    parameters: the backward pass's bf16 gradients (a pipeline sums them over its iterations
+    in that dtype), the fp32 copy `microbatch.accumulate` casts them to (divided by the
+    weight in place; XLA's buffer assignment on CPU holds both trees at the peak), which the
+    global norm and the update read, and the update. None of them is a second accumulator;
+    the fp32 tree could shrink to each rank's 1/d ZeRO-1 slice if the norm read the bf16
+    gradients through a fused cast and the update cast its slice only (not done: ZeRO-1's
+    bitwise equality keeps the gradients whole through the norm, `parallel.zero`)."""
     elements = p.trained_shard_elements(tensor, choice.fsdp, stages)
     loop = stages == 1 and choice.micro_batches > 1
     own_dtype = p.param_itemsize if p.param_itemsize != 4 else 0
@@ -205,6 +224,25 @@ def _logit_bytes(p: ModelProfile, tokens: int, tensor: int, copies: int) -> floa
     return tokens * width * 4 * copies
 
 
+def _head_backward_bytes(p: ModelProfile, tokens: int, tensor: int) -> float:
+    """The head's phase of a train step's backward pass over `tokens` local tokens: fp32
+    logits and their gradient (`_logit_bytes`), and the head weight's fp32 gradient twice (a
+    micro-batch's or chunk's and the sum it is added to). The layers' gradients are not yet
+    formed (`MemoryBreakdown.temporaries`). Measured on CPU devices against XLA
+    (`tests/test_plan_memory_terms.py`)."""
+    head = 2 * 4 * p.config.hidden_size * _sharded(p.out_dim, tensor)
+    return _logit_bytes(p, tokens, tensor, 2) + (head if p.config.head is HeadKind.LM else 0)
+
+
+def _head_copy_bytes(p: ModelProfile, choice: CallChoice) -> int:
+    """The fp32 copy of the LM head's weight a pipelined train step reads its output with, so
+    the head's gradient is summed over the chunks in fp32
+    (`engine.inference.readout_in_chunks`); none for fp32 parameters or a scalar head."""
+    if p.config.head is not HeadKind.LM or p.param_itemsize == 4:
+        return 0
+    return int(4 * p.config.hidden_size * _sharded(p.out_dim, choice.tensor) / choice.fsdp)
+
+
 def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float:
     """Weights materialised beside the parameters while a layer runs.
 
@@ -258,7 +296,7 @@ def streamed_micro_batches(work: Workload, call: Call, choice: CallChoice) -> in
     return math.gcd(choice.micro_batches, work.rows(call) // choice.micro_batches)
 
 
-def _pipelined_saved_bytes(p: ModelProfile, choice: CallChoice, tokens: int, context: int,
+def pipelined_saved_bytes(p: ModelProfile, choice: CallChoice, tokens: int, context: int,
                            remat_stages: bool) -> float:
     """What a stage keeps for its backward pass over the schedule's M + p - 1 iterations
     (bubble ones included): GPipe keeps every iteration's saved activations of its L/p layers;
@@ -275,11 +313,14 @@ def _pipelined_saved_bytes(p: ModelProfile, choice: CallChoice, tokens: int, con
 
 
 def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
-                fp32_master: bool = False, remat_stages: bool = False,
+                fp32_master: bool = False, remat_stages: bool | None = None,
                 cpu: bool = False) -> MemoryBreakdown:
     """Bytes per device of one MFC on its own (its own model's parameters included);
-    `remat_stages` prices a pipeline that checkpoints each stage (train_step only); `cpu`:
-    on XLA:CPU devices (`Cluster.cpu`)."""
+    `remat_stages` prices a pipeline that checkpoints each stage or not (train_step only;
+    None: as the runtime does, `parallel.pipeline.remats_stages`); `cpu`: on XLA:CPU devices
+    (`Cluster.cpu`)."""
+    if remat_stages is None:
+        remat_stages = remats_stages(p.config.remat)
     rows = work.rows_per_device(call, choice.dp_size, choice.micro_batches)
     s, t, stages = work.seq_len, choice.tensor, choice.pipeline
     params = p.shard_bytes(t, choice.fsdp, stages)
@@ -298,22 +339,26 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             tokens = work.packed_tokens_per_device(call, choice.dp_size, choice.micro_batches,
                                                    stages)
             params, optimizer = train_state_bytes(p, choice, fp32_master)
-            # A pipeline streams all micro-batches through one forward: the head (logits, their
-            # log-softmax and its gradient) then runs on the whole local batch at once.
-            head_tokens = tokens * choice.micro_batches if stages > 1 else tokens
-            activations = (_pipelined_saved_bytes(p, choice, tokens, s, remat_stages)
+            # A pipeline streams all micro-batches through one forward and its stages hold
+            # them all; the head (logits, their log-softmax and its gradient) then runs over
+            # its output one micro-batch at a time, recomputed in the backward pass
+            # (`engine.inference.readout_in_chunks`): one micro-batch's logits, as a loop.
+            if stages > 1:
+                gathered += _head_copy_bytes(p, choice)
+            activations = (pipelined_saved_bytes(p, choice, tokens, s, remat_stages)
                            + layer_working_bytes(p, tokens, s, t)
-                           + _stage_buffers(p, choice, head_tokens))
+                           + _stage_buffers(p, choice, tokens * choice.micro_batches))
             return MemoryBreakdown(
                 params=params, optimizer=optimizer, grads=gradient_bytes(p, choice, t, stages),
-                activations=int(activations), logits=int(_logit_bytes(p, head_tokens, t, 2)),
+                activations=int(activations), logits=int(_head_backward_bytes(p, tokens, t)),
                 gathered=gathered)
         case Call.INFERENCE:  # the layers, then the head: the larger phase is the peak
             # One of the executor's calls (a micro-batch); a pipeline streams it in pieces.
             tokens = work.packed_tokens_per_device(call, choice.dp_size, choice.micro_batches,
                                                    stages)
+            # The head runs over the pipeline's output in the same pieces.
             piece = tokens / (streamed_micro_batches(work, call, choice) if stages > 1 else 1)
-            peak = max(forward_peak_bytes(p, piece, s, t), _logit_bytes(p, tokens, t, 2))
+            peak = max(forward_peak_bytes(p, piece, s, t), _logit_bytes(p, piece, t, 2))
             return MemoryBreakdown(params=params, gathered=gathered,
                                    activations=int(peak + _stage_buffers(p, choice, tokens)))
         case Call.GENERATE if stages == 1:  # the rollout engine (`engine.rollout`)
