@@ -25,10 +25,10 @@ keys (they lie after its own position until it overwrites them).
 Why the cache has a capacity: a decode step reads its whole cache array, a static shape. The
 state's cache holds P + C slots, C a bucket (`capacity_buckets`: two per octave) just above
 what the busy rows reach in the next `advance`; `advance` grows it (or shrinks it, when long
-rows have left) before decoding, in its own executable, one copy each time, and ends its chunk
-where the busy rows outgrow that bucket (`chunk_steps`), rather than read a larger cache for
-the whole chunk. A step then reads at most ~1.5x the live slots, and the engine compiles one
-`advance` per (slots, capacity before, capacity after). On XLA:CPU each
+rows have left) before decoding, one copy each time, and ends its chunk where the busy rows
+outgrow that bucket (`chunk_steps`), rather than read a larger cache for the whole chunk. A
+step then reads at most ~1.5x the live slots, and the engine compiles one `advance` per
+(slots, capacity) bucket. On XLA:CPU each
 layer keeps its own cache laid out for one-query attention (`models.transformer.DecodeKV`,
 `engine.decode_layers`); elsewhere the stacked [L, S, P + C, k, d] cache is written by scatter.
 
@@ -363,12 +363,6 @@ def _resize(s: SlotState, length: int) -> SlotState:
     else:
         cache = tuple(c.resized(length) for c in s.cache)
     return s._replace(cache=constrain_cache(cache))
-
-
-def _resized_first(length: int, advance, params, s: SlotState, *args) -> SlotState:
-    """`advance` of the state with a cache of `length` slots (`_resize`): one executable,
-    not a resize's and an advance's (W-cpu's 64 forced tokens: 6 compiles, not 10)."""
-    return advance(params, _resize(s, length), *args)
 
 
 def _compact(s: SlotState, keep_m) -> SlotState:
@@ -781,8 +775,7 @@ class Rollout:
         Args:
           longest: at least every busy slot's response length so far (`poll`'s third count;
             a slot filled since has 1): the cache is first fitted to what such rows reach in
-            this call (as `fit`, in the same executable), and the call decodes at most
-            `chunk_steps` tokens. None: all max_new_tokens response slots.
+            this call (`fit`), and the call decodes at most `chunk_steps` tokens. None: all max_new_tokens response slots.
           lockstep: every busy slot is at the same step (filled together, none since).
           stop_busy: stop as soon as at most this many slots are busy (0: when all are done):
             the caller can then refill the freed slots or compact the state, rather than
@@ -795,27 +788,23 @@ class Rollout:
             longest = max(int(longest), 1)
             num_steps = self.chunk_steps(state, longest, num_steps)
             needed = longest + num_steps
+        state = self.fit(state, needed)
         slots, capacity = self.size(state)
-        fitted = self._fitted(capacity, needed)
 
         def build():
             fn = functools.partial(_advance, self.model, self.cfg, lockstep)
-            if fitted != capacity:
-                fn = functools.partial(_resized_first, self.prompt_len + fitted, fn)
             if self.per_device:
-                fn = self._on_each_device(
-                    fn, (_REPLICATED, self._state_specs(slots, capacity)) + (_REPLICATED,) * 3,
-                    self._state_specs(slots, fitted))
-            return fn, self._shardings(slots, fitted)
+                state_specs = self._state_specs(slots, capacity)
+                fn = self._on_each_device(fn, (_REPLICATED, state_specs) + (_REPLICATED,) * 3,
+                                          state_specs)
+            return fn, self._shardings(slots, capacity)
 
         if self.per_device:
             stop_busy //= self.layout.dp_size
-        # A resized cache cannot reuse the old one's buffers (nor may a donation go unused).
-        return self._run(("advance", slots, capacity, fitted, lockstep), build, params,
+        return self._run(("advance", slots, capacity, lockstep), build, params,
                          state, self._scalar_on_devices(num_steps),
                          self._scalar_on_devices(stop_busy),
-                         self._scalar_on_devices(version),
-                         donate=(1,) if fitted == capacity else ())
+                         self._scalar_on_devices(version), donate=(1,))
 
     def compact(self, state: SlotState, keep: list[int]) -> SlotState:
         """The slots `keep` only, in that order, as a state of len(keep) slots (a multiple of
