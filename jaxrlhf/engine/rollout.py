@@ -25,8 +25,9 @@ keys (they lie after its own position until it overwrites them).
 Why the cache has a capacity: a decode step reads its whole cache array, a static shape. The
 state's cache holds P + C slots, C a bucket (`capacity_buckets`: two per octave) just above
 what the busy rows reach in the next `advance`; `advance` grows it (or shrinks it, when long
-rows have left) before decoding, one copy each time, and ends its chunk where the busy rows
-outgrow that bucket (`chunk_steps`), rather than read a larger cache for the whole chunk. A
+rows have left) before decoding, one copy each time; the synchronous call ends a chunk where
+the busy rows outgrow that bucket (`chunk_steps`), rather than read a larger cache for the
+whole chunk. A
 step then reads at most ~1.5x the live slots, and the engine compiles one `advance` per
 (slots, capacity) bucket. On XLA:CPU each
 layer keeps its own cache laid out for one-query attention (`models.transformer.DecodeKV`,
@@ -737,9 +738,10 @@ class Rollout:
         return capacity if want <= capacity <= 2 * want else want
 
     def chunk_steps(self, state: SlotState, longest: int, num_steps: int) -> int:
-        """How many of `num_steps` tokens an `advance` from `longest` (>= 1) decodes: up to
-        where its busy rows outgrow the cache that holds their next token (the capacity
-        bucket above it, or the state's own where `fit` keeps that); the next chunk grows it.
+        """How many of `num_steps` tokens to `advance` from `longest` (>= 1): up to where the
+        busy rows outgrow the cache that holds their next token (the capacity bucket above
+        it, or the state's own where `fit` keeps that); the next chunk grows it. The
+        synchronous call's chunks (`decode_rows`) end there.
 
         Why: a cache grown for the whole chunk up front is read at the larger size by every
         step of the chunk. On W-cpu d1 (64 rows, 512 forced tokens, chunks of 32) ending
@@ -775,19 +777,16 @@ class Rollout:
         Args:
           longest: at least every busy slot's response length so far (`poll`'s third count;
             a slot filled since has 1): the cache is first fitted to what such rows reach in
-            this call (`fit`), and the call decodes at most `chunk_steps` tokens. None: all max_new_tokens response slots.
+            this call (`fit`; `chunk_steps` says how many steps stay within the cache bucket
+            holding their next token). None: all max_new_tokens response slots.
           lockstep: every busy slot is at the same step (filled together, none since).
           stop_busy: stop as soon as at most this many slots are busy (0: when all are done):
             the caller can then refill the freed slots or compact the state, rather than
             decode finished rows' slots to the end of the chunk. Decoding each device's own
             slots, each device stops when its share (stop_busy / data-parallel size) is met.
         """
-        if longest is None:
-            needed = self.cfg.max_new_tokens
-        else:
-            longest = max(int(longest), 1)
-            num_steps = self.chunk_steps(state, longest, num_steps)
-            needed = longest + num_steps
+        n_max = self.cfg.max_new_tokens
+        needed = n_max if longest is None else max(int(longest), 1) + num_steps
         state = self.fit(state, needed)
         slots, capacity = self.size(state)
 
