@@ -91,6 +91,29 @@ def test_engine_equals_the_static_batch(spec, case):
     assert gen.occupancy.tokens == lengths.sum() - 16  # the prefill samples each first token
 
 
+@pytest.mark.parametrize("spec", ["0:d1", "0-1:d2"])
+def test_a_call_within_one_chunk_runs_as_one_executable(spec):
+    """16 rows in 16 slots, at most 6 new tokens in chunks of 8 (the main job's shape): one
+    executable fills, decodes and reads out every row on the device, with the static batch's
+    tokens and log-probs, its output shardings and the decode work counted."""
+    layout, params = _setup(spec)
+    cfg = GenerateConfig(6, STOPS, 0, temperature=1.0)
+    tokens, mask = _prompts(16, group=4, seed=5)
+    rng = jax.random.key(9)
+    gen = make_generate_fn(CONFIG, cfg, layout, prompt_buckets=(P,), chunk_tokens=8)
+    got = gen(params, tokens, mask, rng)
+    want = _reference(layout, params, cfg, tokens, mask, rng)
+    _assert_same(got, want)
+    assert [x.sharding for x in got] == list(gen._out_shardings)
+    lengths = want.response_lengths_b
+    assert lengths.min() < lengths.max()  # EOS ends some rows early
+    assert gen.compiles == 1
+    # Row i in slot i; each device decodes its own slots until they are done.
+    per_device = lengths.reshape(layout.dp_size, -1)
+    steps = per_device.shape[1] * (per_device.max(axis=1) - 1).sum()
+    assert gen.occupancy == (steps, lengths.sum() - 16)
+
+
 def test_a_queue_smaller_than_the_batch_decodes_every_row_alike():
     """4 slots for 12 rows, chunks of 3 tokens: rows wait, then take the slots of finished
     ones; every row is what the static batch gives it."""
@@ -110,8 +133,8 @@ def test_a_queue_smaller_than_the_batch_decodes_every_row_alike():
 
 
 def test_capacity_follows_the_live_rows():
-    """Small chunks grow the cache bucket by bucket (same tokens); a state whose long rows
-    left is cut back."""
+    """Small chunks grow the cache bucket by bucket, each chunk ending at its bucket's end
+    (same tokens); a state whose long rows left is cut back."""
     layout, params = _setup("0:d1")
     cfg = GenerateConfig(100, STOPS, 0, temperature=1.0, force_max_length=True)
     tokens, mask = _prompts(4, group=1, seed=2)
@@ -128,6 +151,11 @@ def test_capacity_follows_the_live_rows():
     assert engine.size(state) == (4, 100)
     assert engine.size(engine.fit(state, 60)) == (4, 100)  # within 2x: kept
     assert engine.size(engine.fit(state, 30)) == (4, 32)  # cut
+    # A chunk ends where its rows outgrow the bucket holding their next token (16: 15 steps
+    # from token 1, one from 15; 24 from 16), or the state's larger cache that fit keeps.
+    small = engine.empty(4)
+    assert [engine.chunk_steps(small, n, 32) for n in (1, 15, 16)] == [15, 1, 8]
+    assert engine.chunk_steps(state, 60, 32) == 32 and engine.chunk_steps(state, 40, 32) == 8
 
 
 def test_a_group_is_prefilled_once():

@@ -31,7 +31,7 @@ from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.decoding import (  # noqa: F401  (GenerateConfig, decode_model: public here)
     GenerateConfig, constrain_cache, decode_model, draw, prefill,
 )
-from jaxrlhf.engine.rollout import Rollout
+from jaxrlhf.engine.rollout import Rollout, SlotState
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import KVCache, Transformer
@@ -288,11 +288,12 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
             for s, i in zip(targets, take):
                 row_of[s] = i
             longest = max(longest, 1)
-        state = engine.advance(state, params, 0, chunk_tokens, longest, lockstep,
+        steps = engine.chunk_steps(state, longest, chunk_tokens)
+        state = engine.advance(state, params, 0, steps, longest, lockstep,
                                _stop_busy(len(row_of), len(queue), engine.layout.dp_size,
-                                          reach - longest > chunk_tokens))
+                                          reach - longest > steps))
         rows = None
-        if lockstep and longest + chunk_tokens >= reach:
+        if lockstep and longest + steps >= reach:
             done_b, counts, rows = engine.collect(state)
         else:
             done_b, counts = engine.poll(state)
@@ -322,16 +323,31 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
             row_of = [row_of[s] for s in keep]
 
 
+def engine_output(pad_token_id: int, s: SlotState) -> GenerateOutput:
+    """The GenerateOutput of an engine state whose slot i holds row i (traceable; the
+    `finish` of `Rollout.decode_at_once`)."""
+    prompt_bp = jnp.where(s.prompt_mask_bp, s.prompt_tokens_bp, pad_token_id).astype(jnp.int32)
+    return GenerateOutput(
+        sequences_bs=jnp.concatenate([prompt_bp, s.response_bn], axis=1),
+        prompt_mask_bp=s.prompt_mask_bp, response_bn=s.response_bn, response_mask_bn=s.mask_bn,
+        logprobs_bn=s.logprobs_bn,
+        response_lengths_b=jnp.sum(s.mask_bn, axis=1, dtype=jnp.int32))
+
+
+# Engine calls whose decode work may wait on the device before `Generator.occupancy` adds it
+# up (each a small array; a longer list is added up, a sync point on calls long finished).
+_PENDING_WORK = 32
+
+
 class Generator(BucketedCall):
     """The generate call kind of one model on one layout (use `make_generate_fn`).
 
     Calling it left-pads the prompts to the next prompt bucket and decodes them on the rollout
-    engine of that bucket (`decode_rows`), or, on a pipelined layout, runs the static-batch
+    engine of that bucket: in one executable (`Rollout.decode_at_once`) when every row has a
+    slot and the rows end within one chunk of tokens (nothing for the host to schedule),
+    else driven from the host (`decode_rows`); on a pipelined layout it runs the static-batch
     executable compiled for (bucket, batch). Every executable is compiled on first use and
     counted in `compile_cache`.
-
-    Attributes:
-      occupancy: decode work of the engine's calls so far (`Occupancy`).
     """
 
     def __init__(self, model_config: ModelConfig, gen_config: GenerateConfig, layout: Layout,
@@ -342,7 +358,10 @@ class Generator(BucketedCall):
         self.chunk_tokens = chunk_tokens
         self.model_config, self.gen_config = model_config, gen_config
         self.prompt_buckets = tuple(sorted(prompt_buckets))
-        self.occupancy = Occupancy(0, 0)
+        self._occupancy = Occupancy(0, 0)
+        self._pending_work: list[jax.Array] = []  # work_k2 of `decode_at_once` calls
+        # One function for every call: `decode_at_once` compiles once per `finish`.
+        self._finish = functools.partial(engine_output, gen_config.pad_token_id)
         self._engines: dict[int, Rollout] = {}
         row, rows = layout.batch_sharding(1), layout.batch_sharding(2)
         self._rows, self._rng_sharding = rows, layout.replicated()
@@ -367,6 +386,20 @@ class Generator(BucketedCall):
                                                 prompt_len, slots,
                                                 compile_cache=self.compile_cache)
         return self._engines[prompt_len]
+
+    @property
+    def occupancy(self) -> Occupancy:
+        """Decode work of the engine's calls so far (a sync point on the calls not counted
+        yet)."""
+        self._count_work(len(self._pending_work))
+        return self._occupancy
+
+    def _count_work(self, calls: int):
+        """Adds the decode work of the first `calls` pending calls to `_occupancy`."""
+        done, self._pending_work = self._pending_work[:calls], self._pending_work[calls:]
+        for work_k2 in fetch(done):
+            self._occupancy = Occupancy(*(a + int(b) for a, b in zip(self._occupancy,
+                                                                    work_k2.sum(axis=0))))
 
     @property
     def on_engine(self) -> bool:
@@ -420,10 +453,20 @@ class Generator(BucketedCall):
         keys = [rng] if micro_batches == 1 else [jax.random.fold_in(rng, j)
                                                  for j in range(micro_batches)]
         rows = np.arange(batch, dtype=np.int32)
-        out, work = decode_rows(self.rollout_engine(bucket, slots), params, tokens_bp, mask_bp,
+        engine = self.rollout_engine(bucket, slots)
+        reach = self.gen_config.max_new_tokens if max_new_tokens_b is None else int(
+            np.max(max_new_tokens_b))
+        if micro_batches == 1 and reach <= self.chunk_tokens + 1:
+            out, work_b2 = engine.decode_at_once(params, 0, tokens_bp, mask_bp, keys * batch,
+                                                 rows, max_new_tokens_b, self._finish)
+            self._pending_work.append(work_b2)
+            if len(self._pending_work) > _PENDING_WORK:
+                self._count_work(_PENDING_WORK // 2)
+            return out
+        out, work = decode_rows(engine, params, tokens_bp, mask_bp,
                                 [keys[i % micro_batches] for i in rows], rows // micro_batches,
                                 slots, self.chunk_tokens, max_new_tokens_b)
-        self.occupancy = Occupancy(*(a + b for a, b in zip(self.occupancy, work)))
+        self._occupancy = Occupancy(*(a + b for a, b in zip(self._occupancy, work)))
         response_mask_bn = out["response_mask_bn"]
         host = GenerateOutput(
             sequences_bs=out["sequences_bs"], prompt_mask_bp=mask_bp,

@@ -2,7 +2,7 @@
 compacted as they thin out, over a KV cache sized to what the live rows can reach.
 
 Every generation runs here: the synchronous `generate` call kind (jaxrlhf/engine/generate.py
-drives it through `engine.batching`) and the asynchronous rollout workers
+drives it through `decode_rows`, or `decode_at_once`) and the asynchronous rollout workers
 (jaxrlhf/run/rollout_worker.py). The engine keeps S rows ("slots") on the device, each at its
 own response position, and offers:
 
@@ -14,6 +14,9 @@ own response position, and offers:
   compact(state, keep)                        the slots `keep` only, as a smaller state
   poll(state) / rows(state)                   which slots are done / every slot's row (host)
   reload(state, params, longest)              every cache recomputed under new weights
+  decode_at_once(params, version, rows, ...)  a batch that fits in the slots and ends within
+                                              a chunk: fill, token loop and read-out in one
+                                              executable (no host look in between)
 
 Slot s's response token i sits in cache slot P + i of row s; a decode step writes each row at
 its own slot and attends causally from there, so a refilled slot never sees its predecessor's
@@ -22,8 +25,11 @@ keys (they lie after its own position until it overwrites them).
 Why the cache has a capacity: a decode step reads its whole cache array, a static shape. The
 state's cache holds P + C slots, C a bucket (`capacity_buckets`: two per octave) just above
 what the busy rows reach in the next `advance`; `advance` grows it (or shrinks it, when long
-rows have left) before decoding, one copy each time. A step then reads at most ~1.5x the live
-slots, and the engine compiles one `advance` per (slots, capacity) bucket. On XLA:CPU each
+rows have left) before decoding, one copy each time; the synchronous call ends a chunk where
+the busy rows outgrow that bucket (`chunk_steps`), rather than read a larger cache for the
+whole chunk. A
+step then reads at most ~1.5x the live slots, and the engine compiles one `advance` per
+(slots, capacity) bucket. On XLA:CPU each
 layer keeps its own cache laid out for one-query attention (`models.transformer.DecodeKV`,
 `engine.decode_layers`); elsewhere the stacked [L, S, P + C, k, d] cache is written by scatter.
 
@@ -61,6 +67,7 @@ from jaxrlhf.parallel.layout import Layout, check_batch_divisible
 from jaxrlhf.parallel.pipeline import Pipeline
 from jaxrlhf.parallel.reshard import fetch, transfer
 
+_REPLICATED = PartitionSpec()
 NO_VERSION = -1  # versions_bn where no token was sampled
 _MIN_CAPACITY = 16
 
@@ -333,6 +340,15 @@ def _advance(model: Transformer, cfg: GenerateConfig, lockstep: bool, params, s:
     return s
 
 
+def _fill_and_decode(fill, advance, finish, params, ints, prompts, table, version, num_steps):
+    """A state built and filled (`fill`: `_fill` of a vacant state), decoded in lockstep until
+    every row is done or `num_steps` (traced) more tokens (`advance`: `_advance`), then read
+    out: (finish(state), work_b2 int32 [S, 2]: each slot's decode steps and tokens sampled)."""
+    s = fill(params, None, ints, prompts, table, version)
+    s = advance(params, s, num_steps, jnp.zeros((), jnp.int32), version)
+    return finish(s), jnp.stack([s.steps_b, s.tokens_b], axis=1)
+
+
 def _resize(s: SlotState, length: int) -> SlotState:
     """The state with a cache of `length` slots: zero-padded, or cut (the caller knows no busy
     row reaches past the cut)."""
@@ -483,19 +499,26 @@ class Rollout:
         return SlotState(rows1, rows2, rows1, rows1, cache, rows2, rows2, rows2,
                          rows2, rows2, rows2, rows1, rows1, rows1, rows1, rows1)
 
-    def _run(self, key: tuple, out_size: tuple[int, int], fn, *args,
-             donate: tuple[int, ...] = ()) -> SlotState:
-        """Compiles `fn(*args)` once per `key` under the layout's context, for a result of
-        `out_size` (slots, capacity); the arguments `donate` (the state: it is replaced by the
-        result) lend their buffers to the result."""
-        jitted = jax.jit(fn, out_shardings=self._shardings(*out_size), donate_argnums=donate)
+    def _run(self, key: tuple, build, *args, donate: tuple[int, ...] = ()):
+        """Runs the executable of `key`, compiled on its first use from `build()` -> (fn, its
+        out-shardings) under the layout's context; the arguments `donate` (the state: it is
+        replaced by the result) lend their buffers to the result.
 
+        Why `build` is a thunk: a call that hits the cache (every call after warm-up) then
+        makes no jit wrapper, shard_map or shardings (~1 ms of host time per call on the main
+        job's shape)."""
         def lower():
             with self.layout.activation_context():
+                fn, out_shardings = build()
+                jitted = jax.jit(fn, out_shardings=out_shardings, donate_argnums=donate)
                 return jitted.lower(*args)
 
         # The prompt length in the key: a Generator's engines share its compile cache.
         return self.compile_cache.get((self.prompt_len, *key), lower)(*args)
+
+    def _state_out(self, fn, slots: int, capacity: int):
+        """`_run`'s build of `fn`, whose result is a state of (slots, capacity)."""
+        return lambda: (fn, self._shardings(slots, capacity))
 
     def _scalar_on_devices(self, value: int) -> jax.Array:
         """An int32 scalar on every device, uploaded once per value (a version, a step
@@ -510,7 +533,8 @@ class Rollout:
         """Every slot free: `slots` (default the engine's) rows with a cache of `capacity`
         response slots (default the smallest bucket)."""
         vacant = self.vacant(slots, capacity)
-        return self._run(("empty", *vacant), vacant, self._empty_fn(vacant, local=False))
+        return self._run(("empty", *vacant),
+                         self._state_out(self._empty_fn(vacant, local=False), *vacant))
 
     def vacant(self, slots: int | None = None, capacity: int | None = None) -> Vacant:
         """`empty`'s state, not built until the first `fill` builds it in its own executable."""
@@ -538,6 +562,32 @@ class Rollout:
           rows_k: int [k] each row's index in its (micro-)batch.
           limits_k: int [k] the most response tokens of each row (default N: up to EOS).
         """
+        slots, capacity = self.size(state)
+        ints, prompts, table, specs, compile_key = self._fill_inputs(
+            slots, slots_k, prompt_tokens_kp, prompt_mask_kp, keys, rows_k, limits_k)
+        vacant = isinstance(state, Vacant)
+
+        def build():
+            fn = functools.partial(_fill, self.prefill_model, self.cfg,
+                                   self._empty_fn(state, self.per_device) if vacant else None)
+            if vacant:  # no state argument: the fill builds it
+                fn = functools.partial(_without_state, fn)
+            if self.per_device:
+                state_specs = self._state_specs(slots, capacity)
+                fn = self._on_each_device(
+                    fn, (_REPLICATED, *(() if vacant else (state_specs,)), *specs, _REPLICATED,
+                         _REPLICATED), state_specs)
+            return fn, self._shardings(slots, capacity)
+
+        state_args = () if vacant else (state,)
+        return self._run(("fill", vacant, slots, capacity, *compile_key, len(table)), build,
+                         params, *state_args, ints, prompts, table,
+                         self._scalar_on_devices(version), donate=() if vacant else (1,))
+
+    def _fill_inputs(self, slots: int, slots_k, prompt_tokens_kp, prompt_mask_kp, keys, rows_k,
+                     limits_k):
+        """A fill's device inputs (`fill`'s arguments): (ints, prompts, the key table, the
+        partition specs of ints and prompts, their compile-key part)."""
         k, prompt_len = np.shape(prompt_tokens_kp)
         if prompt_len != self.prompt_len:
             raise ValueError(f"rollout prompts must be padded to {self.prompt_len}, got "
@@ -558,23 +608,11 @@ class Rollout:
         ints_k5[:, _INTS.key] = [where[id(key)] for key in keys]
         ints_k5[:, _INTS.row] = rows_k
         ints_k5[:, _INTS.limit] = limits_k
-        slots, capacity = self.size(state)
         place = self._fill_on_each_device if self.per_device else self._fill_spmd
         ints, prompts, shardings, compile_key = place(slots, ints_k5, prompts_k2p)
         ints, prompts, table = transfer((ints, prompts, table),
                                         (*shardings, (self._scalar,) * len(table)))
-        vacant = isinstance(state, Vacant)
-        fn = functools.partial(_fill, self.prefill_model, self.cfg,
-                               self._empty_fn(state, self.per_device) if vacant else None)
-        if vacant:  # no state argument: the fill builds it
-            fn = functools.partial(_without_state, fn)
-        if self.per_device:
-            fn = self._on_each_device(fn, slots, capacity, *(x.spec for x in shardings),
-                                      PartitionSpec(), state_in=not vacant)
-        state_args = () if vacant else (state,)
-        return self._run(("fill", vacant, slots, capacity, *compile_key, len(table)),
-                         (slots, capacity), fn, params, *state_args, ints, prompts, table,
-                         self._scalar_on_devices(version), donate=() if vacant else (1,))
+        return ints, prompts, table, tuple(x.spec for x in shardings), compile_key
 
     def _fill_spmd(self, slots: int, ints_k5: np.ndarray, prompts_k2p: np.ndarray):
         """`fill`'s inputs for one SPMD program: (ints [size, 5], prompts [u, 2, P], their
@@ -606,24 +644,69 @@ class Rollout:
         dp = self.layout.dp_size
         per_device = slots // dp
         device_k = ints_k5[:, _INTS.slot] // per_device
-        mine = [np.flatnonzero(device_k == device) for device in range(dp)]
-        distinct = [distinct_prompts(prompts_k2p[m, 0], prompts_k2p[m, 1]) if len(m) else
-                    (np.zeros(0, np.int64), np.zeros(0, np.int64)) for m in mine]
-        m = _pow2(max(len(x) for x in mine))
-        u = _pow2(max(len(first) for first, _ in distinct))
+        # Each device's distinct prompts: the distinct (device, prompt) pairs, found with one
+        # search over all rows (not one per device), in order of device.
+        first_g, src_k = distinct_prompts(prompts_k2p[:, 0], prompts_k2p[:, 1])
+        pairs, first_q, local_k = np.unique(device_k * len(first_g) + src_k, return_index=True,
+                                            return_inverse=True)
+        pair_device_q = pairs // len(first_g)
+        rank = lambda sorted_x: np.arange(len(sorted_x)) - np.searchsorted(sorted_x, sorted_x)
+        local_k = local_k.reshape(-1) - np.searchsorted(pair_device_q, device_k)
+        m = _pow2(np.bincount(device_k, minlength=dp).max())
+        u = _pow2(np.bincount(pair_device_q, minlength=dp).max())
         ints = np.zeros((dp * m, len(_INTS)), np.int32)
         ints[:, _INTS.slot] = per_device  # padding: a local slot out of range
+        order = np.argsort(device_k, kind="stable")
+        at = device_k[order] * m + rank(device_k[order])
+        ints[at] = ints_k5[order]
+        ints[at, _INTS.src] = local_k[order]
+        ints[at, _INTS.slot] -= device_k[order] * per_device
         pick_u = np.zeros(dp * u, np.int64)  # distinct prompt -> input row
-        for device, (rows_here, (first, src_here)) in enumerate(zip(mine, distinct)):
-            if not len(rows_here):
-                continue
-            at = slice(device * m, device * m + len(rows_here))
-            ints[at] = ints_k5[rows_here]
-            ints[at, _INTS.src] = src_here
-            ints[at, _INTS.slot] -= device * per_device
-            pick_u[device * u:device * u + len(first)] = rows_here[first]
+        pick_u[pair_device_q * u + rank(pair_device_q)] = first_q
         shardings = self.layout.batch_sharding(2), self.layout.batch_sharding(3)
         return ints, prompts_k2p[pick_u], shardings, (u, m)
+
+    def decode_at_once(self, params, version: int, prompt_tokens_kp, prompt_mask_kp, keys,
+                       rows_k, limits_k, finish):
+        """Every row decoded to its end in one executable, row i in slot i: the fill, the token
+        loop and `finish` of the final state, with no look from the host in between.
+
+        For a batch that fits in the slots and ends within one chunk of tokens (the main job's
+        shape): `fill`, `advance` and `collect` would run the same steps with two more
+        dispatches, a sync on the host, and the rows fetched to the host and back.
+
+        Args:
+          prompt_tokens_kp, prompt_mask_kp, keys, rows_k, limits_k: as `fill`'s, for k rows (a
+            multiple of the data-parallel size); the cache holds the longest limit.
+          finish: `f(state) -> pytree` of arrays [k, ...] (a module-level function: it is part
+            of the compile key), computed on the device.
+
+        Returns:
+          (finish(state), work_k2 int32 [k, 2]: each slot's decode steps and tokens sampled in
+          them, as `poll`'s counts), on the device, rows split as the state's.
+        """
+        k = len(prompt_tokens_kp)
+        check_batch_divisible(self.layout, k, "rollout slots")
+        n_max = self.cfg.max_new_tokens
+        reach = n_max if limits_k is None else min(int(np.max(limits_k)), n_max)
+        vacant = Vacant(k, capacity_for(reach, n_max))
+        ints, prompts, table, specs, compile_key = self._fill_inputs(
+            k, np.arange(k), prompt_tokens_kp, prompt_mask_kp, keys, rows_k, limits_k)
+        args = (params, ints, prompts, table, self._scalar_on_devices(version),
+                self._scalar_on_devices(reach - 1))
+
+        def build():
+            fill = functools.partial(_fill, self.prefill_model, self.cfg,
+                                     self._empty_fn(vacant, self.per_device))
+            advance = functools.partial(_advance, self.model, self.cfg, True)
+            fn = functools.partial(_fill_and_decode, fill, advance, finish)
+            if self.per_device:
+                fn = self._on_each_device(fn, (_REPLICATED, *specs) + (_REPLICATED,) * 3,
+                                          self.layout.batch_sharding(1).spec)
+            rows = lambda x: self.layout.batch_sharding(x.ndim)
+            return fn, jax.tree.map(rows, jax.eval_shape(fn, *args))
+
+        return self._run(("at once", *vacant, *compile_key, len(table), finish), build, *args)
 
     def spread(self, free: list[int], slots: int | None = None) -> list[int]:
         """Free slots in the order to fill them: taking turns over the devices (a fill
@@ -642,11 +725,32 @@ class Rollout:
         fewer, cut when it holds more than twice as many (long rows have left); as it is
         otherwise."""
         slots, capacity = self.size(state)
-        want = capacity_for(needed, self.cfg.max_new_tokens)
-        if want <= capacity <= 2 * want:
+        want = self._fitted(capacity, needed)
+        if want == capacity:
             return state
         fn = functools.partial(_resize, length=self.prompt_len + want)
-        return self._run(("resize", slots, capacity, want), (slots, want), fn, state)
+        return self._run(("resize", slots, capacity, want), self._state_out(fn, slots, want),
+                         state)
+
+    def _fitted(self, capacity: int, needed: int) -> int:
+        """`fit`'s capacity for a state of `capacity` whose rows need `needed` slots."""
+        want = capacity_for(needed, self.cfg.max_new_tokens)
+        return capacity if want <= capacity <= 2 * want else want
+
+    def chunk_steps(self, state: SlotState, longest: int, num_steps: int) -> int:
+        """How many of `num_steps` tokens to `advance` from `longest` (>= 1): up to where the
+        busy rows outgrow the cache that holds their next token (the capacity bucket above
+        it, or the state's own where `fit` keeps that); the next chunk grows it. The
+        synchronous call's chunks (`decode_rows`) end there.
+
+        Why: a cache grown for the whole chunk up front is read at the larger size by every
+        step of the chunk. On W-cpu d1 (64 rows, 512 forced tokens, chunks of 32) ending
+        chunks at the buckets' ends reads 8% fewer cache slots (1.15x the live ones, not
+        1.25x), where a step of 64 slots costs about 10.5 ms + 0.024 ms per cache slot
+        (process time of a 16-step `advance` of a filled state at capacities 48 to 1024)."""
+        longest = max(int(longest), 1)
+        room = self._fitted(self.size(state)[1], longest + 1)
+        return max(1, min(num_steps, room - longest))
 
     def reload(self, state: SlotState, params, longest: int | None = None) -> SlotState:
         """Every slot's cache recomputed under new weights (an interruption).
@@ -660,7 +764,8 @@ class Rollout:
         n_new = capacity if longest is None else min(
             capacity_for(longest, self.cfg.max_new_tokens), capacity)
         fn = functools.partial(_recompute_cache, self.prefill_model, n_new)
-        return self._run(("reload", slots, capacity, n_new), (slots, capacity), fn, params, state,
+        return self._run(("reload", slots, capacity, n_new),
+                         self._state_out(fn, slots, capacity), params, state,
                          donate=(1,))
 
     def advance(self, state: SlotState, params, version: int, num_steps: int,
@@ -672,7 +777,8 @@ class Rollout:
         Args:
           longest: at least every busy slot's response length so far (`poll`'s third count;
             a slot filled since has 1): the cache is first fitted to what such rows reach in
-            this call (`fit`). None: all max_new_tokens response slots.
+            this call (`fit`; `chunk_steps` says how many steps stay within the cache bucket
+            holding their next token). None: all max_new_tokens response slots.
           lockstep: every busy slot is at the same step (filled together, none since).
           stop_busy: stop as soon as at most this many slots are busy (0: when all are done):
             the caller can then refill the freed slots or compact the state, rather than
@@ -683,11 +789,18 @@ class Rollout:
         needed = n_max if longest is None else max(int(longest), 1) + num_steps
         state = self.fit(state, needed)
         slots, capacity = self.size(state)
-        fn = functools.partial(_advance, self.model, self.cfg, lockstep)
+
+        def build():
+            fn = functools.partial(_advance, self.model, self.cfg, lockstep)
+            if self.per_device:
+                state_specs = self._state_specs(slots, capacity)
+                fn = self._on_each_device(fn, (_REPLICATED, state_specs) + (_REPLICATED,) * 3,
+                                          state_specs)
+            return fn, self._shardings(slots, capacity)
+
         if self.per_device:
-            fn = self._on_each_device(fn, slots, capacity, PartitionSpec(), PartitionSpec())
             stop_busy //= self.layout.dp_size
-        return self._run(("advance", slots, capacity, lockstep), (slots, capacity), fn, params,
+        return self._run(("advance", slots, capacity, lockstep), build, params,
                          state, self._scalar_on_devices(num_steps),
                          self._scalar_on_devices(stop_busy),
                          self._scalar_on_devices(version), donate=(1,))
@@ -698,14 +811,16 @@ class Rollout:
         slots, capacity = self.size(state)
         check_batch_divisible(self.layout, len(keep), "compacted slots")
         keep_m = transfer(np.asarray(keep, np.int32), self._scalar)
-        return self._run(("compact", slots, capacity, len(keep)), (len(keep), capacity),
-                         _compact, state, keep_m)
+        return self._run(("compact", slots, capacity, len(keep)),
+                         self._state_out(_compact, len(keep), capacity), state, keep_m)
 
-    def _on_each_device(self, fn, slots: int, capacity: int, *arg_specs: PartitionSpec,
-                        state_in: bool = True):
-        """`fn(params, state, *args, version)` (without `state` unless `state_in`) run by each
-        device on its own slots (`shard_map`; the weights are replicated), `args` split as
-        `arg_specs` say.
+    def _state_specs(self, slots: int, capacity: int) -> SlotState:
+        """The partition specs of a state's arrays."""
+        return jax.tree.map(lambda sharding: sharding.spec, self._shardings(slots, capacity))
+
+    def _on_each_device(self, fn, in_specs: tuple, out_specs):
+        """`fn` run by each device on its own slots (`shard_map`), its arguments and result
+        split as `in_specs` and `out_specs` say (the weights, its first argument, replicated).
 
         Why: SPMD, advance's loop condition (are all slots done?) is an all-reduce across the
         data-parallel devices every decode step, where a device that got ahead waits for the
@@ -713,18 +828,14 @@ class Rollout:
         2 devices): each device's own loop stops when its own slots are done. A fill gathered
         its prompts (five all-gathers per call) for the slot writes.
         """
-        specs = jax.tree.map(lambda sharding: sharding.spec, self._shardings(slots, capacity))
-
         def local(*args):
             with nn.logical_axis_rules(()):  # local shapes: no sharding constraints inside
                 return fn(*args)
 
         # check_vma off: a scanned prefill's fresh cache (zeros, the same on every device)
         # would have to be cast to varying before it may carry each device's own keys.
-        return jax.shard_map(local, mesh=self.layout.mesh, out_specs=specs,
-                             in_specs=(PartitionSpec(), *((specs,) if state_in else ()),
-                                       *arg_specs, PartitionSpec()),
-                             check_vma=False)
+        return jax.shard_map(local, mesh=self.layout.mesh, in_specs=in_specs,
+                             out_specs=out_specs, check_vma=False)
 
     def poll(self, state: SlotState) -> tuple[np.ndarray, np.ndarray]:
         """(done_b bool [S], counts int32 [3]: slot-steps decoded, tokens sampled in them, the
