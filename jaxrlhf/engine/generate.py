@@ -2,7 +2,7 @@
 
 `Generator` hands the rows to the rollout engine (`engine.rollout`): every row is queued, a
 slot whose row finished takes the next one, and when the queue is empty and the live rows fit
-in half the slots they are compacted into a smaller state; the cache holds only what the live
+the next smaller state of the ladder they are compacted into it; the cache holds only what the live
 rows can reach (capacity buckets), and a GRPO group's n rows share one prefill. Pipelined
 layouts decode the static batch of `generate` (below) instead: their stages decode every row
 at one slot.
@@ -240,7 +240,7 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
                 chunk_tokens: int = CHUNK_TOKENS, limits_b: np.ndarray | None = None,
                 ) -> tuple[dict[str, np.ndarray], Occupancy]:
     """Every row generated on the engine: queued, decoded in `slots` slots refilled as rows
-    finish, compacted into fewer slots when the queue is empty and half of them are idle.
+    finish, compacted into the next smaller state when the queue is empty and the live rows fit it.
 
     Args:
       engine: the rollout engine (its prompt length P).
