@@ -43,6 +43,13 @@ from jaxrlhf.parallel.reshard import fetch, transfer
 CHUNK_TOKENS = 32
 
 
+def runs_at_once(micro_batches: int, new_tokens: int, chunk_tokens: int = CHUNK_TOKENS) -> bool:
+    """Whether a generate call on the engine runs as one executable (`Rollout.decode_at_once`:
+    fill, token loop and output on the device): its rows all have slots (one micro-batch) and
+    end within one chunk of `chunk_tokens` steps after the prefill's token."""
+    return micro_batches == 1 and new_tokens <= chunk_tokens + 1
+
+
 class GenerateOutput(NamedTuple):
     """What one generate call returns (a pytree; every array's dim 0 is the batch).
 
@@ -456,7 +463,7 @@ class Generator(BucketedCall):
         engine = self.rollout_engine(bucket, slots)
         reach = self.gen_config.max_new_tokens if max_new_tokens_b is None else int(
             np.max(max_new_tokens_b))
-        if micro_batches == 1 and reach <= self.chunk_tokens + 1:
+        if runs_at_once(micro_batches, reach, self.chunk_tokens):
             out, work_b2 = engine.decode_at_once(params, 0, tokens_bp, mask_bp, keys * batch,
                                                  rows, max_new_tokens_b, self._finish)
             self._pending_work.append(work_b2)

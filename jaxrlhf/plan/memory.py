@@ -19,7 +19,9 @@ One MFC on its own (`call_memory`), per device:
   * state (generate on the rollout engine): its slots' KV cache at full capacity, an argument
     every executable of the engine takes and gives back (donated: one copy), so XLA counts it
     with the batch arguments, not the temporaries; the prefill (a fill) and the decode loop (an
-    advance) are executables of their own, and the larger of the two is the peak;
+    advance) are executables of their own, and the larger of the two is the peak. A call whose
+    rows all fit the slots and end within one chunk runs as one executable
+    (`engine.generate.runs_at_once`): both phases' buffers and the cache are its temporaries;
   * logits (train): the head's phase of the backward pass, before the layers' (the peak is
     the larger of the two phases, `MemoryBreakdown.temporaries`): fp32 logits over the
     (tensor-sharded) vocabulary, kept for the backward pass, and their gradient (the readout
@@ -62,6 +64,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jaxrlhf.engine.generate import runs_at_once
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.config import HeadKind, RematPolicy
 from jaxrlhf.parallel.pipeline import remats_stages
@@ -372,8 +375,15 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                     + _gathered_bytes(p, choice, scanned=True))
             advance = (forward_peak_bytes(p, rows, s, t) + _logit_bytes(p, rows, t, 2)
                        + gathered)
+            state = int(rows * s * kv_per_token)
+            if runs_at_once(choice.micro_batches, work.new_tokens):
+                # One executable fills and decodes (the main job's short calls): XLA keeps the
+                # fill's buffers beside the advance's, and the slots' cache is one of its
+                # temporaries, not a donated argument.
+                return MemoryBreakdown(params=params, gathered=gathered,
+                                       activations=int(fill + advance + state - gathered))
             return MemoryBreakdown(params=params, activations=int(max(fill, advance) - gathered),
-                                   gathered=gathered, state=int(rows * s * kv_per_token))
+                                   gathered=gathered, state=state)
         case Call.GENERATE:  # a pipeline's static batch, one executor call per micro-batch
             # Pipelined decoding keeps every row of the call in flight, each stage its layers'
             # cache; the prefill streams the call's rows in pieces (the decode steps are far
