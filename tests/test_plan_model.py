@@ -1,5 +1,6 @@
 """Planner cost, memory and reallocation models against exact counts and the compiler."""
 
+import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -84,10 +85,14 @@ def test_memory_grows_with_rows_and_remat_cuts_activations():
     full = memory.call_memory(profile_of(cfg.replace(remat=RematPolicy.FULL)), Call.TRAIN_STEP,
                               WORK, choice(0, 3, 4))
     assert full.activations < one.activations
-    gen = memory.call_memory(p, Call.GENERATE, WORK, choice(0, 3, 2, t=2))
-    rows, slots = WORK.batch_size // 2, WORK.seq_len
+    long = dataclasses.replace(WORK, new_tokens=64)  # more than one chunk: fills and advances
+    gen = memory.call_memory(p, Call.GENERATE, long, choice(0, 3, 2, t=2))
+    rows, slots = long.batch_size // 2, long.seq_len
     kv = rows * slots * 2 * cfg.num_layers * (cfg.num_kv_heads // 2) * cfg.head_dim * 2
-    assert gen.state == kv  # the rollout engine's slots, at full capacity
+    assert gen.state == kv  # the rollout engine's slots, at full capacity, an argument
+    # 32 new tokens run as one executable: the slots' cache is one of its temporaries.
+    at_once = memory.call_memory(p, Call.GENERATE, WORK, choice(0, 3, 2, t=2))
+    assert at_once.state == 0 and at_once.activations > kv * WORK.seq_len // long.seq_len
 
 
 def test_axis_link_is_inter_host_only_when_the_axis_spans_hosts():
