@@ -41,6 +41,10 @@ was drawn from, so a sequence's versions can change part-way.
 Sampling keys are the synchronous `generate` call's: a row with key `rng` and index r in its
 (micro-)batch samples token i with fold_in(fold_in(rng, i), r), whatever slot it sits in and
 whenever it starts, so the engine computes what one static-batch `generate` call computes.
+
+Why one module of over 800 lines: the device-side state (`SlotState`) and the executables that
+transform it (fill, advance, compact, resize, reload, decode_at_once) share its layout and
+shardings; split, each half would reach into the other's private layout.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from jaxrlhf.engine.decoding import (
     CACHE_AXES, DECODE_AXES, GenerateConfig, constrain_cache, decode_model, draw, prefill,
 )
 from jaxrlhf.models.config import HeadKind, ModelConfig
+from jaxrlhf.models.decode_kv import fit_length
 from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
 from jaxrlhf.parallel.pipeline import Pipeline
@@ -352,15 +357,8 @@ def _fill_and_decode(fill, advance, finish, params, ints, prompts, table, versio
 def _resize(s: SlotState, length: int) -> SlotState:
     """The state with a cache of `length` slots: zero-padded, or cut (the caller knows no busy
     row reaches past the cut)."""
-    def fit(x, axis):
-        if x.shape[axis] >= length:
-            return jax.lax.slice_in_dim(x, 0, length, axis=axis)
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, length - x.shape[axis])
-        return jnp.pad(x, widths)
-
     if isinstance(s.cache, KVCache):
-        cache = KVCache(*(fit(c, 2) for c in s.cache))
+        cache = KVCache(*(fit_length(c, length, 2) for c in s.cache))
     else:
         cache = tuple(c.resized(length) for c in s.cache)
     return s._replace(cache=constrain_cache(cache))

@@ -32,6 +32,15 @@ TILE = 64
 _SMALL_TILE = 32
 
 
+def fit_length(x: jax.Array, length: int, axis: int) -> jax.Array:
+    """`x` with `length` entries along `axis`: zero-padded at the end, or cut at `length`."""
+    if x.shape[axis] >= length:
+        return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
 def tile_size(length: int) -> int:
     """Slots per key tile of a cache of `length` slots."""
     return TILE if length % TILE == 0 else _SMALL_TILE
@@ -96,13 +105,8 @@ class DecodeKV(NamedTuple):
 
     def resized(self, length: int) -> "DecodeKV":
         """The cache with `length` slots: zero-padded, or cut at `length`."""
-        def fit(x, axis):
-            if x.shape[axis] >= length:
-                return jax.lax.slice_in_dim(x, 0, length, axis=axis)
-            widths = [(0, 0)] * x.ndim
-            widths[axis] = (0, length - x.shape[axis])
-            return jnp.pad(x, widths)
-        return DecodeKV(_tiled(fit(self.keys_bkds(), 3)), fit(self.v_bksd, 2))
+        return DecodeKV(_tiled(fit_length(self.keys_bkds(), length, 3)),
+                        fit_length(self.v_bksd, length, 2))
 
     def take(self, rows_m: jax.Array) -> "DecodeKV":
         """Rows `rows_m` [m] only, in that order."""
