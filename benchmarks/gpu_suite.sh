@@ -13,7 +13,7 @@
 #                  (8 x 2048), prefill MFU and decode vs the HBM roofline at batch 64 and 256
 #                  (prompt 512, 256 decode steps), attention=auto
 #   rollout        python -m jaxrlhf.bench --config=configs/rollout_bench_gpu.py
-#                  --rollout=64,512,2048,tail: the rollout engine's rows (1B bf16, 64 rows)
+#                  --rollout=64,512,tail,2048: the rollout engine's rows (1B bf16, 64 rows)
 #   decode_pallas  gpu_kernels.py's decode rows again with attention=pallas (the ragged Pallas
 #                  kernel instead of cuDNN): the figures for choosing AUTO's decode kernel
 # Step caps (seconds) and the whole budget (480) are clamped so the suite ends inside it; the
@@ -79,7 +79,7 @@ else
   BUDGET=${GPU_SUITE_BUDGET:-480}
   SIZE=(--size=llama-3.2-1b --dtype=bfloat16 --batches=64,256 --prompt=512 --new=256
         --train_rows=8 --train_len=2048 --repeats=3)
-  ROLLOUT=(--config=configs/rollout_bench_gpu.py --rollout=${GPU_SUITE_ROLLOUT:-64,512,2048,tail} --steps=1)
+  ROLLOUT=(--config=configs/rollout_bench_gpu.py --rollout=${GPU_SUITE_ROLLOUT:-64,512,tail,2048} --steps=1)
 fi
 STEPS=()
 

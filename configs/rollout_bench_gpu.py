@@ -10,7 +10,7 @@ long-tailed row); `max_new_tokens` = 2048 is the longest row's. One device, ever
 colocated. The weights are bf16 for the measurement only: nothing here is meant to train.
 
 Run by `benchmarks/gpu_suite.sh`:
-`python -m jaxrlhf.bench --config=configs/rollout_bench_gpu.py --rollout=64,512,2048,tail`.
+`python -m jaxrlhf.bench --config=configs/rollout_bench_gpu.py --rollout=64,512,tail,2048`.
 
 Variants (`configs/rollout_bench_gpu.py:ARG`, comma-separated):
   * `cpu`: the same rows on the CPU at W-cpu's model shape (`size=bench`: hidden 256, 4

@@ -149,6 +149,7 @@ def rollout_main(config, spec: str) -> dict:
         figures.append(rollout_rows.measure_row(row, model, layout, params, tokens_bp, mask_bp,
                                                 r.generate(tokenizer), _STEPS.value, peak))
         print(f"row {row.name}: engine {figures[-1]['engine_seconds']:.3f} s", flush=True)
+        _write_json({"mode": "rollout", "partial": True, "rows": figures})  # a cut run keeps it
     first, peak = peak, max(peak, floor.machine_peak(model.dtype, again=True))
     for f in figures:  # the better probe (load only slows it) sets every row's floor
         f["floor_seconds_live"] *= first / peak
@@ -197,6 +198,13 @@ def packing_main(config, spec: str) -> dict:
             "device_kind": jax.devices()[0].device_kind, "rows": figures}
 
 
+def _write_json(figures: dict) -> None:
+    """`--json_out`'s file, rewritten whole (after each rollout row, then at the end)."""
+    if _JSON_OUT.value:
+        with open(_JSON_OUT.value, "w") as f:
+            json.dump(figures, f, indent=1)
+
+
 def main():
     config = _CONFIG.value
     use_cpu_devices(config.cpu_devices)
@@ -206,9 +214,7 @@ def main():
         figures = (rollout_main(config, _ROLLOUT.value) if _ROLLOUT.value
                    else packing_main(config, _PACKING.value))
         print(json.dumps(figures))
-        if _JSON_OUT.value:
-            with open(_JSON_OUT.value, "w") as f:
-                json.dump(figures, f, indent=1)
+        _write_json(figures)
         return
 
     from jaxrlhf.data.tokenizer import load_tokenizer
