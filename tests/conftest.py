@@ -20,15 +20,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # and by every job a test starts in a subprocess (they inherit the environment): many tests
 # compile the same tiny models and plans, and XLA's compiles are most of the suite's time.
 # The controller process imports this file first and the workers inherit its variables, so
-# they all use the controller's directory; it is removed when the session ends. The size
-# bound makes JAX lock the directory (filelock), so two processes never read a half-written
-# entry.
+# they all use the controller's directory; it is removed when the session ends, so it has no
+# size bound: a bound makes JAX lock the directory and, on every write, list, stat and read the
+# access time of every entry to find what to evict (O(entries) per compile, under the lock that
+# both workers' reads wait on). The suite writes thousands of entries; with 20,000 in the
+# directory, tests/test_kernels.py took 649 s instead of 21 s. Without the lock a process may
+# read an entry another is still writing: its truncated compressed stream fails to decompress, JAX
+# warns and compiles it (outputs never depend on the cache).
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrlhf-test-xla-cache-")
     os.environ["JAXRLHF_TEST_CACHE_OWNER"] = str(os.getpid())
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
