@@ -45,10 +45,21 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+# The modules holding the default suite's longest tests, longest first (a 2-process Slurm job
+# beside a 1-process one, 2-process runs, the train main, the GPU suite's dry run: 40-100 s each
+# on 2 quiet cores), run first: pytest-xdist deals tests out in collection order, and one of
+# these started near the end would leave the other worker idle for its length.
+_FIRST = ("test_launcher.py", "test_multiprocess.py", "test_entry_train.py", "test_gpu_suite.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """`@pytest.mark.devices(n)`: the test builds layouts over n devices. The default suite has 8
     (virtual CPU devices); run on a box with fewer (`JAX_PLATFORMS=cuda` on one GPU, say), such a
-    test is skipped, saying why, and the rest (numerics against references) still run there."""
+    test is skipped, saying why, and the rest (numerics against references) still run there.
+
+    The modules in `_FIRST` go first, in its order, each kept whole (a stable sort)."""
+    first = {name: i for i, name in enumerate(_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
     available = jax.device_count()
     for item in items:
         marker = item.get_closest_marker("devices")
