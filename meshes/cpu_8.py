@@ -2,8 +2,7 @@
 (`--xla_force_host_platform_device_count=8`). The figures are rough; calibrate with
 `--calibrate` before trusting absolute times."""
 
-from jaxrlhf.parallel.layout import Platform
-from jaxrlhf.plan.cluster import Cluster
+from jaxrlhf.plan.cluster import Cluster, Platform
 
 
 def get_cluster() -> Cluster:
