@@ -49,7 +49,9 @@ def _args(argv=None):
     p.add_argument("--stack", default="scan",
                    help="comma list of the decode's layer stacks: scan (the stacked layers, "
                         "one nn.scan), unrolled (scan_layers=False), layers (engine.decode_layers"
-                        ".LayerByLayer: weights split once, one cache per layer)")
+                        ".LayerByLayer: weights split once, one tiled DecodeKV per layer, read by "
+                        "XLA's products), layers_kv (the same on one [b, S, k, d] cache per "
+                        "layer, read by --attention's implementation)")
     p.add_argument("--skip", default="", help="comma list of train,prefill,decode,mismatch to skip")
     p.add_argument("--json_out", default="", help="also write every row as JSON here")
     return p.parse_args(argv)
@@ -122,7 +124,9 @@ def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip, stack="scan") -
 
     cfg = cfg.replace(param_dtype=cfg.dtype)  # the rollout copy of the weights
     model = Transformer(cfg)
-    by_layer = stack == "layers"
+    split_cache = {"layers": decode_layers.split_cache,
+                   "layers_kv": decode_layers.layer_caches}.get(stack)
+    by_layer = split_cache is not None
     decoder = (Transformer(cfg, decode_layers.LayerByLayer()) if by_layer
                else Transformer(cfg.replace(scan_layers=stack == "scan")))
     params = init_params(cfg, make_layout("0:d1", model=cfg), jax.random.key(0))
@@ -162,7 +166,7 @@ def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip, stack="scan") -
         decode_params = params
         if by_layer:  # as the engine does, once before its token loop
             decode_params = jax.jit(decode_layers.split_params)(params)
-            cache = jax.jit(decode_layers.split_cache)(cache)
+            cache = jax.jit(split_cache)(cache)
         seconds = _median_seconds(lambda: decode(decode_params, token_b, cache), args.repeats)
         # Untied: the input embedding is only gathered (batch rows), not read whole.
         gathered_only = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size

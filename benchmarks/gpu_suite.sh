@@ -19,7 +19,8 @@
 #   rollout        python -m jaxrlhf.bench --config=configs/rollout_bench_gpu.py
 #                  --rollout=64,512,tail,2048: the rollout engine's rows (1B bf16, 64 rows)
 #   decode_pallas  gpu_kernels.py's decode rows again with attention=pallas (the ragged Pallas
-#                  kernel instead of cuDNN): the figures for choosing AUTO's decode kernel
+#                  kernel instead of cuDNN), layer by layer on one [b, S, k, d] cache per layer
+#                  (stack layers_kv): the figures for choosing the GPU's decode attention
 # Step caps (seconds) and the whole budget (480) are clamped so the suite ends inside it; the
 # last step gets what is left. The JSON (default $OUT/gpu_suite.json when $OUT is set, else
 # ./gpu_suite.json) holds the device, jax version, each step's rc, seconds, cap, command, the
@@ -161,7 +162,8 @@ else
     --attention=auto --stack=layers,scan --skip=mismatch --json_out="$WORK/kernels.json"
   run_step rollout 230 "$PY" -m jaxrlhf.bench "${ROLLOUT[@]}" --json_out="$WORK/rollout.json"
   run_step decode_pallas 60 "$PY" benchmarks/gpu_kernels.py "${SIZE[@]}" --cluster="$CLUSTER" \
-    --attention=pallas --skip=train,prefill,mismatch --json_out="$WORK/decode_pallas.json"
+    --attention=pallas --stack=layers_kv --skip=train,prefill,mismatch \
+    --json_out="$WORK/decode_pallas.json"
 fi
 
 "$PY" - "$WORK" "$OUT_PATH" "$DRY" "$BUDGET" "$T0" "${STEPS[@]}" <<'EOF'

@@ -52,9 +52,11 @@ def _params():
     return nn.unbox(variables["params"])
 
 
-def test_cached_steps_equal_the_scanned_stack():
+@pytest.mark.parametrize("split", [decode_layers.split_cache, decode_layers.layer_caches])
+def test_cached_steps_equal_the_scanned_stack(split):
     """Prefill (stacked cache, stacked or split params), then single-token steps on per-layer
-    caches: the scanned stack's logits and caches, to fp32 rounding."""
+    caches (tiled `DecodeKV`s, or [1, b, S, k, d] `KVCache`s read by `dot_product_attention`):
+    the scanned stack's logits and caches, to fp32 rounding."""
     params = _params()
     tokens_bt = jax.random.randint(jax.random.key(1), (2, 7), 1, _CONFIG.vocab_size)
     positions_bt = jnp.broadcast_to(jnp.arange(7), (2, 7))
@@ -67,7 +69,7 @@ def test_cached_steps_equal_the_scanned_stack():
                                  segments_bt[:, :4], cache, 0, segments_bt)
         steps = [out]
         if split:
-            cache, params = decode_layers.split_cache(cache), decode_layers.split_params(params)
+            cache, params = split(cache), decode_layers.split_params(params)
         for t in range(4, 7):
             out, cache = model.apply({"params": params}, tokens_bt[:, t:t + 1],
                                      positions_bt[:, t:t + 1], segments_bt[:, t:t + 1], cache,
@@ -76,10 +78,10 @@ def test_cached_steps_equal_the_scanned_stack():
         cache = decode_layers.stack_cache(cache) if split else cache
         return jnp.concatenate(steps, axis=1), cache
 
-    want_logits, want_cache = jax.jit(run, static_argnums=(0, 2))(scanned, params, False)
+    want_logits, want_cache = jax.jit(run, static_argnums=(0, 2))(scanned, params, None)
     for prefill_params in (params, decode_layers.split_params(params)):
         got_logits, got_cache = jax.jit(run, static_argnums=(0, 2))(by_layer, prefill_params,
-                                                                    True)
+                                                                    split)
         np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
         jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5),
                      got_cache, want_cache)

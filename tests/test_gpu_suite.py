@@ -78,7 +78,7 @@ def test_dry_run_runs_every_step_into_one_json(tmp_path):
     # The figures, one line each, end the output (what a device call's output tail shows).
     for line in ("tests: 0 passed, 0 failed, 0 errors, ", "kernels: train (xla, rows=2, len=8)",
                  "kernels: decode (xla, stack=layers, batch=2, prompt=8, new=2)",
-                 "decode_pallas: decode (pallas, stack=scan, batch=2"):
+                 "decode_pallas: decode (pallas, stack=layers_kv, batch=2"):
         assert line in proc.stdout, proc.stdout
 
     rows = _rows(report["steps"]["rollout"]["result"])
