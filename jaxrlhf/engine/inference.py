@@ -255,12 +255,14 @@ def row_chunks(rows: int, length: int, tokens: int | None) -> int:
 
     Why: at W-cpu's 64 rows of 96 tokens on one device every [6144, 1024] activation of the
     SwiGLU MLP is 24 MiB, and the gate, up and product arrays stream through memory between
-    the matmuls; in chunks of 1,536 tokens (6 MiB each) they stay in the caches. ref_inf
-    alone, chunks alternated in one process on 2 loaded cores, 6 rounds, CPU seconds (of the
-    matmul floor): 1 chunk 0.645 s (85.9%), 2: 0.590 (91.8%), 4: 0.578 (95.0%), 8: 0.595
-    (93.1%), 16: 0.628 (89.3%): smaller chunks run smaller matmuls and more loop steps.
-    Packed rows per device come from `packing.row_buckets`' ladder (rungs above 8 hold a
-    large power of two), so a chunk near the budget divides them.
+    the matmuls; in chunks of 1,536 tokens (6 MiB each) they stay in the caches, and the
+    layers run at the matmuls' own rate. `benchmarks/inference_chunks.py` (ref_inf alone,
+    budgets alternated in rounds against the matmul probe, 2 cores under other processes'
+    load), CPU fraction of the floor by chunks: 64 rows of 96 tokens, 1: 84.1%, 2: 88.7%,
+    4: 93.6%, 8: 94.5% (another run: 85.9, 91.8, 95.0, 93.1%, 16 chunks 89.3%: smaller ones
+    run smaller matmuls and more loop steps); 64 rows of 544 tokens, 1: 77.6%, 16: 83.1%,
+    32: 86.2%. Packed rows per device come from `packing.row_buckets`' ladder (rungs above 8
+    hold a large power of two), so a chunk near the budget divides them.
 
     Args:
       rows: rows on each device (the call's rows over its data-parallel size).
