@@ -46,6 +46,12 @@ def _args(argv=None):
     p.add_argument("--train_rows", type=int, default=8)
     p.add_argument("--train_len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--stack", default="scan",
+                   help="comma list of the decode's layer stacks: scan (the stacked layers, "
+                        "one nn.scan), unrolled (scan_layers=False), layers (engine.decode_layers"
+                        ".LayerByLayer: weights split once, one tiled DecodeKV per layer, read by "
+                        "XLA's products), layers_kv (the same on one [b, S, k, d] cache per "
+                        "layer, read by --attention's implementation)")
     p.add_argument("--skip", default="", help="comma list of train,prefill,decode,mismatch to skip")
     p.add_argument("--json_out", default="", help="also write every row as JSON here")
     return p.parse_args(argv)
@@ -105,11 +111,12 @@ def _train(cfg, layout, args, peak) -> dict:
     return {"phase": "train", "rows": rows, "len": length, "seconds": seconds, "mfu": mfu}
 
 
-def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip) -> list[dict]:
+def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip, stack="scan") -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxrlhf.engine import decode_layers
     from jaxrlhf.models.sizes import param_count
     from jaxrlhf.models.transformer import KVCache, Transformer
     from jaxrlhf.parallel.layout import init_params, make_layout
@@ -117,6 +124,11 @@ def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip) -> list[dict]:
 
     cfg = cfg.replace(param_dtype=cfg.dtype)  # the rollout copy of the weights
     model = Transformer(cfg)
+    split_cache = {"layers": decode_layers.split_cache,
+                   "layers_kv": decode_layers.layer_caches}.get(stack)
+    by_layer = split_cache is not None
+    decoder = (Transformer(cfg, decode_layers.LayerByLayer()) if by_layer
+               else Transformer(cfg.replace(scan_layers=stack == "scan")))
     params = init_params(cfg, make_layout("0:d1", model=cfg), jax.random.key(0))
     prompt, new = args.prompt, args.new
     tokens_bp = jnp.asarray(
@@ -137,7 +149,7 @@ def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip) -> list[dict]:
         def one(i, carry):
             token_b, cache = carry
             slot = prompt + i
-            logits_b1v, cache = model.apply(
+            logits_b1v, cache = decoder.apply(
                 {"params": params}, token_b[:, None], jnp.full((batch, 1), slot),
                 jnp.ones((batch, 1), jnp.int32), cache, slot, kv_seg_bs)
             return jnp.argmax(logits_b1v[:, 0], -1).astype(jnp.int32), cache
@@ -151,14 +163,18 @@ def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip) -> list[dict]:
                      "mfu": flops / (seconds * peak)})
     if "decode" not in skip:
         token_b, cache = prefill(params)
-        seconds = _median_seconds(lambda: decode(params, token_b, cache), args.repeats)
+        decode_params = params
+        if by_layer:  # as the engine does, once before its token loop
+            decode_params = jax.jit(decode_layers.split_params)(params)
+            cache = jax.jit(split_cache)(cache)
+        seconds = _median_seconds(lambda: decode(decode_params, token_b, cache), args.repeats)
         # Untied: the input embedding is only gathered (batch rows), not read whole.
         gathered_only = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
         weight_bytes = (param_count(cfg) - gathered_only) * cfg.dtype(0).itemsize
         # Step i reads every weight once and each row's prefix of prompt + i + 1 slots.
         valid_slots = batch * sum(prompt + i + 1 for i in range(new))
         roofline = (new * weight_bytes + valid_slots * _kv_bytes_per_slot(cfg)) / bandwidth
-        rows.append({"phase": "decode", "batch": batch, "prompt": prompt, "new": new,
+        rows.append({"phase": "decode", "stack": stack, "batch": batch, "prompt": prompt, "new": new,
                      "seconds": seconds, "tokens_per_second": batch * new / seconds,
                      "ms_per_step": seconds / new * 1e3, "roofline_seconds": roofline,
                      "fraction_of_roofline": roofline / seconds})
@@ -214,7 +230,8 @@ def _line(row: dict) -> str:
             return (f"prefill batch={row['batch']} prompt={row['prompt']}: "
                     f"{row['seconds'] * 1e3:9.2f} ms  MFU {row['mfu']:6.1%}")
         case "decode":
-            return (f"decode  batch={row['batch']} cache={row['prompt']}+{row['new']}: "
+            return (f"decode  {row.get('stack', 'scan')} batch={row['batch']} "
+                    f"cache={row['prompt']}+{row['new']}: "
                     f"{row['tokens_per_second']:11.0f} tok/s  {row['ms_per_step']:7.3f} ms/step  "
                     f"{row['fraction_of_roofline']:6.1%} of HBM roofline")
         case "mismatch":
@@ -263,8 +280,11 @@ def main(argv=None):
         if "train" not in skip:
             emit(_train(cfg, make_layout("0:d1", model=cfg), args, peak), impl)
         for batch in map(int, args.batches.split(",")):
-            for row in _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip):
-                emit(row, impl)
+            for i, stack in enumerate(args.stack.split(",")):
+                # The prefill (and its MFU) is the same whatever the decode's stack.
+                phases = skip | ({"prefill"} if i else set())
+                for row in _prefill_and_decode(cfg, batch, args, peak, bandwidth, phases, stack):
+                    emit(row, impl)
             if "mismatch" not in skip:
                 emit(_mismatch(cfg, batch, args), impl)
 
