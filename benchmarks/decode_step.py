@@ -33,6 +33,27 @@ What is left per cache slot is the two products reading the fp32 cache (262 KB p
 64 rows and 4 layers) at ~15-20 GB/s on one core: XLA:CPU runs them as YNNPACK fusions with
 concurrency 1 (its runtime's own report, `TF_CPP_VMODULE=ynn_fusion_thunk=3`), so the
 second core is idle during them; YNNPACK's bf16 products ran no faster than fp32 here.
+
+Why the products stay on one core (issue 30's flatness target; load 5-12, CPU ms of the
+attention loop above at S = 544 unless said):
+  * YNNPACK reports concurrency 1 for every batched product tried: the tiles' [2176, 2, 64] x
+    [2176, 64, 32], [128, 544, 64] x [128, 64, 2], [128, 2, 544] x [128, 544, 64], even
+    [128, 544, 64] x [128, 64, 64]; an unbatched [64, 256] x [256, 768] runs on the pool.
+  * Without YNNPACK's products (`--xla_cpu_experimental_ynn_fusion_type=`) XLA:CPU multiplies
+    batch element by batch element through Eigen: 22.6 against 8.3 ms; XNNPACK
+    (`--xla_cpu_experimental_xnn_fusion_type=dot`) does not take batched products (19.1 ms).
+  * As multiply-and-reduce, YNNPACK's reductions run on the pool but cost more than they
+    share: scores 9.6 against 3.5 ms for the tiled product, values 15.1 against 3.3.
+  * Two independent halves (rows or kv heads) still run one after the other: the thunk
+    executor offloads ready thunks to a second thread only when more than 8 are ready at once
+    (`ExecuteSession::kSplitThreshold` in XLA:CPU's runtime), and buffer assignment lays one
+    half's product where the other half's query broadcast lay, which orders them
+    (`TF_CPP_VMODULE=thunk_executor=6` prints the dependency). 17 products over key tile
+    groups stored apart, each with the query broadcast fused in, had no dependencies and did
+    go to two threads, but overlapped for 3% of their time in a profiler trace (load 7).
+  * Two executables dispatched together on the one device run one after the other (trace).
+  * One core streams ~24 GB/s (numpy, CPU time); two processes streaming at once ~23 GB/s
+    each, so a second core would double what the products read.
 """
 
 from __future__ import annotations

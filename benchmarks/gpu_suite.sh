@@ -11,11 +11,17 @@
 #                  that carry the gpu marker (the `devices(n)` ones need n > 1 devices)
 #   kernels        benchmarks/gpu_kernels.py, llama-3.2-1b bf16, random weights: train MFU
 #                  (8 x 2048), prefill MFU and decode vs the HBM roofline at batch 64 and 256
-#                  (prompt 512, 256 decode steps), attention=auto
+#                  (prompt 512, 256 decode steps), attention=auto; the decode on the layer
+#                  stack generation runs on a GPU (layers: engine.decode_layers, tiled caches),
+#                  on per-layer [b, S, k, d] caches (layers_kv, cuDNN) and on the scanned one,
+#                  and the decode attention alone against reading its cache once
+#   (rollout: ~50 s of compiles a row on one H200; a row cut at the cap leaves the ones before
+#   it in the JSON)
 #   rollout        python -m jaxrlhf.bench --config=configs/rollout_bench_gpu.py
 #                  --rollout=64,512,tail,2048: the rollout engine's rows (1B bf16, 64 rows)
 #   decode_pallas  gpu_kernels.py's decode rows again with attention=pallas (the ragged Pallas
-#                  kernel instead of cuDNN): the figures for choosing AUTO's decode kernel
+#                  kernel instead of cuDNN), layer by layer on one [b, S, k, d] cache per layer
+#                  (stack layers_kv): the figures for choosing the GPU's decode attention
 # Step caps (seconds) and the whole budget (480) are clamped so the suite ends inside it; the
 # last step gets what is left. The JSON (default $OUT/gpu_suite.json when $OUT is set, else
 # ./gpu_suite.json) holds the device, jax version, each step's rc, seconds, cap, command, the
@@ -153,11 +159,12 @@ else
   mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" tests/test_*.py)
   run_step tests 100 "$PY" -m pytest -p no:xdist -p no:cacheprovider -q -rs \
     -m "gpu and not devices" --junitxml="$WORK/tests.xml" "${GPU_TESTS[@]}"
-  run_step kernels 180 "$PY" benchmarks/gpu_kernels.py "${SIZE[@]}" --cluster="$CLUSTER" \
-    --attention=auto --skip=mismatch --json_out="$WORK/kernels.json"
-  run_step rollout 150 "$PY" -m jaxrlhf.bench "${ROLLOUT[@]}" --json_out="$WORK/rollout.json"
-  run_step decode_pallas 90 "$PY" benchmarks/gpu_kernels.py "${SIZE[@]}" --cluster="$CLUSTER" \
-    --attention=pallas --skip=train,prefill,mismatch --json_out="$WORK/decode_pallas.json"
+  run_step kernels 150 "$PY" benchmarks/gpu_kernels.py "${SIZE[@]}" --cluster="$CLUSTER" \
+    --attention=auto --stack=layers,layers_kv,scan --skip=mismatch --json_out="$WORK/kernels.json"
+  run_step rollout 230 "$PY" -m jaxrlhf.bench "${ROLLOUT[@]}" --json_out="$WORK/rollout.json"
+  run_step decode_pallas 60 "$PY" benchmarks/gpu_kernels.py "${SIZE[@]}" --cluster="$CLUSTER" \
+    --attention=pallas --stack=layers_kv --skip=train,prefill,mismatch \
+    --json_out="$WORK/decode_pallas.json"
 fi
 
 "$PY" - "$WORK" "$OUT_PATH" "$DRY" "$BUDGET" "$T0" "${STEPS[@]}" <<'EOF'
@@ -218,9 +225,9 @@ if tests:
           f"{tests['skipped']} skipped")
 for name in ("kernels", "decode_pallas"):
     for row in ((steps.get(name, {}).get("result") or {}).get("rows") or []):
-        figure = {"train": "mfu", "prefill": "mfu", "decode": "fraction_of_roofline"}.get(
-            row["phase"])
-        shape = ", ".join(f"{k}={row[k]}" for k in ("rows", "len", "batch", "prompt", "new")
+        figure = {"train": "mfu", "prefill": "mfu", "decode": "fraction_of_roofline",
+                  "attention": "fraction_of_bandwidth"}.get(row["phase"])
+        shape = ", ".join(f"{k}={row[k]}" for k in ("stack", "rows", "len", "batch", "prompt", "new", "slots")
                           if k in row)
         print(f"{name}: {row['phase']} ({row['runs_as']}, {shape}) {row['seconds']:.4g} s"
               + (f", {figure} {row[figure]:.1%}" if figure else ""))

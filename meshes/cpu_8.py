@@ -2,7 +2,7 @@
 (`--xla_force_host_platform_device_count=8`). The figures are rough; calibrate with
 `--calibrate` before trusting absolute times."""
 
-from jaxrlhf.plan.cluster import Cluster
+from jaxrlhf.plan.cluster import Cluster, Platform
 
 
 def get_cluster() -> Cluster:
@@ -22,5 +22,5 @@ def get_cluster() -> Cluster:
         matmul_efficiency=0.5,
         hbm_efficiency=0.5,
         comm_efficiency=0.5,
-        cpu=True,
+        platform=Platform.CPU,
     )

@@ -2,7 +2,7 @@
 16 hosts × 4 chips, 95 GB HBM per chip. Every chip sits on the 3D-torus ICI, so crossing a host
 boundary costs no extra bandwidth; a ring along one torus axis uses two 100 GB/s links."""
 
-from jaxrlhf.plan.cluster import Cluster
+from jaxrlhf.plan.cluster import Cluster, Platform
 
 
 def get_cluster() -> Cluster:
@@ -22,4 +22,5 @@ def get_cluster() -> Cluster:
         matmul_efficiency=0.55,
         hbm_efficiency=0.75,
         comm_efficiency=0.7,
+        platform=Platform.TPU,
     )

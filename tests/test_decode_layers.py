@@ -1,4 +1,4 @@
-"""Decoding layer by layer (`engine.decode_layers`, the XLA:CPU token loop) computes what the
+"""Decoding layer by layer (`engine.decode_layers`, the token loop on XLA:CPU and XLA:GPU) computes what the
 scanned stack computes: the one-query attention against the cache, the model's cached steps,
 and whole sampled generations (same tokens, log-probs within fp32 rounding), unsharded and with
 the kv heads split over devices."""
@@ -13,6 +13,7 @@ from jaxrlhf.engine import decode_layers
 from jaxrlhf.engine.decode_layers import LayerByLayer, segment_ends
 from jaxrlhf.engine.generate import GenerateConfig, decode_model, generate
 from jaxrlhf.models import attention
+from jaxrlhf.models.attention import AttentionImpl
 from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.models.transformer import KVCache, Transformer
 from jaxrlhf.parallel.layout import make_layout
@@ -51,9 +52,11 @@ def _params():
     return nn.unbox(variables["params"])
 
 
-def test_cached_steps_equal_the_scanned_stack():
+@pytest.mark.parametrize("split", [decode_layers.split_cache, decode_layers.layer_caches])
+def test_cached_steps_equal_the_scanned_stack(split):
     """Prefill (stacked cache, stacked or split params), then single-token steps on per-layer
-    caches: the scanned stack's logits and caches, to fp32 rounding."""
+    caches (tiled `DecodeKV`s, or [1, b, S, k, d] `KVCache`s read by `dot_product_attention`):
+    the scanned stack's logits and caches, to fp32 rounding."""
     params = _params()
     tokens_bt = jax.random.randint(jax.random.key(1), (2, 7), 1, _CONFIG.vocab_size)
     positions_bt = jnp.broadcast_to(jnp.arange(7), (2, 7))
@@ -66,7 +69,7 @@ def test_cached_steps_equal_the_scanned_stack():
                                  segments_bt[:, :4], cache, 0, segments_bt)
         steps = [out]
         if split:
-            cache, params = decode_layers.split_cache(cache), decode_layers.split_params(params)
+            cache, params = split(cache), decode_layers.split_params(params)
         for t in range(4, 7):
             out, cache = model.apply({"params": params}, tokens_bt[:, t:t + 1],
                                      positions_bt[:, t:t + 1], segments_bt[:, t:t + 1], cache,
@@ -75,10 +78,10 @@ def test_cached_steps_equal_the_scanned_stack():
         cache = decode_layers.stack_cache(cache) if split else cache
         return jnp.concatenate(steps, axis=1), cache
 
-    want_logits, want_cache = jax.jit(run, static_argnums=(0, 2))(scanned, params, False)
+    want_logits, want_cache = jax.jit(run, static_argnums=(0, 2))(scanned, params, None)
     for prefill_params in (params, decode_layers.split_params(params)):
         got_logits, got_cache = jax.jit(run, static_argnums=(0, 2))(by_layer, prefill_params,
-                                                                    True)
+                                                                    split)
         np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
         jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5),
                      got_cache, want_cache)
@@ -118,3 +121,27 @@ def test_decode_model_keeps_the_scan_with_fsdp():
     unrolled = _CONFIG.replace(scan_layers=False)
     model = decode_model(unrolled, make_layout("0-7:d2f4", model=unrolled))
     assert model.layer_stack is None and model.config.scan_layers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_gpu_generation_decodes_layer_by_layer_and_equals_the_scanned_stack():
+    """On one GPU the generate call decodes layer by layer (`decodes_layer_by_layer`), its
+    tiled caches read by XLA's products although AUTO resolves to cuDNN: a sampled, ragged,
+    left-padded fp32 generation draws the scanned stack's tokens (which prefills and decodes
+    with cuDNN or its XLA fallback), log-probs to fp32 rounding."""
+    config = _CONFIG.replace(attention=AttentionImpl.AUTO)
+    layout = make_layout("0-0:d1", model=config)
+    model = decode_model(config, layout)
+    assert isinstance(model.layer_stack, LayerByLayer)
+    params = _params()
+    prompt_bp = jax.random.randint(jax.random.key(2), (8, 6), 1, config.vocab_size)
+    mask_bp = jnp.asarray([[0, 0, 0, 1, 1, 1], [1] * 6, [0, 0, 0, 0, 0, 1], [0, 1, 1, 1, 1, 1]]
+                          * 2, bool)
+    cfg = GenerateConfig(max_new_tokens=40, eos_token_id=-1, pad_token_id=0, temperature=0.8)
+    run = lambda model: jax.jit(lambda p, t, m: generate(model, cfg, p, t, m, jax.random.key(3)))(
+        params, prompt_bp, mask_bp)
+    with jax.default_matmul_precision("highest"):  # fp32 products, not TF32, on both sides
+        got, want = run(model), run(Transformer(config))
+    np.testing.assert_array_equal(got.response_bn, want.response_bn)
+    np.testing.assert_allclose(got.logprobs_bn, want.logprobs_bn, rtol=1e-5, atol=1e-5)

@@ -25,6 +25,7 @@ import pytest
 from jaxrlhf.mfc import Call
 from jaxrlhf.models.config import RematPolicy
 from jaxrlhf.models.sizes import abstract_params, get_size
+from jaxrlhf.parallel.layout import Platform
 from jaxrlhf.parallel.strategy import parse_strategy
 from jaxrlhf.plan import memory
 from jaxrlhf.plan.choice import CallChoice
@@ -179,7 +180,7 @@ def test_pipelined_head_in_chunks_xla_agrees():
     assert compiled["0-3:d2p2", 4][1] < 0.6 * compiled["0-3:d2p2", 1][1]
     verdicts = {}
     for (spec, micro), (arguments, temporaries) in compiled.items():
-        estimate = memory.call_memory(p, Call.TRAIN_STEP, work, _choice(spec, micro), cpu=True)
+        estimate = memory.call_memory(p, Call.TRAIN_STEP, work, _choice(spec, micro), platform=Platform.CPU)
         assert estimate.arguments == pytest.approx(arguments, rel=0.01), (spec, micro)
         assert estimate.temporaries >= temporaries, (spec, micro)
         assert estimate.temporaries == pytest.approx(temporaries, rel=0.3), (spec, micro)
@@ -202,7 +203,7 @@ def test_gradient_buffers_against_xla(dtype):
     for micro in (1, 2):
         _, temporaries[micro] = _train_compiled_bytes(model, "0-7:d8", micro, 32, 16)
         estimate = memory.call_memory(p, Call.TRAIN_STEP, work, _choice("0-7:d8", micro),
-                                      cpu=True)
+                                      platform=Platform.CPU)
         assert estimate.temporaries == pytest.approx(temporaries[micro], rel=0.15), micro
     accumulator = 4 * p.shard_elements(1, 1)
     assert temporaries[2] - temporaries[1] == pytest.approx(accumulator, rel=0.1)

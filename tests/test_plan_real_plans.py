@@ -17,7 +17,7 @@ from jaxrlhf.engine import train_step as ts
 from jaxrlhf.engine.optimizer import make_optimizer
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.mfc import Call, Role
-from jaxrlhf.parallel.layout import make_layout
+from jaxrlhf.parallel.layout import Platform, make_layout
 from jaxrlhf.parallel.strategy import parse_strategy
 from jaxrlhf.plan import memory
 from jaxrlhf.plan.choice import CallChoice
@@ -146,7 +146,7 @@ def test_a_plan_over_capacity_is_rejected_and_xla_agrees():
     verdicts = {}
     for micro in (1, 8):
         choice = CallChoice.of(parse_strategy("0-7:d8"), micro_batches=micro)
-        estimate = memory.call_memory(p, Call.TRAIN_STEP, work, choice, cpu=True).total
+        estimate = memory.call_memory(p, Call.TRAIN_STEP, work, choice, platform=Platform.CPU).total
         compiled = _compiled_bytes("0-7:d8", micro, rows, length)
         verdicts[micro] = (estimate <= cluster.usable_hbm_bytes,
                            compiled <= cluster.usable_hbm_bytes)

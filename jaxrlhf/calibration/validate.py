@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
+from jaxrlhf.parallel.layout import Platform
 from jaxrlhf.plan import memory as memory_lib
 from jaxrlhf.calibration import measure
 from jaxrlhf.plan import simulator
@@ -101,9 +102,9 @@ def memory_checks(run: measure.LiveRun, experiment: Experiment
                   ) -> dict[str, tuple[memory_lib.MemoryBreakdown, memory_lib.MemoryCheck]]:
     """Per model MFC of `run` (after a step): its estimate and how it compares to XLA's."""
     checks = {}
-    cpu = jax.devices()[0].platform == "cpu"  # the devices the run's calls were compiled for
+    platform = Platform(jax.devices()[0].platform)  # the devices the calls were compiled for
     for name, choice in run.plan.items():
-        estimate = memory_lib.own_memory(experiment, experiment.graph.mfc(name), choice, cpu)
+        estimate = memory_lib.own_memory(experiment, experiment.graph.mfc(name), choice, platform)
         compiled = max(run.compiled(name), key=lambda c: c.memory_analysis().temp_size_in_bytes)
         checks[name] = (estimate, memory_lib.compare_with_compiled(
             estimate, compiled.memory_analysis(), batch_argument_bytes(compiled)))

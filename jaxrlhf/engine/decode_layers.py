@@ -54,6 +54,14 @@ def split_cache(cache: KVCache) -> tuple[DecodeKV, ...]:
     return tuple(DecodeKV.from_stacked(k, v) for k, v in zip(cache.k_lbskd, cache.v_lbskd))
 
 
+def layer_caches(cache: KVCache) -> tuple[KVCache, ...]:
+    """One [1, b, S, k, d] `KVCache` per layer, from the stacked cache: the layout every
+    attention implementation reads (cuDNN, the Pallas kernels), where `split_cache`'s tiles are
+    XLA's. Each layer writes its slot of its own array in place and attends over it whole."""
+    return tuple(KVCache(cache.k_lbskd[i:i + 1], cache.v_lbskd[i:i + 1])
+                 for i in range(cache.k_lbskd.shape[0]))
+
+
 _SEGMENTS = 4
 # Shorter segments save less attention than their loops (one more each) cost to compile: the
 # main job (8 new tokens) took 1-1.6 s longer with 4 segments of 2 tokens.
@@ -79,8 +87,11 @@ def grow_cache(caches: tuple[DecodeKV, ...], length: int) -> tuple[DecodeKV, ...
     return tuple(c.resized(length) for c in caches)
 
 
-def stack_cache(caches: tuple[DecodeKV, ...]) -> KVCache:
-    """The stacked [L, b, S, k, d] KVCache of per-layer ones (`split_cache` undone)."""
+def stack_cache(caches: tuple[DecodeKV, ...] | tuple[KVCache, ...]) -> KVCache:
+    """The stacked [L, b, S, k, d] KVCache of per-layer ones (`split_cache` or `layer_caches`
+    undone)."""
+    if isinstance(caches[0], KVCache):
+        return KVCache(*(jnp.concatenate(parts) for parts in zip(*caches)))
     keys, values = zip(*(c.stacked() for c in caches))
     return KVCache(jnp.stack(keys), jnp.stack(values))
 
@@ -90,18 +101,20 @@ class LayerByLayer:
     """A `LayerStack` that runs the layers unrolled, in order.
 
     Takes the parameters stacked (the model's own tree) or split (`split_params`), and the
-    cache stacked (layer l writes index l of it; prefill) or split (`split_cache`;
-    each layer writes and reads its own array; the token loop), and returns the cache in the
-    form it was given.
+    cache stacked (layer l writes index l of it; prefill) or split (`split_cache` or
+    `layer_caches`; each layer writes and reads its own array; the token loop), and returns the
+    cache in the form it was given.
     """
 
     def __call__(self, layer_fn: LayerFn, params_l, x_btd: jax.Array, cache, inputs: LayerInputs,
                  cache_index, unroll: bool) -> tuple[jax.Array, Any]:
         params_l = split_layers(params_l)
-        if isinstance(cache, tuple) and isinstance(cache[0], DecodeKV):
+        if isinstance(cache, tuple) and not isinstance(cache, KVCache):  # split per layer
+            # A DecodeKV is the layer's alone (no index); a [1, ...] KVCache is index 0 of its own.
+            index = None if isinstance(cache[0], DecodeKV) else 0
             caches = []
             for params, layer_cache in zip(params_l, cache, strict=True):
-                x_btd, layer_cache = layer_fn(params, (x_btd, layer_cache), None, inputs,
+                x_btd, layer_cache = layer_fn(params, (x_btd, layer_cache), index, inputs,
                                               cache_index)
                 caches.append(layer_cache)
             return x_btd, tuple(caches)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -31,6 +32,14 @@ from jaxrlhf.parallel import submesh
 from jaxrlhf.parallel.reshard import transfer
 from jaxrlhf.parallel.strategy import MESH_AXIS_NAMES, Strategy, parse_strategy
 from jaxrlhf.parallel import rules as rule_presets
+
+
+class Platform(enum.Enum):
+    """The backend a mesh's devices belong to (the names of jax's `Device.platform`)."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+    TPU = "tpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +72,10 @@ class Layout:
     @property
     def num_devices(self) -> int:
         return self.mesh.devices.size
+
+    @property
+    def platform(self) -> Platform:
+        return Platform(self.mesh.devices.flat[0].platform)
 
     def __str__(self) -> str:
         return str(self.strategy)

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import pathlib
 
+from jaxrlhf.parallel.layout import Platform
 from jaxrlhf.parallel.submesh import ClusterShape
 from jaxrlhf.parallel.strategy import DeviceRange
 
@@ -81,9 +82,10 @@ class Cluster:
       matmul_efficiency, hbm_efficiency, comm_efficiency: achieved / peak; calibrated, as are
         the two overheads.
       calibration_source: where the calibrated values came from ("" for the file's defaults).
-      cpu: the devices are XLA:CPU (virtual) devices, where the runtime makes CPU choices of
-        its own: generation decodes layer by layer on a copy of the layer weights
-        (`engine.generate.decode_model`), which the memory model counts.
+      platform: the backend of the devices, where the runtime makes choices of its own that
+        the memory model counts: on XLA:CPU and XLA:GPU generation decodes layer by layer on a
+        copy of the layer weights (`engine.decoding.decodes_layer_by_layer`); on XLA:CPU
+        (virtual devices) a pipeline copies each stage's weights.
     """
 
     name: str
@@ -105,7 +107,11 @@ class Cluster:
     hbm_efficiency: float = 0.7
     comm_efficiency: float = 0.7
     calibration_source: str = ""
-    cpu: bool = False
+    platform: Platform = Platform.GPU
+
+    @property
+    def cpu(self) -> bool:
+        return self.platform is Platform.CPU
 
     def __post_init__(self):
         if self.hosts < 1 or self.devices_per_host < 1:

@@ -107,7 +107,7 @@ class Evaluator:
         key = (mfc.name, choice)
         if key not in self._own:
             self._own[key] = memory_lib.own_memory(self.experiment, mfc, choice,
-                                                   cpu=self.cluster.cpu)
+                                                   platform=self.cluster.platform)
         return self._own[key]
 
     def memory(self, plan: ExecutionPlan) -> memory_lib.PlanMemory:

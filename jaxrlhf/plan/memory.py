@@ -64,9 +64,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jaxrlhf.engine.decoding import decodes_layer_by_layer
 from jaxrlhf.engine.generate import runs_at_once
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.config import HeadKind, RematPolicy
+from jaxrlhf.parallel.layout import Platform
 from jaxrlhf.parallel.pipeline import remats_stages
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster
@@ -317,24 +319,25 @@ def pipelined_saved_bytes(p: ModelProfile, choice: CallChoice, tokens: int, cont
 
 def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                 fp32_master: bool = False, remat_stages: bool | None = None,
-                cpu: bool = False) -> MemoryBreakdown:
+                platform: Platform = Platform.GPU) -> MemoryBreakdown:
     """Bytes per device of one MFC on its own (its own model's parameters included);
     `remat_stages` prices a pipeline that checkpoints each stage or not (train_step only;
-    None: as the runtime does, `parallel.pipeline.remats_stages`); `cpu`: on XLA:CPU devices
-    (`Cluster.cpu`)."""
+    None: as the runtime does, `parallel.pipeline.remats_stages`); `platform`: the devices'
+    backend (`Cluster.platform`)."""
     if remat_stages is None:
         remat_stages = remats_stages(p.config.remat)
     rows = work.rows_per_device(call, choice.dp_size, choice.micro_batches)
     s, t, stages = work.seq_len, choice.tensor, choice.pipeline
     params = p.shard_bytes(t, choice.fsdp, stages)
     # Generation decodes with a stack of its own whatever the config says
-    # (`engine.generate.decode_model`): on XLA:CPU without pipeline or fsdp layer by layer, on
-    # the layer weights sliced out of their stacks once per call (a copy held through the call,
-    # no per-layer slice copy), else scanned.
-    by_layer = cpu and call is Call.GENERATE and stages == 1 and choice.fsdp == 1
+    # (`engine.decoding.decode_model`): layer by layer where `decodes_layer_by_layer` says so,
+    # on the layer weights sliced out of their stacks once per call (a copy held through the
+    # call, no per-layer slice copy), else scanned.
+    by_layer = call is Call.GENERATE and decodes_layer_by_layer(platform, stages > 1,
+                                                                choice.fsdp)
     scanned = (p.config.scan_layers or call is Call.GENERATE) and not by_layer
-    gathered = int(_gathered_bytes(p, choice, scanned)) + stage_weight_copy_bytes(p, call, choice,
-                                                                                   cpu)
+    gathered = int(_gathered_bytes(p, choice, scanned)) + stage_weight_copy_bytes(
+        p, call, choice, platform is Platform.CPU)
     if by_layer:
         gathered += p.config.num_layers * p.layer_shard_bytes(t)
     match call:
@@ -430,10 +433,10 @@ class PlanMemory:
 
 
 def own_memory(experiment: Experiment, mfc: MFC, choice: CallChoice,
-               cpu: bool = False) -> MemoryBreakdown:
+               platform: Platform = Platform.GPU) -> MemoryBreakdown:
     p = experiment.profile(mfc.role)
     return call_memory(p, mfc.call, experiment.workload, choice, experiment.master(mfc.role),
-                       cpu=cpu)
+                       platform=platform)
 
 
 def _resident(experiment: Experiment, plan: ExecutionPlan, role: Role,
@@ -496,7 +499,7 @@ def plan_memory(experiment: Experiment, plan: ExecutionPlan, cluster: Cluster,
     """
     if offload_trainable is not None:
         experiment = dataclasses.replace(experiment, offload_trainable=offload_trainable)
-    own_of = own or functools.partial(own_memory, experiment, cpu=cluster.cpu)
+    own_of = own or functools.partial(own_memory, experiment, platform=cluster.platform)
     order = [m.name for m in experiment.model_mfcs()]
     devices = {name: choice.devices for name, choice in plan.items()}
     base = np.zeros(cluster.num_devices)
