@@ -23,10 +23,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # they all use the controller's directory; it is removed when the session ends, so it has no
 # size bound: a bound makes JAX lock the directory and, on every write, list, stat and read the
 # access time of every entry to find what to evict (O(entries) per compile, under the lock that
-# both workers' reads wait on). The suite writes thousands of entries; with 20,000 in the
-# directory, tests/test_kernels.py took 649 s instead of 21 s. Without the lock a process may
-# read an entry another is still writing: its truncated compressed stream fails to decompress, JAX
-# warns and compiles it (outputs never depend on the cache).
+# both workers' reads wait on). The suite writes thousands of entries (test_kernels.py alone
+# 483); with 20,000 fake ones in the directory, test_kernels.py took 649 s with the bound and
+# 21 s without (on loaded cores). Without the lock a process may read an entry another is still
+# writing: its truncated compressed stream fails to decompress, JAX warns and compiles it
+# (outputs never depend on the cache).
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrlhf-test-xla-cache-")
