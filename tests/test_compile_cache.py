@@ -95,4 +95,5 @@ def test_a_cache_dir_that_cannot_be_made_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as info:
         check_config(config, str(tmp_path / "work"))
     assert str(info.value).startswith("compile.cache_dir: [Errno 20] Not a directory: ")
+    assert str(info.value).endswith('(set a directory that takes files, or "" for no cache)')
     assert "\n" not in str(info.value)

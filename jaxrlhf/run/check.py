@@ -108,8 +108,11 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     _check_answers(job)
     with field("checkpoint"):  # another run's checkpoints are refused
         check_resume(workdir / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
-    with field("compile.cache_dir"):  # last: a config refused leaves no directory behind
+    try:  # last: a config refused leaves no directory behind
         backend.use_compilation_cache(spec.compile_cache_dir)
+    except OSError as e:  # the default's too (a read-only home): say what to set
+        raise ConfigError(f"compile.cache_dir: {e} (set a directory that takes files, or \"\" "
+                          "for no cache)") from None
     return job
 
 
