@@ -3,7 +3,8 @@ roofline, for each attention implementation asked for.
 
 `python benchmarks/gpu_kernels.py --size=llama-3.2-1b --cluster=meshes/h100_1.py
 [--attention=auto,pallas] [--batches=64,256] [--prompt=512] [--new=512] [--train_rows=8]
-[--train_len=2048] [--repeats=5] [--dtype=bfloat16] [--skip=mismatch] [--json_out=PATH]`
+[--train_len=2048] [--repeats=5] [--dtype=bfloat16] [--stack=scan,layers,layers_kv]
+[--skip=mismatch] [--json_out=PATH]`
 
 Denominators are the cluster file's *published* peak bf16 FLOP/s and HBM bandwidth (not a
 probe), as in the papers:
@@ -14,14 +15,17 @@ probe), as in the papers:
     probability ratio, rollout weights in `--dtype` vs fp32 training weights;
   * decode: `--new` greedy steps of one token against the cache (a `fori_loop` of the model, no
     sampling work), as a fraction of the roofline = bytes that must be read per step (weights
-    in `--dtype` + each row's valid KV prefix, all layers) / HBM bandwidth.
+    in `--dtype` + each row's valid KV prefix, all layers) / HBM bandwidth; once per
+    `--stack` (the layer stack the decode runs on: `engine.decode_layers` or the scan);
+  * attention (stacks layers and layers_kv): one layer's decode attention alone over a full
+    cache, against the time of reading its keys and values once from HBM.
 Weights of prefill/decode are stored in `--dtype` (a rollout engine's copy). Inputs are random
 tokens at full length (no padding), as ReaL measures. On CPU it runs end to end at a tiny
 size (`--size=tiny --dtype=float32 --cluster=meshes/cpu_8.py`): the figures then mean
 nothing, the point is that the script stays alive (tests/test_attention_backends.py).
 
 It prints one line per measurement; `--json_out` also writes them as rows (`phase` = train,
-prefill, decode or mismatch, with the attention asked for and what it ran as) beside the
+prefill, decode, attention or mismatch, with the attention asked for and what it ran as) beside the
 device, the cluster's denominators and the versions, for `benchmarks/gpu_suite.sh`.
 """
 
@@ -52,7 +56,8 @@ def _args(argv=None):
                         ".LayerByLayer: weights split once, one tiled DecodeKV per layer, read by "
                         "XLA's products), layers_kv (the same on one [b, S, k, d] cache per "
                         "layer, read by --attention's implementation)")
-    p.add_argument("--skip", default="", help="comma list of train,prefill,decode,mismatch to skip")
+    p.add_argument("--skip", default="",
+                   help="comma list of train,prefill,decode,attention,mismatch to skip")
     p.add_argument("--json_out", default="", help="also write every row as JSON here")
     return p.parse_args(argv)
 
@@ -181,6 +186,44 @@ def _prefill_and_decode(cfg, batch, args, peak, bandwidth, skip, stack="scan") -
     return rows
 
 
+def _attention(cfg, batch, args, bandwidth, stack: str) -> dict:
+    """One layer's decode attention alone: `--new` chained one-query calls (each query is the
+    last output, so none is hoisted out of the loop) over a full cache of prompt + new slots,
+    against the HBM time of reading its keys and values once. `stack` picks the cache's layout
+    as the decode's: layers (a tiled `DecodeKV`, XLA's products) or layers_kv ([b, S, k, d],
+    the attention implementation asked for)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf.models import attention
+    from jaxrlhf.models.decode_kv import DecodeKV
+
+    slots, heads, kv_heads, dim = args.prompt + args.new, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    keys = jax.random.split(jax.random.key(0), 3)
+    q_b1hd = jax.random.normal(keys[0], (batch, 1, heads, dim), cfg.dtype)
+    k_bskd, v_bskd = (jax.random.normal(k, (batch, slots, kv_heads, dim), cfg.dtype)
+                      for k in keys[1:])
+    cache = (DecodeKV.from_stacked(k_bskd, v_bskd) if stack == "layers" else (k_bskd, v_bskd))
+    seg_b1, seg_bs = jnp.ones((batch, 1), jnp.int32), jnp.ones((batch, slots), jnp.int32)
+    slot = slots - 1
+
+    def one(q_b1hd, cache):
+        if stack == "layers":
+            return attention.cached_query_attention(q_b1hd, cache.k_bkcdi, cache.v_bksd, seg_b1,
+                                                    seg_bs, slot, impl=cfg.attention)
+        return attention.dot_product_attention(q_b1hd, *cache, seg_b1, seg_bs, q_offset=slot,
+                                               impl=cfg.attention)
+
+    @jax.jit
+    def chain(q_b1hd, cache):
+        return jax.lax.fori_loop(0, args.new, lambda i, q: one(q, cache), q_b1hd)
+
+    seconds = _median_seconds(lambda: chain(q_b1hd, cache), args.repeats) / args.new
+    kv_bytes = 2 * batch * slots * kv_heads * dim * cfg.dtype(0).itemsize
+    return {"phase": "attention", "stack": stack, "batch": batch, "slots": slots,
+            "seconds": seconds, "fraction_of_bandwidth": kv_bytes / bandwidth / seconds}
+
+
 def _mismatch(cfg, batch, args) -> dict:
     """bf16 train-vs-rollout log-prob mismatch on sampled responses (temperature 1).
 
@@ -234,6 +277,10 @@ def _line(row: dict) -> str:
                     f"cache={row['prompt']}+{row['new']}: "
                     f"{row['tokens_per_second']:11.0f} tok/s  {row['ms_per_step']:7.3f} ms/step  "
                     f"{row['fraction_of_roofline']:6.1%} of HBM roofline")
+        case "attention":
+            return (f"attention {row['stack']} batch={row['batch']} slots={row['slots']}: "
+                    f"{row['seconds'] * 1e6:9.1f} us/layer  {row['fraction_of_bandwidth']:6.1%} "
+                    f"of HBM bandwidth")
         case "mismatch":
             return (f"mismatch batch={row['batch']} new={row['new']}: mean |dlogp| "
                     f"{row['mean_abs_dlogp']:.2e}, max token prob ratio "
@@ -285,6 +332,8 @@ def main(argv=None):
                 phases = skip | ({"prefill"} if i else set())
                 for row in _prefill_and_decode(cfg, batch, args, peak, bandwidth, phases, stack):
                     emit(row, impl)
+                if "attention" not in skip and stack in ("layers", "layers_kv"):
+                    emit(_attention(cfg, batch, args, bandwidth, stack), impl)
             if "mismatch" not in skip:
                 emit(_mismatch(cfg, batch, args), impl)
 

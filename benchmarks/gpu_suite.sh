@@ -12,8 +12,9 @@
 #   kernels        benchmarks/gpu_kernels.py, llama-3.2-1b bf16, random weights: train MFU
 #                  (8 x 2048), prefill MFU and decode vs the HBM roofline at batch 64 and 256
 #                  (prompt 512, 256 decode steps), attention=auto; the decode on the layer
-#                  stack generation runs on a GPU (layers: engine.decode_layers) and on the
-#                  scanned one
+#                  stack generation runs on a GPU (layers: engine.decode_layers, tiled caches),
+#                  on per-layer [b, S, k, d] caches (layers_kv, cuDNN) and on the scanned one,
+#                  and the decode attention alone against reading its cache once
 #   (rollout: ~50 s of compiles a row on one H200; a row cut at the cap leaves the ones before
 #   it in the JSON)
 #   rollout        python -m jaxrlhf.bench --config=configs/rollout_bench_gpu.py
@@ -159,7 +160,7 @@ else
   run_step tests 100 "$PY" -m pytest -p no:xdist -p no:cacheprovider -q -rs \
     -m "gpu and not devices" --junitxml="$WORK/tests.xml" "${GPU_TESTS[@]}"
   run_step kernels 150 "$PY" benchmarks/gpu_kernels.py "${SIZE[@]}" --cluster="$CLUSTER" \
-    --attention=auto --stack=layers,scan --skip=mismatch --json_out="$WORK/kernels.json"
+    --attention=auto --stack=layers,layers_kv,scan --skip=mismatch --json_out="$WORK/kernels.json"
   run_step rollout 230 "$PY" -m jaxrlhf.bench "${ROLLOUT[@]}" --json_out="$WORK/rollout.json"
   run_step decode_pallas 60 "$PY" benchmarks/gpu_kernels.py "${SIZE[@]}" --cluster="$CLUSTER" \
     --attention=pallas --stack=layers_kv --skip=train,prefill,mismatch \
@@ -224,9 +225,9 @@ if tests:
           f"{tests['skipped']} skipped")
 for name in ("kernels", "decode_pallas"):
     for row in ((steps.get(name, {}).get("result") or {}).get("rows") or []):
-        figure = {"train": "mfu", "prefill": "mfu", "decode": "fraction_of_roofline"}.get(
-            row["phase"])
-        shape = ", ".join(f"{k}={row[k]}" for k in ("stack", "rows", "len", "batch", "prompt", "new")
+        figure = {"train": "mfu", "prefill": "mfu", "decode": "fraction_of_roofline",
+                  "attention": "fraction_of_bandwidth"}.get(row["phase"])
+        shape = ", ".join(f"{k}={row[k]}" for k in ("stack", "rows", "len", "batch", "prompt", "new", "slots")
                           if k in row)
         print(f"{name}: {row['phase']} ({row['runs_as']}, {shape}) {row['seconds']:.4g} s"
               + (f", {figure} {row[figure]:.1%}" if figure else ""))

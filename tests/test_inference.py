@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from hf_fixtures import hf_logits, hf_token_scores, make_tiny_hf_model
-from jaxrlhf.engine import buckets
+from jaxrlhf.engine import buckets, inference
 from jaxrlhf.engine.inference import (
     InferenceBatch, InferenceConfig, InferenceKind, make_inference_fn, positions_from_segments,
+    row_chunks,
 )
 from jaxrlhf.models import hf_io
 from jaxrlhf.models.config import HeadKind
@@ -225,3 +226,50 @@ def test_sharded_inference_equals_single_device(lm, logprob_fn, sequences, spec)
     for got, want in ((sharded.logprobs_bt, single.logprobs_bt),
                       (sharded.entropy_bt, single.entropy_bt)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def test_row_chunks():
+    # W-cpu's 64 rows of 96 tokens on one device: 4 chunks of 1,536 tokens.
+    assert row_chunks(64, 96, 2048) == 4
+    assert row_chunks(8, 96, 2048) == 1  # its share of 8 devices: one chunk
+    assert row_chunks(18, 96, 600) == 3  # the fewest chunks that divide the rows evenly
+    assert row_chunks(7, 1024, 2048) == 7 and row_chunks(3, 4096, 2048) == 3  # a row a chunk
+    assert row_chunks(64, 96, None) == 1
+
+
+@pytest.mark.devices(2)
+@pytest.mark.parametrize("spec", ["0:d1", "0-1:d2"])
+def test_inference_in_row_chunks_equals_hf(lm, critic, sequences, spec, monkeypatch):
+    """A chunk budget of one row: the forward runs its packed rows one at a time (a second
+    loop in the program), log-probs, entropies and scores as HF gives them on each sequence."""
+    hf_model, config, _, params = lm
+    layout = make_layout(spec, model=config)
+    params = jax.device_put(params, layout.param_shardings(abstract_params(config)))
+    rows = 2 * layout.dp_size  # every device packs (5 + 11) and (3 + 8): two rows
+    sequences = sequences * layout.dp_size
+    batch, mask = _padded(sequences)
+    loops, default = {}, inference.CPU_CHUNK_TOKENS
+    for budget in (default, WIDTH):
+        monkeypatch.setattr(inference, "CPU_CHUNK_TOKENS", budget)
+        fn = make_inference_fn(config, InferenceConfig(InferenceKind.LOGPROBS, TEMPERATURE,
+                                                       with_entropy=True), layout,
+                               length_buckets=(WIDTH,))
+        loops[budget] = fn._lower(params, jax.device_put(batch, fn._rows)).as_text().count(
+            "stablehlo.while")
+    assert row_chunks(rows // layout.dp_size, WIDTH, WIDTH) == 2
+    assert loops[WIDTH] == loops[default] + 1
+    out = fn(params, batch)
+    for i, seq in enumerate(sequences):
+        want_logp, want_entropy = _reference_logprobs(hf_model, seq)
+        np.testing.assert_allclose(np.asarray(out.logprobs_bt)[i][mask[i]], want_logp,
+                                   atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(out.entropy_bt)[i][mask[i]], want_entropy,
+                                   atol=1e-5, rtol=0)
+    hf_critic, critic_config, _, critic_params = critic
+    critic_params = jax.device_put(critic_params,
+                                   layout.param_shardings(abstract_params(critic_config)))
+    scores_fn = make_inference_fn(critic_config, InferenceConfig(InferenceKind.SCORES),
+                                  layout, length_buckets=(WIDTH,))
+    got = np.asarray(scores_fn(critic_params, batch).scores_bk)[:, 0]
+    np.testing.assert_allclose(got, [_reference_values(hf_critic, seq)[-1] for seq in sequences],
+                               atol=1e-5, rtol=0)

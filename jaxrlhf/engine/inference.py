@@ -203,21 +203,76 @@ def readout(cfg: InferenceConfig, model_out: jax.Array, batch: InferenceBatch) -
                 scores_bk=last_token_scores(values_bt, batch.segment_ids_bt, cfg.max_segments))
 
 
-def infer(model: Transformer, cfg: InferenceConfig, params, batch: InferenceBatch):
+def infer(model: Transformer, cfg: InferenceConfig, params, batch: InferenceBatch,
+          chunks: int = 1):
     """The body of every inference call kind on rows as given (traceable). Returns an
     InferenceOutput.
 
-    Over a pipeline's output the head and the readout run in the pipeline's row chunks
+    `chunks` > 1 runs the whole forward and readout on row chunks one after another (rows c,
+    c+C, c+2C, ...: on data-parallel devices each device's own rows, as they lie), so each
+    chunk's activations stay in the caches (`row_chunks` says why and how many). A
+    pipeline's output instead is read out in the pipeline's row chunks
     (`readout_in_chunks`): the pipeline streams its micro-batches through the layers and
     hands back the whole batch's hidden states, whose [b, t, vocab] logits at once would be
     the largest array of the call (and of a train step's backward pass)."""
-    chunks = head_chunks(model, batch.tokens_bt.shape[0])
-    if chunks == 1:
+    if chunks > 1:
+        return _in_row_chunks(lambda part: infer(model, cfg, params, part), batch, chunks)
+    head = head_chunks(model, batch.tokens_bt.shape[0])
+    if head == 1:
         model_out, _ = model.apply({"params": params}, *batch)
         return readout(cfg, model_out, batch)
     x_btd, _ = model.apply({"params": params}, *batch, with_head=False)
     return readout_in_chunks(model.config, cfg, head_kernel(model.config, params), x_btd, batch,
-                             chunks)
+                             head)
+
+
+def _in_row_chunks(fn, batch: InferenceBatch, chunks: int) -> InferenceOutput:
+    """`fn(rows) -> InferenceOutput` on `chunks` strided row chunks of `batch` [b, t], one
+    after another (a loop: one chunk's activations live at a time), outputs merged back."""
+    batch_c = InferenceBatch(*(nn.with_logical_constraint(split_rows(a, chunks),
+                                                          (None, "batch", "length"))
+                               for a in batch))
+    _, out_c = jax.lax.scan(lambda _, part: (None, fn(InferenceBatch(*part))), None, batch_c)
+    return InferenceOutput(*(None if x is None else merge_rows(x) for x in out_c))
+
+
+# Tokens of one row chunk of an inference call on each device, on XLA:CPU (`row_chunks`).
+CPU_CHUNK_TOKENS = 2048
+
+
+def chunk_tokens(layout: Layout) -> int | None:
+    """The token budget of an inference call's row chunks on `layout` (`row_chunks`):
+    `CPU_CHUNK_TOKENS` on XLA:CPU without a pipeline, else none (one chunk; a pipeline cuts
+    its rows into its own micro-batches)."""
+    cpu = layout.mesh.devices.flat[0].platform == "cpu"
+    return CPU_CHUNK_TOKENS if cpu and layer_stack(layout) is None else None
+
+
+def row_chunks(rows: int, length: int, tokens: int | None) -> int:
+    """How many equal chunks of whole rows an inference call runs its forward in (`infer`):
+    the fewest (a divisor of `rows`) whose chunk holds at most `tokens` tokens, one row a
+    chunk where a row alone holds more; 1 without a budget.
+
+    Why: at W-cpu's 64 rows of 96 tokens on one device every [6144, 1024] activation of the
+    SwiGLU MLP is 24 MiB, and the gate, up and product arrays stream through memory between
+    the matmuls; in chunks of 1,536 tokens (6 MiB each) they stay in the caches, and the
+    layers run at the matmuls' own rate. `benchmarks/inference_chunks.py` (ref_inf alone,
+    budgets alternated in rounds against the matmul probe, 2 cores under other processes'
+    load), CPU fraction of the floor by chunks: 64 rows of 96 tokens, 1: 84.1%, 2: 88.7%,
+    4: 93.6%, 8: 94.5% (another run: 85.9, 91.8, 95.0, 93.1%, 16 chunks 89.3%: smaller ones
+    run smaller matmuls and more loop steps); 64 rows of 544 tokens, 1: 77.6%, 16: 83.1%,
+    32: 86.2%. Packed rows per device come from `packing.row_buckets`' ladder (rungs above 8
+    hold a large power of two), so a chunk near the budget divides them.
+
+    Args:
+      rows: rows on each device (the call's rows over its data-parallel size).
+      length: tokens per row.
+      tokens: the budget (`chunk_tokens`), or None.
+    """
+    if not tokens:
+        return 1
+    return next((c for c in range(1, rows + 1) if rows % c == 0 and rows // c * length <= tokens),
+                rows)
 
 
 def head_chunks(model: Transformer, rows: int) -> int:
@@ -263,13 +318,15 @@ def readout_in_chunks(model_config: ModelConfig, cfg: InferenceConfig, kernel_dv
 
 
 def infer_packed(model: Transformer, cfg: InferenceConfig, shards: int, params,
-                 batch: InferenceBatch, plan: packing.PackPlan) -> InferenceOutput:
+                 batch: InferenceBatch, plan: packing.PackPlan, chunks: int = 1
+                 ) -> InferenceOutput:
     """`infer` of a padded batch computed on its packed rows (traceable, differentiable).
 
     Args:
       batch: [b, t] padded rows, one sequence each.
       shards: the data-parallel size the plan was made for (`packing.plan`).
       plan: one micro-batch's plan (gather_mrt [1, R, t], ..., scatter_mbt [1, b, t]).
+      chunks: row chunks of the packed rows the forward runs in (`infer`, `row_chunks`).
 
     Returns:
       The InferenceOutput `infer(batch)` gives (per-token fields [b, t] on the padded rows),
@@ -280,7 +337,7 @@ def infer_packed(model: Transformer, cfg: InferenceConfig, shards: int, params,
                             packing.pack(batch.positions_bt, gather_rt, shards), segment_ids_rt)
     per_token = cfg if cfg.kind is not InferenceKind.SCORES else dataclasses.replace(
         cfg, kind=InferenceKind.VALUES)
-    out = infer(model, per_token, params, packed)
+    out = infer(model, per_token, params, packed, chunks)
     real_bt = batch.segment_ids_bt != 0
     out = InferenceOutput(*(None if x is None else packing.unpack(x, scatter_bt, real_bt, shards)
                             for x in out))
@@ -298,6 +355,7 @@ class InferenceFn(BucketedCall):
     data-parallel shard's own rows, or the sequences dealt over the shards where that needs
     fewer rows), runs the executable compiled for (bucket, batch, packed rows, spread) on this
     layout, and returns the outputs on the padded rows, per-token ones cut back to length t.
+    On XLA:CPU the executable runs the packed rows in chunks (`chunk_tokens`, `row_chunks`).
     """
 
     def __init__(self, model_config: ModelConfig, cfg: InferenceConfig, layout: Layout,
@@ -321,6 +379,7 @@ class InferenceFn(BucketedCall):
             values_bt=rows_sharding if cfg.kind is InferenceKind.VALUES else None,
             scores_bk=rows_sharding if cfg.kind is InferenceKind.SCORES else None,
         )
+        self._chunk_tokens = chunk_tokens(layout)
         # Per plan kind: each shard's own rows (pack within each shard's block), or spread
         # (`packing.fewest_rows`: indices across the whole batch, shards=1).
         self._jitted = {spread: jax.jit(
@@ -329,7 +388,7 @@ class InferenceFn(BucketedCall):
             in_shardings=(layout.param_shardings(abstract_params(model_config)),
                           InferenceBatch(rows_sharding, rows_sharding, rows_sharding),
                           self._plan_shardings),
-            out_shardings=out_shardings,
+            out_shardings=out_shardings, static_argnums=3,  # chunks
         ) for spread in (False, True)}
 
     def _jit_for(self, params, batch, plan, spread: bool = False) -> jax.stages.Wrapped:
@@ -340,8 +399,10 @@ class InferenceFn(BucketedCall):
         """The lowered call on a batch of a bucket's length (its plan made if not given)."""
         if plan is None:
             plan, spread = self._plan(batch.segment_ids_bt)
+        chunks = row_chunks(plan.rows // self.layout.dp_size, batch.tokens_bt.shape[1],
+                            self._chunk_tokens)
         with self.layout.activation_context():
-            return self._jit_for(params, batch, plan, spread).lower(params, batch, plan)
+            return self._jit_for(params, batch, plan, spread).lower(params, batch, plan, chunks)
 
     def _plan(self, segment_ids_bt) -> tuple[packing.PackPlan, bool]:
         """(the batch's packed rows, placed; whether they are spread over the shards): a sync
