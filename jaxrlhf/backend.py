@@ -38,9 +38,9 @@ ENV_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"  # JAX's own: the directory, where a
 ENV_CACHE_MIN_SECONDS = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 # Executables that compiled faster than this are not written to the cache. JAX's default (1 s)
 # keeps a set that depends on the load: of the main job's 123 executables on 2 busy cores it
-# kept 10 to 15 in three runs (cold and warm), and a restart then reached its first PPO step in 31-36 s,
-# against 21-31 s with all 123 kept (`benchmarks/restart_compiles.py`, alternated rounds). Kept
-# whole, the set is the program's: a restart compiles nothing.
+# kept 10 to 15 in three runs (cold and warm), and a restart then reached its first PPO step
+# in 31-36 s, against 21-31 s with all 123 kept (`benchmarks/restart_compiles.py`, alternated
+# rounds). Kept whole, the set is the program's: a restart compiles nothing.
 CACHE_MIN_COMPILE_SECONDS = 0.0
 
 
