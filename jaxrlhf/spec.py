@@ -542,4 +542,5 @@ def run_spec(config: ConfigDict) -> RunSpec:
         data=_data(config.data), warm_start=warm, tokenizer=config.tokenizer, seed=config.seed,
         steps=config.steps, config_json=config.to_json(), async_rl=async_rl,
         require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval),
-        compile_cache_dir=_cache_dir(config.compile.cache_dir), wandb=_wandb(config.logging.wandb), env=env)
+        compile_cache_dir=_cache_dir(config.compile.cache_dir),
+        wandb=_wandb(config.logging.wandb), env=env)
