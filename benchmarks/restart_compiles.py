@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,7 @@ def run(train_args: list[str], cache: pathlib.Path, min_seconds: str) -> dict:
         time.sleep(0.05)
     end = time.perf_counter() - start
     out = proc.stdout.read()
+    shutil.rmtree(work, ignore_errors=True)
     assert proc.returncode == 0, out[-2000:]
     summary = json.loads(out.strip().splitlines()[-1])
     return {"first_record_s": first, "first_rl_step_s": first_rl, "end_s": end,
@@ -90,6 +92,7 @@ def main():
                 figures = run(args.train_args, cache, min_seconds)
                 print(json.dumps({"round": round_, "min_compile_seconds": float(min_seconds),
                                   "cache": state, **figures}), flush=True)
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 if __name__ == "__main__":
