@@ -1,7 +1,9 @@
 """Process-level backend settings that must be made before JAX starts a backend."""
 
 import ctypes
+import hashlib
 import os
+import platform
 import pathlib
 import re
 import sys
@@ -44,14 +46,31 @@ ENV_CACHE_MIN_SECONDS = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 CACHE_MIN_COMPILE_SECONDS = 0.0
 
 
+def host_cache_key() -> str:
+    """This host's machine and instruction-set extensions, as a folder name: `x86_64-<hash>`.
+
+    Why: XLA:CPU compiles for the host's own extensions (AVX-512, AMX, ...), and JAX's cache
+    key names only the platform ("cpu") and the compiler's version. A home folder shared by
+    nodes of several CPU generations (a cluster's NFS home) would hand an executable built on
+    one to another that cannot run its instructions."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    identity = " ".join(sorted(flags.partition(":")[2].split())) or platform.processor()
+    return f"{platform.machine()}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
+
+
 def use_compilation_cache(cache_dir: pathlib.Path | None) -> pathlib.Path | None:
     """Makes JAX keep every executable it compiles in `cache_dir` (its persistent compilation
     cache) and load it from there when a later process compiles the same program: a rerun or
     a restart after preemption compiles only what it has not compiled before. None: off.
     Returns the directory in use.
 
-    The directory is created (readable by its owner only: whoever can write to it can make
-    this process run code) and must take files. A JAX_COMPILATION_CACHE_DIR the user set in
+    Executables go to a folder of `cache_dir` named for this host's instruction set
+    (`host_cache_key`). The directory is created (readable by its owner only: whoever can
+    write to it can make this process run code) and must take files. A JAX_COMPILATION_CACHE_DIR the user set in
     the environment wins, as an XLA_FLAGS value does (a launcher's shared cache, the test
     suite's own). Takes effect at the next compile: JAX decides at a process's first compile
     whether it uses a cache, so its cache is reset (a notebook may have compiled before).
@@ -66,6 +85,8 @@ def use_compilation_cache(cache_dir: pathlib.Path | None) -> pathlib.Path | None
         return pathlib.Path(os.environ[ENV_CACHE_DIR])
     if cache_dir is not None:
         cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cache_dir = cache_dir / host_cache_key()
+        cache_dir.mkdir(mode=0o700, exist_ok=True)
         if not os.access(cache_dir, os.W_OK | os.X_OK):
             raise PermissionError(f"{cache_dir}: not writable")
     if ENV_CACHE_MIN_SECONDS not in os.environ:

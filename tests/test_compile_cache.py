@@ -52,8 +52,10 @@ def _train(cache: pathlib.Path, workdir: pathlib.Path) -> tuple[dict, dict]:
 
 
 def _entries(cache: pathlib.Path) -> list[str]:
-    """The cache's executables (beside them: access times and a lock, where its size is bounded)."""
-    return sorted(p.name for p in cache.glob("*-cache"))
+    """The cache's executables, in this host's folder (beside them: access times and a lock,
+    where its size is bounded)."""
+    assert [p.name for p in cache.iterdir()] == [backend.host_cache_key()]
+    return sorted(p.name for p in (cache / backend.host_cache_key()).glob("*-cache"))
 
 
 @pytest.mark.entry
@@ -72,7 +74,8 @@ def test_a_rerun_compiles_nothing_and_computes_the_same(tmp_path):
     assert _entries(cache) == entries
     for key in ("eval_loss_before", "eval_loss_after", "accuracy_after", "recompiles"):
         assert again[key] == first[key], key
-    assert (cache.stat().st_mode & 0o777) == 0o700  # whoever writes there runs code here
+    for folder in (cache, cache / backend.host_cache_key()):  # whoever writes there runs code
+        assert (folder.stat().st_mode & 0o777) == 0o700
 
 
 def test_cache_dir_is_an_absolute_path_and_empty_is_none():
