@@ -22,6 +22,10 @@ with every figure and the host's RSS last.
 slot occupancy, compiles, the floor counted on live tokens), with `--steps` timed calls per
 row; `--json_out=PATH` also writes the rows as JSON.
 
+The JSON also says how many executables came from the persistent compilation cache
+(`compile.cache_dir`): with a warm cache the first step's (a row's warm-up's) compiles are
+loads, as in a restart.
+
 `--packing=tail` measures the actor's train step alone on those lengths (`jaxrlhf.perf.
 packing_rows`: sequences packed into rows against one padded sequence per row, alternated,
 trained tokens/s of both), with `--steps` timed steps of each per row.
@@ -29,6 +33,7 @@ trained tokens/s of both), with `--steps` timed steps of each per row.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 
@@ -205,14 +210,38 @@ def _write_json(figures: dict) -> None:
             json.dump(figures, f, indent=1)
 
 
+_CACHE_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
+_CACHE_HITS = "/jax/compilation_cache/cache_hits"
+
+
+def _cache_events() -> collections.Counter:
+    """JAX's events of this process from now on, counted by name (its compilation cache's)."""
+    import jax
+
+    events = collections.Counter()
+    jax.monitoring.register_event_listener(lambda event, **_: events.update([event]))
+    return events
+
+
+def _cache_figures(events: collections.Counter) -> dict:
+    """The persistent compilation cache: its directory (None: none), the compiles that went
+    through it, how many of them it answered."""
+    import jax
+
+    return {"dir": jax.config.jax_compilation_cache_dir,
+            "compiles": events[_CACHE_REQUESTS], "loaded": events[_CACHE_HITS]}
+
+
 def main():
     config = _CONFIG.value
     use_cpu_devices(config.cpu_devices)
     import jax
 
+    events = _cache_events()
     if _ROLLOUT.value or _PACKING.value:
         figures = (rollout_main(config, _ROLLOUT.value) if _ROLLOUT.value
                    else packing_main(config, _PACKING.value))
+        figures["compile_cache"] = _cache_figures(events)
         print(json.dumps(figures))
         _write_json(figures)
         return
@@ -251,6 +280,7 @@ def main():
         **report.floor_figures(measured, devices, memory), "dtype": config.models.actor.dtype,
         "devices": len(jax.devices()), "placement": dict(setup.plan.specs),
         "host_rss_bytes": rss, "host_rss_peak_bytes": rss_peak,
+        "compile_cache": _cache_figures(events),
     }))
 
 if __name__ == "__main__":

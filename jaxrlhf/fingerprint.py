@@ -10,9 +10,9 @@ compiles (`checkpoint.check_resume`).
 
 Keys that may legitimately change between a run and its resume do not count: how long it runs
 (`steps`), where and on what it runs (`workdir`, `cpu_devices`, `placement.*`, micro-batching,
-reward worker processes and timeouts), how often it saves, logs and evaluates, and
-implementation choices that leave the mathematics unchanged (layer scan, rematerialisation,
-attention kernels).
+reward worker processes and timeouts, the compilation cache), how often it saves, logs and
+evaluates, and implementation choices that leave the mathematics unchanged (layer scan,
+rematerialisation, attention kernels).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ RESUMABLE = (
     "steps", "workdir", "cpu_devices", "log_every", "checkpoint.", "placement.", "micro_batches",
     "micro_batch_tokens", "reward.workers", "reward.timeout", "cost.workers", "cost.timeout",
     "nan_policy", "eval.", "reward.max_error_rate", "cost.max_error_rate", "logging.",
+    "compile.",
 )
 # Per-model implementation choices (models.<role>.<key>) that may change on resume.
 _MODEL_RESUMABLE = ("scan_layers", "remat", "attention")

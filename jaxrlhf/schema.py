@@ -114,6 +114,12 @@ def base_config() -> ConfigDict:
             "resume": "auto",
         },
         "nan_policy": "stop",  # NaN/inf loss or grad norm: stop (last checkpoint kept) | skip
+        "compile": {
+            # JAX's persistent compilation cache: every executable a run compiles is kept here
+            # and loaded by the next run that compiles the same program (a rerun, a restart
+            # after preemption); "" = off. JAX_COMPILATION_CACHE_DIR in the environment wins.
+            "cache_dir": "~/.cache/jaxrlhf/xla",
+        },
         "models": {
             "actor": model(),
             "critic": model(),

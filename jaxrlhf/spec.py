@@ -227,6 +227,8 @@ class RunSpec:
       micro: train_step micro-batching (an MFC's `@N` in the allocation overrides it).
       config_json: the config as JSON, for checkpoints (export rebuilds specs from it).
       wandb: the W&B run the metrics also go to; None: none.
+      compile_cache_dir: JAX's persistent compilation cache (`backend.use_compilation_cache`,
+        which `run/check.py` calls); None: none.
     """
 
     algorithm: Algorithm
@@ -251,6 +253,7 @@ class RunSpec:
     async_rl: AsyncRLSpec
     require_model_paths: bool  # every role loads its own HF directory
     evaluation: EvalSpec
+    compile_cache_dir: pathlib.Path | None
     wandb: WandbSpec | None = None
     env: EnvSpec | None = None  # multi-turn rollouts' environment; None: single turns
 
@@ -485,6 +488,17 @@ def _wandb(w: ConfigDict) -> WandbSpec | None:
     return WandbSpec(project=w.project, name=w.name, mode=mode)
 
 
+def _cache_dir(value: str) -> pathlib.Path | None:
+    """`compile.cache_dir` as an absolute path (`~` expanded: JAX takes it as given); None
+    when empty (no cache)."""
+    if not value:
+        return None
+    path = pathlib.Path(value).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"compile.cache_dir={value!r}: not a directory")
+    return path
+
+
 def run_spec(config: ConfigDict) -> RunSpec:
     """The typed, checked spec of `config`; raises ConfigError naming the field."""
     check_keys(config)
@@ -528,4 +542,5 @@ def run_spec(config: ConfigDict) -> RunSpec:
         data=_data(config.data), warm_start=warm, tokenizer=config.tokenizer, seed=config.seed,
         steps=config.steps, config_json=config.to_json(), async_rl=async_rl,
         require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval),
+        compile_cache_dir=_cache_dir(config.compile.cache_dir),
         wandb=_wandb(config.logging.wandb), env=env)

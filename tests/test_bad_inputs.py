@@ -151,6 +151,8 @@ CASES = [
     ("too_few_task_rows_for_a_batch", {"data.task.num_train": 8, "data.task.num_sft": 8},
      "rollout.batch_size=32: more than the 8 rows of the built-in task"),
     ("unwritable_workdir", lambda tmp: {"workdir": str(_file(tmp) / "sub")}, "workdir: "),
+    ("cache_dir_a_file", lambda tmp: {"compile.cache_dir": str(_file(tmp))},
+     "compile.cache_dir='{tmp}/a_file': not a directory"),
 ]
 
 

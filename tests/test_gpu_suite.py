@@ -87,6 +87,10 @@ def test_dry_run_runs_every_step_into_one_json(tmp_path):
     rows = _rows(report["steps"]["rollout"]["result"])
     assert [r["row"] for r in rows] == ["4", "tail:16"], rows
     assert all(r["useful_tokens_per_s"] > 0 and r["recompiles_after_warmup"] == 0 for r in rows)
+    # Through the suite's persistent compilation cache (tests/conftest.py), as a user's
+    # `compile.cache_dir` would be: the environment's directory wins over the config's.
+    cache = report["steps"]["rollout"]["result"]["compile_cache"]
+    assert cache["dir"] == os.environ["JAX_COMPILATION_CACHE_DIR"] and cache["compiles"] > 0
     assert "rollout:" in proc.stdout, proc.stdout
 
 

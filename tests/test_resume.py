@@ -222,6 +222,7 @@ def test_changes_that_may_come_with_a_resume_are_accepted(full_run, tmp_path, ca
         "critic_train=4-7:f4"))
     config.micro_batches = 2
     config.reward.workers = 2
+    config.compile.cache_dir = ""  # a restart may compile afresh
     job = check_config(config, str(full_run[0]))  # no error: the same run
     assert job.fingerprint == check_config(_config(), str(tmp_path / "fresh")).fingerprint
 

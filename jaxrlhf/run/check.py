@@ -4,8 +4,10 @@
 workdir for this run (`run/lock.py`), loads the tokenizer, checks the reward functions, model
 directories and vocabularies, resolves the placement (`placement.kind=auto` searches here,
 once), reads the run's data (a bad row of a user file is named by file:line), makes the warm
-start a job of its own, and refuses checkpoints in the workdir that another run wrote
-(`checkpoint.resume`). The job then runs what was checked.
+start a job of its own, refuses checkpoints in the workdir that another run wrote
+(`checkpoint.resume`), and points JAX's persistent compilation cache at `compile.cache_dir`
+(what the process compiles from then on is kept there, and loaded from there by the next run).
+The job then runs what was checked.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tempfile
 import jax
 from ml_collections import ConfigDict
 
+from jaxrlhf import backend
 from jaxrlhf.algorithms import sft
 from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.checkpoint import CHECKPOINT_DIR, check_resume
@@ -105,6 +108,11 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     _check_answers(job)
     with field("checkpoint"):  # another run's checkpoints are refused
         check_resume(workdir / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
+    try:  # last: a config refused leaves no directory behind
+        backend.use_compilation_cache(spec.compile_cache_dir)
+    except OSError as e:  # the default's too (a read-only home): say what to set
+        raise ConfigError(f"compile.cache_dir: {e} (set a directory that takes files, or \"\" "
+                          "for no cache)") from None
     return job
 
 
