@@ -126,7 +126,7 @@ def decode_model(model_config: ModelConfig, layout: Layout) -> Transformer:
     the scanned stack (on XLA:CPU whatever `scan_layers` says; the parameter tree is the
     same)."""
     stack = layer_stack(layout)
-    if stack is None and decodes_layer_by_layer(layout.platform, False, layout.strategy.fsdp):
+    if decodes_layer_by_layer(layout.platform, stack is not None, layout.strategy.fsdp):
         return Transformer(model_config, LayerByLayer())
     if stack is None and layout.platform is Platform.CPU:  # both stacks copy there: the scan
         model_config = model_config.replace(scan_layers=True)  # keeps one gathered layer live

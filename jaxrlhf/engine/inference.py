@@ -33,7 +33,7 @@ from jaxrlhf.engine.call import BucketedCall
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer, head_kernel, head_out
-from jaxrlhf.parallel.layout import Layout, check_batch_divisible
+from jaxrlhf.parallel.layout import Layout, Platform, check_batch_divisible
 from jaxrlhf.parallel.pipeline import Pipeline, layer_stack, merge_rows, split_rows
 from jaxrlhf.parallel.reshard import fetch, transfer
 
@@ -244,7 +244,7 @@ def chunk_tokens(layout: Layout) -> int | None:
     """The token budget of an inference call's row chunks on `layout` (`row_chunks`):
     `CPU_CHUNK_TOKENS` on XLA:CPU without a pipeline, else none (one chunk; a pipeline cuts
     its rows into its own micro-batches)."""
-    cpu = layout.mesh.devices.flat[0].platform == "cpu"
+    cpu = layout.platform is Platform.CPU
     return CPU_CHUNK_TOKENS if cpu and layer_stack(layout) is None else None
 
 

@@ -53,6 +53,7 @@ from jaxrlhf.engine.rollout import Rollout
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.data.datasets import EpochIterator
 from jaxrlhf.run import async_procs, async_steps, loop
+from jaxrlhf.parallel.layout import Platform
 from jaxrlhf.run.async_steps import drain_limit, draw_async_timeline, trainer_runner
 from jaxrlhf.run.guards import StopRequest
 from jaxrlhf.run.check import Job
@@ -117,7 +118,7 @@ class LocalSource:
                           r.max_prompt_len, r.rows // micro)
         self.worker = RolloutWorker(self.gen, rollout, gen_layout, spec.base.config, spec.seed,
                                     spec.async_rl.chunk_tokens, micro)
-        self.shared_cores = gen_layout.mesh.devices.flat[0].platform == "cpu"  # with training
+        self.shared_cores = gen_layout.platform is Platform.CPU  # with training
         self.actor = runner.runtimes[Role.ACTOR]
         self.trainer = _Trainer()
         self.clock_zero = time.perf_counter()
