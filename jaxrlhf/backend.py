@@ -44,6 +44,11 @@ ENV_CACHE_MIN_SECONDS = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 # in 31-36 s, against 21-31 s with all 123 kept (`benchmarks/restart_compiles.py`, alternated
 # rounds). Kept whole, the set is the program's: a restart compiles nothing.
 CACHE_MIN_COMPILE_SECONDS = 0.0
+# JAX's monitoring events of its compilation cache: a compile that asked it, one it answered
+# (loaded), one it did not (the executable compiled and written).
+CACHE_REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"
 
 
 def host_cache_key() -> str:
@@ -70,9 +75,9 @@ def use_compilation_cache(cache_dir: pathlib.Path | None) -> pathlib.Path | None
 
     Executables go to a folder of `cache_dir` named for this host's instruction set
     (`host_cache_key`). The directory is created (readable by its owner only: whoever can
-    write to it can make this process run code) and must take files. A JAX_COMPILATION_CACHE_DIR the user set in
-    the environment wins, as an XLA_FLAGS value does (a launcher's shared cache, the test
-    suite's own). Takes effect at the next compile: JAX decides at a process's first compile
+    write to it can make this process run code) and must take files. A
+    JAX_COMPILATION_CACHE_DIR the user set in the environment wins, as an XLA_FLAGS value does
+    (a launcher's shared cache, the test suite's own). Takes effect at the next compile: JAX decides at a process's first compile
     whether it uses a cache, so its cache is reset (a notebook may have compiled before).
 
     Raises:

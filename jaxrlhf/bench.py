@@ -42,6 +42,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxrlhf import cli
+from jaxrlhf import backend
 from jaxrlhf.backend import use_cpu_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config", lock_config=True)
@@ -210,10 +211,6 @@ def _write_json(figures: dict) -> None:
             json.dump(figures, f, indent=1)
 
 
-_CACHE_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
-_CACHE_HITS = "/jax/compilation_cache/cache_hits"
-
-
 def _cache_events() -> collections.Counter:
     """JAX's events of this process from now on, counted by name (its compilation cache's)."""
     import jax
@@ -229,7 +226,8 @@ def _cache_figures(events: collections.Counter) -> dict:
     import jax
 
     return {"dir": jax.config.jax_compilation_cache_dir,
-            "compiles": events[_CACHE_REQUESTS], "loaded": events[_CACHE_HITS]}
+            "compiles": events[backend.CACHE_REQUEST_EVENT],
+            "loaded": events[backend.CACHE_HIT_EVENT]}
 
 
 def main():

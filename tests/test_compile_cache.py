@@ -27,9 +27,8 @@ atexit.register(lambda: print(json.dumps(events), file=sys.stderr))
 sys.argv = ["jaxrlhf.train", *sys.argv[1:]]
 runpy.run_module("jaxrlhf.train", run_name="__main__")
 """
-_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
-_HITS = "/jax/compilation_cache/cache_hits"
-_WRITES = "/jax/compilation_cache/cache_misses"  # recorded as a compiled entry is written
+_REQUESTS, _HITS, _WRITES = (backend.CACHE_REQUEST_EVENT, backend.CACHE_HIT_EVENT,
+                             backend.CACHE_WRITE_EVENT)
 
 
 def _train(cache: pathlib.Path, workdir: pathlib.Path) -> tuple[dict, dict]:
