@@ -219,7 +219,7 @@ def _attention(cfg, batch, args, bandwidth, stack: str) -> dict:
         return jax.lax.fori_loop(0, args.new, lambda i, q: one(q, cache), q_b1hd)
 
     seconds = _median_seconds(lambda: chain(q_b1hd, cache), args.repeats) / args.new
-    kv_bytes = 2 * batch * slots * kv_heads * dim * cfg.dtype(0).itemsize
+    kv_bytes = batch * slots * _kv_bytes_per_slot(cfg) // cfg.num_layers  # one layer's
     return {"phase": "attention", "stack": stack, "batch": batch, "slots": slots,
             "seconds": seconds, "fraction_of_bandwidth": kv_bytes / bandwidth / seconds}
 
