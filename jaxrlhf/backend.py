@@ -1,12 +1,12 @@
 """Process-level backend settings that must be made before JAX starts a backend."""
 
 import ctypes
-import hashlib
 import os
-import platform
 import pathlib
 import re
 import sys
+
+from kernels.native import host_key
 
 # XLA:CPU aborts the process when one virtual device's thread reaches a collective more than
 # 40 s (its default) after the others. On an oversubscribed host (8 virtual devices on 2 busy
@@ -51,22 +51,6 @@ CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"
 
 
-def host_cache_key() -> str:
-    """This host's machine and instruction-set extensions, as a folder name: `x86_64-<hash>`.
-
-    Why: XLA:CPU compiles for the host's own extensions (AVX-512, AMX, ...), and JAX's cache
-    key names only the platform ("cpu") and the compiler's version. A home folder shared by
-    nodes of several CPU generations (a cluster's NFS home) would hand an executable built on
-    one to another that cannot run its instructions."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    identity = " ".join(sorted(flags.partition(":")[2].split())) or platform.processor()
-    return f"{platform.machine()}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
-
-
 def use_compilation_cache(cache_dir: pathlib.Path | None) -> pathlib.Path | None:
     """Makes JAX keep every executable it compiles in `cache_dir` (its persistent compilation
     cache) and load it from there when a later process compiles the same program: a rerun or
@@ -74,7 +58,7 @@ def use_compilation_cache(cache_dir: pathlib.Path | None) -> pathlib.Path | None
     Returns the directory in use.
 
     Executables go to a folder of `cache_dir` named for this host's instruction set
-    (`host_cache_key`). The directory is created (readable by its owner only: whoever can
+    (`kernels.native.host_key`). The directory is created (readable by its owner only: whoever can
     write to it can make this process run code) and must take files. A
     JAX_COMPILATION_CACHE_DIR the user set in the environment wins, as an XLA_FLAGS value does
     (a launcher's shared cache, the test suite's own). Takes effect at the next compile: JAX decides at a process's first compile
@@ -90,7 +74,7 @@ def use_compilation_cache(cache_dir: pathlib.Path | None) -> pathlib.Path | None
         return pathlib.Path(os.environ[ENV_CACHE_DIR])
     if cache_dir is not None:
         cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        cache_dir = cache_dir / host_cache_key()
+        cache_dir = cache_dir / host_key()
         cache_dir.mkdir(mode=0o700, exist_ok=True)
         if not os.access(cache_dir, os.W_OK | os.X_OK):
             raise PermissionError(f"{cache_dir}: not writable")

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from jaxrlhf import backend
+from kernels import native
 from jaxrlhf.run.check import check_config
 from jaxrlhf.schema import ConfigError, base_config
 from jaxrlhf.spec import run_spec
@@ -53,8 +54,8 @@ def _train(cache: pathlib.Path, workdir: pathlib.Path) -> tuple[dict, dict]:
 def _entries(cache: pathlib.Path) -> list[str]:
     """The cache's executables, in this host's folder (beside them: access times and a lock,
     where its size is bounded)."""
-    assert [p.name for p in cache.iterdir()] == [backend.host_cache_key()]
-    return sorted(p.name for p in (cache / backend.host_cache_key()).glob("*-cache"))
+    assert [p.name for p in cache.iterdir()] == [native.host_key()]
+    return sorted(p.name for p in (cache / native.host_key()).glob("*-cache"))
 
 
 @pytest.mark.entry
@@ -73,7 +74,7 @@ def test_a_rerun_compiles_nothing_and_computes_the_same(tmp_path):
     assert _entries(cache) == entries
     for key in ("eval_loss_before", "eval_loss_after", "accuracy_after", "recompiles"):
         assert again[key] == first[key], key
-    for folder in (cache, cache / backend.host_cache_key()):  # whoever writes there runs code
+    for folder in (cache, cache / native.host_key()):  # whoever writes there runs code
         assert (folder.stat().st_mode & 0o777) == 0o700
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.models.decode_kv import DecodeKV
-from kernels import decode_attention, flash_attention
+from kernels import cpu_decode_attention, decode_attention, flash_attention
 
 _NEG_INF = -1e30  # finite, so fully masked rows (padding queries) give no NaN
 
@@ -32,7 +32,7 @@ _NEG_INF = -1e30  # finite, so fully masked rows (padding queries) give no NaN
 class AttentionImpl(enum.Enum):
     """Which implementation computes attention (config key `models.<role>.attention`)."""
 
-    AUTO = "auto"  # XLA on CPU, cuDNN on GPU, Pallas on TPU
+    AUTO = "auto"  # XLA on CPU (a decode step: the C++ kernel), cuDNN on GPU, Pallas on TPU
     XLA = "xla"  # plain einsums + softmax; every backend
     CUDNN = "cudnn"  # jax.nn.dot_product_attention(implementation="cudnn"); GPU only
     PALLAS = "pallas"  # kernels/ (flash attention, ragged decode); interpret mode on CPU
@@ -150,7 +150,10 @@ def cached_query_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offse
     the dot reads it: the scores q [g, d] x K [d, i] per (row, kv head, tile), each tile one
     contiguous block (the queries broadcast over the tiles: c x g x d per (row, kv head),
     1/32 of the keys at 64-slot tiles); the output p [g, S] x V [S, d] per (row, kv head).
-    Scores and softmax in fp32, probabilities rounded to q's dtype, as `_xla_attention`. Other
+    Scores and softmax in fp32, probabilities rounded to q's dtype, as `_xla_attention`.
+    AUTO on a CPU backend runs `kernels.cpu_decode_attention` instead where it takes the
+    operands: the same attention, fused and on every core, reading only up to each row's query
+    slot (XLA:CPU runs these products on one thread). Other
     implementations get the cache in their own layout (a transpose per call: the Pallas kernels
     in interpret mode on CPU, for tests). cuDNN has no such layout: CUDNN (AUTO on a GPU) runs
     the XLA products too (one H200, Llama-3.2-1B bf16, batch 64, 768 slots: a decode step of
@@ -166,6 +169,9 @@ def cached_query_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offse
     Returns:
       [b, 1, heads, head_dim] in q's dtype.
     """
+    if impl is AttentionImpl.AUTO and cpu_decode_attention.takes(q_b1hd, k_bkcdi, v_bksd):
+        return cpu_decode_attention.decode_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1,
+                                                     kv_seg_bs, q_offset)
     if resolve_impl(impl) not in (AttentionImpl.XLA, AttentionImpl.CUDNN):
         k_bskd, v_bskd = DecodeKV(k_bkcdi, v_bksd).stacked()
         return dot_product_attention(q_b1hd, k_bskd, v_bskd, q_seg_b1, kv_seg_bs, q_offset, impl)
