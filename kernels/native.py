@@ -16,7 +16,6 @@ process run code). The compiler: `$CXX`, else the first of c++, g++, clang++ on 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import logging
 import os
@@ -80,6 +79,8 @@ def _library_path(source: pathlib.Path, cxx: str) -> pathlib.Path:
 
 def _lock(path: pathlib.Path, deadline: float):
     """`path` opened and exclusively locked, waiting until `deadline` at most."""
+    import fcntl  # POSIX only: imported where a build needs it
+
     handle = open(path, "w")
     while True:
         try:
