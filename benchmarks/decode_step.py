@@ -100,7 +100,7 @@ def attention_part(cfg, caps, repeats):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrlhf.models.attention import cached_query_attention
+    from jaxrlhf.models.attention import AttentionImpl, cached_query_attention
     from jaxrlhf.models.decode_kv import DecodeKV
 
     heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -130,9 +130,11 @@ def attention_part(cfg, caps, repeats):
             return jax.jit(run), (q_b1hd, caches)
 
         variants = {
-            "tiled (library)": loop(lambda q, c: cached_query_attention(
-                q, *c, seg_b1, seg_bs, slot), tiled),
-            "[d, S] (before)": loop(lambda q, c: _before(q, *c, mask_bs), flat),
+            "C++ kernel": loop(lambda q, c: cached_query_attention(
+                q, *c, seg_b1, seg_bs, slot, impl=AttentionImpl.AUTO), tiled),
+            "XLA on tiles": loop(lambda q, c: cached_query_attention(
+                q, *c, seg_b1, seg_bs, slot, impl=AttentionImpl.XLA), tiled),
+            "XLA on [d, S]": loop(lambda q, c: _before(q, *c, mask_bs), flat),
         }
         outs = {name: np.asarray(fn(*args)) for name, (fn, args) in variants.items()}
         first = next(iter(outs.values()))
@@ -152,6 +154,30 @@ def attention_part(cfg, caps, repeats):
 
 
 def step_part(cfg, caps, repeats):
+    """The engine's step per capacity, with the C++ kernel (AUTO) and with XLA's products,
+    alternated."""
+    import dataclasses
+
+    from jaxrlhf.models.attention import AttentionImpl
+
+    runs = {impl: _engine_steps(dataclasses.replace(cfg, attention=impl), caps)
+            for impl in (AttentionImpl.AUTO, AttentionImpl.XLA)}
+    totals = {(impl, cap): [0.0, 0.0] for impl in runs for cap in caps}
+    for _ in range(repeats):
+        for impl, (fresh, advance) in runs.items():
+            for cap in caps:
+                cpu, wall = _timed(advance, fresh(cap), cap)
+                totals[impl, cap][0] += cpu
+                totals[impl, cap][1] += wall
+    print(f"rollout engine decode step, {ROWS} busy slots (ms per step)")
+    for (impl, cap), (cpu, wall) in totals.items():
+        print(f"  {impl.value:4s} capacity {cap:5d} (S={PROMPT + cap:5d})"
+              f"  cpu {cpu / repeats / STEPS * 1e3:6.2f} ms"
+              f"  wall {wall / repeats / STEPS * 1e3:6.2f} ms")
+
+
+def _engine_steps(cfg, caps):
+    """(fresh(cap): a filled state, advance(state, cap): STEPS steps), compiled for `caps`."""
     import jax
     import numpy as np
 
@@ -178,16 +204,7 @@ def step_part(cfg, caps, repeats):
 
     for cap in caps:  # compile
         jax.block_until_ready(advance(fresh(cap), cap))
-    totals = {cap: [0.0, 0.0] for cap in caps}
-    for _ in range(repeats):
-        for cap in caps:
-            cpu, wall = _timed(advance, fresh(cap), cap)
-            totals[cap][0] += cpu
-            totals[cap][1] += wall
-    print(f"rollout engine decode step, {ROWS} busy slots (ms per step)")
-    for cap, (cpu, wall) in totals.items():
-        print(f"  capacity {cap:5d} (S={PROMPT + cap:5d})  cpu {cpu / repeats / STEPS * 1e3:6.2f} ms"
-              f"  wall {wall / repeats / STEPS * 1e3:6.2f} ms")
+    return fresh, advance
 
 
 def main():

@@ -4,7 +4,7 @@ use, kept, and loaded from there by every later process.
 Why at first use and not at install: `pip install` stays pure Python, and the library is built
 for the host's own instruction set (`-march=native`: AVX-512 where the CPU has it), which a
 wheel built elsewhere could not be. It is kept in a folder per host (`host_key`) and named by
-a hash of its source, the compiler, the flags and jaxlib's version, so a changed kernel or a
+a hash of its source, the compiler, the flags and jaxlib's FFI headers, so a changed kernel or a
 new jaxlib builds anew and a home folder shared by several CPU generations hands no node a
 library it cannot run.
 
@@ -68,11 +68,14 @@ def compiler() -> str | None:
 
 
 def _library_path(source: pathlib.Path, cxx: str) -> pathlib.Path:
-    import jaxlib
+    import jax
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              timeout=60).stdout
-    identity = "\0".join([source.read_text(), cxx, version, " ".join(FLAGS), jaxlib.__version__])
+    # The FFI headers the library compiles against (they change with jaxlib).
+    headers = sorted((pathlib.Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api").glob("*.h"))
+    identity = "\0".join([source.read_text(), cxx, version, " ".join(FLAGS),
+                          *(h.read_text() for h in headers)])
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return cache_root() / host_key() / f"{source.stem}-{digest}.so"
 
