@@ -64,13 +64,15 @@ def _register() -> str | None:
 
 
 def _unpartitioned() -> bool:
-    """Whether the program being traced runs as written on each device: no mesh in scope, or
-    inside `shard_map` over every axis that splits. XLA's partitioner would gather every
-    operand of a custom call whole onto each device, so where it partitions, XLA's products
-    run instead (the rollout engine decodes inside `shard_map`)."""
+    """Whether the program being traced runs as written on each device: inside `shard_map`
+    over every mesh axis that splits (the rollout engine), under a mesh of one device, or in a
+    process with one device. XLA's partitioner would gather every operand of a custom call
+    whole onto each device, so where it may partition (a mesh with automatic axes, or none in
+    scope while the arrays may lie on several devices), XLA's products run instead."""
     mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or all(size == 1 or name in mesh.manual_axes
-                             for name, size in mesh.shape.items())
+    if mesh.empty:
+        return jax.device_count() == 1
+    return all(size == 1 or name in mesh.manual_axes for name, size in mesh.shape.items())
 
 
 def takes(q_b1hd: jax.Array, k_bkcdi: jax.Array, v_bksd: jax.Array) -> bool:

@@ -84,15 +84,19 @@ def test_reads_nothing_after_a_rows_query_slot():
 @needs_compiler
 def test_auto_runs_the_kernel_on_cpu_where_it_takes_the_operands():
     operands = _operands(2, 4, 2, 16, 64)
-    lowered = {impl: jax.jit(functools.partial(attention.cached_query_attention, impl=impl))
-               .lower(*operands).as_text() for impl in (AttentionImpl.AUTO, AttentionImpl.XLA)}
+    one_device = Mesh(np.array(jax.devices()[:1]), ("data",))
+    with jax.set_mesh(one_device):
+        lowered = {impl: jax.jit(functools.partial(attention.cached_query_attention, impl=impl))
+                   .lower(*operands).as_text()
+                   for impl in (AttentionImpl.AUTO, AttentionImpl.XLA)}
     name = cpu_decode_attention.target()
     assert name in lowered[AttentionImpl.AUTO] and name not in lowered[AttentionImpl.XLA]
     q_b1hd, k, v = operands[:3]
-    assert cpu_decode_attention.takes(q_b1hd, k, v)
-    assert not cpu_decode_attention.takes(q_b1hd.astype(jnp.bfloat16), k, v)  # fp32 only
-    odd = _operands(2, 4, 2, 8, 64)  # head dim 8
-    assert not cpu_decode_attention.takes(*odd[:3])
+    with jax.set_mesh(one_device):
+        assert cpu_decode_attention.takes(q_b1hd, k, v)
+        assert not cpu_decode_attention.takes(q_b1hd.astype(jnp.bfloat16), k, v)  # fp32 only
+        odd = _operands(2, 4, 2, 8, 64)  # head dim 8
+        assert not cpu_decode_attention.takes(*odd[:3])
 
 
 @needs_compiler
@@ -114,6 +118,8 @@ def test_runs_where_the_program_is_not_partitioned():
     np.testing.assert_array_equal(got, want)
     with jax.set_mesh(mesh):
         assert name not in jax.jit(auto).lower(*operands).as_text()
+    assert jax.device_count() > 1  # and no mesh in scope: the arrays may lie on several devices
+    assert name not in jax.jit(auto).lower(*operands).as_text()
 
 
 @needs_compiler
