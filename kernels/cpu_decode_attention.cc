@@ -6,7 +6,7 @@
 // Each (row, kv head) pair is one task: its queries' scores over one key tile at a time, an
 // online softmax, and the values of that tile added in, so the keys and values of the pair
 // are read once, and only up to the row's query slot (the slots after it are never visible).
-// The tasks are shared out over XLA's intra-op thread pool.
+// The tasks are shared out over XLA's intra-op thread pool (at most `threads` threads).
 
 #include <algorithm>
 #include <atomic>
@@ -189,8 +189,11 @@ void Drain(Call& c, PairFn fn) {
   }
 }
 
+// `threads`: how many of the pool's threads may share the pairs (the caller's included):
+// the cores per CPU device, so that devices which already keep every core busy (virtual
+// devices on a few cores) do not also split their own calls.
 ffi::Error Attend(ffi::ThreadPool pool, F32x4 q, F32x5 keys, F32x4 values, S32x1 q_seg,
-                  S32x2 kv_seg, S32x1 q_slot, ffi::Result<F32x4> out) {
+                  S32x2 kv_seg, S32x1 q_slot, ffi::Result<F32x4> out, int64_t threads) {
   const auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions();
   const int64_t batch = qd[0], kv_heads = qd[1], groups = qd[2], dim = qd[3];
   const int64_t tiles = kd[2], tile = kd[4], length = vd[2];
@@ -219,7 +222,8 @@ ffi::Error Attend(ffi::ThreadPool pool, F32x4 q, F32x5 keys, F32x4 values, S32x1
   call->length = length;
   call->scale = 1.0f / std::sqrt(static_cast<float>(dim));
   call->pairs = batch * kv_heads;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), call->pairs) - 1;
+  const int64_t helpers =
+      std::min({threads, static_cast<int64_t>(pool.num_threads()), call->pairs}) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([call, fn] { Drain(*call, fn); });
   Drain(*call, fn);
   // What is left is running on other threads: its pairs end soon.
@@ -238,4 +242,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlhfCpuDecodeAttention, Attend,
                                   .Arg<S32x1>()   // q_seg [b]
                                   .Arg<S32x2>()   // kv_seg [b, S]
                                   .Arg<S32x1>()   // q_slot [b]
-                                  .Ret<F32x4>());  // out [b, k, g, d]
+                                  .Ret<F32x4>()    // out [b, k, g, d]
+                                  .Attr<int64_t>("threads"));

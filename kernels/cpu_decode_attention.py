@@ -8,7 +8,7 @@ every batched product; `benchmarks/decode_step.py` lists what else was tried). T
 read the whole cache, so a long response's decode steps cost in proportion to its length on a
 single core while the other cores idle. Here each (row, kv head) pair is one task, with the
 mask, an online softmax and both products fused, shared out over XLA's own intra-op thread
-pool. W-cpu's shape (64 rows, 4 layers, 2 kv heads of dim 64, fp32) on 2 cores, the four
+pool (as many threads as the process has cores per CPU device, `cores_per_device`). W-cpu's shape (64 rows, 4 layers, 2 kv heads of dim 64, fp32) on 2 cores, the four
 layers' attention of a step: 10.1 -> 5.4 ms at 544 slots, 18.1 -> 10.3 ms at 1,056, 1.8 ->
 0.9 ms at 96 (`python benchmarks/decode_step.py --parts=attention`).
 
@@ -25,11 +25,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import pathlib
 import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels import native
 
@@ -75,6 +77,16 @@ def _unpartitioned() -> bool:
     return all(size == 1 or name in mesh.manual_axes for name, size in mesh.shape.items())
 
 
+def cores_per_device() -> int:
+    """This process's cores over its CPU devices (at least 1): how many threads one device's
+    call may use. Virtual CPU devices (`--xla_force_host_platform_device_count`) each run their
+    own program at once: 8 of them on 2 cores keep both busy without splitting a call (W-cpu's
+    default placement, 512 new tokens, one run each: 18.4 s with every call split against
+    16.3 s for XLA's products; one thread a call: 15.1 and 16.3 s against 15.8 and 16.0)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // len(jax.local_devices(backend="cpu")))
+
+
 def takes(q_b1hd: jax.Array, k_bkcdi: jax.Array, v_bksd: jax.Array) -> bool:
     """Whether the kernel runs these operands (shapes and dtypes as `decode_attention`) on the
     default backend in the program being traced (`_unpartitioned`); builds it on the first
@@ -110,5 +122,5 @@ def decode_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offset) -> 
     call = jax.ffi.ffi_call(target(), jax.ShapeDtypeStruct(q_bkgd.shape, jnp.float32),
                             vmap_method="sequential")
     out_bkgd = call(q_bkgd, k_bkcdi, v_bksd, q_seg_b1[:, 0].astype(jnp.int32),
-                    kv_seg_bs.astype(jnp.int32), q_slot_b)
+                    kv_seg_bs.astype(jnp.int32), q_slot_b, threads=np.int64(cores_per_device()))
     return out_bkgd.reshape(batch, 1, heads, head_dim)
