@@ -13,16 +13,15 @@ Variants (`configs/grpo_bench_cpu.py:ARG`, comma-separated):
   * `smoke`: the same graph, model and code path for 2 steps with 4 prompts x 2 responses and
     8 + 8 tokens, in seconds (the default test suite runs it).
 
-Default placement: every MFC on all 8 CPU devices (colocated), each with its own strategy as
-ReaL allows: ref_inf and actor_train data parallel (d8), actor_gen d4t2. A decode step is bound
-by reading the weights; at d8 each of the 8 virtual devices (sharing the host's cores and memory
-bus) reads all of them for its 8 rows, at d4t2 each reads half of them for 16 rows. Measured on
-W-cpu's generation: quiet (load 3.6), d4t2 1.40 s and d8 1.51 s (benchmarks/engine_calls.py
---devices=8 --calls=generate --layouts=0-7:d8,0-7:d4t2, 5 interleaved repeats); under other
-processes' load (2-20) d8 suffers far more: in 7 interleaved `jaxrlhf.bench` pairs (default vs
-`:d8`) generation took a median 2.67 s vs 5.64 s, d4t2 faster in 6 of 7. ref_inf and
-actor_train were slower at d4t2 than at d8 (engine_calls, load ~12), so they stay d8. `:d8` is
-the all-d8 colocation.
+Default placement: every MFC on all 8 CPU devices, data parallel (d8), colocated (the same
+as `:d8`). Generation was d4t2 while it decoded a static batch (a decode step reads the
+weights: at d4t2 each virtual device reads half of them for 16 rows). The rollout engine
+decodes on each device's own rows without collectives only where the layout has no tensor or
+fsdp split (`engine.rollout.Rollout.per_device`), and there a device's decode-step attention
+runs in the C++ kernel (`kernels/cpu_decode_attention.py`): 512 new tokens for 64 rows took
+7.4 s at d8 against 15.1-16.3 s at d4t2, 64 tokens 0.91 against 0.91-0.96 s
+(`jaxrlhf.bench --rollout=64,512 --steps=3`, one process each); the whole step was unchanged
+(2.51 and 2.59 s against 2.80 and 2.60, two alternated pairs of `--steps=3` runs).
 
 The actor's layer stack is unrolled (`scan_layers=False`): its d8 train step then skips the
 scan's zero-filled [L, ...] stacks of saved activations and their per-layer writes and reads
@@ -35,8 +34,8 @@ stack of its own on CPU either way (layer by layer, `engine.decode_layers`).
 
 from jaxrlhf.schema import base_config
 
-# The default placement (see above): all three MFCs on all 8 devices.
-GEN_TENSOR_PAIRS = "actor_gen=0-7:d4t2,ref_inf=0-7:d8,actor_train=0-7:d8"
+# The default placement (see above): all three MFCs on all 8 devices, data parallel.
+ALL_D8 = "actor_gen=0-7:d8,ref_inf=0-7:d8,actor_train=0-7:d8"
 
 
 def get_config(arg=None):
@@ -62,7 +61,7 @@ def get_config(arg=None):
     config.ppo.epochs = 1
     config.reward.function = "zero"
     config.placement.kind = "manual"
-    config.placement.allocation = GEN_TENSOR_PAIRS
+    config.placement.allocation = ALL_D8
     for part in filter(None, (arg or "").split(",")):
         if part == "prompts64":
             config.rollout.batch_size = 64
