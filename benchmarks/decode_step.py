@@ -7,17 +7,32 @@ W-cpu's shape (`models.sizes` "bench": 4 layers, 4 query / 2 kv heads of dim 64,
 rows, 32-token prompts; a cache of 32 + C slots for each capacity C.
 
   * attention: the four layers' one-query attention of a step (`attention.cached_query_attention`
-    on `models.decode_kv.DecodeKV`), against `_before` below (keys as one [b, k, d, S] matrix,
-    the layout before tiles), each in a jitted loop of 8 steps over its own four caches, the
-    variants alternated `repeats` times so that other processes' load hits them alike.
+    on `models.decode_kv.DecodeKV`: the C++ kernel, `kernels/cpu_decode_attention.py`, and
+    XLA's products), against `_before` below (keys as one [b, k, d, S] matrix, the layout
+    before tiles), each in a jitted loop of 8 steps over its own four caches, the variants
+    alternated `repeats` times so that other processes' load hits them alike.
   * step: the rollout engine's decode step (`Rollout.advance`, lockstep, 8 tokens a call) at
-    64 busy slots, per capacity, alternated over the capacities.
+    64 busy slots just filled (40 live slots each), per cache capacity, with the kernel (auto)
+    and with XLA's products, alternated.
 
 Prints CPU ms (`time.process_time`: what this process ran, the fair A/B on a loaded machine)
 and wall ms per step, and the keys' and values' bytes per CPU second. Not a test.
 
-Measured on the 2-core development machine shared with five other processes (load average
-12-17, so wall times are not comparable; CPU ms are):
+With the C++ kernel (quiet, load 1.3, `--caps=64,512,1024 --repeats=3`), wall ms per step:
+
+  attention of a step       S = 96    544   1,056
+    C++ kernel (2 cores)        0.75   5.18   9.17
+    XLA on tiles                1.26   9.89  16.09
+    XLA on [d, S]               1.93  11.84  21.92
+  engine step, 40 live slots   C = 64    512   1,024
+    auto (the kernel)           6.03   6.05   6.23
+    xla                         6.48  13.56  22.28
+
+The kernel reads each row only up to its query slot, so the engine's step costs the same at
+every capacity for the same live rows; XLA's products read the whole cache array.
+
+Before the kernel, measured on the 2-core development machine shared with five other processes
+(load average 12-17, so wall times are not comparable; CPU ms are):
 
   attention of a step (`--parts=attention`, one process, alternated), CPU ms:
     S      80    544   1,056
@@ -34,7 +49,7 @@ What is left per cache slot is the two products reading the fp32 cache (262 KB p
 concurrency 1 (its runtime's own report, `TF_CPP_VMODULE=ynn_fusion_thunk=3`), so the
 second core is idle during them; YNNPACK's bf16 products ran no faster than fp32 here.
 
-Why the products stay on one core (issue 30's flatness target; load 5-12, CPU ms of the
+Why XLA's products stay on one core, hence the kernel (issue 30's flatness target; load 5-12, CPU ms of the
 attention loop above at S = 544 unless said):
   * YNNPACK reports concurrency 1 for every batched product tried: the tiles' [2176, 2, 64] x
     [2176, 64, 32], [128, 544, 64] x [128, 64, 2], [128, 2, 544] x [128, 544, 64], even
