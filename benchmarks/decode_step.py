@@ -49,8 +49,8 @@ What is left per cache slot is the two products reading the fp32 cache (262 KB p
 concurrency 1 (its runtime's own report, `TF_CPP_VMODULE=ynn_fusion_thunk=3`), so the
 second core is idle during them; YNNPACK's bf16 products ran no faster than fp32 here.
 
-Why XLA's products stay on one core, hence the kernel (issue 30's flatness target; load 5-12, CPU ms of the
-attention loop above at S = 544 unless said):
+Why XLA's products stay on one core, hence the kernel (issue 30's flatness target; load 5-12,
+CPU ms of the attention loop above at S = 544 unless said):
   * YNNPACK reports concurrency 1 for every batched product tried: the tiles' [2176, 2, 64] x
     [2176, 64, 32], [128, 544, 64] x [128, 64, 2], [128, 2, 544] x [128, 544, 64], even
     [128, 544, 64] x [128, 64, 64]; an unbatched [64, 256] x [256, 768] runs on the pool.
