@@ -118,9 +118,13 @@ void AttendPair(const Call& c, int64_t pair) {
       }
       const float rescale = ExpNonPositive(running_max[g] - tile_max);
       running_max[g] = tile_max;
+      // A masked slot weighs exactly 0 (e^(-1e30 - max) is 0 in XLA's softmax; the clamped exp
+      // would give 1e-38), unless no slot so far was visible: then every slot weighs 1, as in
+      // XLA's softmax of a query that sees no key, until a visible one rescales them to 0.
+      const bool none_visible = tile_max == kMasked;
       float sum = 0.0f;
       for (int64_t i = 0; i < T; ++i) {
-        w[i] = i < n ? ExpNonPositive(w[i] - tile_max) : 0.0f;
+        w[i] = i < n && (w[i] != kMasked || none_visible) ? ExpNonPositive(w[i] - tile_max) : 0.0f;
         sum += w[i];
       }
       total[g] = total[g] * rescale + sum;

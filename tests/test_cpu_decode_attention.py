@@ -82,6 +82,20 @@ def test_reads_nothing_after_a_rows_query_slot():
 
 
 @needs_compiler
+def test_masked_slots_weigh_exactly_zero():
+    """Values of 1e36 in the left padding (visible to no query): nothing of them reaches the
+    output, as in XLA's softmax (a weight of 1e-38 would add 1e-2)."""
+    q_b1hd, k, v, q_seg_b1, kv_seg_bs, slot_b = _operands(6, 4, 2, 64, 128, seed=3)
+    padding_bks1 = (kv_seg_bs == 0)[:, None, :, None]
+    v = jnp.where(padding_bks1, 1e36, v)
+    assert padding_bks1.any()
+    got = np.asarray(jax.jit(cpu_decode_attention.decode_attention)(
+        q_b1hd, k, v, q_seg_b1, kv_seg_bs, slot_b))
+    want = np.asarray(jax.jit(_XLA)(q_b1hd, k, v, q_seg_b1, kv_seg_bs, slot_b))
+    np.testing.assert_allclose(got[:-1], want[:-1], rtol=1e-5, atol=1e-6)
+
+
+@needs_compiler
 def test_auto_runs_the_kernel_on_cpu_where_it_takes_the_operands():
     operands = _operands(2, 4, 2, 16, 64)
     one_device = Mesh(np.array(jax.devices()[:1]), ("data",))
