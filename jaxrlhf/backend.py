@@ -6,7 +6,7 @@ import pathlib
 import re
 import sys
 
-from kernels.native import host_key
+from kernels.native import host_folder
 
 # XLA:CPU aborts the process when one virtual device's thread reaches a collective more than
 # 40 s (its default) after the others. On an oversubscribed host (8 virtual devices on 2 busy
@@ -58,11 +58,11 @@ def use_compilation_cache(cache_dir: pathlib.Path | None) -> pathlib.Path | None
     Returns the directory in use.
 
     Executables go to a folder of `cache_dir` named for this host's instruction set
-    (`kernels.native.host_key`). The directory is created (readable by its owner only: whoever can
-    write to it can make this process run code) and must take files. A
+    (`kernels.native.host_folder`: readable by its owner only), which must take files. A
     JAX_COMPILATION_CACHE_DIR the user set in the environment wins, as an XLA_FLAGS value does
-    (a launcher's shared cache, the test suite's own). Takes effect at the next compile: JAX decides at a process's first compile
-    whether it uses a cache, so its cache is reset (a notebook may have compiled before).
+    (a launcher's shared cache, the test suite's own). Takes effect at the next compile: JAX
+    decides at a process's first compile whether it uses a cache, so its cache is reset (a
+    notebook may have compiled before).
 
     Raises:
       OSError: the directory cannot be made or written to.
@@ -73,9 +73,7 @@ def use_compilation_cache(cache_dir: pathlib.Path | None) -> pathlib.Path | None
     if os.environ.get(ENV_CACHE_DIR):
         return pathlib.Path(os.environ[ENV_CACHE_DIR])
     if cache_dir is not None:
-        cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        cache_dir = cache_dir / host_key()
-        cache_dir.mkdir(mode=0o700, exist_ok=True)
+        cache_dir = host_folder(cache_dir)
         if not os.access(cache_dir, os.W_OK | os.X_OK):
             raise PermissionError(f"{cache_dir}: not writable")
     if ENV_CACHE_MIN_SECONDS not in os.environ:

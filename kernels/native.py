@@ -9,8 +9,8 @@ new jaxlib builds anew and a home folder shared by several CPU generations hands
 library it cannot run.
 
 Where: `$JAXRLHF_KERNEL_CACHE`, else `$XDG_CACHE_HOME/jaxrlhf/kernels`, else
-`~/.cache/jaxrlhf/kernels` (readable by its owner only: whoever can write there can make this
-process run code). The compiler: `$CXX`, else the first of c++, g++, clang++ on PATH.
+`~/.cache/jaxrlhf/kernels` (readable by its owner only, `host_folder`). The compiler: `$CXX`,
+else the first of c++, g++, clang++ on PATH.
 """
 
 from __future__ import annotations
@@ -49,6 +49,16 @@ def host_key() -> str:
         flags = ""
     identity = " ".join(sorted(flags.partition(":")[2].split())) or platform.processor()
     return f"{platform.machine()}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
+
+
+def host_folder(root: pathlib.Path) -> pathlib.Path:
+    """`root / host_key()`, made where missing, it and `root` readable by their owner only:
+    whoever can write there can make this process run code (a kernel here, an executable in
+    JAX's compilation cache)."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder = root / host_key()
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
 
 
 def cache_root() -> pathlib.Path:
@@ -111,7 +121,7 @@ def build(source: pathlib.Path) -> pathlib.Path:
     library = _library_path(source, cxx)
     if library.exists():
         return library
-    library.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    host_folder(cache_root())
     # One process builds; the others wait for its library.
     with _lock(library.with_suffix(".lock"), time.monotonic() + BUILD_TIMEOUT_S):
         if library.exists():
