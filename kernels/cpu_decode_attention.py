@@ -8,9 +8,10 @@ every batched product; `benchmarks/decode_step.py` lists what else was tried). T
 read the whole cache, so a long response's decode steps cost in proportion to its length on a
 single core while the other cores idle. Here each (row, kv head) pair is one task, with the
 mask, an online softmax and both products fused, shared out over XLA's own intra-op thread
-pool (as many threads as the process has cores per CPU device, `cores_per_device`). W-cpu's shape (64 rows, 4 layers, 2 kv heads of dim 64, fp32) on 2 cores, the four
-layers' attention of a step: 10.1 -> 5.4 ms at 544 slots, 18.1 -> 10.3 ms at 1,056, 1.8 ->
-0.9 ms at 96 (`python benchmarks/decode_step.py --parts=attention`).
+pool (as many threads as the process has cores per CPU device, `cores_per_device`). W-cpu's
+shape (64 rows, 4 layers, 2 kv heads of dim 64, fp32) on 2 quiet cores, the four layers'
+attention of a step, XLA's products -> the kernel: 1.26 -> 0.75 ms at 96 slots, 9.89 -> 5.18 ms
+at 544, 16.09 -> 9.17 ms at 1,056 (`python benchmarks/decode_step.py --parts=attention`).
 
 It takes fp32 queries, keys and values, 1-8 query heads per kv head, head dims 16, 32, 64 or
 128 and key tiles of 32 or 64 slots (`takes`); `models.attention.cached_query_attention` runs

@@ -22,15 +22,17 @@ Slot s's response token i sits in cache slot P + i of row s; a decode step write
 its own slot and attends causally from there, so a refilled slot never sees its predecessor's
 keys (they lie after its own position until it overwrites them).
 
-Why the cache has a capacity: a decode step reads its whole cache array, a static shape. The
-state's cache holds P + C slots, C a bucket (`capacity_buckets`: two per octave) just above
+Why the cache has a capacity: a decode step's XLA products read the whole cache array, a
+static shape (on XLA:CPU the C++ kernel reads each row only up to its slot,
+`kernels/cpu_decode_attention.py`; there the capacity bounds memory and copies). The state's
+cache holds P + C slots, C a bucket (`capacity_buckets`: two per octave) just above
 what the busy rows reach in the next `advance`; `advance` grows it (or shrinks it, when long
 rows have left) before decoding, one copy each time; the synchronous call ends a chunk where
 the busy rows outgrow that bucket (`chunk_steps`), rather than read a larger cache for the
 whole chunk. A
 step then reads at most ~1.5x the live slots, and the engine compiles one `advance` per
 (slots, capacity) bucket. On XLA:CPU each
-layer keeps its own cache laid out for one-query attention (`models.transformer.DecodeKV`,
+layer keeps its own cache laid out for one-query attention (`models.decode_kv.DecodeKV`,
 `engine.decode_layers`); elsewhere the stacked [L, S, P + C, k, d] cache is written by scatter.
 
 `advance` with weights of another version than the cache's first recomputes every slot's cache
