@@ -117,7 +117,7 @@ def test_a_killed_offline_run_resumes_exactly(full_run, tmp_path):
 # One handler (guards.StopRequest) takes both signals: each algorithm meets one of them in the
 # default suite, the other with -m slow.
 _SIGNAL_OF = {"sft": signal.SIGTERM, "dpo": signal.SIGINT, "rw": signal.SIGTERM}
-_OTHER_SIGNAL_OF = {"sft": signal.SIGINT, "dpo": signal.SIGTERM, "rw": signal.SIGINT}
+_OTHER_SIGNAL = {signal.SIGTERM: signal.SIGINT, signal.SIGINT: signal.SIGTERM}
 
 
 def test_sigterm_stops_an_offline_run_and_the_rerun_repeats_it(full_run, tmp_path, monkeypatch,
@@ -128,7 +128,7 @@ def test_sigterm_stops_an_offline_run_and_the_rerun_repeats_it(full_run, tmp_pat
 @pytest.mark.slow
 def test_the_other_stop_signal_stops_an_offline_run_and_the_rerun_repeats_it(
         full_run, tmp_path, monkeypatch, capfd):
-    _stop_and_rerun(full_run, _OTHER_SIGNAL_OF[full_run[0]], tmp_path, monkeypatch, capfd)
+    _stop_and_rerun(full_run, _OTHER_SIGNAL[_SIGNAL_OF[full_run[0]]], tmp_path, monkeypatch, capfd)
 
 
 def _stop_and_rerun(full_run, signum, tmp_path, monkeypatch, capfd) -> None:

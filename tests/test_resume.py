@@ -264,7 +264,7 @@ def reward(prompt, completion, answer):
 # One handler (guards.StopRequest) takes both signals: each batch source meets one of them in the
 # default suite, the other with -m slow.
 _SIGNAL_OF = {"sync": signal.SIGTERM, "async": signal.SIGINT}
-_OTHER_SIGNAL_OF = {"sync": signal.SIGINT, "async": signal.SIGTERM}
+_OTHER_SIGNAL = {signal.SIGTERM: signal.SIGINT, signal.SIGINT: signal.SIGTERM}
 
 
 def test_sigterm_or_ctrl_c_finishes_the_step_saves_and_a_rerun_resumes(run, full_run, tmp_path,
@@ -275,7 +275,7 @@ def test_sigterm_or_ctrl_c_finishes_the_step_saves_and_a_rerun_resumes(run, full
 @pytest.mark.slow
 def test_the_other_stop_signal_finishes_the_step_saves_and_a_rerun_resumes(run, full_run,
                                                                            tmp_path, capfd):
-    _stop_and_resume(run, full_run, _OTHER_SIGNAL_OF[run.source], tmp_path, capfd)
+    _stop_and_resume(run, full_run, _OTHER_SIGNAL[_SIGNAL_OF[run.source]], tmp_path, capfd)
 
 
 def _stop_and_resume(run, full_run, signum, tmp_path, capfd) -> None:
