@@ -33,6 +33,7 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+RUN_DEADLINE_S = 1800  # a run taking longer is killed and reported (a hang is not a figure)
 
 
 def _args():
@@ -67,6 +68,9 @@ def run(train_args: list[str], cache: pathlib.Path, min_seconds: str) -> dict:
     while proc.poll() is None:
         records = _records(work / "metrics.jsonl")
         now = time.perf_counter() - start
+        if now > RUN_DEADLINE_S:
+            proc.kill()
+            raise TimeoutError(f"jaxrlhf.train ran over {RUN_DEADLINE_S} s: {train_args}")
         if records and first is None:
             first = now
         if any("reward" in r for r in records) and first_rl is None:
@@ -79,7 +83,7 @@ def run(train_args: list[str], cache: pathlib.Path, min_seconds: str) -> dict:
     summary = json.loads(out.strip().splitlines()[-1])
     return {"first_record_s": first, "first_rl_step_s": first_rl, "end_s": end,
             "accuracy_after": summary.get("accuracy_after"),
-            "entries": len(list(cache.glob("*-cache")))}
+            "entries": len(list(cache.rglob("*-cache")))}  # in the host's folder
 
 
 def main():
