@@ -116,7 +116,10 @@ void AttendPair(const Call& c, int64_t pair) {
         w[i] = (i < n && kv_seg[start + i] == seg) ? w[i] : kMasked;
         tile_max = std::max(tile_max, w[i]);
       }
-      const float rescale = ExpNonPositive(running_max[g] - tile_max);
+      // The first visible slot's tile drops every slot weighed before it, exactly (those all
+      // weighed 1, below, and were masked).
+      const bool first_visible = running_max[g] == kMasked && tile_max != kMasked;
+      const float rescale = first_visible ? 0.0f : ExpNonPositive(running_max[g] - tile_max);
       running_max[g] = tile_max;
       // A masked slot weighs exactly 0 (e^(-1e30 - max) is 0 in XLA's softmax; the clamped exp
       // would give 1e-38), unless no slot so far was visible: then every slot weighs 1, as in

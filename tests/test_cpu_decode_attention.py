@@ -84,15 +84,20 @@ def test_reads_nothing_after_a_rows_query_slot():
 @needs_compiler
 def test_masked_slots_weigh_exactly_zero():
     """Values of 1e36 in the left padding (visible to no query): nothing of them reaches the
-    output, as in XLA's softmax (a weight of 1e-38 would add 1e-2)."""
+    output, as in XLA's softmax (a weight of 1e-38 would add 1e-2), whether the padding ends
+    inside the first key tile or fills whole tiles before the first visible slot."""
     q_b1hd, k, v, q_seg_b1, kv_seg_bs, slot_b = _operands(6, 4, 2, 64, 128, seed=3)
-    padding_bks1 = (kv_seg_bs == 0)[:, None, :, None]
-    v = jnp.where(padding_bks1, 1e36, v)
-    assert padding_bks1.any()
-    got = np.asarray(jax.jit(cpu_decode_attention.decode_attention)(
-        q_b1hd, k, v, q_seg_b1, kv_seg_bs, slot_b))
-    want = np.asarray(jax.jit(_XLA)(q_b1hd, k, v, q_seg_b1, kv_seg_bs, slot_b))
-    np.testing.assert_allclose(got[:-1], want[:-1], rtol=1e-5, atol=1e-6)
+    kernel, xla = jax.jit(cpu_decode_attention.decode_attention), jax.jit(_XLA)
+    for pad in (None, 70):  # `_operands`' 0-5 slots; 70, past the first tile of 64
+        if pad is not None:
+            kv_seg_bs = (jnp.arange(128)[None] >= pad).astype(jnp.int32).repeat(6, 0)
+            slot_b = jnp.maximum(slot_b, pad)
+        padding_bks1 = (kv_seg_bs == 0)[:, None, :, None]
+        assert padding_bks1.any()
+        v_huge = jnp.where(padding_bks1, 1e36, v)
+        got = np.asarray(kernel(q_b1hd, k, v_huge, q_seg_b1, kv_seg_bs, slot_b))
+        want = np.asarray(xla(q_b1hd, k, v_huge, q_seg_b1, kv_seg_bs, slot_b))
+        np.testing.assert_allclose(got[:-1], want[:-1], rtol=1e-5, atol=1e-6)
 
 
 @needs_compiler
