@@ -129,7 +129,7 @@ import importlib, json, platform, sys
 report = {"python": platform.python_version(), "imports": {}}
 for name in ("jax", "jaxlib", "flax", "optax", "orbax.checkpoint", "chex", "einops",
              "ml_collections", "absl", "tensorboardX", "safetensors", "tokenizers", "jinja2",
-             "scipy", "networkx", "pytest", "jaxrlhf", "kernels"):
+             "scipy", "networkx", "pytest", "jaxrlhf", "jaxrlhf.kernels"):
     try:
         module = importlib.import_module(name)
         report["imports"][name] = getattr(module, "__version__", "ok")

@@ -16,7 +16,7 @@ Each trajectory holds at most 3 policy turns and 128 tokens after its prompt (th
 the environment's). Run as `python -m jaxrlhf.train --config=configs/multiturn_tiny.py[:smoke]`.
 """
 
-from configs import tool_math_tiny
+from jaxrlhf.configs import tool_math_tiny
 
 
 def get_config(arg=None):

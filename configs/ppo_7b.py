@@ -14,7 +14,7 @@ of one tiny size) on the 8 CPU devices of `meshes/cpu_8.py`, in seconds.
 """
 
 from jaxrlhf.schema import base_config
-from configs.ppo_70b import big_model, smoke
+from jaxrlhf.configs.ppo_70b import big_model, smoke
 
 ROLES = ("actor", "ref", "critic", "reward")
 

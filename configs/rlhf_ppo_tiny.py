@@ -19,7 +19,7 @@ accuracy_before / accuracy_after are held-out exact match of greedy answers agai
 answers (the reward model never sees them): the SFT model's, then the trained policy's.
 """
 
-from configs import ppo_tiny
+from jaxrlhf.configs import ppo_tiny
 
 
 def get_config(arg=None):

@@ -6,7 +6,7 @@ task's preference pairs (reversed answer chosen, copied answer rejected). accura
 accuracy_after are held-out preference accuracy (the zero head starts at 0: every pair tied).
 """
 
-from configs import rw_tiny
+from jaxrlhf.configs import rw_tiny
 
 
 def get_config(arg=None):

@@ -22,7 +22,7 @@ python -m jaxrlhf.train --config=configs/rlhf_ppo_tiny.py --workdir=/tmp/rlhf/pp
 ```
 """
 
-from configs import sft_tiny
+from jaxrlhf.configs import sft_tiny
 
 
 def get_config(arg=None):

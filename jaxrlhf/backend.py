@@ -6,7 +6,7 @@ import pathlib
 import re
 import sys
 
-from kernels.native import host_folder
+from jaxrlhf.kernels.native import host_folder
 
 # XLA:CPU aborts the process when one virtual device's thread reaches a collective more than
 # 40 s (its default) after the others. On an oversubscribed host (8 virtual devices on 2 busy

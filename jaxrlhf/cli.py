@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from absl import app, flags
 
+from jaxrlhf import shipped
 from jaxrlhf.schema import ConfigError, unknown_key
 
 EXIT_BAD_INPUT = 2
@@ -32,11 +33,18 @@ def bad_input(message) -> NoReturn:
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's parsing, with a `--config=FILE[:VARIANT]` naming no file, a `--config.KEY=...`
-    whose KEY is not in jaxrlhf/schema.py, and absl's own errors reported in one line."""
-    for arg in argv:
+    whose KEY is not in jaxrlhf/schema.py, and absl's own errors reported in one line.
+
+    `--config=configs/NAME.py` names the shipped config where the working directory holds no
+    such file (jaxrlhf/shipped.py)."""
+    argv = list(argv)
+    for i, arg in enumerate(argv):
         name, _, value = arg.partition("=")
-        if name == "--config" and not os.path.isfile(path := value.split(":", 1)[0]):
-            bad_input(f"--config={path}: no such config file")
+        if name == "--config":
+            path, colon, variant = value.partition(":")
+            if not os.path.isfile(found := shipped.resolve(path)):
+                bad_input(f"--config={path}: no such config file")
+            argv[i] = f"--config={found}{colon}{variant}"
         if name.startswith("--config.") and (error := unknown_key(name[len("--config."):])):
             bad_input(f"--config.{error}")
     try:

@@ -17,7 +17,8 @@ Two modes run the config's MFCs on this machine's devices, which must be the clu
   * `--calibrate` times the MFCs under a few strategies and batch sizes (`--probes`, default
     `calibrate.default_probes`), fits the cluster's efficiencies and overheads
     (`cost.fit_calibration`) and writes them to `<workdir>/calibration/NAME.json`, or
-    `meshes/calibration/NAME.json` beside the cluster file, where `load_cluster` finds them;
+    `meshes/calibration/NAME.json` beside the cluster file, where `load_cluster` finds them
+    (never into an installed package: there `--workdir` is required);
   * `--validate` runs the configured plan (`placement.*`) for `--steps` steps and prints the
     calibrated prediction beside the measurement: seconds per MFC and per step, and the memory
     model beside `memory_analysis()` of each compiled MFC.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -77,7 +79,7 @@ def _use_devices(cluster: Cluster) -> None:
                           f"machine presents {jax.device_count()} ({jax.devices()[0].platform})")
 
 
-def _calibrate(config, cluster: Cluster) -> None:
+def _calibrate(config, cluster: Cluster, path: pathlib.Path) -> None:
     from jaxrlhf.calibration import calibrate
 
     probes = (calibrate.parse_probes(_PROBES.value) if _PROBES.value
@@ -95,7 +97,6 @@ def _calibrate(config, cluster: Cluster) -> None:
     print(calibrate.records_table(records, cluster, fitted))
     print(f"cluster file: {calibrate.describe(cluster.calibration())}")
     print(f"fitted:       {calibrate.describe(calibration)}")
-    path = calibrate.calibration_path(_CLUSTER.value, cluster, _WORKDIR.value)
     print(f"wrote {save_calibration(path, calibration)}")
 
 
@@ -161,9 +162,13 @@ def main():
         _search(_CONFIG.value, cluster)
         return
     logging.set_verbosity(logging.WARNING)  # library INFO lines would bury the tables
+    if _CALIBRATE.value:  # where it will write, refused before anything runs
+        from jaxrlhf.calibration.calibrate import calibration_path
+
+        path = calibration_path(_CLUSTER.value, cluster, _WORKDIR.value)
     _use_devices(cluster)
     if _CALIBRATE.value:
-        _calibrate(_CONFIG.value, cluster)
+        _calibrate(_CONFIG.value, cluster, path)
     else:
         _validate(_CONFIG.value, cluster)
 

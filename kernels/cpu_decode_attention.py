@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import native
+from jaxrlhf.kernels import native
 
 _SOURCE = pathlib.Path(__file__).with_suffix(".cc")
 _SYMBOL = "JaxrlhfCpuDecodeAttention"

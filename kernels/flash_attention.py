@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels.reference import NEG_INF
+from jaxrlhf.kernels.reference import NEG_INF
 
 
 @dataclasses.dataclass(frozen=True)

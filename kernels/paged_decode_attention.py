@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels.decode_attention import (online_softmax_init, online_softmax_output,
+from jaxrlhf.kernels.decode_attention import (online_softmax_init, online_softmax_output,
                                       online_softmax_step, stack_query_groups,
                                       unstack_query_groups)
 

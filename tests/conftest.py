@@ -41,6 +41,25 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# CI installs the newest versions its ranges allow, so a release that breaks us shows at once:
+# the summary names what this run tested against (also under -q).
+_REPORTED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers", "kernels",
+             "tokenizers", "torch", "numpy")
+
+
+def pytest_terminal_summary(terminalreporter):
+    from importlib import metadata
+
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    terminalreporter.write_line(
+        "versions: " + ", ".join(f"{name} {version(name)}" for name in _REPORTED))
+
+
 def pytest_unconfigure(config):
     if os.environ.get("JAXRLHF_TEST_CACHE_OWNER") == str(os.getpid()):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -42,7 +42,7 @@ GRAPHS = {
 
 
 def tiny_config(name):
-    return importlib.import_module(f"configs.{name}_tiny").get_config()
+    return importlib.import_module(f"jaxrlhf.configs.{name}_tiny").get_config()
 
 
 @pytest.mark.parametrize("name", sorted(GRAPHS))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import ppo_tiny
+from jaxrlhf.configs import ppo_tiny
 from jaxrlhf import spec
 from jaxrlhf.engine.generate import GenerateConfig, generate
 from jaxrlhf.models.attention import AttentionImpl, resolve_impl, unavailable_reason

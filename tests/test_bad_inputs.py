@@ -212,7 +212,7 @@ def test_bad_config_is_one_line_naming_the_field(overrides, expected, tmp_path, 
 def test_reward_modelling_warm_start_is_checked_on_its_layout(tmp_path):
     """Reward modelling warm-starts the actor on the reward model's layout (there is no actor
     call): a warm-start batch that layout cannot split is one line, before anything runs."""
-    from configs import rw_tiny
+    from jaxrlhf.configs import rw_tiny
 
     config = rw_tiny.get_config()
     config.warm_start.batch_size = 12
@@ -224,7 +224,7 @@ def test_reward_modelling_warm_start_is_checked_on_its_layout(tmp_path):
 
 def test_the_tiny_configs_pass(tmp_path):
     for name in ("ppo_tiny", "grpo_tiny"):
-        module = __import__(f"configs.{name}", fromlist=["get_config"])
+        module = __import__(f"jaxrlhf.configs.{name}", fromlist=["get_config"])
         job = check_config(module.get_config(), str(tmp_path))
         assert "actor_gen" in job.plan.specs
 

@@ -24,7 +24,7 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
 
 
 def load(name, arg=None):
-    return importlib.import_module(f"configs.{name}").get_config(arg)
+    return importlib.import_module(f"jaxrlhf.configs.{name}").get_config(arg)
 
 
 @pytest.fixture(scope="module")

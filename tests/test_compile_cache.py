@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from jaxrlhf import backend
-from kernels import native
+from jaxrlhf.kernels import native
 from jaxrlhf.run.check import check_config
 from jaxrlhf.schema import ConfigError, base_config
 from jaxrlhf.spec import run_spec

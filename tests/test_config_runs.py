@@ -33,7 +33,7 @@ RUNS = {
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "grpo_bench_cpu"
                                   else n for n in RUNS])
 def test_shipped_config_runs_its_smoke_variant(name, tmp_path):
-    config = importlib.import_module(f"configs.{name}").get_config("smoke")
+    config = importlib.import_module(f"jaxrlhf.configs.{name}").get_config("smoke")
     summary = rl.run(check_config(config, str(tmp_path)))
     assert summary["steps"] == 2 and not summary["interrupted"], summary
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -32,7 +32,7 @@ TINY = [c for c in CONFIGS if c not in BIG]
 
 
 def load(name, arg=None):
-    return importlib.import_module(f"configs.{name}").get_config(arg)
+    return importlib.import_module(f"jaxrlhf.configs.{name}").get_config(arg)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrlhf.models import attention
 from jaxrlhf.models.attention import AttentionImpl
 from jaxrlhf.models.decode_kv import DecodeKV
-from kernels import cpu_decode_attention, native
+from jaxrlhf.kernels import cpu_decode_attention, native
 
 needs_compiler = pytest.mark.skipif(
     native.compiler() is None,

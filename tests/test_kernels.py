@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.decode_attention import DecodeConfig, decode_attention
-from kernels.flash_attention import FlashConfig, flash_attention
-from kernels.paged_decode_attention import PagedDecodeConfig, paged_decode_attention
-from kernels.reference import paged_reference_attention, reference_attention
+from jaxrlhf.kernels.decode_attention import DecodeConfig, decode_attention
+from jaxrlhf.kernels.flash_attention import FlashConfig, flash_attention
+from jaxrlhf.kernels.paged_decode_attention import PagedDecodeConfig, paged_decode_attention
+from jaxrlhf.kernels.reference import paged_reference_attention, reference_attention
 
 _TOL = dict(rtol=1e-5, atol=1e-5)
 

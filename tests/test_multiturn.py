@@ -385,7 +385,7 @@ def test_ppo_over_trajectories_trains_and_values_the_policy_tokens_only():
 
 
 def test_env_config_errors_are_one_line_naming_the_key():
-    from configs import tool_math_tiny
+    from jaxrlhf.configs import tool_math_tiny
     from jaxrlhf.schema import ConfigError
     from jaxrlhf.spec import run_spec
 

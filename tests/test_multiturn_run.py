@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from configs import multiturn_tiny, tool_math_tiny
+from jaxrlhf.configs import multiturn_tiny, tool_math_tiny
 from jaxrlhf.run import rl
 from jaxrlhf.run.check import check_config
 

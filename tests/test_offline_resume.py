@@ -241,7 +241,7 @@ def test_the_trained_model_exports_to_transformers(full_run, tmp_path):
 @pytest.mark.parametrize("name", ["sft_tiny", "dpo_tiny", "rw_tiny"])
 def test_shipped_offline_config_runs_its_smoke_variant(name, tmp_path):
     """The shipped config's own job, two steps (`--config=configs/NAME.py:smoke`)."""
-    config = importlib.import_module(f"configs.{name}").get_config("smoke")
+    config = importlib.import_module(f"jaxrlhf.configs.{name}").get_config("smoke")
     summary = rl.run(check_config(config, str(tmp_path)))
     assert summary["steps"] == 2 and not summary["interrupted"]
     assert [r["step"] for r in _records(tmp_path)] == [0, 1, 2]  # 2: the evaluation

@@ -472,12 +472,12 @@ def test_reshard_round_trip_through_a_pipeline_is_bitwise(d8_params, name):
 def test_allocation_micro_batches_reach_pipelined_layouts():
     """`MFC=RANGE:STRATEGY@N`: a pipelined MFC's layout streams N micro-batches; without `@N`
     a pipelined generate/inference MFC streams as many as it has stages."""
-    import configs.grpo_tiny
+    from jaxrlhf.configs import grpo_tiny
     from jaxrlhf import spec as spec_lib
     from jaxrlhf.plan.allocation import format_allocation
     from jaxrlhf.run.layouts import place
 
-    config = configs.grpo_tiny.get_config()
+    config = grpo_tiny.get_config()
     config.placement.kind = "manual"
     config.placement.allocation = (
         "actor_gen=0-3:d2p2@4,ref_inf=4-7:p2f2,actor_train=0-7:d2p2t2@8")

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs.ppo_tiny import get_config
+from jaxrlhf.configs.ppo_tiny import get_config
 from jaxrlhf.data import tasks
 from jaxrlhf.data.encode import prompt_batch
 from jaxrlhf.mfc import Call

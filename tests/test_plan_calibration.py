@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from configs.ppo_tiny import get_config
+from jaxrlhf.configs.ppo_tiny import get_config
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.parallel.strategy import DeviceRange

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from configs import grpo_tiny
+from jaxrlhf.configs import grpo_tiny
 from jaxrlhf.checkpoint import NonFiniteError
 from jaxrlhf.data import sandbox
 from jaxrlhf.run import lock, rl

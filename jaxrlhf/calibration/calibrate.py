@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 from ml_collections import ConfigDict
 
+from jaxrlhf import shipped
 from jaxrlhf.mfc import MFC, Role
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.parallel.strategy import Strategy
@@ -38,6 +39,7 @@ from jaxrlhf.plan import cost as cost_lib
 from jaxrlhf.calibration import measure
 from jaxrlhf.plan.cluster import OVERHEADS, Calibration, Cluster, calibration_candidates
 from jaxrlhf.plan.experiment import Experiment
+from jaxrlhf.schema import ConfigError
 from jaxrlhf.spec import run_spec
 
 Log = Callable[[str], None]
@@ -222,8 +224,19 @@ def calibrate(config: ConfigDict, cluster: Cluster, probes: Sequence[Probe], rep
 
 
 def calibration_path(cluster_file: str, cluster: Cluster, workdir: str | None) -> pathlib.Path:
-    """Where `load_cluster` looks first: the workdir's calibration/, else meshes/calibration/."""
-    return calibration_candidates(pathlib.Path(cluster_file), cluster.name, workdir)[0]
+    """Where `load_cluster` looks first: the workdir's calibration/, else meshes/calibration/
+    beside the cluster file (a checkout's, or the user's own).
+
+    Raises:
+      ConfigError: no workdir, and the cluster file lies in an installed copy of the package,
+        which nothing writes into.
+    """
+    resolved = pathlib.Path(shipped.resolve(cluster_file))
+    if not workdir and shipped.in_installed_package(resolved):
+        raise ConfigError(f"--workdir: the cluster file {resolved} lies in the installed "
+                          "package, which --calibrate does not write into; give --workdir=DIR "
+                          f"to write DIR/calibration/{cluster.name}.json")
+    return calibration_candidates(resolved, cluster.name, workdir)[0]
 
 
 def _row(cells: Sequence[str], widths: Sequence[int]) -> str:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.models.decode_kv import DecodeKV
-from kernels import cpu_decode_attention, decode_attention, flash_attention
+from jaxrlhf.kernels import cpu_decode_attention, decode_attention, flash_attention
 
 _NEG_INF = -1e30  # finite, so fully masked rows (padding queries) give no NaN
 

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import pathlib
 
+from jaxrlhf import shipped
 from jaxrlhf.parallel.layout import Platform
 from jaxrlhf.parallel.submesh import ClusterShape
 from jaxrlhf.parallel.strategy import DeviceRange
@@ -173,11 +174,12 @@ def load_cluster(path: str, *, workdir: str | None = None,
     """Imports a cluster file and applies its calibration, if one exists.
 
     Args:
-      path: a cluster file such as "meshes/a100_16x8.py".
+      path: a cluster file such as "meshes/a100_16x8.py" (a shipped one where the working
+        directory holds no such file, `shipped.resolve`).
       workdir: a run directory whose `calibration/NAME.json` wins over the shipped one.
       calibration: an explicit calibration JSON file (must exist).
     """
-    cluster_file = pathlib.Path(path)
+    cluster_file = pathlib.Path(shipped.resolve(path))
     if not cluster_file.is_file():
         raise FileNotFoundError(f"cluster file {path!r} does not exist")
     module = _import_file(cluster_file)
