@@ -9,7 +9,8 @@ The repository's kernels/, configs/ and meshes/ folders install inside the packa
 Two checks, each as a user meets it:
   * a plain `python -c` (no -I, no -P) with the repository root as its working directory;
   * a wheel built from the checkout, installed with `--no-deps` into a venv that sees this
-    environment's packages, used from another directory: the shipped configs and cluster
+    environment's packages (not its editable install of the checkout), used from another
+    directory: the shipped configs and cluster
     files by their repository paths, and `plan --calibrate` refusing to write into it.
 """
 
@@ -83,6 +84,18 @@ def _venv_python(folder: pathlib.Path) -> pathlib.Path:
     return folder / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
+def _see_this_environment(python: pathlib.Path) -> None:
+    """Puts this interpreter's site-packages folders after the venv's own (a `.pth` file of
+    paths). `--system-site-packages` would not do: run from a venv, it shows the base
+    interpreter's packages, not this environment's. The folders' own `.pth` files are not run,
+    so the checkout's editable install is not seen there."""
+    found = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                 cwd=python.parent)
+    assert found.returncode == 0, found.stderr[-3000:]
+    ours = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    pathlib.Path(found.stdout.strip(), "this_environment.pth").write_text("\n".join(ours) + "\n")
+
+
 @pytest.fixture(scope="module")
 def wheel_venv(tmp_path_factory):
     """(a venv holding the wheel of this checkout, installed without dependencies and seeing
@@ -93,10 +106,10 @@ def wheel_venv(tmp_path_factory):
                   "-q", "-w", str(work / "dist"), str(source)], cwd=work)
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (work / "dist").glob("jaxrlhf-*.whl")
-    made = _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                 str(work / "venv")], cwd=work)
+    made = _run([sys.executable, "-m", "venv", "--without-pip", str(work / "venv")], cwd=work)
     assert made.returncode == 0, made.stderr[-3000:]
     python = _venv_python(work / "venv")
+    _see_this_environment(python)
     installed = _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q",
                       str(wheel)], cwd=work)
     assert installed.returncode == 0, installed.stderr[-3000:]
