@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pathlib
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -79,9 +78,12 @@ def _use_devices(cluster: Cluster) -> None:
                           f"machine presents {jax.device_count()} ({jax.devices()[0].platform})")
 
 
-def _calibrate(config, cluster: Cluster, path: pathlib.Path) -> None:
+def _calibrate(config, cluster: Cluster) -> None:
     from jaxrlhf.calibration import calibrate
 
+    # Where it will write, refused before any device is touched.
+    path = calibrate.calibration_path(_CLUSTER.value, cluster, _WORKDIR.value)
+    _use_devices(cluster)
     probes = (calibrate.parse_probes(_PROBES.value) if _PROBES.value
               else calibrate.default_probes(config, cluster))
     print(f"calibrating {cluster.name} on {len(probes)} probes: "
@@ -103,6 +105,7 @@ def _calibrate(config, cluster: Cluster, path: pathlib.Path) -> None:
 def _validate(config, cluster: Cluster) -> None:
     from jaxrlhf.calibration import validate
 
+    _use_devices(cluster)
     source = cluster.calibration().source or "uncalibrated: the cluster file's efficiencies"
     print(f"validating the configured plan on {cluster.name} ({source})", flush=True)
     result = validate.validate(config, cluster, _STEPS.value)
@@ -162,15 +165,7 @@ def main():
         _search(_CONFIG.value, cluster)
         return
     logging.set_verbosity(logging.WARNING)  # library INFO lines would bury the tables
-    if _CALIBRATE.value:  # where it will write, refused before anything runs
-        from jaxrlhf.calibration.calibrate import calibration_path
-
-        path = calibration_path(_CLUSTER.value, cluster, _WORKDIR.value)
-    _use_devices(cluster)
-    if _CALIBRATE.value:
-        _calibrate(_CONFIG.value, cluster, path)
-    else:
-        _validate(_CONFIG.value, cluster)
+    (_calibrate if _CALIBRATE.value else _validate)(_CONFIG.value, cluster)
 
 
 def run() -> None:

@@ -14,17 +14,11 @@ the README's commands run from any folder once the package is installed.
 
 from __future__ import annotations
 
-import enum
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).parent
-
-
-class Shipped(enum.Enum):
-    """A folder of the repository that installs inside the package."""
-
-    CONFIGS = "configs"
-    MESHES = "meshes"
+# The repository's folders of files that a command line names by path.
+FOLDERS = frozenset({"configs", "meshes"})
 
 
 def resolve(path: str) -> str:
@@ -35,9 +29,8 @@ def resolve(path: str) -> str:
     unchanged (the caller reports it missing, as given).
     """
     candidate = pathlib.Path(path)
-    if candidate.is_file() or candidate.is_absolute() or not candidate.parts:
-        return path
-    if candidate.parts[0] not in {s.value for s in Shipped}:
+    head = candidate.parts[0] if candidate.parts else ""  # "/" for an absolute path
+    if candidate.is_file() or head not in FOLDERS:
         return path
     shipped = PACKAGE / candidate
     return str(shipped) if shipped.is_file() else path

@@ -3,9 +3,9 @@ imports).
 
 Every `import` statement of the library is read with `ast` (also those inside functions, which
 run later but are dependencies all the same). Checked: no import cycles between files; the
-library never imports `configs/` or `meshes/` (`jaxrlhf.configs`, `jaxrlhf.meshes` once
-installed: the repository's folders install inside the package); each layer imports only its own layer and the
-layers below it (models < parallel < engine < algorithms < data < dataflow < planner < ... <
+library never imports `configs/` or `meshes/` (`jaxrlhf.configs`, `jaxrlhf.meshes`: the
+repository's folders install inside the package); each layer imports only its own layer and
+the layers below it (models < parallel < engine < algorithms < data < dataflow < planner < ... <
 run stack < entry points), with no exception for any file; `meshes/` holds data (cluster files
 import only the planner).
 
@@ -48,7 +48,7 @@ LAYERS = {
 # install inside the package (through the links jaxrlhf/kernels, jaxrlhf/meshes, which the
 # walk of jaxrlhf/ does not follow).
 FOLDERS = {"jaxrlhf": "jaxrlhf", "kernels": "jaxrlhf.kernels", "meshes": "jaxrlhf.meshes"}
-CONFIGS, MESHES = "jaxrlhf.configs", "jaxrlhf.meshes"
+CONFIGS, MESHES = "jaxrlhf.configs", FOLDERS["meshes"]
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -18,6 +18,10 @@ own response position, and offers:
                                               a chunk: fill, token loop and read-out in one
                                               executable (no host look in between)
 
+Over 800 lines because the slot state, its device programs and the engine class still share one
+file; they become the package `engine/rollout/` (state, programs, engine, one scheduler) when
+the three drivers move onto one scheduler, and this file goes.
+
 Slot s's response token i sits in cache slot P + i of row s; a decode step writes each row at
 its own slot and attends causally from there, so a refilled slot never sees its predecessor's
 keys (they lie after its own position until it overwrites them).
