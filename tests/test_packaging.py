@@ -34,10 +34,10 @@ root = pathlib.Path({str(ROOT)!r})
 import kernels
 hf = pathlib.Path(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
 assert pathlib.Path(kernels.__file__).resolve() == hf.resolve(), (kernels.__file__, str(hf))
-for name in {FOLDERS!r}:
+for name in {FOLDERS!r}:  # none of the repository's folders is a regular package
     spec = importlib.util.find_spec(name)
     origin = spec and spec.origin and pathlib.Path(spec.origin).resolve()
-    assert not (origin and origin.is_relative_to(root)), (name, str(origin))
+    assert not (origin and origin.parent == (root / name).resolve()), (name, str(origin))
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 tiny = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -71,10 +71,13 @@ def test_the_repository_folders_are_no_top_level_packages():
 
 
 def _copy_checkout(dest: pathlib.Path) -> pathlib.Path:
-    """The checkout's files (links kept as links) without git's folder or build leftovers:
-    a wheel builds in its source tree, which must not be the repository's."""
-    ignore = shutil.ignore_patterns(".git", "__pycache__", "build", "*.egg-info", ".venv*")
-    shutil.copytree(ROOT, dest, symlinks=True, ignore=ignore)
+    """What the build reads, copied (links kept as links): a wheel builds in its source tree,
+    which must not be the repository's (nor copy a venv that lives inside it)."""
+    ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
+    for folder in ("jaxrlhf", *FOLDERS):
+        shutil.copytree(ROOT / folder, dest / folder, symlinks=True, ignore=ignore)
+    for name in ("pyproject.toml", "README.md", *(p.name for p in ROOT.glob("requirements*.txt"))):
+        shutil.copy(ROOT / name, dest / name)
     return dest
 
 
