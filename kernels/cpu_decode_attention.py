@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.kernels import native
+from jaxrlhf.kernels.target import platform as traced_platform
 
 _SOURCE = pathlib.Path(__file__).with_suffix(".cc")
 _SYMBOL = "JaxrlhfCpuDecodeAttention"
@@ -89,12 +90,12 @@ def cores_per_device() -> int:
 
 
 def takes(q_b1hd: jax.Array, k_bkcdi: jax.Array, v_bksd: jax.Array) -> bool:
-    """Whether the kernel runs these operands (shapes and dtypes as `decode_attention`) on the
-    default backend in the program being traced (`_unpartitioned`); builds it on the first
-    call that could."""
+    """Whether the kernel runs these operands (shapes and dtypes as `decode_attention`) in the
+    program being traced: one for the CPU (`kernels.target.platform`) that runs as written on each
+    device (`_unpartitioned`); builds it on the first call that could."""
     heads, head_dim = q_b1hd.shape[2:]
     kv_heads, tile = k_bkcdi.shape[1], k_bkcdi.shape[-1]
-    return (jax.default_backend() == "cpu"
+    return (traced_platform() == "cpu"
             and all(x.dtype == jnp.float32 for x in (q_b1hd, k_bkcdi, v_bksd))
             and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUPS
             and head_dim in HEAD_DIMS and tile in TILES

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.models.decode_kv import DecodeKV
-from jaxrlhf.kernels import cpu_decode_attention, decode_attention, flash_attention
+from jaxrlhf.kernels import cpu_decode_attention, decode_attention, flash_attention, target
 
 _NEG_INF = -1e30  # finite, so fully masked rows (padding queries) give no NaN
 
@@ -90,10 +90,11 @@ def dot_product_attention(
 
 
 def resolve_impl(impl: AttentionImpl, backend: str | None = None) -> AttentionImpl:
-    """The concrete implementation AUTO stands for on `backend` (default: JAX's default)."""
+    """The concrete implementation AUTO stands for on `backend` (default: the platform of the
+    program being traced, `kernels.target.platform`)."""
     if impl is not AttentionImpl.AUTO:
         return impl
-    match backend or jax.default_backend():
+    match backend or target.platform():
         case "gpu" | "cuda":  # ("rocm" has no cuDNN: XLA below)
             return AttentionImpl.CUDNN  # falls back to XLA per call where cuDNN cannot
         case "tpu":
@@ -104,7 +105,7 @@ def resolve_impl(impl: AttentionImpl, backend: str | None = None) -> AttentionIm
 
 def unavailable_reason(impl: AttentionImpl, backend: str | None = None) -> str | None:
     """Why `impl` cannot run on `backend` at all (None if it can); for config validation."""
-    backend = backend or jax.default_backend()
+    backend = backend or target.platform()
     if impl is AttentionImpl.CUDNN and backend not in ("gpu", "cuda"):
         return f"cudnn needs an NVIDIA GPU, the backend is {backend}; use auto, xla or pallas"
     return None
@@ -250,7 +251,7 @@ def _pallas_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> 
     Queries that see no key (padding) come out as zeros here, where XLA returns an average of
     the values; neither is ever read by a real token. Interpret mode off accelerators.
     """
-    interpret = jax.default_backend() == "cpu"
+    interpret = target.platform() == "cpu"
     batch, q_len = q_seg_bt.shape
     k_len = kv_seg_bs.shape[1]
     if isinstance(q_offset, int):
