@@ -23,4 +23,5 @@ def get_cluster() -> Cluster:
         hbm_efficiency=0.75,
         comm_efficiency=0.7,
         platform=Platform.TPU,
+        topology="v5p:4x4x4",
     )

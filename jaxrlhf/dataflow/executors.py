@@ -40,7 +40,7 @@ def move_to(layout: Layout, arrays: Mapping[str, object]) -> dict[str, jax.Array
 
 
 # Jitted, so the position arithmetic runs on the devices as one program, not eager ops.
-_padded_batch = jax.jit(InferenceBatch.padded)
+padded_batch = jax.jit(InferenceBatch.padded)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -142,7 +142,7 @@ def inference_executor(mfc: MFC, model: ModelRuntime, layout: Layout, infer: Inf
         params = model.params_on(layout)
 
         def call(part, _):
-            return _response_part(infer(params, _padded_batch(part[keys[0]], part[keys[1]])), n)
+            return _response_part(infer(params, padded_batch(part[keys[0]], part[keys[1]])), n)
 
         out = in_micro_batches(call, inputs, micro_batches)
         model.after_call()

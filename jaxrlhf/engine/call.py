@@ -4,6 +4,11 @@
 inputs to a bucket; what they share lives here: the layout, the `CompileCache` that compiles
 each (shape bucket) key once and counts it, and lowering under the layout's activation context
 (so the model's logical sharding constraints resolve against this layout's mesh).
+
+Every call kind can also be lowered without running: `lower_for` takes host arrays of a batch
+and abstract parameters (`abstract`) and returns the lowered programs the call would compile
+for that batch. That is how `python -m jaxrlhf.plan --compile` compiles a plan for devices this
+process only has a description of (a TPU slice, a GPU cluster): nothing is placed on them.
 """
 
 from __future__ import annotations
@@ -11,9 +16,18 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 import jax
+import numpy as np
 
 from jaxrlhf.engine.buckets import CompileCache
 from jaxrlhf.parallel.layout import Layout
+
+
+def abstract(tree, shardings):
+    """`tree`'s leaves (arrays, host arrays, or abstract values) as `jax.ShapeDtypeStruct`s
+    placed as `shardings` (a matching tree) says: arguments to lower a call with, for devices
+    nothing is written to."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings)
 
 
 class BucketedCall:

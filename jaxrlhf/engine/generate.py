@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.engine import buckets, decode_layers, pipelined_decode
-from jaxrlhf.engine.call import BucketedCall
+from jaxrlhf.engine.call import BucketedCall, abstract
 from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.decoding import (  # noqa: F401  (GenerateConfig, decode_model: public here)
     GenerateConfig, constrain_cache, decode_model, draw, prefill,
@@ -393,6 +393,32 @@ class Generator(BucketedCall):
                                                 prompt_len, slots,
                                                 compile_cache=self.compile_cache)
         return self._engines[prompt_len]
+
+    def lower_for(self, params, prompt_tokens_bp, prompt_mask_bp, rng, micro_batches: int = 1
+                  ) -> dict[str, jax.stages.Lowered]:
+        """The programs this call would compile for host prompts [b, P], lowered with nothing
+        placed (`params` abstract, `rng` a key of the runtime's kind; module `engine.call`):
+        a pipelined layout's static-batch program, else the rollout engine's
+        (`Rollout.lowered_programs`: its one program, or the fill, a decode chunk and the first
+        compaction that `decode_rows` runs), by name."""
+        batch, prompt_len = np.shape(prompt_tokens_bp)
+        check_batch_divisible(self.layout, batch, "generate batch")
+        bucket = buckets.bucket_length(prompt_len, self.prompt_buckets)
+        pad = functools.partial(buckets.pad_axis, length=bucket, axis=1, left=True)
+        tokens_bp = pad(np.asarray(prompt_tokens_bp, np.int32),
+                        value=self.gen_config.pad_token_id)
+        mask_bp = pad(np.asarray(prompt_mask_bp, bool), value=False)
+        rng = abstract(rng, self._rng_sharding)
+        if self._static:
+            return {"generate": self._lower(params, abstract(tokens_bp, self._rows),
+                                            abstract(mask_bp, self._rows), rng)}
+        slots = batch // micro_batches
+        engine = self.rollout_engine(bucket, slots)
+        at_once = runs_at_once(micro_batches, self.gen_config.max_new_tokens,
+                               self.chunk_tokens)
+        smaller = _smaller_sizes(slots, self.layout.dp_size)
+        return engine.lowered_programs(params, tokens_bp[:slots], mask_bp[:slots], rng,
+                                       self._finish, at_once, smaller[0] if smaller else None)
 
     @property
     def occupancy(self) -> Occupancy:

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrlhf.engine import buckets, packing, sampling
-from jaxrlhf.engine.call import BucketedCall
+from jaxrlhf.engine.call import BucketedCall, abstract
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer, head_kernel, head_out
@@ -404,15 +404,35 @@ class InferenceFn(BucketedCall):
         with self.layout.activation_context():
             return self._jit_for(params, batch, plan, spread).lower(params, batch, plan, chunks)
 
-    def _plan(self, segment_ids_bt) -> tuple[packing.PackPlan, bool]:
-        """(the batch's packed rows, placed; whether they are spread over the shards): a sync
-        on its segment ids. The shards' own rows, or the spread plan where it needs fewer."""
+    def _host_plan(self, segment_ids_bt) -> tuple[packing.PackPlan, bool]:
+        """(the batch's packed rows on the host; whether they are spread over the shards): a
+        sync on its segment ids. The shards' own rows, or the spread plan where it needs
+        fewer."""
         segment_ids_bt = np.asarray(fetch(segment_ids_bt))
         shards = self.layout.dp_size
-        plan, spread = packing.fewest_rows(
+        return packing.fewest_rows(
             segment_ids_bt, packing.plan(segment_ids_bt, 1, shards, self.rows), shards,
             self.rows)
+
+    def _plan(self, segment_ids_bt) -> tuple[packing.PackPlan, bool]:
+        """`_host_plan`, its rows placed."""
+        plan, spread = self._host_plan(segment_ids_bt)
         return transfer(plan, self._plan_shardings), spread
+
+    def _padded(self, batch: InferenceBatch) -> tuple[int, InferenceBatch]:
+        """(the length bucket, the batch right-padded to it as int32)."""
+        bucket = buckets.bucket_length(np.shape(batch.tokens_bt)[1], self.length_buckets)
+        return bucket, InferenceBatch(
+            *(buckets.pad_axis(x, bucket, axis=1).astype(jnp.int32) for x in batch))
+
+    def lower_for(self, params, batch: InferenceBatch) -> jax.stages.Lowered:
+        """The call this kind would compile for host `batch`, lowered with nothing placed
+        (`params` abstract; module `engine.call`)."""
+        _, padded = self._padded(batch)
+        plan, spread = self._host_plan(padded.segment_ids_bt)
+        rows = InferenceBatch(self._rows, self._rows, self._rows)
+        return self._lower(params, abstract(padded, rows),
+                           abstract(plan, self._plan_shardings), spread)
 
     def __call__(self, params, batch: InferenceBatch) -> InferenceOutput:
         """Runs the call kind.
@@ -427,10 +447,7 @@ class InferenceFn(BucketedCall):
         """
         batch_size, length = np.shape(batch.tokens_bt)
         check_batch_divisible(self.layout, batch_size, "inference batch")
-        bucket = buckets.bucket_length(length, self.length_buckets)
-        padded = InferenceBatch(
-            *(buckets.pad_axis(x, bucket, axis=1).astype(jnp.int32) for x in batch)
-        )
+        bucket, padded = self._padded(batch)
         plan, spread = self._plan(buckets.pad_axis(np.asarray(fetch(batch.segment_ids_bt)),
                                                    bucket, axis=1))
         padded = jax.device_put(padded, self._rows)

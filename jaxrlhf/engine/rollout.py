@@ -67,6 +67,7 @@ from jax.sharding import PartitionSpec
 
 from jaxrlhf.engine import decode_layers
 from jaxrlhf.engine.buckets import CompileCache, bucket_length
+from jaxrlhf.engine.call import abstract
 from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.decoding import (
     CACHE_AXES, DECODE_AXES, GenerateConfig, constrain_cache, decode_model, draw, prefill,
@@ -511,14 +512,17 @@ class Rollout:
         Why `build` is a thunk: a call that hits the cache (every call after warm-up) then
         makes no jit wrapper, shard_map or shardings (~1 ms of host time per call on the main
         job's shape)."""
-        def lower():
-            with self.layout.activation_context():
-                fn, out_shardings = build()
-                jitted = jax.jit(fn, out_shardings=out_shardings, donate_argnums=donate)
-                return jitted.lower(*args)
-
+        lower = lambda: self._lower(build, *args, donate=donate)
         # The prompt length in the key: a Generator's engines share its compile cache.
         return self.compile_cache.get((self.prompt_len, *key), lower)(*args)
+
+    def _lower(self, build, *args, donate: tuple[int, ...] = ()) -> jax.stages.Lowered:
+        """`build()`'s function lowered for `args` (arrays or abstract values) under the
+        layout's context."""
+        with self.layout.activation_context():
+            fn, out_shardings = build()
+            jitted = jax.jit(fn, out_shardings=out_shardings, donate_argnums=donate)
+            return jitted.lower(*args)
 
     def _state_out(self, fn, slots: int, capacity: int):
         """`_run`'s build of `fn`, whose result is a state of (slots, capacity)."""
@@ -566,9 +570,19 @@ class Rollout:
           rows_k: int [k] each row's index in its (micro-)batch.
           limits_k: int [k] the most response tokens of each row (default N: up to EOS).
         """
+        key, build, args, donate = self._fill_program(state, params, version, slots_k,
+                                                      prompt_tokens_kp, prompt_mask_kp, keys,
+                                                      rows_k, limits_k)
+        return self._run(key, build, *args, donate=donate)
+
+    def _fill_program(self, state, params, version: int, slots_k, prompt_tokens_kp,
+                      prompt_mask_kp, keys, rows_k, limits_k, put=transfer, scalar=None):
+        """`fill`'s (compile key, build, arguments, donated ones), its inputs placed by `put`
+        and its scalars made by `scalar` (as `_at_once_program`)."""
+        scalar = scalar or self._scalar_on_devices
         slots, capacity = self.size(state)
         ints, prompts, table, specs, compile_key = self._fill_inputs(
-            slots, slots_k, prompt_tokens_kp, prompt_mask_kp, keys, rows_k, limits_k)
+            slots, slots_k, prompt_tokens_kp, prompt_mask_kp, keys, rows_k, limits_k, put)
         vacant = isinstance(state, Vacant)
 
         def build():
@@ -584,14 +598,15 @@ class Rollout:
             return fn, self._shardings(slots, capacity)
 
         state_args = () if vacant else (state,)
-        return self._run(("fill", vacant, slots, capacity, *compile_key, len(table)), build,
-                         params, *state_args, ints, prompts, table,
-                         self._scalar_on_devices(version), donate=() if vacant else (1,))
+        return (("fill", vacant, slots, capacity, *compile_key, len(table)), build,
+                (params, *state_args, ints, prompts, table, scalar(version)),
+                () if vacant else (1,))
 
     def _fill_inputs(self, slots: int, slots_k, prompt_tokens_kp, prompt_mask_kp, keys, rows_k,
-                     limits_k):
+                     limits_k, put=transfer):
         """A fill's device inputs (`fill`'s arguments): (ints, prompts, the key table, the
-        partition specs of ints and prompts, their compile-key part)."""
+        partition specs of ints and prompts, their compile-key part), placed by `put`
+        (`transfer`; `engine.call.abstract` to lower with nothing placed)."""
         k, prompt_len = np.shape(prompt_tokens_kp)
         if prompt_len != self.prompt_len:
             raise ValueError(f"rollout prompts must be padded to {self.prompt_len}, got "
@@ -614,8 +629,8 @@ class Rollout:
         ints_k5[:, _INTS.limit] = limits_k
         place = self._fill_on_each_device if self.per_device else self._fill_spmd
         ints, prompts, shardings, compile_key = place(slots, ints_k5, prompts_k2p)
-        ints, prompts, table = transfer((ints, prompts, table),
-                                        (*shardings, (self._scalar,) * len(table)))
+        ints, prompts, table = put((ints, prompts, table),
+                                   (*shardings, (self._scalar,) * len(table)))
         return ints, prompts, table, tuple(x.spec for x in shardings), compile_key
 
     def _fill_spmd(self, slots: int, ints_k5: np.ndarray, prompts_k2p: np.ndarray):
@@ -689,15 +704,23 @@ class Rollout:
           (finish(state), work_k2 int32 [k, 2]: each slot's decode steps and tokens sampled in
           them, as `poll`'s counts), on the device, rows split as the state's.
         """
+        key, build, args = self._at_once_program(params, version, prompt_tokens_kp,
+                                                 prompt_mask_kp, keys, rows_k, limits_k, finish)
+        return self._run(key, build, *args)
+
+    def _at_once_program(self, params, version: int, prompt_tokens_kp, prompt_mask_kp, keys,
+                         rows_k, limits_k, finish, put=transfer, scalar=None):
+        """`decode_at_once`'s (compile key, build, arguments), its inputs placed by `put` and
+        its scalars made by `scalar` (default `_scalar_on_devices`)."""
+        scalar = scalar or self._scalar_on_devices
         k = len(prompt_tokens_kp)
         check_batch_divisible(self.layout, k, "rollout slots")
         n_max = self.cfg.max_new_tokens
         reach = n_max if limits_k is None else min(int(np.max(limits_k)), n_max)
         vacant = Vacant(k, capacity_for(reach, n_max))
         ints, prompts, table, specs, compile_key = self._fill_inputs(
-            k, np.arange(k), prompt_tokens_kp, prompt_mask_kp, keys, rows_k, limits_k)
-        args = (params, ints, prompts, table, self._scalar_on_devices(version),
-                self._scalar_on_devices(reach - 1))
+            k, np.arange(k), prompt_tokens_kp, prompt_mask_kp, keys, rows_k, limits_k, put)
+        args = (params, ints, prompts, table, scalar(version), scalar(reach - 1))
 
         def build():
             fill = functools.partial(_fill, self.prefill_model, self.cfg,
@@ -710,7 +733,42 @@ class Rollout:
             rows = lambda x: self.layout.batch_sharding(x.ndim)
             return fn, jax.tree.map(rows, jax.eval_shape(fn, *args))
 
-        return self._run(("at once", *vacant, *compile_key, len(table), finish), build, *args)
+        return ("at once", *vacant, *compile_key, len(table), finish), build, args
+
+    def lowered_programs(self, params, prompt_tokens_kp, prompt_mask_kp, key, finish,
+                         at_once: bool, compact_to: int | None = None
+                         ) -> dict[str, jax.stages.Lowered]:
+        """The programs a generate call of k prompts in k slots runs, lowered with nothing
+        placed (`params` and the PRNG `key` abstract, module `engine.call`): with `at_once`,
+        `decode_at_once`'s one program (`finish` as there); else, as `generate.decode_rows`
+        runs them, a fill of every slot, a chunk of decode steps at the largest cache
+        (`advance`) and, with `compact_to`, a compaction of that state into so many slots.
+
+        Args:
+          prompt_tokens_kp, prompt_mask_kp: [k, P] host arrays (distinct prompts are
+            prefilled once: give the call's real repetition, a GRPO group's n copies).
+        """
+        k = len(prompt_tokens_kp)
+        rows_k, keys = np.arange(k, dtype=np.int32), [key] * k
+        scalar = lambda value: abstract(np.int32(value), self._scalar)
+        if at_once:
+            _, build, args = self._at_once_program(params, 0, prompt_tokens_kp, prompt_mask_kp,
+                                                   keys, rows_k, None, finish, abstract, scalar)
+            return {"decode at once": self._lower(build, *args)}
+        _, build, args, donate = self._fill_program(
+            self.vacant(k), params, 0, rows_k, prompt_tokens_kp, prompt_mask_kp, keys, rows_k,
+            None, abstract, scalar)
+        out = {"fill": self._lower(build, *args, donate=donate)}
+        largest = Vacant(k, capacity_for(self.cfg.max_new_tokens, self.cfg.max_new_tokens))
+        full = abstract(jax.eval_shape(self._empty_fn(largest, local=False)),
+                        self._shardings(*largest))
+        _, build, args = self._advance_program(full, params, 0, 1, False, 0, scalar)
+        out["decode chunk"] = self._lower(build, *args, donate=(1,))
+        if compact_to is not None:
+            keep_m = abstract(np.zeros(compact_to, np.int32), self._scalar)
+            out["compaction"] = self._lower(
+                self._state_out(_compact, compact_to, largest.capacity), full, keep_m)
+        return out
 
     def spread(self, free: list[int], slots: int | None = None) -> list[int]:
         """Free slots in the order to fill them: taking turns over the devices (a fill
@@ -792,6 +850,15 @@ class Rollout:
         n_max = self.cfg.max_new_tokens
         needed = n_max if longest is None else max(int(longest), 1) + num_steps
         state = self.fit(state, needed)
+        key, build, args = self._advance_program(state, params, version, num_steps, lockstep,
+                                                 stop_busy)
+        return self._run(key, build, *args, donate=(1,))
+
+    def _advance_program(self, state, params, version: int, num_steps: int, lockstep: bool,
+                         stop_busy: int, scalar=None):
+        """`advance`'s (compile key, build, arguments) on a state already fitted, its scalars
+        made by `scalar` (as `_at_once_program`); the state is donated."""
+        scalar = scalar or self._scalar_on_devices
         slots, capacity = self.size(state)
 
         def build():
@@ -804,10 +871,8 @@ class Rollout:
 
         if self.per_device:
             stop_busy //= self.layout.dp_size
-        return self._run(("advance", slots, capacity, lockstep), build, params,
-                         state, self._scalar_on_devices(num_steps),
-                         self._scalar_on_devices(stop_busy),
-                         self._scalar_on_devices(version), donate=(1,))
+        return (("advance", slots, capacity, lockstep), build,
+                (params, state, scalar(num_steps), scalar(stop_busy), scalar(version)))
 
     def compact(self, state: SlotState, keep: list[int]) -> SlotState:
         """The slots `keep` only, in that order, as a state of len(keep) slots (a multiple of

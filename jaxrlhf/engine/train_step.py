@@ -38,7 +38,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrlhf.engine import microbatch, packing
-from jaxrlhf.engine.call import BucketedCall
+from jaxrlhf.engine.call import BucketedCall, abstract
 from jaxrlhf.engine.buckets import CompileCache, shape_key
 from jaxrlhf.engine.inference import (
     InferenceBatch, InferenceConfig, InferenceKind, infer_packed,
@@ -321,6 +321,15 @@ class TrainStep(BucketedCall):
             (shape_key((batch, plan)), count, spread),
             lambda: self._lower_planned(count, state, batch, plan, spread))
         return executable(state, batch, plan)
+
+    def lower_for(self, state, batch: Batch) -> jax.stages.Lowered:
+        """The step this call would compile for host `batch`, lowered with nothing placed:
+        `state` abstract (`checkpoint.abstract_state`), the batch and its plan made abstract
+        on their shardings (module `engine.call`)."""
+        count, plan, spread = self._planned(batch)
+        batch = abstract(batch, self.batch_shardings(batch))
+        plan = abstract(plan, self._plan_shardings(plan))
+        return self._lower_planned(count, state, batch, plan, spread)
 
     def _lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         """The lowered step for `batch` (its plan included), e.g. to read its HLO."""

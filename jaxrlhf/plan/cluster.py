@@ -87,6 +87,10 @@ class Cluster:
         the memory model counts: on XLA:CPU and XLA:GPU generation decodes layer by layer on a
         copy of the layer weights (`engine.decoding.decodes_layer_by_layer`); on XLA:CPU
         (virtual devices) a pipeline copies each stage's weights.
+      topology: the devices as XLA's compiler knows them, so that `plan --compile` compiles
+        every call for them from any host: on TPU, libtpu's topology name ("v5p:4x4x4", chips
+        along each torus axis), whose devices must be `hosts` × `devices_per_host`; "" where
+        the cluster has none.
     """
 
     name: str
@@ -109,6 +113,7 @@ class Cluster:
     comm_efficiency: float = 0.7
     calibration_source: str = ""
     platform: Platform = Platform.GPU
+    topology: str = ""
 
     @property
     def cpu(self) -> bool:

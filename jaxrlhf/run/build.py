@@ -211,7 +211,7 @@ def start(job: Job, directory: pathlib.Path):
         yield JobStart(job, checkpoints, *(restored or (None, None)))
 
 
-def _micro(spec: RunSpec, planned: int) -> MicrobatchConfig:
+def train_micro(spec: RunSpec, planned: int) -> MicrobatchConfig:
     """A train step's micro-batching: a token budget (`micro_batch_tokens`) is applied to each
     batch's packed rows as it comes (the plan's count, from padded rows, is its most); else
     the plan's count."""
@@ -224,7 +224,7 @@ def runner(job: Job, states: dict, pools) -> Runner:
     """The job's runner around `states` (see `initial_states`, or a checkpoint's)."""
     spec, plan = job.spec, job.plan
     calls = {m.name: engine_call(m, spec.models[m.role].config, plan.layouts[m.name],
-                                 _micro(spec, plan.micro_batches(m.name)), spec.rollout,
+                                 train_micro(spec, plan.micro_batches(m.name)), spec.rollout,
                                  job.tokenizer, spec.algorithm, spec.optimizers.get(m.role))
              for m in spec.algorithm.mfcs if not m.host}
     limits = None if spec.env is None else TrajectoryLimits(

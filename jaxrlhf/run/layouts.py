@@ -14,7 +14,7 @@ pipeline streams. Text appears only where the config gives it (`placement.alloca
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 
@@ -142,7 +142,12 @@ def place(spec: RunSpec) -> RunPlan:
     """Resolves and validates every model MFC's layout and micro-batches on this machine's
     devices; raises naming the MFC and the field."""
     devices = jax.devices()
-    plan = execution_plan(spec, len(devices))
+    return run_plan(spec, execution_plan(spec, len(devices)), devices)
+
+
+def run_plan(spec: RunSpec, plan: ExecutionPlan, devices: Sequence[jax.Device]) -> RunPlan:
+    """`plan`'s layouts on `devices` (this machine's, or a described cluster's that calls are
+    compiled for: `plan --compile`); raises naming the MFC and the field."""
     layouts = {}
     for name in filter(plan.__contains__, spec.graph.order):  # graph order, as MFCs run
         mfc, choice = spec.graph.mfc(name), plan[name]

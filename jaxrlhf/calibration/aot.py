@@ -1,0 +1,342 @@
+"""`python -m jaxrlhf.plan --compile`: every call of a plan compiled for the cluster's own
+devices from this host, beside what the planner's models say of it.
+
+XLA compiles for devices it has only a description of: libtpu describes a TPU slice by its
+topology name (`Cluster.topology`, `jax.experimental.topologies.get_topology_desc`), so a CPU
+host compiles what a v5p-128 slice would run. Nothing runs and no weights exist:
+  * each call's parameters (a trained model's whole train state) are abstract values of the
+    model's `size`, placed on the call's layout over the described devices;
+  * each call's batch is the step's worst case, built on the host: every prompt and response
+    at full length (`step_buffer`), a train step's batch made from it by the algorithm's own
+    `prepare`;
+  * each call kind lowers what it would compile for that batch (`lower_for`, module
+    `engine.call`): a train step and an inference call one program each; a generate call the
+    rollout engine's programs (its fill, a decode chunk at the largest cache, the first
+    compaction; or its one program where the call runs at once) or a pipeline's static batch.
+
+Per call (`CallReport`): XLA's peak bytes per device, arguments + outputs + temporaries -
+aliased bytes of the program (for generate, the largest of its programs); the memory model's
+(`plan.memory.own_memory`, plus the batch arguments, which the model leaves out); whether it
+fits the device's limit; XLA's FLOPs (`cost_analysis`, which counts a loop's body once: the
+scanned layer stack, a decode loop) beside the cost model's; the attention kernels the
+compiled programs call; and the compile seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import time
+import types
+from collections.abc import Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf.checkpoint import abstract_state
+from jaxrlhf.dataflow.executors import padded_batch
+from jaxrlhf.engine.inference import InferenceBatch
+from jaxrlhf.mfc import MFC, Call, Role
+from jaxrlhf.models.config import HeadKind
+from jaxrlhf.models.sizes import abstract_params
+from jaxrlhf.parallel.layout import Layout, Platform
+from jaxrlhf.plan import cost as cost_lib
+from jaxrlhf.plan import memory as memory_lib
+from jaxrlhf.plan.choice import ExecutionPlan
+from jaxrlhf.plan.cluster import Cluster
+from jaxrlhf.plan.experiment import Experiment
+from jaxrlhf.run import build
+from jaxrlhf.run.layouts import run_plan
+from jaxrlhf.spec import RunSpec
+
+# libtpu reads these where a TPU VM's metadata server would answer; on any other host it
+# prints a warning per unset one. None of them changes what is compiled for a topology.
+TPU_HOST_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost",
+                "TPU_ACCELERATOR_TYPE": "v5p-8"}
+
+# Custom calls that are attention kernels, by the compiler that runs them.
+_KERNEL_CALLS = {"tpu_custom_call": "Mosaic", "__gpu$xla.gpu.triton": "Triton",
+                 "__cudnn$fmha": "cuDNN"}
+
+
+class CompileError(RuntimeError):
+    """The cluster's devices cannot be described here (no topology, or no compiler for it)."""
+
+
+def topology_devices(cluster: Cluster) -> list[jax.Device]:
+    """The cluster's devices as XLA's compiler describes them, host by host.
+
+    Raises:
+      CompileError: the cluster names no topology, its compiler is not installed, or the
+        topology's devices are not the cluster's hosts × devices per host.
+    """
+    if cluster.platform is not Platform.TPU or not cluster.topology:
+        raise CompileError(f"--cluster: {cluster.name} names no TPU topology to compile for "
+                           f"(Cluster.topology); the meshes/tpu_*.py files do")
+    from jax.experimental import topologies
+
+    try:
+        import libtpu  # noqa: F401  (the TPU compiler; its absence gives the clearest error)
+    except ImportError as e:
+        raise CompileError('compiling for a TPU needs libtpu: pip install -e ".[tpu]"') from e
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=cluster.topology)
+    devices = list(topology.devices)
+    hosts = {d.process_index for d in devices}
+    if (len(hosts), len(devices)) != (cluster.hosts, cluster.num_devices):
+        raise CompileError(
+            f"--cluster: {cluster.name} has {cluster.hosts} hosts × {cluster.devices_per_host} "
+            f"devices, but libtpu's {cluster.topology} has {len(hosts)} hosts and "
+            f"{len(devices)} devices")
+    return devices
+
+
+def reported_hbm_bytes(devices: Sequence[jax.Device]) -> int | None:
+    """The HBM a program may use on one of `devices`, as their compiler reports it: compiles a
+    program that needs more than any device has and reads the limit off the refusal
+    ("... exceeds available HBM (95.74G)"); None where the message says no figure."""
+    sharding = jax.sharding.SingleDeviceSharding(devices[0])
+    huge = jax.ShapeDtypeStruct((1 << 40,), jnp.int8, sharding=sharding)
+    try:
+        jax.jit(lambda x: x + 1).lower(huge).compile()
+    except Exception as e:  # XLA's RESOURCE_EXHAUSTED, as a runtime error of jaxlib
+        found = re.search(r"available HBM \(([\d.]+)([KMGT])\)", str(e))
+        if found:
+            return int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2)))
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program of a call.
+
+    Attributes:
+      name: "train step", "inference", "fill", "decode chunk", "compaction", ...
+      peak_bytes: arguments + outputs + temporaries - aliased, per device.
+      batch_bytes: the arguments after the first (the batch, keys, scalars), per device.
+      flops: XLA's `cost_analysis` FLOPs per device (a loop's body counted once).
+      kernels: the attention kernels it calls ("Mosaic", "Triton", "cuDNN"), sorted.
+      seconds: lowering + compiling here.
+    """
+
+    name: str
+    peak_bytes: int
+    batch_bytes: int
+    flops: float
+    kernels: tuple[str, ...]
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CallReport:
+    """One MFC compiled for the cluster (or the one-line reason it did not compile).
+
+    Attributes:
+      name, spec: the MFC and its layout.
+      programs: what it compiled.
+      model_bytes: the memory model's peak per device (`own_memory`'s total, plus the
+        batch arguments of the program XLA puts highest).
+      limit_bytes: what a program may use per device.
+      model_flops: the cost model's FLOPs per device of the call.
+      error: XLA's message, one line, where compiling failed.
+    """
+
+    name: str
+    spec: str
+    programs: tuple[Program, ...] = ()
+    model_bytes: int = 0
+    limit_bytes: int = 0
+    model_flops: float = 0.0
+    error: str = ""
+
+    @property
+    def compiled(self) -> bool:
+        return not self.error
+
+    @property
+    def peak(self) -> Program | None:
+        return max(self.programs, key=lambda p: p.peak_bytes, default=None)
+
+    @property
+    def xla_bytes(self) -> int:
+        return self.peak.peak_bytes if self.programs else 0
+
+    @property
+    def fits(self) -> bool:
+        return self.compiled and self.xla_bytes <= self.limit_bytes
+
+    @property
+    def xla_flops(self) -> float:
+        return sum(p.flops for p in self.programs)
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.programs)
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return tuple(sorted({k for p in self.programs for k in p.kernels}))
+
+    @property
+    def memory_error(self) -> float:
+        """model / XLA - 1."""
+        return self.model_bytes / max(self.xla_bytes, 1) - 1
+
+
+def _kernels(text: str) -> tuple[str, ...]:
+    """The attention kernels an HLO module's custom calls name."""
+    return tuple(sorted({name for target, name in _KERNEL_CALLS.items()
+                         if f'custom_call_target="{target}"' in text}))
+
+
+def _batch_bytes(compiled: jax.stages.Compiled) -> int:
+    """Per-device bytes of a compiled call's arguments after the first (parameters or state
+    come first in every call kind)."""
+    (args, _), (shardings, _) = compiled.args_info, compiled.input_shardings
+    total = 0
+    for arg, arg_shardings in zip(args[1:], shardings[1:]):
+        for info, sharding in zip(jax.tree.leaves(arg), jax.tree.leaves(arg_shardings)):
+            shape = sharding.shard_shape(tuple(info.shape))
+            total += int(np.prod(shape)) * info.dtype.itemsize  # PRNG keys too
+    return total
+
+
+def compile_program(name: str, lower: Callable[[], jax.stages.Lowered]) -> Program:
+    """Lowers and compiles one program; its figures."""
+    start = time.perf_counter()
+    compiled = lower().compile()
+    seconds = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    return Program(name, int(peak), _batch_bytes(compiled), float(cost.get("flops", 0.0)),
+                   _kernels(compiled.as_text()), seconds)
+
+
+# --- the step's worst-case batch --------------------------------------------------------
+
+
+def stand_in_tokenizer(vocab_size: int):
+    """The token ids a compile needs (pad, stop): programs depend on how many stop ids there
+    are, never on their values, so any in the vocabulary stand in for the run's tokenizer."""
+    return types.SimpleNamespace(pad_id=0, stop_ids=(vocab_size - 1,))
+
+
+def step_buffer(spec: RunSpec) -> dict[str, np.ndarray]:
+    """The step buffer of an RL step at its largest (host arrays): every prompt P tokens, every
+    response N tokens, each model call's output of its shape (`dataflow.executors`: generate
+    writes sequences, sequence mask, response mask and log-probs; inference per response
+    token, or per row for scores and host rewards)."""
+    rows, p, n = spec.step_rows, spec.rollout.max_prompt_len, spec.rollout.max_new_tokens
+    buf: dict[str, np.ndarray] = {}
+    for mfc in spec.algorithm.mfcs:
+        if mfc.call is Call.GENERATE:
+            tokens, mask = mfc.inputs[:2]
+            buf.setdefault(tokens, np.ones((rows, p), np.int32))
+            buf.setdefault(mask, np.ones((rows, p), bool))
+            arrays = (np.ones((rows, p + n), np.int32), np.ones((rows, p + n), bool),
+                      np.ones((rows, n), bool), np.zeros((rows, n), np.float32))
+            buf.update(zip(mfc.outputs, arrays, strict=True))
+        elif mfc.call is Call.INFERENCE:
+            # a reward (or cost) model's score, or a host function's, per row (`engine_call`)
+            per_row = mfc.host or (spec.models[mfc.role].config.head is not HeadKind.LM
+                                   and mfc.role not in (Role.CRITIC, Role.COST_CRITIC))
+            (out,) = mfc.outputs
+            buf[out] = np.zeros((rows,) if per_row else (rows, n), np.float32)
+    return buf
+
+
+def train_batch(spec: RunSpec, mfc: MFC, buf: Mapping[str, np.ndarray]) -> dict:
+    """One optimizer update's batch of a train step (host arrays): the algorithm's `prepare`
+    of the buffer, cut to one mini-batch."""
+    train = spec.algorithm.train[mfc.role]
+    scalars = {k: np.float32(v) for k, v in spec.algorithm.controller_init.items()}
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        batch, _ = jax.jit(train.prepare)({k: buf[k] for k in mfc.inputs if k in buf}, scalars)
+    rows = spec.step_rows // train.mini_batches
+    return {k: np.asarray(v)[:rows] for k, v in batch.items()}
+
+
+# --- compiling a plan -------------------------------------------------------------------
+
+
+def _abstract_params(model_config, layout: Layout):
+    """A model's parameters as abstract values on `layout`."""
+    boxed = abstract_params(model_config)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        nn.meta.unbox(boxed), layout.param_shardings(boxed))
+
+
+def _programs(spec: RunSpec, mfc: MFC, engine, layout: Layout, micro_batches: int,
+              buf: Mapping[str, np.ndarray]) -> dict[str, Callable[[], jax.stages.Lowered]]:
+    """Each program of `mfc` by name, as a thunk that lowers it (a generate call's are lowered
+    here, together: their compile seconds leave the lowering out)."""
+    model = spec.models[mfc.role].config
+    match mfc.call:
+        case Call.TRAIN_STEP:
+            state = abstract_state(model, layout, spec.optimizers[mfc.role])
+            batch = train_batch(spec, mfc, buf)
+            return {"train step": lambda: engine.lower_for(state, batch)}
+        case Call.INFERENCE:
+            params = _abstract_params(model, layout)
+            tokens, mask = (buf[k] for k in mfc.inputs[:2])
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                batch = InferenceBatch(*map(np.asarray, padded_batch(tokens, mask)))
+            return {"inference": lambda: engine.lower_for(params, batch)}
+        case Call.GENERATE:  # lowered together here (the rollout engine's programs)
+            params = _abstract_params(model, layout)
+            tokens, mask = (buf[k] for k in mfc.inputs[:2])
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                key = jax.random.key(0)
+            lowered = engine.lower_for(params, tokens, mask, key, micro_batches)
+            return {name: functools.partial(lambda x: x, x) for name, x in lowered.items()}
+    raise ValueError(f"unknown call kind {mfc.call}")
+
+
+def model_flops(experiment: Experiment, mfc: MFC, choice, cluster: Cluster) -> float:
+    """The cost model's FLOPs per device of one MFC (its compute seconds at peak)."""
+    p = experiment.profile(mfc.role)
+    cost = cost_lib.call_cost(p, mfc.call, experiment.workload, choice, cluster,
+                              experiment.master(mfc.role), experiment.decode)
+    return cost.compute * cluster.peak_bf16_flops
+
+
+def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
+                 devices: Sequence[jax.Device], limit_bytes: int,
+                 log: Callable[[str], None] = lambda line: None) -> list[CallReport]:
+    """Every model MFC of `plan` compiled for `devices` (the cluster's), in graph order; a call
+    that fails to compile is reported with XLA's message and the others still compile."""
+    experiment = spec.experiment()
+    layouts = run_plan(spec, plan, devices).layouts
+    tokenizer = stand_in_tokenizer(spec.base.config.vocab_size)
+    buf = step_buffer(spec)
+    reports = []
+    for name, layout in layouts.items():
+        mfc, choice = spec.graph.mfc(name), plan[name]
+        model = spec.models[mfc.role].config
+        estimate = memory_lib.own_memory(experiment, mfc, choice, cluster.platform)
+        flops = model_flops(experiment, mfc, choice, cluster)
+        log(f"compiling {name} ({choice}) for {cluster.topology}")
+        try:
+            engine = build.engine_call(mfc, model, layout,
+                                       build.train_micro(spec, choice.micro_batches), spec.rollout,
+                                       tokenizer, spec.algorithm, spec.optimizers.get(mfc.role))
+            programs = tuple(compile_program(program, lower) for program, lower
+                             in _programs(spec, mfc, engine, layout, choice.micro_batches,
+                                                     buf).items())
+        except Exception as e:  # XLA's own refusal (or a lowering error): one line, go on
+            message = " ".join(str(e).split())[:400]
+            reports.append(CallReport(name, str(choice), limit_bytes=limit_bytes,
+                                      model_bytes=estimate.total, model_flops=flops,
+                                      error=f"{type(e).__name__}: {message}"))
+            log(f"  {name}: did not compile: {reports[-1].error}")
+            continue
+        peak = max(programs, key=lambda p: p.peak_bytes)
+        reports.append(CallReport(name, str(choice), programs,
+                                  estimate.total + peak.batch_bytes, limit_bytes, flops))
+        log(f"  {name}: {', '.join(f'{p.name} {p.seconds:.1f} s' for p in programs)}")
+    return reports
