@@ -22,6 +22,15 @@ Two modes run the config's MFCs on this machine's devices, which must be the clu
   * `--validate` runs the configured plan (`placement.*`) for `--steps` steps and prints the
     calibrated prediction beside the measurement: seconds per MFC and per step, and the memory
     model beside `memory_analysis()` of each compiled MFC.
+
+`--compile` needs no devices at all: it compiles every call of a plan for the cluster's own
+hardware from this host (`calibration/aot.py`: a TPU slice that libtpu describes by the cluster
+file's topology) and prints, per call, XLA's peak bytes per device beside the memory model's,
+whether it fits, XLA's FLOPs beside the cost model's, the attention kernels it compiled and the
+compile seconds. The plan is the configured one (`placement.kind=manual`), else the searched
+plans best first (`--compile_plans` of them, baselines included) until one fits by XLA's
+account. No weights are read: `require_model_paths` does not apply. Its last line is one JSON
+object, `{"compile": {"platform", "topology", "limit_bytes", "plan", "calls": {NAME: ...}}}`.
 """
 
 from __future__ import annotations
@@ -62,6 +71,10 @@ _PROBES = flags.DEFINE_string("probes", "", "calibration runs, e.g. d8@32,d4t2@1
                               "(STRATEGY@PROMPTS); empty: calibrate.default_probes")
 _REPEATS = flags.DEFINE_integer("repeats", 7, "calibration: timed runs of each MFC")
 _STEPS = flags.DEFINE_integer("steps", 5, "validation: timed steps after the compiling one")
+_COMPILE = flags.DEFINE_bool("compile", False, "compile every call for the cluster's hardware "
+                             "here, without it: XLA's memory and FLOPs beside the models'")
+_COMPILE_PLANS = flags.DEFINE_integer("compile_plans", 3, "--compile: searched plans to try, "
+                                      "best first, until one fits")
 
 
 def _use_devices(cluster: Cluster) -> None:
@@ -151,11 +164,73 @@ def _search(config, cluster: Cluster) -> None:
               f"{report_lib.allocation(report.searched)}")
 
 
+def _candidates(spec, cluster: Cluster) -> list[PlanResult]:
+    """The plans `--compile` tries, best first: the configured one alone (placement.kind=
+    manual), else the search's feasible plans by step time, `--compile_plans` of them."""
+    configured = _configured_plan(spec, cluster)
+    if configured is not None:
+        return [PlanResult("configured", configured, None)]
+    report = search(spec.experiment(), cluster, SearchOptions(
+        iterations=_ITERATIONS.value, time_limit_s=_TIME_LIMIT.value, seed=_SEED.value),
+        SimOptions(overlap_steps=_OVERLAP.value))
+    feasible = sorted((r for r in report.plans().values() if r.feasible),
+                      key=lambda r: r.step_seconds)
+    if not feasible:
+        raise ConfigError(f"--cluster: no plan fits {cluster.name} by the memory model: "
+                          f"{report.searched.reason}")
+    return feasible[:max(1, _COMPILE_PLANS.value)]
+
+
+def _compile(config, cluster: Cluster) -> None:
+    from jaxrlhf.calibration import aot
+
+    for name, value in aot.TPU_HOST_ENV.items():
+        os.environ.setdefault(name, value)
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # the compile targets are described, not here
+    spec = run_spec(config)
+    with field(f"--cluster={_CLUSTER.value}"):
+        try:
+            devices = aot.topology_devices(cluster)
+        except aot.CompileError as e:
+            raise ConfigError(str(e)) from None
+    reported = aot.reported_hbm_bytes(devices)
+    limit = min(cluster.usable_hbm_bytes, reported or cluster.usable_hbm_bytes)
+    print(f"compiling for {cluster.name}: {cluster.topology}, {len(devices)} "
+          f"{devices[0].device_kind} devices; a program may use {limit / 2**30:.2f} GiB per "
+          f"device (the cluster file's usable {cluster.usable_hbm_bytes / 2**30:.2f} GiB, "
+          f"XLA reports {'?' if reported is None else f'{reported / 2**30:.2f}'} GiB)",
+          flush=True)
+    log = lambda line: print(line, flush=True)
+    tried = []
+    for candidate in _candidates(spec, cluster):
+        print(f"\nplan {candidate.name}: {report_lib.allocation(candidate)}", flush=True)
+        reports = aot.compile_plan(spec, cluster, candidate.plan, devices, limit, log)
+        print(aot.table(reports), flush=True)
+        tried.append((candidate, reports))
+        if all(r.fits for r in reports):
+            break
+    chosen, reports = next(((c, r) for c, r in tried if all(x.fits for x in r)), tried[0])
+    fits = all(r.fits for r in reports)
+    print(f"\n{'chosen' if fits else 'no plan fits by XLA; shown'}: plan {chosen.name}, "
+          f"placement.allocation={report_lib.allocation(chosen)}")
+    print(json.dumps({"compile": {
+        "platform": cluster.platform.value, "topology": cluster.topology, "limit_bytes": limit,
+        "reported_bytes": reported, "plan": chosen.name, "fits": fits,
+        "allocation": report_lib.allocation(chosen), "calls": aot.to_json(reports)}},
+        sort_keys=True))
+
+
 def main():
-    if _CALIBRATE.value and _VALIDATE.value:
-        raise ConfigError("--calibrate and --validate are separate runs")
+    if _CALIBRATE.value + _VALIDATE.value + _COMPILE.value > 1:
+        raise ConfigError("--calibrate, --validate and --compile are separate runs")
     with field(f"--cluster={_CLUSTER.value}"):
         cluster = load_cluster(_CLUSTER.value, workdir=_WORKDIR.value)
+    if _COMPILE.value:
+        logging.set_verbosity(logging.WARNING)
+        _compile(_CONFIG.value, cluster)
+        return
     if not (_CALIBRATE.value or _VALIDATE.value):
         import jax
 

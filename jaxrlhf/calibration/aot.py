@@ -340,3 +340,43 @@ def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
                                   estimate.total + peak.batch_bytes, limit_bytes, flops))
         log(f"  {name}: {', '.join(f'{p.name} {p.seconds:.1f} s' for p in programs)}")
     return reports
+
+
+# --- reports ----------------------------------------------------------------------------
+
+_GIB = 1 << 30
+
+
+def table(reports: Sequence[CallReport]) -> str:
+    """One row per call: XLA's peak beside the model's, the limit, FLOPs, kernels, seconds."""
+    rows = [("MFC", "layout", "XLA GiB", "model GiB", "model/XLA", "limit GiB", "fits",
+             "XLA TFLOP", "model TFLOP", "attention", "programs", "compile s")]
+    for r in reports:
+        if not r.compiled:
+            rows.append((r.name, r.spec, "-", f"{r.model_bytes / _GIB:.2f}", "-",
+                         f"{r.limit_bytes / _GIB:.2f}", "no", "-", f"{r.model_flops / 1e12:.3g}",
+                         "-", "did not compile", "-"))
+            continue
+        rows.append((r.name, r.spec, f"{r.xla_bytes / _GIB:.2f}", f"{r.model_bytes / _GIB:.2f}",
+                     f"{r.memory_error:+.1%}", f"{r.limit_bytes / _GIB:.2f}",
+                     "yes" if r.fits else "NO", f"{r.xla_flops / 1e12:.3g}",
+                     f"{r.model_flops / 1e12:.3g}", "+".join(r.kernels) or "XLA",
+                     ", ".join(p.name for p in r.programs), f"{r.seconds:.1f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    errors = [f"{r.name}: {r.error}" for r in reports if not r.compiled]
+    return "\n".join(lines + errors)
+
+
+def to_json(reports: Sequence[CallReport]) -> dict:
+    """{NAME: {compiled, xla_bytes, model_bytes, limit_bytes, xla_flops, model_flops, seconds,
+    kernels, programs, error}} of a compiled plan."""
+    return {r.name: {
+        "compiled": r.compiled, "fits": r.fits, "layout": r.spec, "xla_bytes": r.xla_bytes,
+        "model_bytes": r.model_bytes, "limit_bytes": r.limit_bytes, "xla_flops": r.xla_flops,
+        "model_flops": r.model_flops, "seconds": round(r.seconds, 2), "kernels": list(r.kernels),
+        "programs": {p.name: {"xla_bytes": p.peak_bytes, "batch_bytes": p.batch_bytes,
+                              "xla_flops": p.flops, "seconds": round(p.seconds, 2)}
+                     for p in r.programs},
+        "error": r.error} for r in reports}
