@@ -11,7 +11,8 @@ segment id (0 marks padding, so padding and packed neighbours never see each oth
 with no visible key (a padding query) gets a finite, meaningless output, never NaN.
 
 The backend is chosen by `AttentionImpl`: plain XLA einsums here; cuDNN through
-`jax.nn.dot_product_attention`; the Pallas kernels in the top-level `kernels/` package.
+`jax.nn.dot_product_attention`; the Pallas kernels in the top-level `kernels/` package (on a
+TPU, JAX's splash attention through `kernels/tpu_attention.py`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import enum
 import logging
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxrlhf.models.decode_kv import DecodeKV
-from jaxrlhf.kernels import cpu_decode_attention, decode_attention, flash_attention, target
+from jaxrlhf.kernels import (
+    cpu_decode_attention, decode_attention, flash_attention, target, tpu_attention,
+)
 
 _NEG_INF = -1e30  # finite, so fully masked rows (padding queries) give no NaN
 
@@ -35,7 +39,7 @@ class AttentionImpl(enum.Enum):
     AUTO = "auto"  # XLA on CPU (a decode step: the C++ kernel), cuDNN on GPU, Pallas on TPU
     XLA = "xla"  # plain einsums + softmax; every backend
     CUDNN = "cudnn"  # jax.nn.dot_product_attention(implementation="cudnn"); GPU only
-    PALLAS = "pallas"  # kernels/ (flash attention, ragged decode); interpret mode on CPU
+    PALLAS = "pallas"  # kernels/: flash + ragged decode (GPU; CPU interprets), splash (TPU)
 
 
 def attention_mask(q_slot_bt, q_seg_bt, k_slot_bs, k_seg_bs) -> jax.Array:
@@ -246,12 +250,17 @@ def _block(length: int, largest: int = 128) -> int:
 
 
 def _pallas_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax.Array:
-    """Flash kernel for a static q_offset (training, prefill); ragged decode kernel otherwise.
+    """On a TPU, JAX's splash attention (`_tpu_attention`: our kernels below are written for
+    Triton and do not lower for Mosaic). Elsewhere the flash kernel for a static q_offset
+    (training, prefill), the ragged decode kernel otherwise, in interpret mode on a CPU.
 
-    Queries that see no key (padding) come out as zeros here, where XLA returns an average of
-    the values; neither is ever read by a real token. Interpret mode off accelerators.
+    Queries that see no key (padding) come out as zeros from these two, where XLA returns an
+    average of the values; neither is ever read by a real token.
     """
-    interpret = target.platform() == "cpu"
+    platform = target.platform()
+    if platform == "tpu":
+        return _tpu_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset)
+    interpret = platform == "cpu"
     batch, q_len = q_seg_bt.shape
     k_len = kv_seg_bs.shape[1]
     if isinstance(q_offset, int):
@@ -263,3 +272,26 @@ def _pallas_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> 
     cfg = decode_attention.DecodeConfig(block_k=_block(k_len, 256), interpret=interpret)
     return decode_attention.decode_attention(
         q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_start_b, q_start_b + q_len, cfg)
+
+
+def _tpu_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax.Array:
+    """JAX's splash attention (`kernels/tpu_attention.py`), each device on its own rows and
+    heads as the logical axis rules in scope split them ("batch", "act_heads": no resharding
+    around the kernel); XLA, with a logged reason, where splash cannot take the operands.
+    Queries that see no key get a finite average of some values, as with XLA."""
+    reason = tpu_attention.fallback_reason(q_bthd, q_offset)
+    if reason is not None:
+        logging.warning("attention=pallas falls back to xla on TPU: %s", reason)
+        return _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset)
+    return tpu_attention.attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset,
+                                   batch_axes=_rule_axes("batch"),
+                                   head_axes=_rule_axes("act_heads") or ())
+
+
+def _rule_axes(logical: str) -> tuple[str, ...] | None:
+    """The mesh axes the flax logical axis rules in scope split `logical` over; None without
+    rules (the kernel then picks)."""
+    if not nn.get_logical_axis_rules():
+        return None
+    axes = nn.logical_to_mesh_axes((logical,))[0]
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
