@@ -23,9 +23,15 @@ of 128 slots (splash's segment-id and compute tiles: `_LANES`) with segment 0, w
 query sees; the stacked decode queries to a multiple of 8 (a sublane tile), their outputs
 dropped. What stays out (`fallback_reason`): dtypes other than float32 and bfloat16 (Mosaic
 fails to compile float16 loads), several queries per row at a traced slot (one segment id per
-key cannot say which of them sees it), and a negative `q_offset` (queries before every key:
-splash's softmax over no key would divide by zero). Every head_dim compiles (a block spans the
-whole head; checked for 8 to 256, 100 included).
+key cannot say which of them sees it), a negative `q_offset` (a block of queries before every
+key: splash divides by a zero sum there), and float32 at a matmul precision Mosaic lacks
+('high', 'tensorfloat32'). Every head_dim compiles (a block spans the whole head; checked for
+8 to 256, 100 included).
+
+Splash reads a head's sequence as one [t, d] matrix, so q, k and v go in heads-major
+([b, h, t, d], a transposing copy XLA fuses with the padding). For a decode step that is a copy
+of the layer's cache per step, besides the kernel's read of it: what a cache stored
+heads-major on TPU would save.
 
 Splash does not scale the scores: the queries are multiplied by 1/sqrt(head_dim) first (in
 fp32, then rounded to q's dtype: one rounding more than XLA's in bf16, none in fp32).
@@ -58,12 +64,25 @@ def fallback_reason(q_bthd: jax.Array, q_offset) -> str | None:
     """Why splash cannot compute this attention exactly (None if it can)."""
     if q_bthd.dtype not in _DTYPES:
         return f"splash attention takes float32 or bfloat16 on TPU, got {q_bthd.dtype}"
+    setting = jax.config.jax_default_matmul_precision
+    if q_bthd.dtype == jnp.float32 and setting is not None and _precision(setting) not in (
+            jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST):
+        return (f"jax_default_matmul_precision={setting!r}: Mosaic multiplies float32 at "
+                "'default' or 'highest' precision only")
     if not isinstance(q_offset, int) and q_bthd.shape[1] != 1:
         return (f"{q_bthd.shape[1]} queries per row at a traced cache slot: splash's causal "
                 "mask is static, and segment ids fold causality in for one query only")
     if isinstance(q_offset, int) and q_offset < 0:
         return f"q_offset={q_offset} < 0 leaves queries before every key"
     return None
+
+
+def _precision(setting: str) -> jax.lax.Precision | None:
+    """The precision a `jax_default_matmul_precision` value names (None: a dot algorithm)."""
+    try:
+        return jax.lax.Precision(setting)
+    except ValueError:
+        return None
 
 
 def attention(
@@ -109,6 +128,8 @@ def attention(
         local = functools.partial(_decode, interpret=interpret)
         q_slot_b = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (batch,))
         args = (q_bthd, k_bskd, v_bskd, *segments, q_slot_b)
+    if q_bthd.dtype == jnp.bfloat16:
+        local = _at_default_precision(local)
     return _on_each_device(local, len(args), batch, (heads, kv_heads), batch_axes,
                            head_axes)(*args)
 
@@ -150,13 +171,41 @@ def _decode(q_b1hd, k_bskd, v_bskd, q_seg_b1, kv_seg_bs, q_slot_b, *, interpret:
     return out_bkgd[:, :, :groups].reshape(batch, 1, heads, head_dim)
 
 
-@functools.cache
+def _at_default_precision(fn):
+    """`fn` of arrays, forward and backward traced at DEFAULT matmul precision.
+
+    Why: splash leaves its products' precision to `jax_default_matmul_precision`, and Mosaic
+    rejects bfloat16 operands at fp32 contract precision ('highest', as the test suite sets
+    it); products of bfloat16 operands are the same at every precision (exact in fp32). The
+    backward is traced when a gradient is taken, after the forward's trace has left any
+    context, so a custom_vjp enters it again there.
+    """
+    default = lambda: jax.default_matmul_precision("default")
+
+    @jax.custom_vjp
+    def run(*args):
+        with default():
+            return fn(*args)
+
+    def forward(*args):
+        with default():
+            return jax.vjp(fn, *args)  # the backward's function is a pytree: the residuals
+
+    def backward(fn_vjp, d_out):
+        with default():
+            return fn_vjp(d_out)
+
+    run.defvjp(forward, backward)
+    return run
+
+
 def _kernel(heads: int, q_len: int, k_len: int, q_offset: int, block_q: int, block_k: int, *,
             causal: bool, interpret: bool):
     """Splash over one row: q [heads, q_len, d], k and v [kv_heads, k_len, d] (any kv_heads
-    dividing `heads`). Cached: building its block masks is numpy work on the host, per shape.
-    With `causal`, the backward's blocks are set too (a decode kernel is never differentiated).
-    """
+    dividing `heads`). Built per trace: its block masks become constants of the program being
+    traced (a kernel kept across traces would carry one trace's values into the next), and
+    splash caches the numpy work behind them per mask and block shape. With `causal`, the
+    backward's blocks are set too (a decode kernel is never differentiated)."""
     if causal:
         mask = splash.CausalMask((q_len, k_len), offset=q_offset)
         backward = dict(block_q_dkv=block_q, block_kv_dkv=block_k, block_kv_dkv_compute=block_k,

@@ -160,7 +160,8 @@ def cached_query_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offse
     operands: the same attention, fused and on every core, reading only up to each row's query
     slot (XLA:CPU runs these products on one thread). Other
     implementations get the cache in their own layout (a transpose per call: the Pallas kernels
-    in interpret mode on CPU, for tests). cuDNN has no such layout: CUDNN (AUTO on a GPU) runs
+    in interpret mode on CPU, for tests; splash on a TPU, where the engines decode the stacked
+    cache instead, `engine.decoding.decodes_layer_by_layer`). cuDNN has no such layout: CUDNN (AUTO on a GPU) runs
     the XLA products too (one H200, Llama-3.2-1B bf16, batch 64, 768 slots: a decode step of
     1.87 ms layer by layer this way, against 3.68 ms for the scanned stack with cuDNN;
     `benchmarks/gpu_kernels.py --stack`).
