@@ -55,7 +55,9 @@ from jaxrlhf.spec import RunSpec
 # libtpu reads these where a TPU VM's metadata server would answer; on any other host it
 # prints a warning per unset one. None of them changes what is compiled for a topology.
 TPU_HOST_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost",
-                "TPU_ACCELERATOR_TYPE": "v5p-8"}
+                "TPU_ACCELERATOR_TYPE": "v5p-8",
+                # compiling only: several processes may load it (the suite's workers)
+                "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 # Custom calls that are attention kernels, by the compiler that runs them.
 _KERNEL_CALLS = {"tpu_custom_call": "Mosaic", "__gpu$xla.gpu.triton": "Triton",

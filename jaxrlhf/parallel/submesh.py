@@ -112,11 +112,13 @@ def mesh_devices(
     """The device array of a mesh of `mesh_shape` over `all_devices[devices]`.
 
     When the range is the whole device list, `mesh_utils.create_device_mesh` picks an order
-    that follows the physical interconnect (TPU torus, GPU NVLink islands); for a strict subset
-    that helper does not apply, and a plain reshape keeps neighbouring devices on the fastest
-    (last, tensor) axis.
+    that follows the physical interconnect (TPU torus, GPU NVLink islands); where a mesh axis
+    is no product of whole torus axes (t2 on a 4×4×4 slice) it may split one. For a strict
+    subset that helper does not apply, and a plain reshape keeps neighbouring devices on the
+    fastest (last, tensor) axis.
     """
     chosen = [all_devices[i] for i in devices.indices()]
     if len(chosen) == len(all_devices):
-        return mesh_utils.create_device_mesh(mesh_shape, devices=chosen)
+        return mesh_utils.create_device_mesh(mesh_shape, devices=chosen,
+                                             allow_split_physical_axes=True)
     return np.asarray(chosen, dtype=object).reshape(mesh_shape)
