@@ -12,21 +12,27 @@ of our prompts (segment 0 at the start of a row's cache) would be attended.
   * Static `q_offset` (training, inference, prefill): splash's `CausalMask` with that offset
     and the segment ids. Segment equality alone suffices: a real query's segment is non-zero,
     so it never matches a key of segment 0.
-  * Traced `q_offset` (decode, one query per row): the causal edge moves per row, and splash's
-    masks are static; so causality is folded into the keys' segment ids (slots after the
-    row's query become segment 0), exact for one query, and the kernel runs unmasked. A row's
-    whole GQA group of query heads is stacked as the kernel's query sequence (one kv head per
-    kernel head), so each kv head's cache is read once per row, not once per query head.
+  * Traced `q_offset`, one query per row (decode): the causal edge moves per row, and
+    splash's masks are static; so causality is folded into the keys' segment ids (slots after
+    the row's query become segment 0), exact for one query, and the kernel runs unmasked. A
+    row's whole GQA group of query heads is stacked as the kernel's query sequence (one kv
+    head per kernel head), so each kv head's cache is read once per row, not once per query
+    head.
+  * Traced `q_offset`, several queries per row (a pipeline's prefill: its stages carry the
+    cache index as an array): one segment id per key cannot say which of the queries sees
+    it, so each row's queries are placed at their own slots of a sequence as long as the
+    cache, padding (segment 0) around them, where the static causal mask of offset 0 is
+    theirs; the outputs are taken back from there. Exact and differentiable, at the cost of
+    a whole cache's worth of queries.
 
 Shapes the kernel cannot take are padded where that is exact: sequences to whole key blocks
 of 128 slots (splash's segment-id and compute tiles: `_LANES`) with segment 0, which no real
 query sees; the stacked decode queries to a multiple of 8 (a sublane tile), their outputs
 dropped. What stays out (`fallback_reason`): dtypes other than float32 and bfloat16 (Mosaic
-fails to compile float16 loads), several queries per row at a traced slot (one segment id per
-key cannot say which of them sees it), a negative `q_offset` (a block of queries before every
+fails to compile float16 loads), a negative static `q_offset` (a block of queries before every
 key: splash divides by a zero sum there), and float32 at a matmul precision Mosaic lacks
 ('high', 'tensorfloat32'). Every head_dim compiles (a block spans the whole head; checked for
-8 to 256, 100 included).
+8 to 256, 100 included), and every length (padded).
 
 Splash reads a head's sequence as one [t, d] matrix, so q, k and v go in heads-major
 ([b, h, t, d], a transposing copy XLA fuses with the padding). For a decode step that is a copy
@@ -69,9 +75,6 @@ def fallback_reason(q_bthd: jax.Array, q_offset) -> str | None:
             jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST):
         return (f"jax_default_matmul_precision={setting!r}: Mosaic multiplies float32 at "
                 "'default' or 'highest' precision only")
-    if not isinstance(q_offset, int) and q_bthd.shape[1] != 1:
-        return (f"{q_bthd.shape[1]} queries per row at a traced cache slot: splash's causal "
-                "mask is static, and segment ids fold causality in for one query only")
     if isinstance(q_offset, int) and q_offset < 0:
         return f"q_offset={q_offset} < 0 leaves queries before every key"
     return None
@@ -103,8 +106,8 @@ def attention(
       q_bthd: [batch, q_len, heads, head_dim] queries (float32 or bfloat16).
       k_bskd, v_bskd: [batch, k_len, kv_heads, head_dim]; heads % kv_heads == 0.
       q_segment_ids_bt: int [batch, q_len]; kv_segment_ids_bs: int [batch, k_len]; 0 = pad.
-      q_offset: static int >= 0, the slot of query 0 (training, prefill); or traced, a scalar
-        or int [batch], each row's slot of its one query (decode: q_len == 1).
+      q_offset: static int >= 0, the slot of query 0 (training, prefill); or traced (>= 0),
+        a scalar or int [batch]: each row's slot of its query 0 (decode).
       batch_axes: mesh axes the rows are split over (the layout's "batch" rule); None: every
         free axis of the mesh in scope, in its order, while they divide the batch.
       head_axes: mesh axes the query and kv heads are split over (the "act_heads" rule).
@@ -125,7 +128,8 @@ def attention(
         local = functools.partial(_causal, q_offset=q_offset, interpret=interpret)
         args = (q_bthd, k_bskd, v_bskd, *segments)
     else:
-        local = functools.partial(_decode, interpret=interpret)
+        several = _at_traced_slots if q_bthd.shape[1] > 1 else _decode
+        local = functools.partial(several, interpret=interpret)
         q_slot_b = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (batch,))
         args = (q_bthd, k_bskd, v_bskd, *segments, q_slot_b)
     if q_bthd.dtype == jnp.bfloat16:
@@ -169,6 +173,28 @@ def _decode(q_b1hd, k_bskd, v_bskd, q_seg_b1, kv_seg_bs, q_slot_b, *, interpret:
     q_seg_bg = _pad(jnp.broadcast_to(q_seg_b1, (batch, groups)), 1, g_pad)
     out_bkgd = jax.vmap(kernel)(q_bkgd, k_bksd, v_bksd, splash.SegmentIds(q_seg_bg, kv_seg_bs))
     return out_bkgd[:, :, :groups].reshape(batch, 1, heads, head_dim)
+
+
+def _at_traced_slots(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_slot_b, *,
+                     interpret: bool):
+    """Several queries per row from slot `q_slot_b` (int [b], traced), on one device's
+    operands (shapes as `attention`'s): each row's queries and their segment ids written at
+    their slots of k_len + q_len zero (segment 0) query slots, splash's causal mask of offset
+    0 over those, and the outputs read back from the same slots. A slot past the cache is
+    clamped by both the write and the read to k_len or later, where every key is visible, as
+    for the slot itself."""
+    q_len = q_bthd.shape[1]
+    slots = k_bskd.shape[1] + q_len
+
+    def place(x_bt, at_b):
+        put = lambda x_t, at: jax.lax.dynamic_update_slice_in_dim(
+            jnp.zeros((slots,) + x_t.shape[1:], x_t.dtype), x_t, at, axis=0)
+        return jax.vmap(put)(x_bt, at_b)
+
+    out_bthd = _causal(place(q_bthd, q_slot_b), k_bskd, v_bskd, place(q_seg_bt, q_slot_b),
+                       kv_seg_bs, q_offset=0, interpret=interpret)
+    take = lambda x_td, at: jax.lax.dynamic_slice_in_dim(x_td, at, q_len, axis=0)
+    return jax.vmap(take)(out_bthd, q_slot_b)
 
 
 def _at_default_precision(fn):

@@ -117,6 +117,31 @@ def test_decode_at_traced_per_row_slots():
         **_TOL)
 
 
+def test_several_queries_at_traced_per_row_slots():
+    """5 queries per row at traced slots 0, 17 and 38 of a 40-slot cache (row 2's last ones
+    past its end), as a pipeline's prefill gets them: outputs and gradients as XLA's."""
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, 3, 5, 40, 4, 2)
+    q_seg = jnp.asarray([[0, 0, 1, 1, 1], [1] * 5, [2] * 5], jnp.int32)
+    kv_seg = jnp.asarray([[0] * 2 + [1] * 38, [1] * 40, [0] * 10 + [2] * 30], jnp.int32)
+    slot_b = jnp.asarray([0, 17, 38], jnp.int32)
+    real = _real(q_seg)
+    d_out = jnp.where(real, jnp.asarray(rng.normal(size=q.shape), jnp.float32), 0.0)
+
+    @jax.jit
+    def both(q, k, v, slot_b):
+        splash = lambda q, k, v: tpu_attention.attention(q, k, v, q_seg, kv_seg, slot_b,
+                                                         interpret=True)
+        xla = lambda q, k, v: _xla_attention(q, k, v, q_seg, kv_seg, slot_b)
+        return [(out, vjp(d_out)) for out, vjp in (jax.vjp(f, q, k, v) for f in (splash, xla))]
+
+    (out, grads), (want, want_grads) = both(q, k, v, slot_b)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(np.where(real, out, 0), np.where(real, want, 0), **_TOL)
+    for name, got, ref in zip("qkv", grads, want_grads):
+        np.testing.assert_allclose(got, ref, **_TOL, err_msg=f"d{name}")
+
+
 def test_sharded_over_a_cpu_mesh_matches_unsharded():
     """Rows over "data", heads and kv heads over "tensor" (shard_map, each device its own):
     the same numbers as one call over everything, for the causal path and decode."""
@@ -145,14 +170,14 @@ def test_sharded_over_a_cpu_mesh_matches_unsharded():
     (jnp.float32, 1, "traced", "default", None),
     (jnp.bfloat16, 1, "traced", "tensorfloat32", None),
     (jnp.float16, 20, 0, None, "takes float32 or bfloat16 on TPU, got float16"),
-    (jnp.float32, 2, "traced", None, "2 queries per row at a traced cache slot"),
+    (jnp.float32, 7, "traced", None, None),
     (jnp.float32, 20, -1, None, "q_offset=-1 < 0"),
     (jnp.float32, 20, 0, "tensorfloat32", "jax_default_matmul_precision='tensorfloat32'"),
 ])
 def test_fallback_reasons(dtype, q_len, q_offset, precision, reason):
-    """Exactly these fall back to XLA: float16 (Mosaic cannot load it), several queries per
-    row at a traced slot, a negative offset, float32 at a matmul precision Mosaic lacks.
-    Odd lengths and head dims never do (padded; a block spans the whole head)."""
+    """Exactly these fall back to XLA: float16 (Mosaic cannot load it), a negative static
+    offset, float32 at a matmul precision Mosaic lacks. Odd lengths and head dims never do
+    (padded; a block spans the whole head), nor queries at traced slots, one or several."""
     q = jax.ShapeDtypeStruct((2, q_len, 4, 100), dtype)
     offset = jnp.zeros((2,), jnp.int32) if q_offset == "traced" else q_offset
     with jax.default_matmul_precision(precision):
