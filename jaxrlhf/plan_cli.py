@@ -27,9 +27,9 @@ Two modes run the config's MFCs on this machine's devices, which must be the clu
 hardware from this host (`calibration/aot.py`: a TPU slice that libtpu describes by the cluster
 file's topology) and prints, per call, XLA's peak bytes per device beside the memory model's,
 whether it fits, XLA's FLOPs beside the cost model's, the attention kernels it compiled and the
-compile seconds. The plan is the configured one (`placement.kind=manual`), else the searched
-plans best first (`--compile_plans` of them, baselines included) until one fits by XLA's
-account. No weights are read: `require_model_paths` does not apply. Its last line is one JSON
+compile seconds. The plan is the one the run would run on that cluster (`placement.kind`
+colocate, split, ..., manual), or with `placement.kind=auto` the searched plans best first
+(`--compile_plans` of them, baselines included) until one fits by XLA's account. No weights are read: `require_model_paths` does not apply. Its last line is one JSON
 object, `{"compile": {"platform", "topology", "limit_bytes", "plan", "calls": {NAME: ...}}}`.
 """
 
@@ -165,11 +165,13 @@ def _search(config, cluster: Cluster) -> None:
 
 
 def _candidates(spec, cluster: Cluster) -> list[PlanResult]:
-    """The plans `--compile` tries, best first: the configured one alone (placement.kind=
-    manual), else the search's feasible plans by step time, `--compile_plans` of them."""
-    configured = _configured_plan(spec, cluster)
-    if configured is not None:
-        return [PlanResult("configured", configured, None)]
+    """The plans `--compile` tries, best first: the one the run would run on the cluster
+    (every placement kind but auto), else the search's feasible plans by step time,
+    `--compile_plans` of them."""
+    kind = spec.placement.kind
+    if kind is not Placement.AUTO:
+        with field(f"placement.{'allocation' if kind is Placement.MANUAL else 'kind'}"):
+            return [PlanResult(kind.value, execution_plan(spec, cluster.num_devices), None)]
     report = search(spec.experiment(), cluster, SearchOptions(
         iterations=_ITERATIONS.value, time_limit_s=_TIME_LIMIT.value, seed=_SEED.value),
         SimOptions(overlap_steps=_OVERLAP.value))

@@ -41,6 +41,23 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(scope="session")
+def libtpu():
+    """libtpu (XLA's TPU compiler, the `[tpu]` extra, which the test extra holds), quiet and
+    loadable by both workers: compiling for a described TPU slice needs no TPU. Without it the
+    test is skipped with one line naming the extra, except under CI=true, where it fails."""
+    import importlib.util
+
+    from jaxrlhf.calibration.aot import TPU_HOST_ENV
+
+    if importlib.util.find_spec("libtpu") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail('libtpu is not installed (the test extra holds it: pip install -e ".[tpu]")')
+        pytest.skip('needs libtpu: pip install -e ".[tpu]"')
+    for name, value in TPU_HOST_ENV.items():
+        os.environ.setdefault(name, value)
+
+
 # CI installs the newest versions its ranges allow, so a release that breaks us shows at once:
 # the summary names what this run tested against (also under -q).
 _REPORTED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers", "kernels",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import re
 import time
 import types
@@ -80,10 +81,8 @@ def topology_devices(cluster: Cluster) -> list[jax.Device]:
                            f"(Cluster.topology); the meshes/tpu_*.py files do")
     from jax.experimental import topologies
 
-    try:
-        import libtpu  # noqa: F401  (the TPU compiler; its absence gives the clearest error)
-    except ImportError as e:
-        raise CompileError('compiling for a TPU needs libtpu: pip install -e ".[tpu]"') from e
+    if importlib.util.find_spec("libtpu") is None:  # the TPU compiler
+        raise CompileError('compiling for a TPU needs libtpu: pip install -e ".[tpu]"')
     topology = topologies.get_topology_desc(platform="tpu", topology_name=cluster.topology)
     devices = list(topology.devices)
     hosts = {d.process_index for d in devices}

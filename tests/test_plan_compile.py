@@ -1,0 +1,119 @@
+"""`python -m jaxrlhf.plan --compile`: every call of a plan compiled for a TPU slice that libtpu
+describes (v5p 2×2×1, `meshes/tpu_v5p_8.py`), here, without a TPU.
+
+The tiny configs' calls under colocate, split and a pipelined manual plan must all compile for
+TPU (a change that breaks TPU lowering fails here), with the Pallas (Mosaic) attention kernels
+`attention=auto` picks there, and fit; the command's last line is the JSON the issue asks for.
+Compiling the tiny calls takes a few seconds each.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxrlhf.calibration import aot
+from jaxrlhf.plan.cluster import load_cluster
+from jaxrlhf.run.layouts import execution_plan
+from jaxrlhf.spec import run_spec
+from jaxrlhf.configs import grpo_tiny, ppo_tiny
+
+pytestmark = pytest.mark.tpu_compile
+
+PIPELINED = {  # 4 devices: pipelined train, inference and generation (a static batch)
+    "ppo": "actor_gen=0-3:d2p2,actor_train=0-3:d2p2,critic_inf=0-3:d4,critic_train=0-3:p2t2,"
+           "ref_inf=0-3:p2d2",
+    "grpo": "actor_gen=0-3:d2p2,actor_train=0-3:p2t2,ref_inf=0-3:d2p2",
+}
+
+
+@pytest.fixture(scope="module")
+def v5p_8(libtpu):
+    cluster = load_cluster("meshes/tpu_v5p_8.py")
+    return cluster, aot.topology_devices(cluster)
+
+
+def _config(module, placement: str):
+    config = module.get_config()
+    config.placement.kind = placement
+    if placement == "manual":
+        config.placement.allocation = PIPELINED[config.algorithm]
+    return config
+
+
+@pytest.mark.parametrize("module", [ppo_tiny, grpo_tiny], ids=["ppo", "grpo"])
+@pytest.mark.parametrize("placement", ["colocate", "split", "manual"])
+def test_every_call_compiles_for_tpu(v5p_8, module, placement):
+    cluster, devices = v5p_8
+    spec = run_spec(_config(module, placement))
+    plan = execution_plan(spec, cluster.num_devices)
+    reports = aot.compile_plan(spec, cluster, plan, devices, cluster.usable_hbm_bytes)
+    assert [r.name for r in reports] == [n for n in spec.graph.order if n in plan]
+    for r in reports:
+        assert r.compiled, r.error
+        assert r.fits and 0 < r.xla_bytes <= r.limit_bytes
+        assert r.model_bytes > 0 and r.xla_flops > 0 and r.model_flops > 0
+        # attention=auto on TPU: the Mosaic kernels, in every call (train, inference, generate)
+        assert r.kernels == ("Mosaic",), (r.name, r.kernels)
+    generate = next(r for r in reports if r.name == "actor_gen")
+    pipelined = plan["actor_gen"].pipeline > 1
+    assert [p.name for p in generate.programs] == (["generate"] if pipelined
+                                                   else ["decode at once"])
+
+
+def test_command_prints_tables_and_ends_with_one_json_line(libtpu, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxrlhf.plan", "--config=configs/grpo_tiny.py",
+         "--cluster=meshes/tpu_v5p_8.py", "--compile", "--config.placement.kind=colocate"],
+        capture_output=True, text=True, timeout=600, env=os.environ | {"CI": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert any(line.startswith("MFC") and "XLA GiB" in line for line in lines)
+    result = json.loads(lines[-1])["compile"]
+    assert (result["platform"], result["topology"], result["plan"]) == ("tpu", "v5p:2x2x1",
+                                                                        "colocate")
+    # libtpu's own figure for a v5p chip, and the cluster file's usable share below it
+    assert result["reported_bytes"] > 95 * 2**30
+    assert result["limit_bytes"] == load_cluster("meshes/tpu_v5p_8.py").usable_hbm_bytes
+    assert set(result["calls"]) == {"actor_gen", "ref_inf", "actor_train"}
+    for call in result["calls"].values():
+        assert {"compiled", "xla_bytes", "model_bytes", "limit_bytes", "xla_flops",
+                "model_flops", "seconds"} <= set(call)
+        assert call["compiled"] and call["seconds"] > 0
+
+
+def test_a_cluster_without_a_topology_is_one_line(libtpu):
+    with pytest.raises(aot.CompileError, match="names no TPU topology"):
+        aot.topology_devices(load_cluster("meshes/cpu_8.py"))
+
+
+def test_a_topology_that_is_not_the_clusters_is_refused(libtpu, tmp_path):
+    path = tmp_path / "wrong.py"
+    path.write_text(
+        "from jaxrlhf.plan.cluster import Cluster, Platform\n"
+        "def get_cluster():\n"
+        "    return Cluster(name='wrong', hosts=2, devices_per_host=4, hbm_bytes=95 * 10**9,\n"
+        "                   peak_bf16_flops=459e12, hbm_bandwidth=2.765e12,\n"
+        "                   intra_host_bandwidth=200e9, inter_host_bandwidth=200e9,\n"
+        "                   host_link_bandwidth=25e9, platform=Platform.TPU,\n"
+        "                   topology='v5p:2x2x1')\n")
+    with pytest.raises(aot.CompileError, match="has 1 hosts and 4 devices"):
+        aot.topology_devices(load_cluster(str(path)))
+
+
+def test_the_compile_flag_is_refused_beside_another_mode():
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxrlhf.plan", "--config=configs/grpo_tiny.py",
+         "--cluster=meshes/tpu_v5p_8.py", "--compile", "--validate"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].endswith(
+        "--calibrate, --validate and --compile are separate runs")
+
+
+def test_reported_hbm_is_libtpus_own_figure(v5p_8):
+    _, devices = v5p_8
+    assert 95 * 2**30 < aot.reported_hbm_bytes(devices) < 96 * 2**30
+
