@@ -4,7 +4,6 @@ a TPU topology (v5p:2x2x1, libtpu's compiler, no TPU needed) inside sharded jits
 the pipeline and the rollout engine run it; and which operands fall back to XLA."""
 
 import logging
-import os
 import re
 
 import flax.linen as nn
@@ -189,21 +188,11 @@ def test_fallback_reasons(dtype, q_len, q_offset, precision, reason):
 
 
 @pytest.fixture(scope="module")
-def tpu_devices():
-    """The 4 devices of a described v5p:2x2x1 slice (compile only; libtpu's compiler, quiet
-    and loadable by several test workers)."""
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            pytest.fail('libtpu is not installed (the test extra holds it: pip install -e ".[tpu]")')
-        pytest.skip('needs libtpu: pip install -e ".[tpu]"')
+def tpu_devices(libtpu):
+    """The 4 devices of a described v5p:2x2x1 slice (compile only: libtpu's compiler; the
+    `libtpu` fixture skips without it, naming the extra, and fails under CI=true)."""
     from jax.experimental import topologies
 
-    from jaxrlhf.calibration.aot import TPU_HOST_ENV  # ~1 s to import: only where it compiles
-
-    for name, value in TPU_HOST_ENV.items():
-        os.environ.setdefault(name, value)
     return topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
 
 
@@ -228,6 +217,7 @@ def _assert_local_kernels(hlo: str, count: int):
     assert not re.findall(r"all-gather|all-to-all|collective-permute|all-reduce", hlo)
 
 
+@pytest.mark.tpu_compile
 def test_train_compiles_for_tpu_on_each_device(tpu_devices):
     """d2t2: 4 rows over data, 4 heads / 2 kv heads over tensor, 200 tokens; the forward, and
     jax.grad through it (splash's dQ and dK/dV kernels)."""
@@ -243,6 +233,7 @@ def test_train_compiles_for_tpu_on_each_device(tpu_devices):
     _assert_local_kernels(hlo, 3)
 
 
+@pytest.mark.tpu_compile
 def test_decode_compiles_for_tpu_on_each_device(tpu_devices):
     """A decode step at per-row traced slots of a 300-slot cache, and the same through a
     layer's `DecodeKV` cache (`cached_query_attention`)."""
@@ -265,6 +256,7 @@ def test_decode_compiles_for_tpu_on_each_device(tpu_devices):
     assert hlo.count('custom_call_target="tpu_custom_call"') == 1
 
 
+@pytest.mark.tpu_compile
 def test_compiles_inside_pipeline_vmap_and_engine_shard_map(tpu_devices):
     """Inside `jax.vmap(spmd_axis_name="pipeline")` (a pipeline's stages, p2t2) the stage
     axis is split too; inside a shard_map over every axis (the rollout engine, d4) the kernel
@@ -298,6 +290,7 @@ def test_compiles_inside_pipeline_vmap_and_engine_shard_map(tpu_devices):
     _assert_local_kernels(hlo, 1)
 
 
+@pytest.mark.tpu_compile
 def test_fallback_runs_xla_with_one_warning(tpu_devices, caplog):
     """float16 on TPU: XLA's attention, no Mosaic call, one warning naming the reason."""
     layout = make_layout("d2t2", devices=tpu_devices)
