@@ -205,10 +205,10 @@ def _compile(config, cluster: Cluster) -> None:
           f"XLA reports {'?' if reported is None else f'{reported / 2**30:.2f}'} GiB)",
           flush=True)
     log = lambda line: print(line, flush=True)
-    tried = []
+    tried, known = [], {}
     for candidate in _candidates(spec, cluster):
         print(f"\nplan {candidate.name}: {report_lib.allocation(candidate)}", flush=True)
-        reports = aot.compile_plan(spec, cluster, candidate.plan, devices, limit, log)
+        reports = aot.compile_plan(spec, cluster, candidate.plan, devices, limit, log, known)
         print(aot.table(reports), flush=True)
         tried.append((candidate, reports))
         if all(r.fits for r in reports):

@@ -308,9 +308,12 @@ def model_flops(experiment: Experiment, mfc: MFC, choice, cluster: Cluster) -> f
 
 def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
                  devices: Sequence[jax.Device], limit_bytes: int,
-                 log: Callable[[str], None] = lambda line: None) -> list[CallReport]:
+                 log: Callable[[str], None] = lambda line: None,
+                 known: dict | None = None) -> list[CallReport]:
     """Every model MFC of `plan` compiled for `devices` (the cluster's), in graph order; a call
-    that fails to compile is reported with XLA's message and the others still compile."""
+    that fails to compile is reported with XLA's message and the others still compile.
+    `known`: reports by (MFC, choice) of plans compiled before, reused (and added to)."""
+    known = {} if known is None else known
     experiment = spec.experiment()
     layouts = run_plan(spec, plan, devices).layouts
     tokenizer = stand_in_tokenizer(spec.base.config.vocab_size)
@@ -318,6 +321,10 @@ def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
     reports = []
     for name, layout in layouts.items():
         mfc, choice = spec.graph.mfc(name), plan[name]
+        if (name, choice) in known:
+            reports.append(known[name, choice])
+            log(f"{name} ({choice}): as compiled for a plan before")
+            continue
         model = spec.models[mfc.role].config
         estimate = memory_lib.own_memory(experiment, mfc, choice, cluster.platform)
         flops = model_flops(experiment, mfc, choice, cluster)
@@ -335,10 +342,12 @@ def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
                                       model_bytes=estimate.total, model_flops=flops,
                                       error=f"{type(e).__name__}: {message}"))
             log(f"  {name}: did not compile: {reports[-1].error}")
+            known[name, choice] = reports[-1]
             continue
         peak = max(programs, key=lambda p: p.peak_bytes)
         reports.append(CallReport(name, str(choice), programs,
                                   estimate.total + peak.batch_bytes, limit_bytes, flops))
+        known[name, choice] = reports[-1]
         log(f"  {name}: {', '.join(f'{p.name} {p.seconds:.1f} s' for p in programs)}")
     return reports
 
