@@ -184,9 +184,9 @@ def _candidates(spec, cluster: Cluster) -> list[PlanResult]:
 
 
 def _compile(config, cluster: Cluster) -> None:
-    from jaxrlhf.calibration import aot
+    from jaxrlhf.calibration import aot, targets
 
-    for name, value in aot.TPU_HOST_ENV.items():
+    for name, value in targets.TPU_HOST_ENV.items():
         os.environ.setdefault(name, value)
     import jax
 
@@ -194,10 +194,10 @@ def _compile(config, cluster: Cluster) -> None:
     spec = run_spec(config)
     with field(f"--cluster={_CLUSTER.value}"):
         try:
-            devices = aot.topology_devices(cluster)
-        except aot.CompileError as e:
+            devices = targets.topology_devices(cluster)
+        except targets.CompileError as e:
             raise ConfigError(str(e)) from None
-    reported = aot.reported_hbm_bytes(devices)
+    reported = targets.reported_hbm_bytes(devices)
     limit = min(cluster.usable_hbm_bytes, reported or cluster.usable_hbm_bytes)
     print(f"compiling for {cluster.name}: {cluster.topology}, {len(devices)} "
           f"{devices[0].device_kind} devices; a program may use {limit / 2**30:.2f} GiB per "

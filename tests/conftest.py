@@ -48,7 +48,7 @@ def libtpu():
     test is skipped with one line naming the extra, except under CI=true, where it fails."""
     import importlib.util
 
-    from jaxrlhf.calibration.aot import TPU_HOST_ENV
+    from jaxrlhf.calibration.targets import TPU_HOST_ENV
 
     if importlib.util.find_spec("libtpu") is None:
         if os.environ.get("CI") == "true":

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from jaxrlhf.calibration import aot
+from jaxrlhf.calibration import aot, targets
 from jaxrlhf.plan.cluster import load_cluster
 from jaxrlhf.run.layouts import execution_plan
 from jaxrlhf.spec import run_spec
@@ -32,7 +32,7 @@ PIPELINED = {  # 4 devices: pipelined train, inference and generation (a static 
 @pytest.fixture(scope="module")
 def v5p_8(libtpu):
     cluster = load_cluster("meshes/tpu_v5p_8.py")
-    return cluster, aot.topology_devices(cluster)
+    return cluster, targets.topology_devices(cluster)
 
 
 def _config(module, placement: str):
@@ -85,8 +85,8 @@ def test_command_prints_tables_and_ends_with_one_json_line(libtpu, tmp_path):
 
 
 def test_a_cluster_without_a_topology_is_one_line(libtpu):
-    with pytest.raises(aot.CompileError, match="names no TPU topology"):
-        aot.topology_devices(load_cluster("meshes/cpu_8.py"))
+    with pytest.raises(targets.CompileError, match="names no TPU topology"):
+        targets.topology_devices(load_cluster("meshes/cpu_8.py"))
 
 
 def test_a_topology_that_is_not_the_clusters_is_refused(libtpu, tmp_path):
@@ -99,8 +99,8 @@ def test_a_topology_that_is_not_the_clusters_is_refused(libtpu, tmp_path):
         "                   intra_host_bandwidth=200e9, inter_host_bandwidth=200e9,\n"
         "                   host_link_bandwidth=25e9, platform=Platform.TPU,\n"
         "                   topology='v5p:2x2x1')\n")
-    with pytest.raises(aot.CompileError, match="has 1 hosts and 4 devices"):
-        aot.topology_devices(load_cluster(str(path)))
+    with pytest.raises(targets.CompileError, match="has 1 hosts and 4 devices"):
+        targets.topology_devices(load_cluster(str(path)))
 
 
 def test_the_compile_flag_is_refused_beside_another_mode():
@@ -115,5 +115,5 @@ def test_the_compile_flag_is_refused_beside_another_mode():
 
 def test_reported_hbm_is_libtpus_own_figure(v5p_8):
     _, devices = v5p_8
-    assert 95 * 2**30 < aot.reported_hbm_bytes(devices) < 96 * 2**30
+    assert 95 * 2**30 < targets.reported_hbm_bytes(devices) < 96 * 2**30
 
