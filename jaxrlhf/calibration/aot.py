@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.checkpoint import abstract_state
+from jaxrlhf.calibration import hlo_flops
 from jaxrlhf.dataflow.executors import padded_batch
 from jaxrlhf.engine.inference import InferenceBatch
 from jaxrlhf.mfc import MFC, Call, Role
@@ -62,9 +63,12 @@ class Program:
       name: "train step", "inference", "fill", "decode chunk", "compaction", ...
       peak_bytes: arguments + outputs + temporaries - aliased, per device.
       batch_bytes: the arguments after the first (the batch, keys, scalars), per device.
-      flops: XLA's `cost_analysis` FLOPs per device (a loop's body counted once).
+      flops: matmul FLOPs per device of the compiled program, loops times their trip
+        counts (`hlo_flops`; XLA's `cost_analysis` counts a loop's body once).
       kernels: the attention kernels it calls ("Mosaic", "Triton", "cuDNN"), sorted.
       seconds: lowering + compiling here.
+      unbounded_loops: loops bounded by a runtime value, counted once in `flops`.
+      model_flops: the cost model's FLOPs of the same work (`model_flops`).
     """
 
     name: str
@@ -73,6 +77,8 @@ class Program:
     flops: float
     kernels: tuple[str, ...]
     seconds: float
+    unbounded_loops: int = 0
+    model_flops: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +91,6 @@ class CallReport:
       model_bytes: the memory model's peak per device (`own_memory`'s total, plus the
         batch arguments of the program XLA puts highest).
       limit_bytes: what a program may use per device.
-      model_flops: the cost model's FLOPs per device of the call.
       error: XLA's message, one line, where compiling failed.
     """
 
@@ -94,7 +99,6 @@ class CallReport:
     programs: tuple[Program, ...] = ()
     model_bytes: int = 0
     limit_bytes: int = 0
-    model_flops: float = 0.0
     error: str = ""
 
     @property
@@ -116,6 +120,11 @@ class CallReport:
     @property
     def xla_flops(self) -> float:
         return sum(p.flops for p in self.programs)
+
+    @property
+    def model_flops(self) -> float:
+        """The cost model's FLOPs of the same programs."""
+        return sum(p.model_flops for p in self.programs)
 
     @property
     def seconds(self) -> float:
@@ -157,10 +166,10 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered]) -> Progr
     m = compiled.memory_analysis()
     peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes)
-    cost = compiled.cost_analysis() or {}
-    cost = cost[0] if isinstance(cost, list) else cost
-    return Program(name, int(peak), _batch_bytes(compiled), float(cost.get("flops", 0.0)),
-                   _kernels(compiled.as_text()), seconds)
+    text = compiled.as_text()
+    flops = hlo_flops.program_flops(text)
+    return Program(name, int(peak), _batch_bytes(compiled), flops.flops, _kernels(text),
+                   seconds, flops.unbounded_loops)
 
 
 # --- the step's worst-case batch --------------------------------------------------------
@@ -243,12 +252,39 @@ def _programs(spec: RunSpec, mfc: MFC, engine, layout: Layout, micro_batches: in
     raise ValueError(f"unknown call kind {mfc.call}")
 
 
-def model_flops(experiment: Experiment, mfc: MFC, choice, cluster: Cluster) -> float:
-    """The cost model's FLOPs per device of one MFC (its compute seconds at peak)."""
-    p = experiment.profile(mfc.role)
-    cost = cost_lib.call_cost(p, mfc.call, experiment.workload, choice, cluster,
-                              experiment.master(mfc.role), experiment.decode)
-    return cost.compute * cluster.peak_bf16_flops
+def model_flops(experiment: Experiment, mfc: MFC, choice, cluster: Cluster,
+                program: Program) -> float:
+    """The cost model's FLOPs per device of one program of an MFC (its compute seconds at
+    peak), counted as XLA's are (`hlo_flops`): a train step's program is one update; an
+    inference program one executor call (one micro-batch, or a pipeline's all); a decode loop
+    that stops when its rows are done runs an unknown number of steps, so the engine's decode
+    programs count one step (and "decode at once" its prefill and one step). Where attention
+    runs in a kernel (a custom call, which XLA does not count), the model's attention FLOPs
+    are left out too: every compute term of the cost model is forward passes of
+    `ModelProfile.forward_flops_per_token` at the workload's context, so they are its
+    attention share."""
+    p, work = experiment.profile(mfc.role), experiment.workload
+    flops_per_token = p.forward_flops_per_token(work.seq_len)
+    share = 2.0 * p.matmul_params / flops_per_token if program.kernels else 1.0
+    calls = choice.micro_batches if choice.pipeline == 1 else 1
+    match program.name:
+        case "train step":
+            cost = cost_lib.train_cost(p, work, choice, cluster, experiment.master(mfc.role))
+            cost = cost.times(1 / work.updates)
+        case "inference":
+            cost = cost_lib.inference_cost(p, work, choice, cluster).times(1 / calls)
+        case "generate":  # a pipeline's static batch: every token, one call
+            cost = cost_lib.generate_cost(p, work, choice, cluster, experiment.decode)
+        case "fill":
+            cost = cost_lib.prefill_cost(p, work, choice, cluster)
+        case "decode chunk":
+            cost = cost_lib.decode_step_cost(p, work, choice, cluster)
+        case "decode at once":
+            cost = (cost_lib.prefill_cost(p, work, choice, cluster)
+                    + cost_lib.decode_step_cost(p, work, choice, cluster))
+        case _:  # compaction: no matmul
+            return 0.0
+    return cost.compute * cluster.peak_bf16_flops * share
 
 
 def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
@@ -272,26 +308,26 @@ def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
             continue
         model = spec.models[mfc.role].config
         estimate = memory_lib.own_memory(experiment, mfc, choice, cluster.platform)
-        flops = model_flops(experiment, mfc, choice, cluster)
         log(f"compiling {name} ({choice}) for {cluster.topology}")
         try:
             engine = build.engine_call(mfc, model, layout,
                                        build.train_micro(spec, choice.micro_batches), spec.rollout,
                                        tokenizer, spec.algorithm, spec.optimizers.get(mfc.role))
-            programs = tuple(compile_program(program, lower) for program, lower
-                             in _programs(spec, mfc, engine, layout, choice.micro_batches,
-                                                     buf).items())
+            compiled = [compile_program(program, lower) for program, lower in _programs(
+                spec, mfc, engine, layout, choice.micro_batches, buf).items()]
+            programs = tuple(dataclasses.replace(c, model_flops=model_flops(
+                experiment, mfc, choice, cluster, c)) for c in compiled)
         except Exception as e:  # XLA's own refusal (or a lowering error): one line, go on
             message = " ".join(str(e).split())[:400]
             reports.append(CallReport(name, str(choice), limit_bytes=limit_bytes,
-                                      model_bytes=estimate.total, model_flops=flops,
+                                      model_bytes=estimate.total,
                                       error=f"{type(e).__name__}: {message}"))
             log(f"  {name}: did not compile: {reports[-1].error}")
             known[name, choice] = reports[-1]
             continue
         peak = max(programs, key=lambda p: p.peak_bytes)
         reports.append(CallReport(name, str(choice), programs,
-                                  estimate.total + peak.batch_bytes, limit_bytes, flops))
+                                  estimate.total + peak.batch_bytes, limit_bytes))
         known[name, choice] = reports[-1]
         log(f"  {name}: {', '.join(f'{p.name} {p.seconds:.1f} s' for p in programs)}")
     return reports
@@ -309,7 +345,7 @@ def table(reports: Sequence[CallReport]) -> str:
     for r in reports:
         if not r.compiled:
             rows.append((r.name, r.spec, "-", f"{r.model_bytes / _GIB:.2f}", "-",
-                         f"{r.limit_bytes / _GIB:.2f}", "no", "-", f"{r.model_flops / 1e12:.3g}",
+                         f"{r.limit_bytes / _GIB:.2f}", "no", "-", "-",
                          "-", "did not compile", "-"))
             continue
         rows.append((r.name, r.spec, f"{r.xla_bytes / _GIB:.2f}", f"{r.model_bytes / _GIB:.2f}",
@@ -332,6 +368,8 @@ def to_json(reports: Sequence[CallReport]) -> dict:
         "model_bytes": r.model_bytes, "limit_bytes": r.limit_bytes, "xla_flops": r.xla_flops,
         "model_flops": r.model_flops, "seconds": round(r.seconds, 2), "kernels": list(r.kernels),
         "programs": {p.name: {"xla_bytes": p.peak_bytes, "batch_bytes": p.batch_bytes,
-                              "xla_flops": p.flops, "seconds": round(p.seconds, 2)}
+                              "xla_flops": p.flops, "model_flops": p.model_flops,
+                              "unbounded_loops": p.unbounded_loops,
+                              "seconds": round(p.seconds, 2)}
                      for p in r.programs},
         "error": r.error} for r in reports}

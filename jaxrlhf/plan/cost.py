@@ -297,12 +297,19 @@ def decode_step_cost(p: ModelProfile, work: Workload, choice: CallChoice,
             + CallCost(memory=reads / cluster.hbm_bandwidth))
 
 
+def prefill_cost(p: ModelProfile, work: Workload, choice: CallChoice,
+                 cluster: Cluster) -> CallCost:
+    """The prefill of one micro-batch's prompts (a forward pass over them)."""
+    rows = work.rows_per_device(Call.GENERATE, choice.dp_size, choice.micro_batches)
+    return (_forward(p, cluster, choice, rows * work.prompt_len, work.seq_len)
+            + _gather_weights(p, cluster, choice))
+
+
 def generate_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Cluster,
                   decode: DecodeSchedule = DEFAULT_DECODE) -> CallCost:
     """Prefill over the prompts, then `new_tokens` decode steps, per micro-batch."""
     rows = work.rows_per_device(Call.GENERATE, choice.dp_size, choice.micro_batches)
-    prefill = (_forward(p, cluster, choice, rows * work.prompt_len, work.seq_len)
-               + _gather_weights(p, cluster, choice))
+    prefill = prefill_cost(p, work, choice, cluster)
     prefill_send = stage_send(p, cluster, choice, rows * work.prompt_len)
     token_send = stage_send(p, cluster, choice, rows)
     # All micro-batches in flight; a token of each takes (module docstring):

@@ -1,0 +1,148 @@
+"""Matmul FLOPs per device of a compiled program, each loop counted as many times as it runs.
+
+XLA's `cost_analysis()` counts a while loop's body once, so a scanned layer stack of 80 layers
+reads as one layer. This reads the compiled module's text instead: the FLOPs of every `dot`
+and `convolution` (TPU programs express matmuls as convolutions), computation by computation,
+a fusion or call counted where it is called, and a while loop's body times its trip count.
+The trip count is XLA's own (`known_trip_count` in the loop's backend config) or, where the
+loop's condition compares its counter against one integer constant (`i < N`, as a scan's does),
+that constant; a loop bounded by a runtime value (a decode loop that stops when every row is
+done) has none and is counted once, and `Flops.unbounded_loops` says how many such loops
+there are. A conditional counts its largest branch. Custom calls (Pallas kernels: attention)
+are not counted: their FLOPs are unknown to XLA too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(?P<name>[^\s(]+) \(.*\) -> .* \{$")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT )?%(?P<name>\S+) = (?P<type>.+?) (?P<op>[a-z][a-z0-9-]*)\((?P<args>[^)]*)\)"
+    r"(?P<attrs>.*)$")
+_ARRAY = re.compile(r"^[a-z0-9]+\[(?P<dims>[0-9,]*)\]")
+_CALLED = re.compile(r"\b(?:calls|to_apply)=%([^\s,}]+)")
+_BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%([^\s,]+)|"
+                       r"false_computation=%([^\s,]+))")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Flops:
+    """A program's matmul FLOPs per device, and the loops whose trip count is unknown (each
+    counted once)."""
+
+    flops: float
+    unbounded_loops: int
+
+
+@dataclasses.dataclass
+class _Instruction:
+    name: str
+    dims: tuple[int, ...] | None  # None: a tuple or token
+    op: str
+    args: tuple[str, ...]  # operand names
+    literal: str  # the text between the parentheses (a constant's value)
+    attrs: str
+
+
+def _dims(type_text: str) -> tuple[int, ...] | None:
+    found = _ARRAY.match(type_text)
+    if found is None:
+        return None
+    return tuple(int(d) for d in found.group("dims").split(",") if d)
+
+
+def parse(text: str) -> tuple[dict[str, list[_Instruction]], str]:
+    """The module's computations by name (instructions in order) and the entry's name."""
+    computations: dict[str, list[_Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if (head := _COMPUTATION.match(line)) is not None:
+            current = computations.setdefault(head.group("name"), [])
+            entry = head.group("name") if line.startswith("ENTRY") else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (found := _INSTRUCTION.match(line)) is not None:
+            args = tuple(a.strip().lstrip("%") for a in found.group("args").split(",")
+                         if a.strip().startswith("%"))
+            current.append(_Instruction(found.group("name"), _dims(found.group("type")),
+                                        found.group("op"), args, found.group("args"),
+                                        found.group("attrs")))
+    return computations, entry
+
+
+def _index_list(attrs: str, key: str) -> tuple[int, ...]:
+    found = re.search(rf"\b{key}=\{{([0-9,]*)\}}", attrs)
+    return tuple(int(i) for i in found.group(1).split(",") if i) if found else ()
+
+
+def _matmul_flops(ins: _Instruction, shapes: dict[str, tuple[int, ...] | None]) -> float:
+    """2 × output elements × contracted elements of a dot or convolution."""
+    out = math.prod(ins.dims or ())
+    if ins.op == "dot":
+        lhs = shapes.get(ins.args[0]) or ()
+        return 2.0 * out * math.prod(lhs[i] for i in _index_list(ins.attrs, "lhs_contracting_dims"))
+    labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
+    rhs = shapes.get(ins.args[1]) or ()
+    if labels is None or len(labels.group(1)) != len(rhs):
+        return 0.0
+    # the kernel's input features and window: every rhs dim but the output feature ("o")
+    contracted = math.prod(size for label, size in zip(labels.group(1), rhs) if label != "o")
+    groups = re.search(r"feature_group_count=(\d+)", ins.attrs)
+    return 2.0 * out * contracted / (int(groups.group(1)) if groups else 1)
+
+
+def _trip_count(ins: _Instruction, computations: dict[str, list[_Instruction]]) -> int | None:
+    """A while loop's trip count: XLA's, or its condition's one integer bound; None if unknown."""
+    if (known := _TRIP.search(ins.attrs)) is not None:
+        return int(known.group(1))
+    condition = re.search(r"condition=%([^\s,]+)", ins.attrs)
+    body = computations.get(condition.group(1), []) if condition else []
+    compares = [i for i in body if i.op == "compare" and "direction=LT" in i.attrs]
+    names = {i.name: i for i in body}
+    if len(compares) != 1:
+        return None
+    bounds = [names[a] for a in compares[0].args if a in names and names[a].op == "constant"]
+    if len(bounds) != 1 or bounds[0].dims != () or not re.fullmatch(r"\d+", bounds[0].literal):
+        return None
+    return int(bounds[0].literal)
+
+
+def program_flops(text: str) -> Flops:
+    """The matmul FLOPs per device of a compiled module's text (`Compiled.as_text()`)."""
+    computations, entry = parse(text)
+    memo: dict[str, tuple[float, int]] = {}
+
+    def walk(name: str) -> tuple[float, int]:
+        if name in memo:
+            return memo[name]
+        memo[name] = (0.0, 0)  # a cycle cannot occur in HLO; this only guards the recursion
+        instructions = computations.get(name, [])
+        shapes = {i.name: i.dims for i in instructions}
+        flops, unbounded = 0.0, 0
+        for ins in instructions:
+            if ins.op in ("dot", "convolution"):
+                flops += _matmul_flops(ins, shapes)
+            elif ins.op == "while":
+                body = re.search(r"body=%([^\s,]+)", ins.attrs)
+                inner, loops = walk(body.group(1)) if body else (0.0, 0)
+                trips = _trip_count(ins, computations)
+                unbounded += loops + (trips is None)
+                flops += inner * (1 if trips is None else trips)
+            elif ins.op == "conditional":
+                branches = [b.strip().lstrip("%") for group in _BRANCHES.findall(ins.attrs)
+                            for part in group if part for b in part.split(",")]
+                results = [walk(b) for b in branches] or [(0.0, 0)]
+                flops += max(f for f, _ in results)
+                unbounded += max(u for _, u in results)
+            else:
+                for called in _CALLED.findall(ins.attrs):
+                    inner, loops = walk(called)
+                    flops, unbounded = flops + inner, unbounded + loops
+        memo[name] = (flops, unbounded)
+        return memo[name]
+
+    return Flops(*walk(entry))
