@@ -69,6 +69,8 @@ class Program:
       seconds: lowering + compiling here.
       unbounded_loops: loops bounded by a runtime value, counted once in `flops`.
       model_flops: the cost model's FLOPs of the same work (`model_flops`).
+      argument_bytes, temporary_bytes: XLA's arguments and temporaries per device (parts of
+        `peak_bytes`).
     """
 
     name: str
@@ -79,6 +81,8 @@ class Program:
     seconds: float
     unbounded_loops: int = 0
     model_flops: float = 0.0
+    argument_bytes: int = 0
+    temporary_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +173,8 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered]) -> Progr
     text = compiled.as_text()
     flops = hlo_flops.program_flops(text)
     return Program(name, int(peak), _batch_bytes(compiled), flops.flops, _kernels(text),
-                   seconds, flops.unbounded_loops)
+                   seconds, flops.unbounded_loops, argument_bytes=m.argument_size_in_bytes,
+                   temporary_bytes=m.temp_size_in_bytes)
 
 
 # --- the step's worst-case batch --------------------------------------------------------
@@ -370,6 +375,8 @@ def to_json(reports: Sequence[CallReport]) -> dict:
         "programs": {p.name: {"xla_bytes": p.peak_bytes, "batch_bytes": p.batch_bytes,
                               "xla_flops": p.flops, "model_flops": p.model_flops,
                               "unbounded_loops": p.unbounded_loops,
+                              "argument_bytes": p.argument_bytes,
+                              "temporary_bytes": p.temporary_bytes,
                               "seconds": round(p.seconds, 2)}
                      for p in r.programs},
         "error": r.error} for r in reports}
