@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxrlhf.calibration import aot, targets
@@ -117,3 +118,40 @@ def test_reported_hbm_is_libtpus_own_figure(v5p_8):
     _, devices = v5p_8
     assert 95 * 2**30 < targets.reported_hbm_bytes(devices) < 96 * 2**30
 
+
+
+def test_matmul_flops_count_each_loop_as_often_as_it_runs(v5p_8):
+    """hlo_flops on a program compiled for TPU: a scan of 6 layers inside a loop of 3 (batched
+    matmuls, which XLA:TPU writes as convolutions) counts 18 layers, where cost_analysis
+    counts one; a loop bounded by a runtime value counts once and is reported."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxrlhf.calibration import hlo_flops
+
+    _, devices = v5p_8
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("x",))
+    rows = NamedSharding(mesh, PartitionSpec("x"))
+
+    def layers(x_bmk, w_lkk):
+        step = lambda x, w: (jnp.tanh(jnp.einsum("bmk,kn->bmn", x, w)), None)
+        return jax.lax.scan(step, x_bmk, w_lkk)[0]
+
+    def repeated(x_bmk, w_lkk):
+        return jax.lax.fori_loop(0, 3, lambda _, x: layers(x, w_lkk), x_bmk)
+
+    def until(x_bmk, w_lkk, n):
+        return jax.lax.while_loop(lambda c: c[1] < n, lambda c: (layers(c[0], w_lkk), c[1] + 1),
+                                  (x_bmk, 0))[0]
+
+    x = jax.ShapeDtypeStruct((8, 32, 256), jnp.bfloat16, sharding=rows)
+    w = jax.ShapeDtypeStruct((6, 256, 256), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, PartitionSpec()))
+    per_layer = 2 * (8 // 4) * 32 * 256 * 256  # per device: a quarter of the rows
+    compiled = jax.jit(repeated).lower(x, w).compile()
+    assert hlo_flops.program_flops(compiled.as_text()) == hlo_flops.Flops(18 * per_layer, 0)
+    assert compiled.cost_analysis()["flops"] < 2 * per_layer  # XLA's own: the body once
+    n = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+    text = jax.jit(until).lower(x, w, n).compile().as_text()
+    assert hlo_flops.program_flops(text) == hlo_flops.Flops(6 * per_layer, 1)

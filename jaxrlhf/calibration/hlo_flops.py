@@ -63,7 +63,7 @@ def parse(text: str) -> tuple[dict[str, list[_Instruction]], str]:
         if (head := _COMPUTATION.match(line)) is not None:
             current = computations.setdefault(head.group("name"), [])
             entry = head.group("name") if line.startswith("ENTRY") else entry
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":  # (a custom call's config may span lines starting "}}")
             current = None
         elif current is not None and (found := _INSTRUCTION.match(line)) is not None:
             args = tuple(a.strip().lstrip("%") for a in found.group("args").split(",")
@@ -85,12 +85,17 @@ def _matmul_flops(ins: _Instruction, shapes: dict[str, tuple[int, ...] | None]) 
     if ins.op == "dot":
         lhs = shapes.get(ins.args[0]) or ()
         return 2.0 * out * math.prod(lhs[i] for i in _index_list(ins.attrs, "lhs_contracting_dims"))
-    labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
-    rhs = shapes.get(ins.args[1]) or ()
-    if labels is None or len(labels.group(1)) != len(rhs):
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->", ins.attrs)
+    lhs, rhs = shapes.get(ins.args[0]) or (), shapes.get(ins.args[1]) or ()
+    if labels is None or (len(labels.group(1)), len(labels.group(2))) != (len(lhs), len(rhs)):
         return 0.0
-    # the kernel's input features and window: every rhs dim but the output feature ("o")
-    contracted = math.prod(size for label, size in zip(labels.group(1), rhs) if label != "o")
+    # Each output element sums over the kernel's input features ("i") and over its window
+    # (the digit-labelled spatial dims) where the window overlaps the input: XLA:TPU writes a
+    # batched matmul as a convolution whose "window" over a batch-like dim of size 1 is
+    # padding, so a window dim counts at most the input's size along it.
+    lhs_size = dict(zip(labels.group(1), lhs))
+    contracted = math.prod(size if label == "i" else min(size, lhs_size.get(label, size))
+                           for label, size in zip(labels.group(2), rhs) if label != "o")
     groups = re.search(r"feature_group_count=(\d+)", ins.attrs)
     return 2.0 * out * contracted / (int(groups.group(1)) if groups else 1)
 
