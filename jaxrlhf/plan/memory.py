@@ -67,7 +67,9 @@ import numpy as np
 from jaxrlhf.engine.decoding import decodes_layer_by_layer
 from jaxrlhf.engine.generate import runs_at_once
 from jaxrlhf.mfc import MFC, Call, Role
-from jaxrlhf.models.config import HeadKind, RematPolicy
+from jaxrlhf.models import attention
+from jaxrlhf.models.attention import AttentionImpl
+from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.parallel.layout import Platform
 from jaxrlhf.parallel.pipeline import remats_stages
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
@@ -317,6 +319,15 @@ def pipelined_saved_bytes(p: ModelProfile, choice: CallChoice, tokens: int, cont
     return iterations * tokens * p.config.hidden_size * p.act_itemsize + per_stage
 
 
+def scores_live(config: ModelConfig, platform: Platform) -> bool:
+    """Whether a layer's attention holds its fp32 [heads, query, slot] scores on `platform`:
+    XLA's einsums do (`attention=xla`, and `auto` on a CPU); the Pallas flash kernels that
+    `auto` picks on a TPU (`kernels/tpu_attention.py`) stream them a block at a time. (cuDNN's
+    flash attention, `auto` on a GPU, is still priced as XLA until a compile for a GPU holds it
+    to XLA's account, `plan --compile`.)"""
+    return attention.resolve_impl(config.attention, platform.value) is not AttentionImpl.PALLAS
+
+
 def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                 fp32_master: bool = False, remat_stages: bool | None = None,
                 platform: Platform = Platform.GPU) -> MemoryBreakdown:
@@ -328,6 +339,9 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
         remat_stages = remats_stages(p.config.remat)
     rows = work.rows_per_device(call, choice.dp_size, choice.micro_batches)
     s, t, stages = work.seq_len, choice.tensor, choice.pipeline
+    # The slots whose attention scores a layer holds: all of them where attention writes its
+    # [heads, query, slot] scores, none under a kernel that streams them (`scores_live`).
+    span = (lambda n: n) if scores_live(p.config, platform) else (lambda n: 0)
     params = p.shard_bytes(t, choice.fsdp, stages)
     # Generation decodes with a stack of its own whatever the config says
     # (`engine.decoding.decode_model`): layer by layer where `decodes_layer_by_layer` says so,
@@ -351,8 +365,8 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             # (`engine.inference.readout_in_chunks`): one micro-batch's logits, as a loop.
             if stages > 1:
                 gathered += _head_copy_bytes(p, choice)
-            activations = (pipelined_saved_bytes(p, choice, tokens, s, remat_stages)
-                           + layer_working_bytes(p, tokens, s, t)
+            activations = (pipelined_saved_bytes(p, choice, tokens, span(s), remat_stages)
+                           + layer_working_bytes(p, tokens, span(s), t)
                            + _stage_buffers(p, choice, tokens * choice.micro_batches))
             return MemoryBreakdown(
                 params=params, optimizer=optimizer, grads=gradient_bytes(p, choice, t, stages),
@@ -364,7 +378,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                                                    stages)
             # The head runs over the pipeline's output in the same pieces.
             piece = tokens / (streamed_micro_batches(work, call, choice) if stages > 1 else 1)
-            peak = max(forward_peak_bytes(p, piece, s, t), _logit_bytes(p, piece, t, 2))
+            peak = max(forward_peak_bytes(p, piece, span(s), t), _logit_bytes(p, piece, t, 2))
             return MemoryBreakdown(params=params, gathered=gathered,
                                    activations=int(peak + _stage_buffers(p, choice, tokens)))
         case Call.GENERATE if stages == 1:  # the rollout engine (`engine.rollout`)
@@ -373,10 +387,10 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             # A fill prefills the prompts into a fresh cache of their own (then into the slots)
             # on the scanned stack, one layer's weights sliced at a time; an advance runs the
             # token loop on the weights held `gathered`. The larger executable is the peak.
-            fill = (max(forward_peak_bytes(p, tokens, work.prompt_len, t),
+            fill = (max(forward_peak_bytes(p, tokens, span(work.prompt_len), t),
                         _logit_bytes(p, rows, t, 1)) + tokens * kv_per_token
                     + _gathered_bytes(p, choice, scanned=True))
-            advance = (forward_peak_bytes(p, rows, s, t) + _logit_bytes(p, rows, t, 2)
+            advance = (forward_peak_bytes(p, rows, span(s), t) + _logit_bytes(p, rows, t, 2)
                        + gathered)
             state = int(rows * s * kv_per_token)
             if runs_at_once(choice.micro_batches, work.new_tokens):
@@ -394,7 +408,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             kv = rows * s * p.kv_bytes_per_token() / (t * stages)
             tokens = rows * work.prompt_len
             piece = tokens / streamed_micro_batches(work, call, choice)
-            peak = (max(forward_peak_bytes(p, piece, s, t), _logit_bytes(p, rows, t, 1))
+            peak = (max(forward_peak_bytes(p, piece, span(s), t), _logit_bytes(p, rows, t, 1))
                     + _stage_buffers(p, choice, tokens))
             # The layer scan reads the cache as its input and writes the new cache as its
             # output: a second copy lives through every pass.
