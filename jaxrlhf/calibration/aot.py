@@ -51,7 +51,8 @@ from jaxrlhf.run import build
 from jaxrlhf.run.layouts import run_plan
 from jaxrlhf.spec import RunSpec
 
-# Custom calls that are attention kernels, by the compiler that runs them.
+# Custom calls that are attention kernels, by the compiler that runs them, as their targets
+# begin: cuDNN's name the fused pattern ("__cudnn$fmhaScaleBiasSoftmax", "...Backward").
 _KERNEL_CALLS = {"tpu_custom_call": "Mosaic", "__gpu$xla.gpu.triton": "Triton",
                  "__cudnn$fmha": "cuDNN"}
 
@@ -147,7 +148,7 @@ class CallReport:
 def _kernels(text: str) -> tuple[str, ...]:
     """The attention kernels an HLO module's custom calls name."""
     return tuple(sorted({name for target, name in _KERNEL_CALLS.items()
-                         if f'custom_call_target="{target}"' in text}))
+                         if f'custom_call_target="{target}' in text}))
 
 
 def _batch_bytes(compiled: jax.stages.Compiled) -> int:
