@@ -86,7 +86,7 @@ def test_command_prints_tables_and_ends_with_one_json_line(libtpu, tmp_path):
 
 
 def test_a_cluster_without_a_topology_is_one_line(libtpu):
-    with pytest.raises(targets.CompileError, match="names no TPU topology"):
+    with pytest.raises(targets.CompileError, match="names no devices to compile for"):
         targets.topology_devices(load_cluster("meshes/cpu_8.py"))
 
 
@@ -155,3 +155,23 @@ def test_matmul_flops_count_each_loop_as_often_as_it_runs(v5p_8):
     n = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
     text = jax.jit(until).lower(x, w, n).compile().as_text()
     assert hlo_flops.program_flops(text) == hlo_flops.Flops(6 * per_layer, 1)
+
+
+def test_matmul_flops_of_attention_einsums_written_as_dilated_convolutions(v5p_8):
+    """XLA:TPU writes the GQA score and value products ([b, k, g, t, d] × [b, k, s, d]) as
+    convolutions over batch dims dilated by their window: one tap of each window counts."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrlhf.calibration import hlo_flops
+
+    one = jax.sharding.SingleDeviceSharding(v5p_8[1][0])
+    shaped = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=one)
+    for equation, lhs, rhs in [("bkgtd,bksd->bkgts", shaped(2, 4, 8, 256, 128),
+                                shaped(2, 4, 512, 128)),
+                               ("bkgts,bksd->bkgtd", shaped(2, 4, 8, 256, 512),
+                                shaped(2, 4, 512, 128))]:
+        product = lambda a, b, e=equation: jnp.einsum(e, a, b,
+                                                      preferred_element_type=jnp.float32)
+        text = jax.jit(product).lower(lhs, rhs).compile().as_text()
+        assert hlo_flops.program_flops(text).flops == 2 * 2 * 4 * 8 * 256 * 512 * 128

@@ -89,12 +89,23 @@ def _matmul_flops(ins: _Instruction, shapes: dict[str, tuple[int, ...] | None]) 
     lhs, rhs = shapes.get(ins.args[0]) or (), shapes.get(ins.args[1]) or ()
     if labels is None or (len(labels.group(1)), len(labels.group(2))) != (len(lhs), len(rhs)):
         return 0.0
-    # Each output element sums over the kernel's input features ("i") and over its window
-    # (the digit-labelled spatial dims) where the window overlaps the input: XLA:TPU writes a
-    # batched matmul as a convolution whose "window" over a batch-like dim of size 1 is
-    # padding, so a window dim counts at most the input's size along it.
+    # Each output element sums over the kernel's input features ("i") and over the taps of
+    # its window (the digit-labelled spatial dims) that land on input: XLA:TPU writes a
+    # batched matmul as a convolution whose window runs over a batch-like dim of size 1 (the
+    # rest is padding), or over a batch dim dilated by the window's own size (`lhs_dilate`:
+    # one tap of each window hits an element), so a window dim counts at most the input's
+    # size along it, and of a dilated input one tap in `lhs_dilate`.
     lhs_size = dict(zip(labels.group(1), lhs))
-    contracted = math.prod(size if label == "i" else min(size, lhs_size.get(label, size))
+    dilation = re.search(r"lhs_dilate=([0-9x]+)", ins.attrs)
+    dilate = [int(d) for d in dilation.group(1).split("x")] if dilation else []
+
+    def taps(label: str, size: int) -> int:
+        if label == "i":
+            return size
+        spread = dilate[int(label)] if int(label) < len(dilate) else 1
+        return min(-(-size // spread), lhs_size.get(label, size))
+
+    contracted = math.prod(taps(label, size)
                            for label, size in zip(labels.group(2), rhs) if label != "o")
     groups = re.search(r"feature_group_count=(\d+)", ins.attrs)
     return 2.0 * out * contracted / (int(groups.group(1)) if groups else 1)
