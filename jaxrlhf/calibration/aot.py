@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -296,10 +296,12 @@ def model_flops(experiment: Experiment, mfc: MFC, choice, cluster: Cluster,
 def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
                  devices: Sequence[jax.Device], limit_bytes: int,
                  log: Callable[[str], None] = lambda line: None,
-                 known: dict | None = None) -> list[CallReport]:
-    """Every model MFC of `plan` compiled for `devices` (the cluster's), in graph order; a call
-    that fails to compile is reported with XLA's message and the others still compile.
-    `known`: reports by (MFC, choice) of plans compiled before, reused (and added to)."""
+                 known: dict | None = None, calls: Collection[str] | None = None
+                 ) -> list[CallReport]:
+    """Every model MFC of `plan` (or those named in `calls`) compiled for `devices` (the
+    cluster's), in graph order; a call that fails to compile is reported with XLA's message
+    and the others still compile. `known`: reports by (MFC, choice) of plans compiled before,
+    reused (and added to)."""
     known = {} if known is None else known
     experiment = spec.experiment()
     layouts = run_plan(spec, plan, devices).layouts
@@ -307,6 +309,8 @@ def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
     buf = step_buffer(spec)
     reports = []
     for name, layout in layouts.items():
+        if calls is not None and name not in calls:
+            continue
         mfc, choice = spec.graph.mfc(name), plan[name]
         if (name, choice) in known:
             reports.append(known[name, choice])
