@@ -17,6 +17,8 @@ TPU, JAX's splash attention through `kernels/tpu_attention.py`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import logging
 import math
@@ -207,9 +209,29 @@ def cached_query_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offse
 
 # --- cuDNN (jax.nn.dot_product_attention) -------------------------------------------------
 
+# JAX's batching rule for cuDNN attention (jax 0.10, `_dot_product_attention_fwd_batcher`)
+# reshapes a batched mask to [batch, query heads, T, S], so ours, broadcast over the heads
+# [batch, 1, T, S], fails under `jax.vmap` ("cannot reshape array of shape (8, 8, 1, 2048, 2048)
+# ... into shape (64, 64, 2048, 2048)"; jax-ml/jax#34920). A pipeline's stages run under it.
+_UNDER_VMAP = contextvars.ContextVar("attention_under_vmap", default=False)
+
+
+@contextlib.contextmanager
+def traced_under_vmap():
+    """Attention traced inside runs under `jax.vmap` (a pipeline's stages,
+    `parallel/pipeline.py`): cuDNN's falls back to XLA's there (`cudnn_fallback_reason`)."""
+    token = _UNDER_VMAP.set(True)
+    try:
+        yield
+    finally:
+        _UNDER_VMAP.reset(token)
+
 
 def cudnn_fallback_reason(q_bthd: jax.Array, k_bskd: jax.Array) -> str | None:
     """Why cuDNN flash attention cannot take these operands (None if it can)."""
+    if _UNDER_VMAP.get():
+        return ("under jax.vmap (a pipeline's stages) JAX's cuDNN attention takes no mask "
+                "broadcast over the heads (jax-ml/jax#34920)")
     head_dim = q_bthd.shape[-1]
     if q_bthd.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN flash attention needs bf16/fp16, got {q_bthd.dtype}"

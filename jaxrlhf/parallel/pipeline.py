@@ -46,6 +46,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.models import attention
 from jaxrlhf.models.config import RematPolicy
 from jaxrlhf.models.transformer import KVCache, LayerFn, LayerInputs
 from jaxrlhf.parallel.layout import Layout
@@ -172,8 +173,9 @@ class Pipeline:
                                    prevent_cse=False)
         run_stages = jax.vmap(stage, spmd_axis_name=self.axis,
                               in_axes=(0, 0, 0, 0, 0, 0, index_axis))
-        out_sbtd, cache_s = run_stages(params_s, in_sbtd, cache_s, inputs_s, micro_s, real_s,
-                                       jnp.asarray(cache_index, jnp.int32))
+        with attention.traced_under_vmap():  # JAX cannot vmap cuDNN attention with our mask
+            out_sbtd, cache_s = run_stages(params_s, in_sbtd, cache_s, inputs_s, micro_s,
+                                           real_s, jnp.asarray(cache_index, jnp.int32))
         return self._constrain(out_sbtd, _STATE_AXES), cache_s
 
     def __call__(self, layer_fn: LayerFn, params_l, x_btd: jax.Array, cache: KVCache | None,
