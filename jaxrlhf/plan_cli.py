@@ -24,13 +24,18 @@ Two modes run the config's MFCs on this machine's devices, which must be the clu
     model beside `memory_analysis()` of each compiled MFC.
 
 `--compile` needs no devices at all: it compiles every call of a plan for the cluster's own
-hardware from this host (`calibration/aot.py`: a TPU slice that libtpu describes by the cluster
-file's topology) and prints, per call, XLA's peak bytes per device beside the memory model's,
-whether it fits, XLA's FLOPs beside the cost model's, the attention kernels it compiled and the
-compile seconds. The plan is the one the run would run on that cluster (`placement.kind`
-colocate, split, ..., manual), or with `placement.kind=auto` the searched plans best first
-(`--compile_plans` of them, baselines included) until one fits by XLA's account. No weights are read: `require_model_paths` does not apply. Its last line is one JSON
-object, `{"compile": {"platform", "topology", "limit_bytes", "plan", "calls": {NAME: ...}}}`.
+hardware from this host (`calibration/aot.py`, `calibration/targets.py`: a TPU slice that libtpu
+describes by the cluster file's topology, or GPUs that JAX's CUDA plugin describes by its
+topology and target description) and prints, per call, XLA's peak bytes per device beside the
+memory model's, whether it fits, XLA's FLOPs beside the cost model's, the attention kernels it
+compiled and the compile seconds. The plan is the one the run would run on that cluster
+(`placement.kind` colocate, split, ..., manual), or with `placement.kind=auto` the searched
+plans best first (`--compile_plans` of them, baselines included) until one fits by XLA's
+account. Then the parameter movements between the chosen plan's layouts: the collective hops
+`parallel/reshard.py` runs, compiled, their collective bytes beside the planner's. No weights
+are read: `require_model_paths` does not apply. Its last line is one JSON object,
+`{"compile": {"platform", "topology", "limit_bytes", "plan", "calls": {NAME: ...},
+"reallocations": [...]}}`.
 """
 
 from __future__ import annotations
@@ -202,7 +207,7 @@ def _compile(config, cluster: Cluster) -> None:
     print(f"compiling for {cluster.name}: {cluster.topology}, {len(devices)} "
           f"{devices[0].device_kind} devices; a program may use {limit / 2**30:.2f} GiB per "
           f"device (the cluster file's usable {cluster.usable_hbm_bytes / 2**30:.2f} GiB, "
-          f"XLA reports {'?' if reported is None else f'{reported / 2**30:.2f}'} GiB)",
+          f"XLA reports {'no limit' if reported is None else f'{reported / 2**30:.2f} GiB'})",
           flush=True)
     log = lambda line: print(line, flush=True)
     tried, known = [], {}
@@ -217,10 +222,14 @@ def _compile(config, cluster: Cluster) -> None:
     fits = all(r.fits for r in reports)
     print(f"\n{'chosen' if fits else 'no plan fits by XLA; shown'}: plan {chosen.name}, "
           f"placement.allocation={report_lib.allocation(chosen)}")
+    print("\nparameter movements between its layouts (collective hops compiled):", flush=True)
+    moves = aot.compile_reallocations(spec, cluster, chosen.plan, devices, log)
+    print(aot.realloc_table(moves) if moves else "none: every model keeps one layout")
     print(json.dumps({"compile": {
         "platform": cluster.platform.value, "topology": cluster.topology, "limit_bytes": limit,
         "reported_bytes": reported, "plan": chosen.name, "fits": fits,
-        "allocation": report_lib.allocation(chosen), "calls": aot.to_json(reports)}},
+        "allocation": report_lib.allocation(chosen), "calls": aot.to_json(reports),
+        "reallocations": [dataclasses.asdict(m) for m in moves]}},
         sort_keys=True))
 
 

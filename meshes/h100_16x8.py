@@ -35,4 +35,6 @@ def get_cluster() -> Cluster:
         matmul_efficiency=0.45,
         hbm_efficiency=0.7,
         comm_efficiency=0.7,
+        topology="16x1x8",  # 16 hosts, each its own NVLink domain of 8 GPUs
+        target_config="h100_sxm.txtpb",  # `plan --compile`: XLA's description of the GPU
     )

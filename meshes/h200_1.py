@@ -23,4 +23,6 @@ def get_cluster() -> Cluster:
         matmul_efficiency=0.45,
         hbm_efficiency=0.7,
         comm_efficiency=0.7,
+        topology="1x1x1",  # one GPU
+        target_config="h200.txtpb",  # `plan --compile`: XLA's description of the GPU
     )

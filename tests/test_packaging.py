@@ -120,7 +120,8 @@ def test_the_wheel_installs_only_jaxrlhf(wheel_venv):
     assert jaxrlhf == "jaxrlhf" and info.endswith(".dist-info"), (jaxrlhf, info)
     for shipped in ("jaxrlhf/kernels/cpu_decode_attention.cc", "jaxrlhf/kernels/native.py",
                     "jaxrlhf/configs/ppo_tiny.py", "jaxrlhf/meshes/cpu_8.py",
-                    "jaxrlhf/meshes/calibration/cpu_8.json"):
+                    "jaxrlhf/meshes/calibration/cpu_8.json",
+                    "jaxrlhf/meshes/gpu_targets/h100_sxm.txtpb"):
         assert shipped in names, shipped
 
 

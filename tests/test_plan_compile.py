@@ -121,14 +121,14 @@ def test_reported_hbm_is_libtpus_own_figure(v5p_8):
 
 
 def test_matmul_flops_count_each_loop_as_often_as_it_runs(v5p_8):
-    """hlo_flops on a program compiled for TPU: a scan of 6 layers inside a loop of 3 (batched
+    """hlo_counts on a program compiled for TPU: a scan of 6 layers inside a loop of 3 (batched
     matmuls, which XLA:TPU writes as convolutions) counts 18 layers, where cost_analysis
     counts one; a loop bounded by a runtime value counts once and is reported."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxrlhf.calibration import hlo_flops
+    from jaxrlhf.calibration import hlo_counts
 
     _, devices = v5p_8
     mesh = jax.sharding.Mesh(np.asarray(devices), ("x",))
@@ -150,11 +150,11 @@ def test_matmul_flops_count_each_loop_as_often_as_it_runs(v5p_8):
                              sharding=NamedSharding(mesh, PartitionSpec()))
     per_layer = 2 * (8 // 4) * 32 * 256 * 256  # per device: a quarter of the rows
     compiled = jax.jit(repeated).lower(x, w).compile()
-    assert hlo_flops.program_flops(compiled.as_text()) == hlo_flops.Flops(18 * per_layer, 0)
+    assert hlo_counts.program_flops(compiled.as_text()) == hlo_counts.Flops(18 * per_layer, 0)
     assert compiled.cost_analysis()["flops"] < 2 * per_layer  # XLA's own: the body once
     n = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
     text = jax.jit(until).lower(x, w, n).compile().as_text()
-    assert hlo_flops.program_flops(text) == hlo_flops.Flops(6 * per_layer, 1)
+    assert hlo_counts.program_flops(text) == hlo_counts.Flops(6 * per_layer, 1)
 
 
 def test_matmul_flops_of_attention_einsums_written_as_dilated_convolutions(v5p_8):
@@ -163,7 +163,7 @@ def test_matmul_flops_of_attention_einsums_written_as_dilated_convolutions(v5p_8
     import jax
     import jax.numpy as jnp
 
-    from jaxrlhf.calibration import hlo_flops
+    from jaxrlhf.calibration import hlo_counts
 
     one = jax.sharding.SingleDeviceSharding(v5p_8[1][0])
     shaped = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=one)
@@ -174,7 +174,7 @@ def test_matmul_flops_of_attention_einsums_written_as_dilated_convolutions(v5p_8
         product = lambda a, b, e=equation: jnp.einsum(e, a, b,
                                                       preferred_element_type=jnp.float32)
         text = jax.jit(product).lower(lhs, rhs).compile().as_text()
-        assert hlo_flops.program_flops(text).flops == 2 * 2 * 4 * 8 * 256 * 512 * 128
+        assert hlo_counts.program_flops(text).flops == 2 * 2 * 4 * 8 * 256 * 512 * 128
 
 
 def test_memory_and_flops_of_a_flash_attention_call_match_xla(v5p_8):

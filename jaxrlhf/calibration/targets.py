@@ -73,7 +73,7 @@ def _tpu_devices(cluster: Cluster) -> list[jax.Device]:
                                              topology_name=cluster.topology).devices)
 
 
-def _cuda_plugin_installed() -> bool:
+def cuda_plugin_installed() -> bool:
     """Whether JAX's CUDA plugin (XLA's GPU compiler, for CUDA 12 or 13) is installed."""
     try:
         return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
@@ -90,7 +90,7 @@ def target_config_path(cluster: Cluster) -> pathlib.Path:
 def _gpu_devices(cluster: Cluster) -> list[jax.Device]:
     from jax.experimental import topologies
 
-    if not _cuda_plugin_installed():
+    if not cuda_plugin_installed():
         raise CompileError("compiling for a GPU needs JAX's CUDA plugin: "
                            'pip install -e ".[cuda]"')
     path = target_config_path(cluster)

@@ -88,9 +88,13 @@ class Cluster:
         copy of the layer weights (`engine.decoding.decodes_layer_by_layer`); on XLA:CPU
         (virtual devices) a pipeline copies each stage's weights.
       topology: the devices as XLA's compiler knows them, so that `plan --compile` compiles
-        every call for them from any host: on TPU, libtpu's topology name ("v5p:4x4x4", chips
-        along each torus axis), whose devices must be `hosts` × `devices_per_host`; "" where
-        the cluster has none.
+        every call for them from any host; their devices must be `hosts` × `devices_per_host`.
+        On TPU, libtpu's topology name ("v5p:4x4x4", chips along each torus axis); on GPU,
+        XLA's "PARTITIONSxHOSTSxDEVICES": NVLink domains × hosts in each × GPUs per host
+        ("16x1x8": 16 HGX hosts, each its own NVLink domain of 8). "" where the cluster has none.
+      target_config: on GPU, the file under `meshes/gpu_targets/` that describes one GPU to
+        XLA's compiler ("h100_sxm.txtpb": SMs, compute capability, memory, caches, clocks;
+        `calibration/targets.py` reads it); "" where the cluster has none.
     """
 
     name: str
@@ -114,6 +118,7 @@ class Cluster:
     calibration_source: str = ""
     platform: Platform = Platform.GPU
     topology: str = ""
+    target_config: str = ""
 
     @property
     def cpu(self) -> bool:
@@ -122,6 +127,9 @@ class Cluster:
     def __post_init__(self):
         if self.hosts < 1 or self.devices_per_host < 1:
             raise ValueError(f"cluster {self.name}: needs at least one host and one device")
+        if self.target_config and self.platform is not Platform.GPU:
+            raise ValueError(f"cluster {self.name}: target_config describes a GPU, but the "
+                             f"platform is {self.platform.value}")
         self.calibration()  # validates the efficiencies and overheads
 
     @property

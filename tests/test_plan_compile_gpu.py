@@ -1,0 +1,139 @@
+"""`python -m jaxrlhf.plan --compile` for GPUs: every call of a plan compiled for an H100 that XLA's
+GPU compiler knows only by its description (`meshes/h100_1.py`, `meshes/gpu_targets/`), here,
+without a GPU or a CUDA driver.
+
+The tiny GRPO's calls must compile for the GPU (a change that breaks GPU lowering fails here),
+in bf16 with the cuDNN attention `attention=auto` picks there, and fit; the command's last line
+is its JSON. Needs JAX's CUDA plugin (the `[cuda]` extra, about 5.5 GB of wheels, kept out of
+the test extra): CI installs it into a venv of its own and runs this file with `-m gpu_compile`
+(.ci/run). Compiling the tiny calls takes a few seconds each.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxrlhf.calibration import aot, targets
+from jaxrlhf.configs import grpo_tiny
+from jaxrlhf.plan.cluster import load_cluster
+from jaxrlhf.run.layouts import execution_plan
+from jaxrlhf.spec import run_spec
+
+pytestmark = pytest.mark.gpu_compile
+
+ROLES = ("actor", "ref")  # grpo_tiny's models
+
+
+@pytest.fixture(scope="module")
+def h100():
+    """meshes/h100_1.py and its one described H100. Without the CUDA plugin the test is skipped
+    with one line naming the extra, except under CI=true, where the step installed it."""
+    if not targets.cuda_plugin_installed():
+        message = 'needs JAX\'s CUDA plugin: pip install -e ".[cuda]"'
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    cluster = load_cluster("meshes/h100_1.py")
+    return cluster, targets.topology_devices(cluster)
+
+
+def _bf16_config():
+    """grpo_tiny, colocated, in bf16: cuDNN's flash attention takes no fp32."""
+    config = grpo_tiny.get_config()
+    config.placement.kind = "colocate"
+    for role in ROLES:
+        config.models[role].dtype = "bfloat16"
+    return config
+
+
+def test_the_described_gpu_is_the_cluster_files(h100):
+    cluster, devices = h100
+    assert [(d.platform, d.device_kind, d.process_index) for d in devices] == [
+        ("gpu", "NVIDIA H100 80GB HBM3", 0)]
+    # XLA:GPU states no limit of its own: the cluster file's usable HBM is the limit
+    assert targets.reported_hbm_bytes(devices) is None
+
+
+def test_every_call_compiles_for_gpu_with_cudnn_attention(h100):
+    cluster, devices = h100
+    spec = run_spec(_bf16_config())
+    plan = execution_plan(spec, cluster.num_devices)
+    reports = aot.compile_plan(spec, cluster, plan, devices, cluster.usable_hbm_bytes)
+    assert [r.name for r in reports] == [n for n in spec.graph.order if n in plan]
+    for r in reports:
+        assert r.compiled, r.error
+        assert r.fits and 0 < r.xla_bytes <= r.limit_bytes
+        assert r.model_bytes > 0 and r.model_flops > 0
+        # attention=auto on GPU: cuDNN's fused attention, in every call
+        assert r.kernels == ("cuDNN",), (r.name, r.kernels)
+
+
+def test_command_prints_tables_and_ends_with_one_json_line(h100):
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxrlhf.plan", "--config=configs/grpo_tiny.py",
+         "--cluster=meshes/h100_1.py", "--compile", "--config.placement.kind=colocate"],
+        capture_output=True, text=True, timeout=600, env=os.environ | {"CI": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("compiling for h100_1: 1x1x1, 1 NVIDIA H100 80GB HBM3 devices")
+    assert any(line.startswith("MFC") and "XLA GiB" in line for line in lines)
+    result = json.loads(lines[-1])["compile"]
+    assert (result["platform"], result["topology"], result["plan"]) == ("gpu", "1x1x1",
+                                                                        "colocate")
+    assert result["fits"] and result["reported_bytes"] is None
+    assert result["limit_bytes"] == load_cluster("meshes/h100_1.py").usable_hbm_bytes
+    assert set(result["calls"]) == {"actor_gen", "ref_inf", "actor_train"}
+    for call in result["calls"].values():
+        assert {"compiled", "xla_bytes", "model_bytes", "limit_bytes", "xla_flops",
+                "model_flops", "seconds"} <= set(call)
+        assert call["compiled"] and call["fits"] and call["seconds"] > 0
+
+
+def _h100s(tmp_path, devices: int, topology: str):
+    """A cluster file of one host of `devices` H100s, with `topology`."""
+    path = tmp_path / "h100s.py"
+    path.write_text(
+        "from jaxrlhf.plan.cluster import Cluster\n"
+        "def get_cluster():\n"
+        f"    return Cluster(name='h100s', hosts=1, devices_per_host={devices},\n"
+        "                   hbm_bytes=80 * 10**9, peak_bf16_flops=989e12, hbm_bandwidth=3.35e12,\n"
+        "                   intra_host_bandwidth=450e9, inter_host_bandwidth=50e9,\n"
+        f"                   host_link_bandwidth=64e9, topology={topology!r},\n"
+        "                   target_config='h100_sxm.txtpb')\n")
+    return load_cluster(str(path))
+
+
+def test_pipelined_calls_compile_for_gpu(h100, tmp_path):
+    """A pipeline's stages run under jax.vmap, where JAX's cuDNN attention takes no mask
+    broadcast over the heads: there attention falls back to XLA's (`models/attention.py`)."""
+    cluster = _h100s(tmp_path, 4, "1x1x4")
+    config = _bf16_config()
+    config.placement.kind = "manual"
+    config.placement.allocation = "actor_gen=0-3:d2p2,actor_train=0-3:p2t2,ref_inf=0-3:d2p2"
+    spec = run_spec(config)
+    plan = execution_plan(spec, cluster.num_devices)
+    devices = targets.topology_devices(cluster)
+    for r in aot.compile_plan(spec, cluster, plan, devices, cluster.usable_hbm_bytes):
+        assert r.compiled, r.error
+        assert r.fits and r.kernels == (), (r.name, r.kernels)
+
+
+@pytest.mark.parametrize("topology, error", [
+    ("", "names no devices to compile for"),
+    ("2x1x8", "has 2 hosts and 16 devices"),
+    ("8", "XLA refuses h100_sxm.txtpb or topology '8'"),
+])
+def test_a_gpu_topology_that_is_not_the_clusters_is_one_line(h100, tmp_path, topology, error):
+    with pytest.raises(targets.CompileError, match=error):
+        targets.topology_devices(_h100s(tmp_path, 8, topology))
+
+
+def test_hbm_figures_of_the_descriptions_are_the_cluster_files():
+    """The descriptions' memory is the cluster files' `hbm_bytes` (both the datasheet's GB)."""
+    for name in ("h100_16x8", "h100_1", "h200_1"):
+        cluster = load_cluster(f"meshes/{name}.py")
+        text = targets.target_config_path(cluster).read_text()
+        assert f"device_memory_size: {cluster.hbm_bytes}" in text, name
