@@ -267,3 +267,22 @@ def test_cross_hop_from_one_process_to_two_arrives_everywhere():
 
 if __name__ == "__main__":
     _three_process_worker(sys.argv[1], int(sys.argv[2]))
+
+
+def test_same_devices_in_another_mesh_order():
+    """Two meshes over the same devices in different orders (a TPU slice's meshes follow the
+    torus, one per shape): a program keeps one device order, so the collective runs on the
+    source's order and a copy puts each shard on its device; bit for bit."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = np.asarray(jax.devices()[:8])
+    src = NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), PartitionSpec("a", "b"))
+    swapped = devices.reshape(2, 2, 2).transpose(1, 0, 2).reshape(4, 2)
+    dst = NamedSharding(Mesh(swapped, ("a", "b")), PartitionSpec("a"))  # new shard shapes
+    x = jax.device_put(jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8), src)
+    assert choose_route(src, dst, x.shape) is Route.COLLECTIVE
+    (moved,), _ = reshard([x], [dst])
+    assert moved.sharding == dst
+    np.testing.assert_array_equal(np.asarray(moved), np.asarray(x))
+    for shard in moved.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(x)[shard.index])

@@ -35,12 +35,13 @@ import jax
 import numpy as np
 
 from jaxrlhf.checkpoint import abstract_state
-from jaxrlhf.calibration import hlo_flops
+from jaxrlhf.calibration import hlo_counts
 from jaxrlhf.dataflow.executors import padded_batch
 from jaxrlhf.engine.inference import InferenceBatch
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.config import HeadKind
 from jaxrlhf.models.sizes import abstract_params
+from jaxrlhf.parallel.reshard import collective_hops
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.plan import cost as cost_lib
 from jaxrlhf.plan import memory as memory_lib
@@ -65,7 +66,7 @@ class Program:
       peak_bytes: arguments + outputs + temporaries - aliased, per device.
       batch_bytes: the arguments after the first (the batch, keys, scalars), per device.
       flops: matmul FLOPs per device of the compiled program, loops times their trip
-        counts (`hlo_flops`; XLA's `cost_analysis` counts a loop's body once).
+        counts (`hlo_counts`; XLA's `cost_analysis` counts a loop's body once).
       kernels: the attention kernels it calls ("Mosaic", "Triton", "cuDNN"), sorted.
       seconds: lowering + compiling here.
       unbounded_loops: loops bounded by a runtime value, counted once in `flops`.
@@ -172,7 +173,7 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered]) -> Progr
     peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes)
     text = compiled.as_text()
-    flops = hlo_flops.program_flops(text)
+    flops = hlo_counts.program_flops(text)
     return Program(name, int(peak), _batch_bytes(compiled), flops.flops, _kernels(text),
                    seconds, flops.unbounded_loops, argument_bytes=m.argument_size_in_bytes,
                    temporary_bytes=m.temp_size_in_bytes)
@@ -261,7 +262,7 @@ def _programs(spec: RunSpec, mfc: MFC, engine, layout: Layout, micro_batches: in
 def model_flops(experiment: Experiment, mfc: MFC, choice, cluster: Cluster,
                 program: Program) -> float:
     """The cost model's FLOPs per device of one program of an MFC (its compute seconds at
-    peak), counted as XLA's are (`hlo_flops`): a train step's program is one update; an
+    peak), counted as XLA's are (`hlo_counts`): a train step's program is one update; an
     inference program one executor call (one micro-batch, or a pipeline's all); a decode loop
     that stops when its rows are done runs an unknown number of steps, so the engine's decode
     programs count one step (and "decode at once" its prefill and one step). Where attention
@@ -385,3 +386,97 @@ def to_json(reports: Sequence[CallReport]) -> dict:
                               "seconds": round(p.seconds, 2)}
                      for p in r.programs},
         "error": r.error} for r in reports}
+
+
+# --- reallocations ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ReallocReport:
+    """A model's parameters moved from its home layout to another call's, compiled.
+
+    Attributes:
+      role, src, dst: the model and the two layouts.
+      programs: the collective hops compiled (identity programs; copy hops have none).
+      xla_bytes: the bytes their collectives produce, summed over the devices.
+      planned_bytes: what the planner counts as crossing a link (`cost.realloc_cost`).
+      seconds: compiling here.
+      error: XLA's message where a hop did not compile.
+    """
+
+    role: str
+    src: str
+    dst: str
+    programs: int
+    xla_bytes: int
+    planned_bytes: int
+    seconds: float
+    error: str = ""
+
+
+def _moves(spec: RunSpec, plan: ExecutionPlan) -> list[tuple[Role, str, str]]:
+    """(role, home MFC, other MFC) for every call of a model on another parameter layout than
+    its home's (the runtime reshards the home parameters to it)."""
+    experiment = spec.experiment()
+    moves = []
+    for role in spec.models:
+        home = experiment.home_mfc(role)
+        if home not in plan:
+            continue
+        for mfc in spec.graph.calls_of(role):
+            if (mfc.name in plan and not mfc.host
+                    and plan[mfc.name].param_layout != plan[home].param_layout):
+                moves.append((role, home, mfc.name))
+    return moves
+
+
+def compile_reallocations(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
+                          devices: Sequence[jax.Device],
+                          log: Callable[[str], None] = lambda line: None
+                          ) -> list[ReallocReport]:
+    """Every parameter movement between two layouts of `plan`: the collective hops of
+    `parallel.reshard` compiled for `devices` (all of a move's parameters in one program per
+    hop), their collective bytes beside the planner's."""
+    experiment = spec.experiment()
+    layouts = run_plan(spec, plan, devices).layouts
+    reports = []
+    for role, home, other in _moves(spec, plan):
+        boxed = abstract_params(spec.models[role].config)
+        shapes = jax.tree.leaves(nn.meta.unbox(boxed))
+        pairs = zip(jax.tree.leaves(layouts[home].param_shardings(boxed)),
+                    jax.tree.leaves(layouts[other].param_shardings(boxed)))
+        by_hop: dict[int, list] = {}
+        for leaf, (src, dst) in zip(shapes, pairs):
+            for i, (at, to) in enumerate(collective_hops(src, dst, leaf.shape)):
+                by_hop.setdefault(i, []).append((leaf, at, to))
+        planned = cost_lib.realloc_cost(experiment.profile(role), plan[home], plan[other],
+                                        cluster).bytes_moved
+        start, total, error = time.perf_counter(), 0, ""
+        try:
+            for hop in by_hop.values():
+                args = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=at)
+                        for leaf, at, _ in hop]
+                compiled = jax.jit(lambda *xs: xs, out_shardings=tuple(to for *_, to in hop)
+                                   ).lower(*args).compile()
+                per_device = hlo_counts.collective_bytes(compiled.as_text())
+                total += per_device * len(hop[0][1].device_set)
+        except Exception as e:  # XLA's refusal: one line
+            error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        reports.append(ReallocReport(role.value, str(plan[home]), str(plan[other]), len(by_hop),
+                                     total, planned, time.perf_counter() - start, error))
+        log(f"  {role.value}: {plan[home]} -> {plan[other]}: {len(by_hop)} collective hops, "
+            f"{total / 2**30:.2f} GiB by XLA, {planned / 2**30:.2f} GiB planned")
+    return reports
+
+
+def realloc_table(reports: Sequence[ReallocReport]) -> str:
+    """One row per parameter movement."""
+    rows = [("model", "from", "to", "hops", "XLA GiB", "planned GiB", "compile s")]
+    rows += [(r.role, r.src, r.dst, str(r.programs),
+              f"{r.xla_bytes / _GIB:.2f}" if not r.error else "did not compile",
+              f"{r.planned_bytes / _GIB:.2f}", f"{r.seconds:.1f}") for r in reports]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines + [f"{r.role} {r.src} -> {r.dst}: {r.error}"
+                              for r in reports if r.error])

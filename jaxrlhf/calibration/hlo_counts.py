@@ -1,4 +1,6 @@
-"""Matmul FLOPs per device of a compiled program, each loop counted as many times as it runs.
+"""What a compiled program does, read off its module's text: matmul FLOPs per device, each
+loop counted as many times as it runs (`program_flops`), and the bytes its collectives move
+(`collective_bytes`).
 
 XLA's `cost_analysis()` counts a while loop's body once, so a scanned layer stack of 80 layers
 reads as one layer. This reads the compiled module's text instead: the FLOPs of every `dot`
@@ -42,6 +44,7 @@ class Flops:
 class _Instruction:
     name: str
     dims: tuple[int, ...] | None  # None: a tuple or token
+    type_text: str
     op: str
     args: tuple[str, ...]  # operand names
     literal: str  # the text between the parentheses (a constant's value)
@@ -69,6 +72,7 @@ def parse(text: str) -> tuple[dict[str, list[_Instruction]], str]:
             args = tuple(a.strip().lstrip("%") for a in found.group("args").split(",")
                          if a.strip().startswith("%"))
             current.append(_Instruction(found.group("name"), _dims(found.group("type")),
+                                        found.group("type"),
                                         found.group("op"), args, found.group("args"),
                                         found.group("attrs")))
     return computations, entry
@@ -162,3 +166,25 @@ def program_flops(text: str) -> Flops:
         return memo[name]
 
     return Flops(*walk(entry))
+
+
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_TYPED = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+
+
+def _bytes(type_text: str) -> int:
+    """Bytes of every array a type names (one array, or a tuple's)."""
+    return sum(_ITEMSIZE.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in _TYPED.findall(type_text))
+
+
+def collective_bytes(text: str) -> int:
+    """Bytes per device that the entry computation's collectives produce (every all-gather,
+    all-reduce, reduce-scatter, all-to-all and collective-permute; an async one at its
+    `-done`, whose output is the result): a reshard program's traffic."""
+    computations, entry = parse(text)
+    done = {f"{c}-done" for c in _COLLECTIVES}
+    return sum(_bytes(ins.type_text) for ins in computations.get(entry, [])
+               if ins.op in _COLLECTIVES or ins.op in done)

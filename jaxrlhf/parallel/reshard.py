@@ -356,6 +356,11 @@ class _Step(enum.Enum):
     CROSS = "cross"  # onto equally shaped meshes of other processes (`_cross`)
 
 
+def _order(sharding: NamedSharding) -> tuple[int, ...]:
+    """The device ids of a sharding's mesh in mesh order (a program's device assignment)."""
+    return tuple(d.id for d in sharding.mesh.devices.flat)
+
+
 def _route_hops(src: NamedSharding, dst: NamedSharding, shape) -> list[tuple[_Step, NamedSharding]]:
     """The hops between two device-memory shardings."""
     match choose_route(src, dst, shape):
@@ -363,8 +368,13 @@ def _route_hops(src: NamedSharding, dst: NamedSharding, shape) -> list[tuple[_St
             return []
         case Route.COPY:
             return [(_Step.COPY, dst)]
-        case Route.COLLECTIVE:
+        case Route.COLLECTIVE if _order(src) == _order(dst):
             return [(_Step.COLLECTIVE, dst)]
+        case Route.COLLECTIVE:
+            # The same devices in another mesh order (a TPU slice's meshes follow its torus,
+            # shape by shape): one program must keep its devices' order, so it lays dst's
+            # shards out on src's order, and a copy then puts each on its device.
+            return [(_Step.COLLECTIVE, _replica_extended(dst, src)), (_Step.COPY, dst)]
         case Route.GATHER_THEN_COPY:
             return [(_Step.COLLECTIVE, _replica_extended(dst, src)), (_Step.COPY, dst)]
         case Route.COPY_THEN_SCATTER:
@@ -381,6 +391,19 @@ def _route_hops(src: NamedSharding, dst: NamedSharding, shape) -> list[tuple[_St
             # The source's layout lands on every block of dst's devices, then reshards there.
             landing = _blocks(src, dst)
             return [(_Step.CROSS, landing)] + _route_hops(landing, dst, shape)
+
+
+def collective_hops(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...]
+                    ) -> list[tuple[NamedSharding, NamedSharding]]:
+    """(from, to) of each COLLECTIVE hop that moving an array of `shape` from `src` to `dst`
+    (device memory) takes: the identity programs `reshard` runs, which can be compiled for
+    devices that are only described (`plan --compile`); COPY hops run no program."""
+    hops, at = [], src
+    for step, target in _route_hops(src, dst, shape):
+        if step is _Step.COLLECTIVE:
+            hops.append((at, target))
+        at = target
+    return hops
 
 
 def _plan(x: jax.Array, dst: NamedSharding) -> list[tuple[_Step, NamedSharding]]:
