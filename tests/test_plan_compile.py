@@ -195,3 +195,17 @@ def test_memory_and_flops_of_a_flash_attention_call_match_xla(v5p_8):
     assert report.kernels == ("Mosaic",)
     assert abs(report.memory_error) < 0.15, (report.model_bytes, report.xla_bytes)
     assert abs(report.model_flops / report.xla_flops - 1) < 0.01
+
+
+def test_parameter_movements_compile_and_move_what_the_planner_counts(v5p_8):
+    """The pipelined manual plan moves the critic from its train layout (p2t2) to its
+    inference one (d4): one collective hop, compiled; the bytes its collectives produce over
+    the devices are at least the planner's bytes that cross a link (an all-gather writes each
+    device's own shard too)."""
+    cluster, devices = v5p_8
+    spec = run_spec(_config(ppo_tiny, "manual"))
+    plan = execution_plan(spec, cluster.num_devices)
+    (move,) = aot.compile_reallocations(spec, cluster, plan, devices)
+    assert (move.role, move.src, move.dst) == ("critic", "0-3:p2t2@1", "0-3:d4@1")
+    assert not move.error and move.programs == 1
+    assert move.xla_bytes >= move.planned_bytes > 0
