@@ -10,22 +10,24 @@ data:
   --config.models.actor.path=DIR --config.models.ref.path=DIR --config.tokenizer=DIR
   --config.data.train_path=FILE.jsonl (rows with `prompt` and `answer`)
 
-(the check names the first one missing, before anything compiles). Whether it fits the pod's
-chips is answered on any host, without weights or a TPU:
+(the check names the first one missing, before anything compiles). `:smoke` runs the same graph,
+placement kind and code path with tiny models (two directories of one tiny size) on the 8 CPU
+devices of `meshes/cpu_8.py`, in seconds. Whether the full job fits the pod's chips is answered
+on any host, without weights or a TPU:
 
   python -m jaxrlhf.plan --config=configs/grpo_qwen3_8b.py --cluster=meshes/tpu_v6e_256.py \\
       --compile
 """
 
 from jaxrlhf.schema import base_config
-from jaxrlhf.configs.ppo_70b import big_model
+from jaxrlhf.configs.ppo_70b import big_model, smoke
 
 ROLES = ("actor", "ref")
 
 
 def get_config(arg=None):
-    if arg is not None:
-        raise ValueError(f"unknown variant {arg!r}; this config has none")
+    if arg not in (None, "smoke"):
+        raise ValueError(f"unknown variant {arg!r}; known: smoke")
     config = base_config()
     config.algorithm = "grpo"
     config.steps = 200
@@ -39,4 +41,7 @@ def get_config(arg=None):
     config.optimizer.actor.update(lr=1e-6, warmup_steps=10, min_lr_ratio=0.1, weight_decay=0.0,
                                   fp32_master=True)
     config.placement.update(kind="auto", cluster="meshes/tpu_v6e_256.py", offload_frozen=True)
+    if arg == "smoke":
+        smoke(config)
+        config.rollout.group_size = 4
     return config

@@ -21,7 +21,7 @@ CASES = [
     ("plan_calibrate_and_validate",
      ["jaxrlhf.plan", "--config=configs/ppo_tiny.py", "--cluster=meshes/cpu_8.py",
       "--calibrate", "--validate"],
-     "error: --calibrate and --validate are separate runs"),
+     "error: --calibrate, --validate and --compile are separate runs"),
     ("graph_unknown_algorithm",
      ["jaxrlhf.graph", "--config=configs/ppo_tiny.py", "--config.algorithm=foo"],
      "error: algorithm='foo' is not one of: ppo, grpo"),
