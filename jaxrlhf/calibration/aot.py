@@ -243,18 +243,23 @@ def _programs(spec: RunSpec, mfc: MFC, engine, layout: Layout, micro_batches: in
             state = abstract_state(model, layout, spec.optimizers[mfc.role])
             batch = train_batch(spec, mfc, buf)
             return {"train step": lambda: engine.lower_for(state, batch)}
-        case Call.INFERENCE:
+        case Call.INFERENCE:  # the executor calls it once per micro-batch of the rows
             params = _abstract_params(model, layout)
-            tokens, mask = (buf[k] for k in mfc.inputs[:2])
+            rows = len(buf[mfc.inputs[0]]) // micro_batches
+            tokens, mask = (buf[k][:rows] for k in mfc.inputs[:2])
             with jax.default_device(jax.local_devices(backend="cpu")[0]):
                 batch = InferenceBatch(*map(np.asarray, padded_batch(tokens, mask)))
             return {"inference": lambda: engine.lower_for(params, batch)}
         case Call.GENERATE:  # lowered together here (the rollout engine's programs)
             params = _abstract_params(model, layout)
-            tokens, mask = (buf[k] for k in mfc.inputs[:2])
+            # The engine takes all rows in one call (they queue for rows / M slots); a
+            # pipeline's static batch is called once per micro-batch (`generate_executor`).
+            rows = len(buf[mfc.inputs[0]]) // (1 if engine.on_engine else micro_batches)
+            tokens, mask = (buf[k][:rows] for k in mfc.inputs[:2])
             with jax.default_device(jax.local_devices(backend="cpu")[0]):
                 key = jax.random.key(0)
-            lowered = engine.lower_for(params, tokens, mask, key, micro_batches)
+            lowered = engine.lower_for(params, tokens, mask, key,
+                                       micro_batches if engine.on_engine else 1)
             return {name: functools.partial(lambda x: x, x) for name, x in lowered.items()}
     raise ValueError(f"unknown call kind {mfc.call}")
 
@@ -263,7 +268,8 @@ def model_flops(experiment: Experiment, mfc: MFC, choice, cluster: Cluster,
                 program: Program) -> float:
     """The cost model's FLOPs per device of one program of an MFC (its compute seconds at
     peak), counted as XLA's are (`hlo_counts`): a train step's program is one update; an
-    inference program one executor call (one micro-batch, or a pipeline's all); a decode loop
+    inference program, and a pipeline's static generate, one executor call (one micro-batch
+    of M; a pipeline streams it through its stages); a decode loop
     that stops when its rows are done runs an unknown number of steps, so the engine's decode
     programs count one step (and "decode at once" its prefill and one step). Where attention
     runs in a kernel (a custom call, which XLA does not count), the model's attention FLOPs
@@ -273,15 +279,16 @@ def model_flops(experiment: Experiment, mfc: MFC, choice, cluster: Cluster,
     p, work = experiment.profile(mfc.role), experiment.workload
     flops_per_token = p.forward_flops_per_token(work.seq_len)
     share = 2.0 * p.matmul_params / flops_per_token if program.kernels else 1.0
-    calls = choice.micro_batches if choice.pipeline == 1 else 1
+    calls = choice.micro_batches  # the executor's calls of an inference or static generate
     match program.name:
         case "train step":
             cost = cost_lib.train_cost(p, work, choice, cluster, experiment.master(mfc.role))
             cost = cost.times(1 / work.updates)
         case "inference":
             cost = cost_lib.inference_cost(p, work, choice, cluster).times(1 / calls)
-        case "generate":  # a pipeline's static batch: every token, one call
+        case "generate":  # a pipeline's static batch: every token of one executor call
             cost = cost_lib.generate_cost(p, work, choice, cluster, experiment.decode)
+            cost = cost.times(1 / calls)
         case "fill":
             cost = cost_lib.prefill_cost(p, work, choice, cluster)
         case "decode chunk":
