@@ -232,9 +232,14 @@ def cudnn_fallback_reason(q_bthd: jax.Array, k_bskd: jax.Array) -> str | None:
     if _UNDER_VMAP.get():
         return ("under jax.vmap (a pipeline's stages) JAX's cuDNN attention takes no mask "
                 "broadcast over the heads (jax-ml/jax#34920)")
-    head_dim = q_bthd.shape[-1]
-    if q_bthd.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"cuDNN flash attention needs bf16/fp16, got {q_bthd.dtype}"
+    return cudnn_shape_reason(q_bthd.dtype, q_bthd.shape[-1])
+
+
+def cudnn_shape_reason(dtype, head_dim: int) -> str | None:
+    """Why cuDNN flash attention cannot take queries of `dtype` and `head_dim` (None if it
+    can); the memory model asks it too (`plan.memory.scores_live`)."""
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN flash attention needs bf16/fp16, got {jnp.dtype(dtype)}"
     if head_dim % 8 or head_dim > 128:  # 256 on Hopper; 128 is safe on every GPU
         return f"cuDNN flash attention needs head_dim % 8 == 0 and <= 128, got {head_dim}"
     return None

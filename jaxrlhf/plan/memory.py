@@ -319,13 +319,19 @@ def pipelined_saved_bytes(p: ModelProfile, choice: CallChoice, tokens: int, cont
     return iterations * tokens * p.config.hidden_size * p.act_itemsize + per_stage
 
 
-def scores_live(config: ModelConfig, platform: Platform) -> bool:
+def scores_live(config: ModelConfig, platform: Platform, pipelined: bool) -> bool:
     """Whether a layer's attention holds its fp32 [heads, query, slot] scores on `platform`:
-    XLA's einsums do (`attention=xla`, and `auto` on a CPU); the Pallas flash kernels that
-    `auto` picks on a TPU (`kernels/tpu_attention.py`) stream them a block at a time. (cuDNN's
-    flash attention, `auto` on a GPU, is still priced as XLA until a compile for a GPU holds it
-    to XLA's account, `plan --compile`.)"""
-    return attention.resolve_impl(config.attention, platform.value) is not AttentionImpl.PALLAS
+    XLA's einsums do (`attention=xla`, and `auto` on a CPU); the flash kernels stream them a
+    block at a time: Pallas (`auto` on a TPU, `kernels/tpu_attention.py`) and cuDNN (`auto` on
+    a GPU) where it takes the shapes, which is never inside a pipeline's stages
+    (`models.attention.cudnn_fallback_reason`)."""
+    match attention.resolve_impl(config.attention, platform.value):
+        case AttentionImpl.PALLAS:
+            return False
+        case AttentionImpl.CUDNN:
+            return pipelined or attention.cudnn_shape_reason(config.dtype,
+                                                             config.head_dim) is not None
+    return True
 
 
 def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
@@ -341,7 +347,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
     s, t, stages = work.seq_len, choice.tensor, choice.pipeline
     # The slots whose attention scores a layer holds: all of them where attention writes its
     # [heads, query, slot] scores, none under a kernel that streams them (`scores_live`).
-    span = (lambda n: n) if scores_live(p.config, platform) else (lambda n: 0)
+    span = (lambda n: n) if scores_live(p.config, platform, stages > 1) else (lambda n: 0)
     params = p.shard_bytes(t, choice.fsdp, stages)
     # Generation decodes with a stack of its own whatever the config says
     # (`engine.decoding.decode_model`): layer by layer where `decodes_layer_by_layer` says so,
