@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxrlhf.engine import decode_layers
+from jaxrlhf.engine import decode_layers, routes
 from jaxrlhf.engine.buckets import CompileCache, bucket_length
 from jaxrlhf.engine.call import abstract
 from jaxrlhf.engine.decode_layers import LayerByLayer
@@ -242,14 +242,13 @@ def _empty(config: ModelConfig, by_layer: bool, cfg: GenerateConfig, slots: int,
     )
 
 
-def _write_prompts(cache, new: KVCache, slots_k, src_k, length: int):
-    """`new`'s rows `src_k` [k] written into the first `length` cache slots of rows `slots_k`
-    (an index >= S is padding, dropped); `new` is stacked [L, u, length, kv, d]."""
+def _write_prompts(cache, new: KVCache, slots_k, length: int):
+    """`new`'s rows [k] written into the first `length` cache slots of rows `slots_k` (an
+    index >= S is padding, dropped); `new` is stacked [L, k, length, kv, d]."""
     if isinstance(cache, KVCache):
-        return KVCache(*(c.at[:, slots_k, :length].set(v[:, src_k].astype(c.dtype), mode="drop")
+        return KVCache(*(c.at[:, slots_k, :length].set(v.astype(c.dtype), mode="drop")
                          for c, v in zip(cache, new)))
-    return tuple(c.write_prefix(slots_k, k[src_k], v[src_k])
-                 for c, k, v in zip(cache, new.k_lbskd, new.v_lbskd))
+    return tuple(c.write_prefix(slots_k, k, v) for c, k, v in zip(cache, new.k_lbskd, new.v_lbskd))
 
 
 class _FillInts(NamedTuple):
@@ -265,46 +264,66 @@ class _FillInts(NamedTuple):
 _INTS = _FillInts()
 
 
-def _fill(model: Transformer, cfg: GenerateConfig, vacant, params, s, ints_k5,
-          prompts_u2p, keys, version) -> SlotState:
+def _fill(model: Transformer, cfg: GenerateConfig, vacant, write, params, s, ints, prompts_u2p,
+          keys, version) -> SlotState:
     """Prefills u distinct prompts once and puts each target's prompt into its slot with its
     key, then samples the filled slots' first tokens; the other slots are left as they are.
 
     Args:
       vacant: None, or a function building the state (`_empty` of its size): `s` is then
         ignored and the state built here, saving an executable and a round of dispatch.
-      ints_k5: int32 [k, 5] per target, columns as `_FillInts` names them.
+      write: `_write_targets` (less `cfg`) where the fill runs on each device alone, else
+        `Rollout._routed_writes`: it takes the state, `ints`, the prompts' tokens and masks
+        [u, P], logits [u, vocab] and prefilled cache, and `keys`.
+      ints: the targets (`_write_targets`'s ints_k5; with `Rollout._routed_writes`, also the
+        routes of the prompts' rows to their targets' devices).
       prompts_u2p: int32 [u, 2, P] each distinct prompt's tokens and mask (left-padded).
       keys: a tuple of PRNG keys (the key table).
     """
     if vacant is not None:
         s = vacant()
-    slots_k, src_k, key_k, rows_k, limits_k = (ints_k5[:, i] for i in _INTS)
-    tokens_up, mask_up = prompts_u2p[:, 0], prompts_u2p[:, 1]
-    keys_k = jnp.stack(keys)[key_k]
+    tokens_up, mask_up = prompts_u2p[:, 0], prompts_u2p[:, 1].astype(bool)
     apply = functools.partial(model.apply, {"params": params})
-    prompt_len = s.prompt_tokens_bp.shape[1]
-    mask_up = mask_up.astype(bool)
     # The prompt part of the cache only: later slots keep the old row's keys, hidden by
     # causality until this row's tokens overwrite them.
     logits_uv, new = prefill(apply, model.config, tokens_up, mask_up, _segments_bs(mask_up, 0))
-    put = lambda x, value: x.at[slots_k].set(jnp.broadcast_to(value, (len(slots_k),)
-                                                              + x.shape[1:]).astype(x.dtype),
-                                             mode="drop")
-    fresh_b = put(jnp.zeros_like(s.done_b), True)
-    filled = s._replace(
-        step_b=put(s.step_b, 0), logits_bv=put(s.logits_bv, logits_uv[src_k]),
-        last_token_b=put(s.last_token_b, 0), done_b=~fresh_b,
-        cache=constrain_cache(_write_prompts(s.cache, new, slots_k, src_k, prompt_len)),
-        response_bn=put(s.response_bn, cfg.pad_token_id), logprobs_bn=put(s.logprobs_bn, 0.0),
-        mask_bn=put(s.mask_bn, False), versions_bn=put(s.versions_bn, NO_VERSION),
-        prompt_tokens_bp=put(s.prompt_tokens_bp, tokens_up[src_k]),
-        prompt_mask_bp=put(s.prompt_mask_bp, mask_up[src_k]),
-        keys_b=s.keys_b.at[slots_k].set(keys_k, mode="drop"), row_b=put(s.row_b, rows_k),
-        limit_b=put(s.limit_b, limits_k))
+    filled = write(s, ints, tokens_up, mask_up, logits_uv, new, keys)
+    fresh_b = ~filled.done_b
     chosen = _choose(filled, cfg, version)
     return chosen._replace(done_b=jnp.where(fresh_b, chosen.done_b, s.done_b),
                            steps_b=s.steps_b, tokens_b=s.tokens_b)  # a prefill is no decode step
+
+
+def _write_targets(cfg: GenerateConfig, s: SlotState, ints_k5, tokens_up, mask_up, logits_uv,
+                   new: KVCache, keys, take=jnp.take) -> SlotState:
+    """The state with each target's prompt (its tokens, mask, logits and prefilled cache:
+    [u, ...] each) and key written into its slot, ready to sample; the other slots are marked
+    done (`_fill` restores them).
+
+    Args:
+      ints_k5: int32 [k, 5] per target, columns as `_FillInts` names them.
+      keys: a tuple of PRNG keys (the key table).
+      take: `take(x, src_k, axis=...)`: the targets' prompts' rows of x (`routes.take` where
+        some come from other devices).
+    """
+    slots_k, src_k, key_k, rows_k, limits_k = (ints_k5[:, i] for i in _INTS)
+    keys_k = jnp.stack(keys)[key_k]
+    rows = lambda x, axis=0: take(x, src_k, axis=axis)
+    prompt_len = s.prompt_tokens_bp.shape[1]
+    put = lambda x, value: x.at[slots_k].set(jnp.broadcast_to(value, (len(slots_k),)
+                                                              + x.shape[1:]).astype(x.dtype),
+                                             mode="drop")
+    return s._replace(
+        step_b=put(s.step_b, 0), logits_bv=put(s.logits_bv, rows(logits_uv)),
+        last_token_b=put(s.last_token_b, 0), done_b=~put(jnp.zeros_like(s.done_b), True),
+        cache=constrain_cache(_write_prompts(s.cache, KVCache(*(rows(x, 1) for x in new)),
+                                             slots_k, prompt_len)),
+        response_bn=put(s.response_bn, cfg.pad_token_id), logprobs_bn=put(s.logprobs_bn, 0.0),
+        mask_bn=put(s.mask_bn, False), versions_bn=put(s.versions_bn, NO_VERSION),
+        prompt_tokens_bp=put(s.prompt_tokens_bp, rows(tokens_up)),
+        prompt_mask_bp=put(s.prompt_mask_bp, rows(mask_up)),
+        keys_b=s.keys_b.at[slots_k].set(keys_k, mode="drop"), row_b=put(s.row_b, rows_k),
+        limit_b=put(s.limit_b, limits_k))
 
 
 def _without_state(fill, params, *args) -> SlotState:
@@ -371,18 +390,32 @@ def _resize(s: SlotState, length: int) -> SlotState:
     return s._replace(cache=constrain_cache(cache))
 
 
-def _compact(s: SlotState, keep_m) -> SlotState:
-    """The state of slots `keep_m` [m] only, in that order (rows finished or free may be among
-    them to round m up to a bucket), its decode counts (steps_b, tokens_b) restarted at 0."""
-    take = lambda x, axis=0: jnp.take(x, keep_m, axis=axis)
+def _compact(axes: tuple[str, ...], s: SlotState, send_1q, at_m) -> SlotState:
+    """The state of the kept slots only (rows finished or free may be among them to round the
+    size up to a bucket), its decode counts (steps_b, tokens_b) restarted at 0; on each device
+    (shard_map), its own slots.
+
+    Why not one take of the kept slots from the whole state (indices the same on every
+    device): the SPMD partitioner had each device take the kept rows it holds, zeros for the
+    others, and add the results up over the data axes, so every device held the whole
+    compacted state of all devices: 70B on v5p d16t4 (a 5.4 GB cache per chip), 98.8 GB of
+    temporaries on a 95.7 GB chip. Here each kept row goes to its new device only (module
+    `engine.routes`): 0.19 GB there. The stacked cache moves a layer at a time (`lax.map`):
+    the rows in flight are one layer's.
+
+    Args:
+      axes: the mesh axes the slots are split over.
+      send_1q: int32 [1, dp * c] the rows this device sends (`routes.Routes.send_dq`).
+      at_m: int32 [m] each new slot's row among this device's own and received ones.
+    """
+    move = functools.partial(routes.take, at_j=at_m, send_q=send_1q[0], axes=axes)
     if isinstance(s.cache, KVCache):
-        cache = KVCache(*(take(c, 1) for c in s.cache))
+        cache = KVCache(*(jax.lax.map(move, c) for c in s.cache))
     else:
-        cache = tuple(c.take(keep_m) for c in s.cache)
-    fields = {name: take(x) for name, x in s._asdict().items() if name != "cache"}
-    zeros = jnp.zeros(keep_m.shape, jnp.int32)
-    return SlotState(**{**fields, "steps_b": zeros, "tokens_b": zeros},
-                     cache=constrain_cache(cache))
+        cache = tuple(DecodeKV(*map(move, c)) for c in s.cache)
+    fields = {name: move(x) for name, x in s._asdict().items() if name != "cache"}
+    zeros = jnp.zeros(at_m.shape, jnp.int32)
+    return SlotState(**{**fields, "steps_b": zeros, "tokens_b": zeros}, cache=cache)
 
 
 def _recompute_cache(model: Transformer, n_new: int, params, s: SlotState) -> SlotState:
@@ -407,7 +440,7 @@ def _recompute_cache(model: Transformer, n_new: int, params, s: SlotState) -> Sl
     _, fresh = apply(tokens_bs, positions_bs, segments_bs, fresh, 0, segments_bs, last_only=True)
     everyone = jnp.arange(slots)
     return s._replace(cache=constrain_cache(
-        _write_prompts(s.cache, fresh, everyone, everyone, prompt_len + n_new)))
+        _write_prompts(s.cache, fresh, everyone, prompt_len + n_new)))
 
 
 def _rows(cfg: GenerateConfig, s: SlotState) -> Rows:
@@ -424,6 +457,57 @@ def _poll(s: SlotState) -> tuple[jax.Array, jax.Array]:
 
 def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def _rank(sorted_x: np.ndarray) -> np.ndarray:
+    """Each entry's rank among the equal ones before it (`sorted_x` sorted)."""
+    return np.arange(len(sorted_x)) - np.searchsorted(sorted_x, sorted_x)
+
+
+def _by_device(ints_k5: np.ndarray, device_k: np.ndarray, per_device: int, dp: int
+               ) -> tuple[np.ndarray, np.ndarray, int]:
+    """A fill's k targets dealt to their slots' devices: (ints int32 [dp * m, 5], device i's m
+    targets in rows [i * m, (i + 1) * m) with their own slot indices, padding aimed at local
+    slot `per_device`, out of range (its writes are dropped); at_k: each target's row in it;
+    m, a power of two: few compiles)."""
+    m = _pow2(np.bincount(device_k, minlength=dp).max())
+    ints = np.zeros((dp * m, len(_INTS)), np.int32)
+    ints[:, _INTS.slot] = per_device
+    order = np.argsort(device_k, kind="stable")
+    at_k = np.empty(len(device_k), np.int64)
+    at_k[order] = device_k[order] * m + _rank(device_k[order])
+    ints[at_k] = ints_k5
+    ints[at_k, _INTS.slot] -= device_k * per_device
+    return ints, at_k, m
+
+
+def _homes(device_k: np.ndarray, src_k: np.ndarray, prompts: int, dp: int, room: int
+           ) -> np.ndarray:
+    """Where each of `prompts` distinct prompts is prefilled (an SPMD fill's k targets on
+    devices `device_k`, of prompts `src_k`), at most `room` on a device: on one of its targets'
+    devices where one has room, so that its rows move to its other targets' devices only (none
+    where all lie on one), the one that prefills the fewest so far (a GRPO group's rows take
+    turns over the devices, `Rollout.spread`); else on the device that prefills the fewest."""
+    pairs = np.unique(src_k * dp + device_k)  # distinct (prompt, device), in order of prompt
+    prompt_v, device_v = pairs // dp, pairs % dp
+    first_g = np.searchsorted(prompt_v, np.arange(prompts))
+    spans_g = np.diff(np.append(first_g, len(pairs)))
+    home_g = device_v[first_g]
+    # A prompt whose targets lie on one device goes there while it has room (all of them, in
+    # a PPO fill, whose targets take turns over the devices); the others in turn.
+    alone = spans_g == 1
+    order = np.argsort(home_g[alone], kind="stable")
+    rank_a = np.empty(int(alone.sum()), np.int64)
+    rank_a[order] = _rank(home_g[alone][order])
+    placed = np.flatnonzero(alone)[rank_a < room]
+    load = np.bincount(home_g[placed], minlength=dp)
+    for g in np.setdiff1d(np.arange(prompts), placed):
+        options = device_v[first_g[g]:first_g[g] + spans_g[g]]
+        options = options[load[options] < room]
+        pool = options if len(options) else np.arange(dp)
+        home_g[g] = pool[np.argmin(load[pool])]
+        load[home_g[g]] += 1
+    return home_g
 
 
 def distinct_prompts(tokens_kp: np.ndarray, mask_kp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -587,7 +671,8 @@ class Rollout:
 
         def build():
             fn = functools.partial(_fill, self.prefill_model, self.cfg,
-                                   self._empty_fn(state, self.per_device) if vacant else None)
+                                   self._empty_fn(state, self.per_device) if vacant else None,
+                                   self._writes())
             if vacant:  # no state argument: the fill builds it
                 fn = functools.partial(_without_state, fn)
             if self.per_device:
@@ -631,27 +716,40 @@ class Rollout:
         ints, prompts, shardings, compile_key = place(slots, ints_k5, prompts_k2p)
         ints, prompts, table = put((ints, prompts, table),
                                    (*shardings, (self._scalar,) * len(table)))
-        return ints, prompts, table, tuple(x.spec for x in shardings), compile_key
+        specs = jax.tree.map(lambda sharding: sharding.spec, shardings)
+        return ints, prompts, table, specs, compile_key
 
     def _fill_spmd(self, slots: int, ints_k5: np.ndarray, prompts_k2p: np.ndarray):
-        """`fill`'s inputs for one SPMD program: (ints [size, 5], prompts [u, 2, P], their
-        shardings, their compile-key part), the targets replicated (a scatter's
-        indices), each distinct prompt prefilled once."""
-        k, dp = len(ints_k5), self.layout.dp_size
-        first_u, src_k = distinct_prompts(prompts_k2p[:, 0], prompts_k2p[:, 1])
-        ints_k5[:, _INTS.src] = src_k
-        # Few compiles: distinct prompts and targets each padded to dp x a power of two.
-        u, size = (_pow2(-(-n // dp)) * dp for n in (len(first_u), k))
-        pad = lambda x, n: np.concatenate([x, np.repeat(x[-1:], n - len(x), 0)])
-        ints = pad(ints_k5, size)
-        # Padding targets point at slot S: out of range, their writes are dropped.
-        ints[k:, _INTS.slot] = slots
-        shardings = (self._scalar, self.layout.batch_sharding(3))
-        return ints, pad(prompts_k2p[first_u], u), shardings, (u, size)
+        """`fill`'s inputs for one SPMD program: ((ints [dp * m, 5], the routes' send_dq),
+        prompts [dp * u, 2, P], their shardings, their compile-key part). Each distinct prompt
+        is prefilled once, on one of its targets' devices (`_homes`), and its rows go to its
+        other targets' devices (`_routed_writes`); each device takes its own m targets
+        (`_by_device`), whose src is the row of their prompt among its own and received ones.
+        u, m and the routes' width are powers of two: few compiles.
+        """
+        dp = self.layout.dp_size
+        per_device = slots // dp
+        device_k = ints_k5[:, _INTS.slot] // per_device
+        first_g, src_k = distinct_prompts(prompts_k2p[:, 0], prompts_k2p[:, 1])
+        # As many prompts on each device as dealing them out evenly would put there: the
+        # prefill's shapes (and so its numbers) are the same wherever a prompt goes.
+        u = _pow2(-(-len(first_g) // dp))
+        home_g = _homes(device_k, src_k, len(first_g), dp, u)
+        order = np.argsort(home_g, kind="stable")
+        place_g = np.empty(len(first_g), np.int64)  # its row on its device
+        place_g[order] = _rank(home_g[order])
+        pick_u = np.zeros(dp * u, np.int64)  # distinct prompt -> input row (padding: row 0)
+        pick_u[home_g * u + place_g] = first_g
+        moves = routes.plan(home_g[src_k], place_g[src_k], device_k, u, dp)
+        ints, at_k, m = _by_device(ints_k5, device_k, per_device, dp)
+        ints[at_k, _INTS.src] = moves.at_j
+        rows = self.layout.batch_sharding(2)
+        return ((ints, moves.send_dq), prompts_k2p[pick_u],
+                ((rows, rows), self.layout.batch_sharding(3)), (u, m, moves.width))
 
     def _fill_on_each_device(self, slots: int, ints_k5: np.ndarray, prompts_k2p: np.ndarray):
         """`_fill_spmd`'s parts with each prompt prefilled on its slot's own device
-        (`shard_map`).
+        (`shard_map`), so that no rows move (ints [dp * m, 5], without routes).
 
         Why: SPMD, the prompts lie spread over the devices whatever slots they go to, so the
         fill gathered them (five all-gathers per call) for the slot writes.
@@ -669,21 +767,51 @@ class Rollout:
         pairs, first_q, local_k = np.unique(device_k * len(first_g) + src_k, return_index=True,
                                             return_inverse=True)
         pair_device_q = pairs // len(first_g)
-        rank = lambda sorted_x: np.arange(len(sorted_x)) - np.searchsorted(sorted_x, sorted_x)
         local_k = local_k.reshape(-1) - np.searchsorted(pair_device_q, device_k)
-        m = _pow2(np.bincount(device_k, minlength=dp).max())
         u = _pow2(np.bincount(pair_device_q, minlength=dp).max())
-        ints = np.zeros((dp * m, len(_INTS)), np.int32)
-        ints[:, _INTS.slot] = per_device  # padding: a local slot out of range
-        order = np.argsort(device_k, kind="stable")
-        at = device_k[order] * m + rank(device_k[order])
-        ints[at] = ints_k5[order]
-        ints[at, _INTS.src] = local_k[order]
-        ints[at, _INTS.slot] -= device_k[order] * per_device
+        ints, at_k, m = _by_device(ints_k5, device_k, per_device, dp)
+        ints[at_k, _INTS.src] = local_k
         pick_u = np.zeros(dp * u, np.int64)  # distinct prompt -> input row
-        pick_u[pair_device_q * u + rank(pair_device_q)] = first_q
+        pick_u[pair_device_q * u + _rank(pair_device_q)] = first_q
         shardings = self.layout.batch_sharding(2), self.layout.batch_sharding(3)
         return ints, prompts_k2p[pick_u], shardings, (u, m)
+
+    def _writes(self):
+        """`_fill`'s `write` on this layout."""
+        if self.per_device:  # the whole fill runs on each device
+            return functools.partial(_write_targets, self.cfg)
+        return self._routed_writes
+
+    def _routed_writes(self, s: SlotState, ints, tokens_up, mask_up, logits_uv, new: KVCache,
+                       keys) -> SlotState:
+        """`_write_targets` of an SPMD fill on each device (shard_map): its own targets, from
+        its own prompts' rows and those the other devices sent it (`ints`: the targets and the
+        routes' send_dq, as `_fill_spmd` made them).
+
+        Why: as one SPMD program, the writes' indices (the same on every device) gave every
+        device every prompt's prefilled cache (each device's rows added up over the data axes,
+        module `engine.routes`): 70B on v5p d16t4, 21.6 GB of temporaries per chip for a fill,
+        1.5 GB here.
+        """
+        lay, axes = self.layout, routes.data_axes(self.layout)
+        rows = lambda x: lay.batch_sharding(x.ndim).spec
+        cache = lay.spec(CACHE_AXES, new.k_lbskd.shape)
+        # The logits stay split over the vocabulary as the model made them: the sampling after
+        # the writes then reduces over the vocabulary as it did when the writes were SPMD (the
+        # same log-probs to the bit), and no device holds a whole vocabulary before it must.
+        vocab = lambda x: lay.spec(("batch", "act_vocab"), x.shape)
+        state_specs = self._state_specs(*self.size(s))._replace(logits_bv=vocab(s.logits_bv))
+
+        def local(s, ints, tokens_up, mask_up, logits_uv, new, keys):
+            ints_k5, send_1q = ints
+            take = functools.partial(routes.take, send_q=send_1q[0], axes=axes)
+            return _write_targets(self.cfg, s, ints_k5, tokens_up, mask_up, logits_uv, new, keys,
+                                  take)
+
+        in_specs = (state_specs, tuple(map(rows, ints)), rows(tokens_up), rows(mask_up),
+                    vocab(logits_uv), KVCache(cache, cache), _REPLICATED)
+        return self._on_each_device(local, in_specs, state_specs)(
+            s, ints, tokens_up, mask_up, logits_uv, new, keys)
 
     def decode_at_once(self, params, version: int, prompt_tokens_kp, prompt_mask_kp, keys,
                        rows_k, limits_k, finish):
@@ -724,7 +852,7 @@ class Rollout:
 
         def build():
             fill = functools.partial(_fill, self.prefill_model, self.cfg,
-                                     self._empty_fn(vacant, self.per_device))
+                                     self._empty_fn(vacant, self.per_device), self._writes())
             advance = functools.partial(_advance, self.model, self.cfg, True)
             fn = functools.partial(_fill_and_decode, fill, advance, finish)
             if self.per_device:
@@ -765,9 +893,9 @@ class Rollout:
         _, build, args = self._advance_program(full, params, 0, 1, False, 0, scalar)
         out["decode chunk"] = self._lower(build, *args, donate=(1,))
         if compact_to is not None:
-            keep_m = abstract(np.zeros(compact_to, np.int32), self._scalar)
-            out["compaction"] = self._lower(
-                self._state_out(_compact, compact_to, largest.capacity), full, keep_m)
+            _, build, args = self._compact_program(full, self._spread_moves(k, compact_to),
+                                                   abstract)
+            out["compaction"] = self._lower(build, *args)
         return out
 
     def spread(self, free: list[int], slots: int | None = None) -> list[int]:
@@ -877,11 +1005,42 @@ class Rollout:
     def compact(self, state: SlotState, keep: list[int]) -> SlotState:
         """The slots `keep` only, in that order, as a state of len(keep) slots (a multiple of
         the data-parallel size); `poll`'s decode counts restart at 0."""
-        slots, capacity = self.size(state)
+        slots, _ = self.size(state)
         check_batch_divisible(self.layout, len(keep), "compacted slots")
-        keep_m = transfer(np.asarray(keep, np.int32), self._scalar)
-        return self._run(("compact", slots, capacity, len(keep)),
-                         self._state_out(_compact, len(keep), capacity), state, keep_m)
+        dp, keep = self.layout.dp_size, np.asarray(keep)
+        own = slots // dp
+        moves = routes.plan(keep // own, keep % own, np.arange(len(keep)) // (len(keep) // dp),
+                            own, dp)
+        key, build, args = self._compact_program(state, moves)
+        return self._run(key, build, *args)
+
+    def _compact_program(self, state, moves: routes.Routes, put=transfer):
+        """`compact`'s (compile key, build, arguments) for the row moves `moves`, its inputs
+        placed by `put` (as `_fill_inputs`)."""
+        slots, capacity = self.size(state)
+        size = len(moves.at_j)
+        shardings = self.layout.batch_sharding(2), self.layout.batch_sharding(1)
+        send, at = put((moves.send_dq, moves.at_j), shardings)
+
+        def build():
+            fn = functools.partial(_compact, routes.data_axes(self.layout))
+            in_specs = (self._state_specs(slots, capacity), *(x.spec for x in shardings))
+            fn = self._on_each_device(fn, in_specs, self._state_specs(size, capacity))
+            return fn, self._shardings(size, capacity)
+
+        return ("compact", slots, capacity, size, moves.width), build, (state, send, at)
+
+    def _spread_moves(self, slots: int, size: int) -> routes.Routes:
+        """Row moves (their shapes: the indices are zeros) as wide as compacting a state of
+        `slots` into `size` can need when the kept rows are dealt out in `spread`'s order, as
+        `generate.decode_rows` does (`lowered_programs`): each device's kept rows, live and
+        not, are two runs of that order, which deals rows to the devices in turn, so a device
+        sends another at most ceil(slots / dp / dp) + 1 rows."""
+        dp = self.layout.dp_size
+        own = slots // dp
+        width = 0 if dp == 1 else min(_pow2(-(-own // dp) + 1), own)
+        return routes.Routes(np.zeros((dp, dp * width), np.int32), np.zeros(size, np.int32),
+                             width)
 
     def _state_specs(self, slots: int, capacity: int) -> SlotState:
         """The partition specs of a state's arrays."""
@@ -889,13 +1048,15 @@ class Rollout:
 
     def _on_each_device(self, fn, in_specs: tuple, out_specs):
         """`fn` run by each device on its own slots (`shard_map`), its arguments and result
-        split as `in_specs` and `out_specs` say (the weights, its first argument, replicated).
+        split as `in_specs` and `out_specs` say (the weights, where it takes them, replicated).
 
         Why: SPMD, advance's loop condition (are all slots done?) is an all-reduce across the
         data-parallel devices every decode step, where a device that got ahead waits for the
         other; on XLA:CPU that rendezvous cost more than the step itself (tiny model, 16 slots,
         2 devices): each device's own loop stops when its own slots are done. A fill gathered
-        its prompts (five all-gathers per call) for the slot writes.
+        its prompts (five all-gathers per call) for the slot writes. On every layout, the
+        compaction and an SPMD fill's slot writes run here too, moving rows between devices
+        only where the host planned it (module `engine.routes`).
         """
         def local(*args):
             with nn.logical_axis_rules(()):  # local shapes: no sharding constraints inside
