@@ -189,16 +189,20 @@ def stand_in_tokenizer(vocab_size: int):
 
 
 def step_buffer(spec: RunSpec) -> dict[str, np.ndarray]:
-    """The step buffer of an RL step at its largest (host arrays): every prompt P tokens, every
-    response N tokens, each model call's output of its shape (`dataflow.executors`: generate
+    """The step buffer of an RL step at its largest (host arrays): every prompt P tokens (each
+    prompt distinct, the same over its group), every response N tokens, each model call's output of its shape (`dataflow.executors`: generate
     writes sequences, sequence mask, response mask and log-probs; inference per response
     token, or per row for scores and host rewards)."""
     rows, p, n = spec.step_rows, spec.rollout.max_prompt_len, spec.rollout.max_new_tokens
+    # Each prompt its own tokens, repeated over its group (GRPO's n responses): the rollout
+    # engine prefills each distinct prompt once.
+    prompts_bp = np.ones((rows, p), np.int32)
+    prompts_bp[:, 0] = 1 + np.arange(rows) // spec.rollout.group_size
     buf: dict[str, np.ndarray] = {}
     for mfc in spec.algorithm.mfcs:
         if mfc.call is Call.GENERATE:
             tokens, mask = mfc.inputs[:2]
-            buf.setdefault(tokens, np.ones((rows, p), np.int32))
+            buf.setdefault(tokens, prompts_bp)
             buf.setdefault(mask, np.ones((rows, p), bool))
             arrays = (np.ones((rows, p + n), np.int32), np.ones((rows, p + n), bool),
                       np.ones((rows, n), bool), np.zeros((rows, n), np.float32))
