@@ -13,7 +13,7 @@ def get_cluster() -> Cluster:
         name="tpu_v5e_256",
         hosts=64,
         devices_per_host=4,
-        hbm_bytes=16 * 10**9,
+        hbm_bytes=16 * 2**30,  # 16 GiB; libtpu lets a program use 15.75 GiB
         peak_bf16_flops=197e12,
         hbm_bandwidth=819e9,
         intra_host_bandwidth=100e9,

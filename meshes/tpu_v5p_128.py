@@ -1,5 +1,6 @@
 """A TPU v5p-128 slice: 128 TensorCores = 64 chips (JAX sees one device per chip, megacore),
-16 hosts × 4 chips, 95 GB HBM per chip. Every chip sits on the 3D-torus ICI, so crossing a host
+16 hosts × 4 chips, 96 GiB HBM per chip (Google writes 95 GB; libtpu lets a program use 95.74
+GiB). Every chip sits on the 3D-torus ICI, so crossing a host
 boundary costs no extra bandwidth; a ring along one torus axis uses two 100 GB/s links."""
 
 from jaxrlhf.plan.cluster import Cluster, Platform
@@ -10,7 +11,7 @@ def get_cluster() -> Cluster:
         name="tpu_v5p_128",
         hosts=16,
         devices_per_host=4,
-        hbm_bytes=95 * 10**9,
+        hbm_bytes=96 * 2**30,  # 96 GiB; libtpu lets a program use 95.74 GiB
         peak_bf16_flops=459e12,
         hbm_bandwidth=2.765e12,
         intra_host_bandwidth=200e9,

@@ -1,5 +1,5 @@
 """A TPU v5p-16 slice: 8 chips (JAX sees one device per chip, megacore) on a 2×2×2 piece of
-the 3D ICI torus, 2 hosts × 4 chips, 95 GB HBM per chip (libtpu reports 95.74 GiB a program may
+the 3D ICI torus, 2 hosts × 4 chips, 96 GiB HBM per chip (libtpu reports 95.74 GiB a program may
 use). Figures as `tpu_v5p_128.py`: 459 TFLOP/s dense bf16, 2.765 TB/s HBM, 6 ICI links of
 100 GB/s each way, so a ring along one torus axis uses two (200 GB/s); the efficiencies are the
 same uncalibrated defaults."""
@@ -12,7 +12,7 @@ def get_cluster() -> Cluster:
         name="tpu_v5p_16",
         hosts=2,
         devices_per_host=4,
-        hbm_bytes=95 * 10**9,
+        hbm_bytes=96 * 2**30,  # 96 GiB; libtpu lets a program use 95.74 GiB
         peak_bf16_flops=459e12,
         hbm_bandwidth=2.765e12,
         intra_host_bandwidth=200e9,

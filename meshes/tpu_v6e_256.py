@@ -13,7 +13,7 @@ def get_cluster() -> Cluster:
         name="tpu_v6e_256",
         hosts=64,
         devices_per_host=4,
-        hbm_bytes=32 * 10**9,
+        hbm_bytes=32 * 2**30,  # 32 GiB; libtpu lets a program use 31.25 GiB
         peak_bf16_flops=918e12,
         hbm_bandwidth=1.64e12,
         intra_host_bandwidth=224e9,

@@ -209,3 +209,13 @@ def test_parameter_movements_compile_and_move_what_the_planner_counts(v5p_8):
     assert (move.role, move.src, move.dst) == ("critic", "0-3:p2t2@1", "0-3:d4@1")
     assert not move.error and move.programs == 1
     assert move.xla_bytes >= move.planned_bytes > 0
+
+
+@pytest.mark.parametrize("name", ["tpu_v5p_8", "tpu_v5p_16", "tpu_v5p_128", "tpu_v5e_256",
+                                  "tpu_v6e_256"])
+def test_cluster_files_usable_hbm_is_below_libtpus(libtpu, name):
+    """Every TPU cluster file's topology is its hosts × devices, and the memory it lets a plan
+    use is below what libtpu lets a program use on that chip (and within 20% of it)."""
+    cluster = load_cluster(f"meshes/{name}.py")
+    reported = targets.reported_hbm_bytes(targets.topology_devices(cluster))
+    assert 0.8 * reported < cluster.usable_hbm_bytes < reported
