@@ -190,9 +190,10 @@ def stand_in_tokenizer(vocab_size: int):
 
 def step_buffer(spec: RunSpec) -> dict[str, np.ndarray]:
     """The step buffer of an RL step at its largest (host arrays): every prompt P tokens (each
-    prompt distinct, the same over its group), every response N tokens, each model call's output of its shape (`dataflow.executors`: generate
-    writes sequences, sequence mask, response mask and log-probs; inference per response
-    token, or per row for scores and host rewards)."""
+    prompt distinct, the same over its group), every response N tokens, each model call's
+    output of its shape (`dataflow.executors`: generate writes sequences, sequence mask,
+    response mask and log-probs; inference per response token, or per row for scores and
+    host rewards)."""
     rows, p, n = spec.step_rows, spec.rollout.max_prompt_len, spec.rollout.max_new_tokens
     # Each prompt its own tokens, repeated over its group (GRPO's n responses): the rollout
     # engine prefills each distinct prompt once.
