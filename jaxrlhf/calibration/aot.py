@@ -25,7 +25,6 @@ compiled programs call; and the compile seconds.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 import types
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -35,7 +34,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.checkpoint import abstract_state
-from jaxrlhf.calibration import hlo_counts
+from jaxrlhf.calibration import hlo_counts, validate
 from jaxrlhf.dataflow.executors import padded_batch
 from jaxrlhf.engine.inference import InferenceBatch
 from jaxrlhf.mfc import MFC, Call, Role
@@ -152,18 +151,6 @@ def _kernels(text: str) -> tuple[str, ...]:
                          if f'custom_call_target="{target}' in text}))
 
 
-def _batch_bytes(compiled: jax.stages.Compiled) -> int:
-    """Per-device bytes of a compiled call's arguments after the first (parameters or state
-    come first in every call kind)."""
-    (args, _), (shardings, _) = compiled.args_info, compiled.input_shardings
-    total = 0
-    for arg, arg_shardings in zip(args[1:], shardings[1:]):
-        for info, sharding in zip(jax.tree.leaves(arg), jax.tree.leaves(arg_shardings)):
-            shape = sharding.shard_shape(tuple(info.shape))
-            total += int(np.prod(shape)) * info.dtype.itemsize  # PRNG keys too
-    return total
-
-
 def compile_program(name: str, lower: Callable[[], jax.stages.Lowered]) -> Program:
     """Lowers and compiles one program; its figures."""
     start = time.perf_counter()
@@ -174,7 +161,7 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered]) -> Progr
             - m.alias_size_in_bytes)
     text = compiled.as_text()
     flops = hlo_counts.program_flops(text)
-    return Program(name, int(peak), _batch_bytes(compiled), flops.flops, _kernels(text),
+    return Program(name, int(peak), validate.batch_argument_bytes(compiled), flops.flops, _kernels(text),
                    seconds, flops.unbounded_loops, argument_bytes=m.argument_size_in_bytes,
                    temporary_bytes=m.temp_size_in_bytes)
 
@@ -265,7 +252,7 @@ def _programs(spec: RunSpec, mfc: MFC, engine, layout: Layout, micro_batches: in
                 key = jax.random.key(0)
             lowered = engine.lower_for(params, tokens, mask, key,
                                        micro_batches if engine.on_engine else 1)
-            return {name: functools.partial(lambda x: x, x) for name, x in lowered.items()}
+            return {name: (lambda x=x: x) for name, x in lowered.items()}
     raise ValueError(f"unknown call kind {mfc.call}")
 
 
@@ -376,11 +363,8 @@ def table(reports: Sequence[CallReport]) -> str:
                      "yes" if r.fits else "NO", f"{r.xla_flops / 1e12:.3g}",
                      f"{r.model_flops / 1e12:.3g}", "+".join(r.kernels) or "XLA",
                      ", ".join(p.name for p in r.programs), f"{r.seconds:.1f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
     errors = [f"{r.name}: {r.error}" for r in reports if not r.compiled]
-    return "\n".join(lines + errors)
+    return "\n".join([validate.text_table(rows), *errors])
 
 
 def to_json(reports: Sequence[CallReport]) -> dict:
@@ -487,8 +471,5 @@ def realloc_table(reports: Sequence[ReallocReport]) -> str:
     rows += [(r.role, r.src, r.dst, str(r.programs),
               f"{r.xla_bytes / _GIB:.2f}" if not r.error else "did not compile",
               f"{r.planned_bytes / _GIB:.2f}", f"{r.seconds:.1f}") for r in reports]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines + [f"{r.role} {r.src} -> {r.dst}: {r.error}"
-                              for r in reports if r.error])
+    return "\n".join([validate.text_table(rows), *(f"{r.role} {r.src} -> {r.dst}: {r.error}"
+                                                   for r in reports if r.error)])

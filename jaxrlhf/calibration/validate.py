@@ -147,7 +147,8 @@ def validate(config: ConfigDict, cluster: Cluster, steps: int = 5) -> Validation
         return validate_run(run, cluster, steps)
 
 
-def _table(rows: Sequence[Sequence[str]]) -> str:
+def text_table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of strings as aligned columns, a rule under the first (the header)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -171,7 +172,7 @@ def time_table(v: Validation) -> str:
     rows.append(("step", f"{len(v.measured_steps)} steps, IQR {spread[0]:.0f}-{spread[1]:.0f} ms",
                  f"{1e3 * v.predicted_step:.2f}", f"{1e3 * v.measured_step:.2f}",
                  _error(v.predicted_step, v.measured_step)))
-    return _table(rows)
+    return text_table(rows)
 
 
 def memory_table(v: Validation) -> str:
@@ -183,4 +184,4 @@ def memory_table(v: Validation) -> str:
         rows.append((c.name, f"{m.estimated_arguments}", f"{m.compiled_arguments}",
                      f"{m.arguments_ratio:.2f}", f"{m.estimated_temporaries}",
                      f"{m.compiled_temporaries}", f"{m.temporaries_ratio:.2f}"))
-    return _table(rows)
+    return text_table(rows)
