@@ -79,6 +79,21 @@ def test_python_tool_runs_in_the_sandbox():
     assert out.startswith("error: PermissionError"), out
 
 
+def test_tool_calls_too_deep_or_too_large_are_answered_with_an_error_message():
+    """A call whose JSON nests past Python's stack, or whose arithmetic overflows, is the
+    policy's mistake: a tool message saying so, never an environment failure (issue 46)."""
+    row = {"prompt": "1+1=", "answer": "2"}
+    deep = "[" * 1100 + "]" * 1100
+    for env, text in [(ToolEnv(), f"<tool_call>{deep}</tool_call>"), (Llama3ToolEnv(), "{" * 1100)]:
+        turn = env.step([{"role": "assistant", "content": text}], row)
+        assert turn.messages[0]["content"].startswith("error: ") and not turn.done, turn
+    for expression in ["1e300**2", "(10.0**64)**64", "((99**64)**64)**64"]:
+        call = ('<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}'
+                "</tool_call>" % expression)
+        turn = ToolEnv().step([{"role": "assistant", "content": call}], row)
+        assert turn.messages == ({"role": "tool", "content": "error: result too large"},), turn
+
+
 @pytest.mark.parametrize("env, call", [
     (ToolEnv(), '<tool_call>{"name": "calculator", "arguments": {"expression": "12+34"}}'
                 '</tool_call>'),

@@ -70,6 +70,8 @@ def _json(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ToolCallError(f"tool call is not JSON ({e}): {text.strip()[:80]!r}") from None
+    except RecursionError:  # brackets nested past Python's stack: the policy's fault, not ours
+        raise ToolCallError("tool call is JSON nested too deeply") from None
 
 
 def parse_tool_calls(text: str, fmt: ToolCallFormat) -> list[ToolCall]:
@@ -104,6 +106,7 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _MAX_EXPONENT = 64  # 10**64 is plenty for arithmetic and keeps a power from eating memory
 _MAX_CHARS = 200
+_MAX_BITS = 4096  # an integer result's size (about 1,200 digits)
 
 
 def _evaluate(node: ast.AST) -> int | float:
@@ -116,7 +119,11 @@ def _evaluate(node: ast.AST) -> int | float:
             a, b = _evaluate(left), _evaluate(right)
             if isinstance(op, ast.Pow) and abs(b) > _MAX_EXPONENT:
                 raise ValueError(f"exponent {b} is larger than {_MAX_EXPONENT}")
-            return _BINARY[type(op)](a, b)
+            value = _BINARY[type(op)](a, b)
+            if isinstance(value, int) and value.bit_length() > _MAX_BITS:
+                # powers of powers ((99**64)**64)**64... would take seconds and megabytes
+                raise ValueError("result too large")
+            return value
         case ast.UnaryOp(op=op, operand=operand) if type(op) in _UNARY:
             return _UNARY[type(op)](_evaluate(operand))
     raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
@@ -137,6 +144,8 @@ def calculate(expression: str) -> str:
         raise ValueError(f"not an expression: {e.msg}") from None
     except ZeroDivisionError:
         raise ValueError("division by zero") from None
+    except OverflowError:  # a float power past 1.8e308 (1e300**2); ints are bounded above
+        raise ValueError("result too large") from None
     if isinstance(value, float) and value.is_integer() and math.isfinite(value):
         value = int(value)
     return str(value)
