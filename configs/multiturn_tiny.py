@@ -22,7 +22,7 @@ from jaxrlhf.configs import tool_math_tiny
 def get_config(arg=None):
     """tool_math_tiny's job (`:smoke`: the same in seconds) on the lookup task."""
     config = tool_math_tiny.get_config(arg)
-    config.env["class"] = "lookup"
+    config.env.name = "lookup"
     config.data.task.kind = "lookup"
     # sft_noise 0.6: demonstrations that stop after one question.
     if arg is None:

@@ -22,7 +22,7 @@ def get_config(arg=None):
         raise ValueError(f"unknown variant {arg!r}; known: smoke")
     config = base_config()
     config.algorithm = "grpo"
-    config.env["class"] = "tools"
+    config.env.name = "tools"
     config.env.max_turns = 3
     config.data.task.kind = "tool_arithmetic"
     config.data.task.num_digits = 2

@@ -56,10 +56,15 @@ def enum_value(kind: type[enum.Enum] | Mapping, value: str, field: str):
     return options[value]
 
 
+_RENAMED = {"env.class": "env.name"}  # old key -> its name now
+
+
 def unknown_key(path: str) -> str | None:
     """The error line of a dotted key that is not in the schema, with the closest existing key
     as a hint ("rollout.batchsize: unknown config key (did you mean rollout.batch_size?); ..."),
     or None when the key exists."""
+    if path in _RENAMED:
+        return f"{path}: renamed to {_RENAMED[path]}"
     node, done = base_config(), []
     for part in path.split("."):
         if not isinstance(node, ConfigDict) or part not in node:
@@ -148,12 +153,13 @@ def base_config() -> ConfigDict:
             "workers": 1,
             "max_error_rate": 0.5,
         },
-        # Multi-turn rollouts (grpo): the policy and this environment take turns
+        # Multi-turn rollouts (grpo, ppo): the policy and this environment take turns
         # (jaxrlhf/data/environments.py); its rewards replace `reward`. Empty = single turns.
         "env": {
-            # a built-in name ("tools": Qwen3's tool calls, "tools_llama3") or
-            # "module.path:Class" / "/path/file.py:Class"
-            "class": "",
+            # the environment's class: a built-in name ("tools": Qwen3's tool calls,
+            # "tools_llama3") or "module.path:Class" / "/path/file.py:Class" (not "class", a
+            # Python keyword, which --config.env.class= could not parse)
+            "name": "",
             "max_turns": 4,  # policy turns per trajectory; rollout.max_new_tokens: its tokens
             "timeout": 10.0,  # seconds per reset/step call; past it the trajectory scores 0
             "workers": 2,

@@ -134,7 +134,7 @@ class RewardSpec:
 class EnvSpec:
     """The environment of multi-turn rollouts (`env.*`), run in a process pool."""
 
-    spec: str  # env.class
+    spec: str  # env.name
     max_turns: int
     workers: int
     timeout: float
@@ -153,16 +153,16 @@ def _multiturn(config: ConfigDict) -> Algorithm:
 
 def _env(config: ConfigDict) -> EnvSpec | None:
     e = config.env
-    if not e["class"]:
+    if not e.name:
         return None
     if (config.algorithm not in _MULTITURN or config.async_rl.max_staleness
             or config.ppo.tis_cap):
-        raise ConfigError(f"env.class={e['class']!r}: multi-turn rollouts train with "
+        raise ConfigError(f"env.name={e.name!r}: multi-turn rollouts train with "
                           f"algorithm={' or '.join(_MULTITURN)}, synchronously, without "
                           "ppo.tis_cap")
-    with field("env.class"):
-        environments.resolve_env_class(e["class"])
-    return EnvSpec(e["class"], e.max_turns, e.workers, e.timeout, e.max_error_rate)
+    with field("env.name"):
+        environments.resolve_env_class(e.name)
+    return EnvSpec(e.name, e.max_turns, e.workers, e.timeout, e.max_error_rate)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,9 @@ CASES = [
     ("graph_unknown_algorithm",
      ["jaxrlhf.graph", "--config=configs/ppo_tiny.py", "--config.algorithm=foo"],
      "error: algorithm='foo' is not one of: ppo, grpo"),
+    ("graph_env_class_renamed",  # a Python keyword: --config.env.class= could not parse
+     ["jaxrlhf.graph", "--config=configs/grpo_tiny.py", "--config.env.class=tools"],
+     "error: --config.env.class: renamed to env.name"),
     ("graph_config_file_missing", ["jaxrlhf.graph", "--config=configs/nope.py"],
      "error: --config=configs/nope.py: no such config file"),
     ("bench_batch_does_not_split",
@@ -50,3 +53,14 @@ def test_bad_input_is_one_line_naming_the_field(tmp_path, args, expected):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert errors[0].startswith(expected.format(tmp=tmp_path)), errors[0]
+
+
+@pytest.mark.entry
+def test_the_environment_is_set_on_the_command_line(tmp_path):
+    """`--config.env.name=tools` (the README's flag) parses and gives the multi-turn graph."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrlhf.graph", "--config=configs/grpo_tiny.py",
+         "--config.env.name=tools", f"--out={tmp_path}/g.png"], capture_output=True, text=True,
+        cwd=ROOT, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("grpo_multiturn: 3 MFCs"), proc.stdout

@@ -408,8 +408,8 @@ def test_env_config_errors_are_one_line_naming_the_key():
     assert [m.name for m in spec.graph.mfcs] == ["actor_gen", "ref_inf", "actor_train"]
     assert "scores_b" in spec.graph.mfc("actor_gen").outputs and not spec.rewards
     assert spec.env.spec == "tools" and spec.env.max_turns == 3
-    for key, value, words in [("class", "nope", "env.class: unknown environment 'nope'"),
-                              ("class", f"{FIXTURES / 'envs.py'}:Nope", "has no class 'Nope'"),
+    for key, value, words in [("name", "nope", "env.name: unknown environment 'nope'"),
+                              ("name", f"{FIXTURES / 'envs.py'}:Nope", "has no class 'Nope'"),
                               ("max_turns", 0, "env.max_turns")]:
         config = tool_math_tiny.get_config("smoke")
         config.env[key] = value
@@ -418,7 +418,7 @@ def test_env_config_errors_are_one_line_naming_the_key():
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
     config = tool_math_tiny.get_config("smoke")
     config.algorithm = "rloo"
-    with pytest.raises(ConfigError, match="env.class='tools': multi-turn rollouts train with "
+    with pytest.raises(ConfigError, match="env.name='tools': multi-turn rollouts train with "
                                           "algorithm=grpo or ppo"):
         run_spec(config)
     config.algorithm = "ppo"

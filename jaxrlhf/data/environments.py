@@ -1,6 +1,6 @@
 """Environments of multi-turn rollouts, and the process pool that runs them beside training.
 
-An environment is a class a user writes and names in a config (`env.class`: a built-in name,
+An environment is a class a user writes and names in a config (`env.name`: a built-in name,
 `my_pkg.envs:MyEnv` or `/path/envs.py:MyEnv`), made once per worker process with no
 arguments:
 

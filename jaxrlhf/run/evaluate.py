@@ -11,7 +11,7 @@ greedily on the generation layout. What is reported depends on what the data and
     function (exact match, `math`, ...), and exact match when it is a model, so a learned
     reward is never its own judge.
 
-A multi-turn run (`env.class`) evaluates greedy trajectories with its environment instead:
+A multi-turn run (`env.name`) evaluates greedy trajectories with its environment instead:
 `reward` (their mean), `accuracy` (the share with reward >= 1), `turns` and `tool_error_rate`.
 
 With `eval.samples = n > 0`, the periodic evaluation also samples n responses per prompt at the
