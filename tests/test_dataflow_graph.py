@@ -1,5 +1,7 @@
 """Graph validation, placement resolution and scheduler dispatch order."""
 
+import dataclasses
+
 import pytest
 
 from jaxrlhf.dataflow.graph import MFC, Call, GraphError, Role, build_graph
@@ -60,6 +62,15 @@ def test_placements_cover_every_model_mfc():
     alone = _resolved(g, Placement.STANDALONE, 8)
     assert alone["actor_gen"] == "0-3:d4" and alone["critic_train"] == "4-5:d2"
     assert alone["ref_inf"] == "6-7:d2"
+
+
+def test_standalone_leaves_a_device_for_every_model():
+    """Four models on four devices (ppo with a reward model on the 4 chips of a v5p-8):
+    halving would give the actor two and the reward model none."""
+    mfcs = [dataclasses.replace(m, host=False) if m.name == "reward" else m for m in ppo_like()]
+    alone = _resolved(build_graph(mfcs), Placement.STANDALONE, 4)
+    assert alone == {"actor_gen": "0:d1", "reward": "3:d1", "ref_inf": "2:d1",
+                     "critic_inf": "1:d1", "actor_train": "0:d1", "critic_train": "1:d1"}
 
 
 def test_manual_placement_errors_name_the_mfc():

@@ -77,7 +77,8 @@ def _halves(num_devices: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def _standalone_blocks(roles: list[Role], num_devices: int) -> dict[Role, tuple[int, int]]:
-    """Halving blocks in role priority order; the last role takes what is left."""
+    """Halving blocks in role priority order, each leaving a device for every role after it;
+    the last role takes what is left."""
     if len(roles) > num_devices:
         raise PlacementError(
             f"placement.kind=standalone needs a device per model: {len(roles)} models, "
@@ -85,7 +86,8 @@ def _standalone_blocks(roles: list[Role], num_devices: int) -> dict[Role, tuple[
         )
     blocks, start, left = {}, 0, num_devices
     for i, role in enumerate(roles):
-        size = left if i == len(roles) - 1 else max(1, left // 2)
+        after = len(roles) - 1 - i
+        size = left if not after else max(1, min(left // 2, left - after))
         blocks[role] = (start, size)
         start, left = start + size, left - size
     return blocks
