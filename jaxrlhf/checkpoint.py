@@ -478,6 +478,40 @@ def _check_resume(directory: pathlib.Path, fingerprint: dict[str, str], mode: Re
         "checkpoints are moved aside) or =force to resume it anyway")
 
 
+def shape_mismatches(directory: pathlib.Path, models: dict[Role, ModelConfig]) -> list[str]:
+    """What keeps the checkpoint a rerun would resume from restoring onto `models` (the run's
+    architectures; its warm start's checkpoints hold the actor alone): `role: what` for a role
+    it lacks and for every parameter whose shape differs or that only one side has, from the
+    checkpoint's metadata alone (no array is read, nothing compiles). Empty when it fits or
+    there is none. A forced resume checks this first: orbax would fail on such a checkpoint
+    as on a damaged one, and the fallback would set another run's intact work aside."""
+    found = _newest_host(directory)
+    if found is None:
+        return []
+    path, _ = found
+    if path.parent.name == WARM_START_DIR:
+        models = {Role.ACTOR: models[Role.ACTOR]}
+    out = []
+    for role, model in models.items():
+        item = path / f"{role.value}_params"
+        if not item.is_dir():
+            out.append(f"{role.value}: no parameters in {path}")
+            continue
+        stored = _shapes(ocp.StandardCheckpointer().metadata(item.absolute()).item_metadata.tree)
+        wanted = _shapes(nn.unbox(abstract_params(model)))
+        out += [f"{role.value}: {key} {list(stored[key]) if key in stored else '(absent)'} "
+                f"where this run has {list(wanted[key]) if key in wanted else '(absent)'}"
+                for key in sorted(set(stored) | set(wanted)) if stored.get(key) != wanted.get(key)]
+    return out
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+    """'a.b.c' -> shape of every array leaf of a nested dict of arrays or array metadata."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
+            for path, leaf in leaves}
+
+
 def _newest_host(directory: pathlib.Path) -> tuple[pathlib.Path, HostState] | None:
     """(path, host state) of the checkpoint a rerun would resume: the newest readable one of
     the run, else of its warm start; None when there is none."""

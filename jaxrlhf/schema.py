@@ -321,6 +321,10 @@ _BOUNDS = (
                "env.max_error_rate")),
     (">=", 0, ("seed",)),
     ("<", 2**32, ("seed",)),  # PRNG seeds are unsigned 32-bit
+    # a discount or GAE λ outside [0, 1] weighs the future more than the present (or flips
+    # its sign); a negative β rewards drifting from the reference
+    (">=", 0, ("ppo.gamma", "ppo.lam", "grpo.kl_coef")),
+    ("<=", 1, ("ppo.gamma", "ppo.lam")),
 )
 _RELATIONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
@@ -343,6 +347,9 @@ def check_ranges(config: ConfigDict) -> None:
             value = functools.reduce(getattr, name.split("."), config)
             if not _RELATIONS[relation](value, bound):
                 raise ConfigError(f"{name}={value}: must be {relation} {bound}")
+    if 0 < config.ppo.tis_cap < 1:  # min(ratio, cap) would scale every on-policy token down
+        raise ConfigError(f"ppo.tis_cap={config.ppo.tis_cap}: must be 0 (off) or >= 1 (a cap "
+                          "below 1 weighs every on-policy token's loss down to it)")
     batch = config.rollout.batch_size * config.rollout.group_size
     if batch % config.ppo.mini_batches:
         raise ConfigError(f"ppo.mini_batches={config.ppo.mini_batches} does not divide the "

@@ -43,6 +43,7 @@ from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.plan.experiment import Experiment, Workload
 from jaxrlhf.schema import ConfigError, check_keys, check_ranges, enum_value, field
+from jaxrlhf.schema import model as schema_model
 
 
 class NanPolicy(enum.Enum):
@@ -296,13 +297,25 @@ def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
     else:
         with field(f"{where}.size"):
             base = get_size(cfg.size, dtype=dtype, param_dtype=param_dtype, head=head)
+    if adapters is not None and (problem := lora.rank_problem(adapters, base)):
+        raise ConfigError(f"{where}.lora.{problem}")
     return base.replace(scan_layers=cfg.scan_layers, remat=remat, attention=attn, lora=adapters)
+
+
+_LORA_DEFAULTS = schema_model().lora
 
 
 def _lora(cfg: ConfigDict, role: Role, where: str) -> lora.LoraConfig | None:
     """`models.<role>.lora` as a LoraConfig; None at rank 0. Only the actor takes adapters."""
     if not cfg.rank:
+        for key, value in cfg.items():  # set, and nothing would read it
+            if key != "rank" and value != _LORA_DEFAULTS[key]:
+                raise ConfigError(f"{where}.{key}={value!r}: {where}.rank=0 adapts nothing (set "
+                                  "a rank > 0 to train adapters)")
         return None
+    if cfg.alpha <= 0:  # the adapters' output is scaled by alpha / rank: 0 trains nothing
+        raise ConfigError(f"{where}.alpha={cfg.alpha}: must be > 0 (the adapters' output is "
+                          "scaled by alpha / rank)")
     if role is not Role.ACTOR:
         raise ConfigError(f"{where}.rank={cfg.rank}: LoRA adapts the actor only")
     with field(f"{where}.targets"):
@@ -351,6 +364,10 @@ def dapo_config(config: ConfigDict) -> dapo.DAPOConfig:
     if r.batch_size % d.oversample:
         raise ConfigError(f"dapo.oversample={d.oversample} does not divide rollout.batch_size="
                           f"{r.batch_size} (the prompts generated per step)")
+    if d.overlong_buffer >= r.max_new_tokens:
+        raise ConfigError(f"dapo.overlong_buffer={d.overlong_buffer}: must be < "
+                          f"rollout.max_new_tokens={r.max_new_tokens} (the shaping penalises "
+                          "the last overlong_buffer tokens: here every response)")
     trained = r.batch_size // d.oversample * r.group_size
     if trained % p.mini_batches:
         raise ConfigError(f"ppo.mini_batches={p.mini_batches} does not divide the {trained} "

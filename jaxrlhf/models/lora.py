@@ -66,6 +66,28 @@ class LoraConfig:
         return any(t.value == name for t in self.targets)
 
 
+def projection_sizes(model) -> dict[LoraTarget, tuple[int, int]]:
+    """(fan-in, fan-out) of every projection LoRA may adapt in `model` (a ModelConfig)."""
+    d, f = model.hidden_size, model.intermediate_size
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return {LoraTarget.Q_PROJ: (d, q), LoraTarget.K_PROJ: (d, kv), LoraTarget.V_PROJ: (d, kv),
+            LoraTarget.O_PROJ: (q, d), LoraTarget.GATE_PROJ: (d, f), LoraTarget.UP_PROJ: (d, f),
+            LoraTarget.DOWN_PROJ: (f, d)}
+
+
+def rank_problem(lora: LoraConfig, model) -> str | None:
+    """Why `lora`'s rank does not fit `model`'s projections (None when it does): A·B of an
+    [in, out] projection has rank at most min(in, out), so a larger rank adds parameters and
+    work that learn nothing a rank of min(in, out) would not."""
+    sizes = projection_sizes(model)
+    target = min(lora.targets, key=lambda t: min(sizes[t]))
+    if lora.rank <= min(sizes[target]):
+        return None
+    fan_in, fan_out = sizes[target]
+    return (f"rank={lora.rank}: more than {min(sizes[target])}, the most an adapter of "
+            f"{target.value} [{fan_in}, {fan_out}] can have (rank <= min(in, out))")
+
+
 def parse_targets(text: str) -> tuple[LoraTarget, ...]:
     """"q_proj,v_proj" -> (Q_PROJ, V_PROJ); an unknown name is a ValueError listing the options."""
     names = [t.strip() for t in text.split(",") if t.strip()]

@@ -22,7 +22,7 @@ from ml_collections import ConfigDict
 from jaxrlhf import backend
 from jaxrlhf.algorithms import sft
 from jaxrlhf.algorithms.spec import BatchKind
-from jaxrlhf.checkpoint import CHECKPOINT_DIR, check_resume
+from jaxrlhf.checkpoint import CHECKPOINT_DIR, ResumeMode, check_resume, shape_mismatches
 from jaxrlhf.data.rewards import NEEDS_ANSWER, resolve_reward
 from jaxrlhf.data.sources import Data, read_data, read_pairs
 from jaxrlhf.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
@@ -35,7 +35,7 @@ from jaxrlhf.models import hf_io
 from jaxrlhf.run import lock, roles
 from jaxrlhf.run.layouts import RunPlan, place, single
 from jaxrlhf.schema import ConfigError, base_config, field
-from jaxrlhf.spec import RunSpec, run_spec
+from jaxrlhf.spec import AlgorithmName, RunSpec, run_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +108,27 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     _check_answers(job)
     with field("checkpoint"):  # another run's checkpoints are refused
         check_resume(workdir / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
+    if spec.checkpoint.resume is ResumeMode.FORCE:
+        _check_forced_resume(job)
     try:  # last: a config refused leaves no directory behind
         backend.use_compilation_cache(spec.compile_cache_dir)
     except OSError as e:  # the default's too (a read-only home): say what to set
         raise ConfigError(f"compile.cache_dir: {e} (set a directory that takes files, or \"\" "
                           "for no cache)") from None
     return job
+
+
+def _check_forced_resume(job: Job) -> None:
+    """A forced resume of checkpoints whose parameters have other shapes (a LoRA rank changed,
+    LoRA turned on over full weights) is refused: restoring would fail as on a damaged
+    checkpoint, and the fallback would move that run's intact checkpoints aside."""
+    directory = job.workdir / CHECKPOINT_DIR
+    if mismatches := shape_mismatches(directory, job.spec.model_configs()):
+        more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+        raise ConfigError(
+            f"checkpoint.resume=force: the checkpoints in {directory} do not fit this run's "
+            f"models ({mismatches[0]}{more}); use another --workdir, or "
+            "checkpoint.resume=never to start afresh (they are moved aside)")
 
 
 def _check_positions(spec: RunSpec) -> None:
@@ -160,6 +175,50 @@ def _check_ignored(config: ConfigDict, spec: RunSpec) -> None:
     for set_, key, reason in ignored:
         if set_:
             raise ConfigError(f"{key}: {reason}")
+    _check_unread_sections(config, spec)
+
+
+# The algorithms that read a section of their own (the rest ignore it). A hand-kept table until
+# the algorithm registry (issue 47) says which sections each algorithm reads.
+_SECTION_READERS = {
+    "dapo": (AlgorithmName.DAPO,), "gspo": (AlgorithmName.GSPO,),
+    "grpo": (AlgorithmName.GRPO, AlgorithmName.GSPO), "dpo": (AlgorithmName.DPO,),
+    "safe_rlhf": (AlgorithmName.SAFE_RLHF,), "cost": (AlgorithmName.SAFE_RLHF,),
+}
+
+
+def _changed(section: ConfigDict, default: ConfigDict, prefix: str) -> list[tuple[str, object]]:
+    """(dotted key, value) of every leaf of `section` that differs from `default`'s."""
+    out = []
+    for key, value in section.items():
+        if isinstance(value, ConfigDict):
+            out += _changed(value, default[key], f"{prefix}{key}.")
+        elif value != default[key]:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def _check_unread_sections(config: ConfigDict, spec: RunSpec) -> None:
+    """Refuses a key changed in a section this run never reads: another algorithm's settings,
+    the environment's without `env.name`, the model of a role the run does not have."""
+    base, name = base_config(), AlgorithmName(config.algorithm)
+    unread = [(section, f"algorithm={name.value} does not read {section}.* (read by "
+                        f"{', '.join(a.value for a in readers)})")
+              for section, readers in _SECTION_READERS.items() if name not in readers]
+    if spec.env is None:
+        unread.append(("env", "env.name is empty (single-turn rollouts read no env.*)"))
+    for role in set(Role) - set(spec.models) - {Role.ACTOR}:
+        if role.value in config.models:
+            why = (f"{role.value}.kind={config[role.value].kind}" if role in spec.rewards
+                   else f"algorithm={name.value}")
+            unread.append((f"models.{role.value}", f"this run has no {role.value} model ({why})"))
+    for section, reason in unread:
+        node, default = config, base
+        for part in section.split("."):
+            node, default = node[part], default[part]
+        if changed := _changed(node, default, f"{section}."):
+            key, value = changed[0]
+            raise ConfigError(f"{key}={value!r}: {reason}")
 
 
 def _check_answers(job: Job) -> None:

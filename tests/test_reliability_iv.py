@@ -1,0 +1,116 @@
+"""Accepted and then trained nothing, or the wrong thing (issue 46, Reliability IV): each of
+these is now one line `FIELD: problem` from the checks (`run.check.check_config`), before
+anything compiles."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxrlhf.mfc import Role
+from jaxrlhf.models.sizes import abstract_params
+
+from jaxrlhf.run.check import check_config
+from jaxrlhf.schema import ConfigError, base_config
+
+COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration",
+                  "/jax/compilation_cache/cache_retrieval_time_sec")
+
+
+def configured(overrides: dict) -> object:
+    """base_config() with `{dotted key: value}` set."""
+    config = base_config()
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return config
+
+
+def refusal(config, workdir) -> str:
+    """The ConfigError line check_config raises for `config`, asserting nothing compiled."""
+    compiles = []
+    listener = lambda event, *_, **__: compiles.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with pytest.raises(ConfigError) as info:
+            check_config(config, str(workdir))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not [e for e in compiles if e in COMPILE_EVENTS], "a check compiled something"
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+GRPO = {"algorithm": "grpo", "rollout.group_size": 2}
+
+# (id, overrides, the start of the expected line)
+CASES = [
+    ("lora_rank_past_the_width", {"models.actor.lora.rank": 1000},
+     "models.actor.lora.rank=1000: more than 32, the most an adapter of k_proj [64, 32] can "
+     "have"),
+    ("lora_alpha_zero", {"models.actor.lora.rank": 4, "models.actor.lora.alpha": 0.0},
+     "models.actor.lora.alpha=0.0: must be > 0"),
+    ("lora_targets_at_rank_zero", {"models.actor.lora.targets": "q_proj"},
+     "models.actor.lora.targets='q_proj': models.actor.lora.rank=0 adapts nothing"),
+    ("overlong_buffer_past_the_response", {"algorithm": "dapo", "rollout.group_size": 2,
+                                           "dapo.overlong_buffer": 100},
+     "dapo.overlong_buffer=100: must be < rollout.max_new_tokens=8"),
+    ("tis_cap_below_one", {"ppo.tis_cap": 1e-9}, "ppo.tis_cap=1e-09: must be 0 (off) or >= 1"),
+    ("gamma_above_one", {"ppo.gamma": 1.5}, "ppo.gamma=1.5: must be <= 1"),
+    ("lam_negative", {"ppo.lam": -1.0}, "ppo.lam=-1.0: must be >= 0"),
+    ("grpo_kl_coef_negative", {**GRPO, "grpo.kl_coef": -0.5}, "grpo.kl_coef=-0.5: must be >= 0"),
+    ("dapo_keys_under_ppo", {"dapo.overlong_buffer": 4},
+     "dapo.overlong_buffer=4: algorithm=ppo does not read dapo.*"),
+    ("gspo_keys_under_grpo", {**GRPO, "gspo.clip_eps": 1e-3},
+     "gspo.clip_eps=0.001: algorithm=grpo does not read gspo.*"),
+    ("grpo_keys_under_ppo", {"grpo.kl_coef": 0.1},
+     "grpo.kl_coef=0.1: algorithm=ppo does not read grpo.*"),
+    ("env_keys_without_env_name", {"env.max_turns": 2},
+     "env.max_turns=2: env.name is empty"),
+    ("critic_size_under_grpo", {**GRPO, "models.critic.size": "small"},
+     "models.critic.size='small': this run has no critic model (algorithm=grpo)"),
+    ("reward_model_size_with_a_reward_function", {"models.reward.size": "small"},
+     "models.reward.size='small': this run has no reward model (reward.kind=function)"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_values_that_train_nothing_are_refused_before_compiling(overrides, expected, tmp_path):
+    message = refusal(configured(overrides), tmp_path / "work")
+    assert message.startswith(expected), message
+
+
+def _sft_checkpoint(workdir, rank: int) -> None:
+    """Checkpoint 3 of an SFT run of the tiny actor with LoRA rank `rank` (0: full weights):
+    its parameters, zeros of the right shapes (what a forced resume reads is their metadata)."""
+    from jaxrlhf.checkpoint import CHECKPOINT_DIR, CheckpointConfig, Checkpointer
+    from jaxrlhf.spec import run_spec
+    from test_checkpoint import host_state
+
+    config = configured({"algorithm": "sft", "models.actor.lora.rank": rank})
+    actor = run_spec(config).models[Role.ACTOR].config
+    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), nn.unbox(abstract_params(actor)))
+    ckpts = Checkpointer(workdir / CHECKPOINT_DIR, CheckpointConfig(1, 2, async_save=False))
+    ckpts.save({Role.ACTOR: params}, host_state(3, config, trained=(), frozen=("actor",)))
+    ckpts.close()
+
+
+@pytest.mark.parametrize("saved,now", [(4, 8), (0, 4)], ids=["rank_changed", "lora_over_full"])
+def test_a_forced_resume_of_other_shapes_is_refused_and_leaves_the_checkpoints(saved, now,
+                                                                               tmp_path):
+    """checkpoint.resume=force after a LoRA change: one line, before compiling; before, the
+    restore failed as on damage and the other run's intact checkpoint was renamed 3.damaged-1."""
+    workdir = tmp_path / "work"
+    _sft_checkpoint(workdir, saved)
+    config = configured({"algorithm": "sft", "models.actor.lora.rank": now,
+                         "checkpoint.resume": "force"})
+    message = refusal(config, workdir)
+    assert message.startswith("checkpoint.resume=force: the checkpoints in ") and (
+        "do not fit this run's models (actor: layers." in message), message
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["3"]
+    config.models.actor.lora.rank = saved  # the same shapes: a forced resume goes ahead
+    check_config(config, str(workdir))
