@@ -114,3 +114,20 @@ def test_a_forced_resume_of_other_shapes_is_refused_and_leaves_the_checkpoints(s
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["3"]
     config.models.actor.lora.rank = saved  # the same shapes: a forced resume goes ahead
     check_config(config, str(workdir))
+
+
+def test_the_byte_tokenizer_does_not_drive_a_model_with_its_own(tmp_path):
+    """An HF directory with a tokenizer.json and the default tokenizer='byte': refused in one
+    line naming both (before, byte ids 0-271 trained a 128k-vocabulary model silently)."""
+    from test_reliability_inputs import _byte_level_tokenizer, _hf_dir
+
+    model = _hf_dir(tmp_path / "llama")
+    _byte_level_tokenizer(model)
+    config = configured({"algorithm": "sft", "models.actor.path": str(model)})
+    assert refusal(config, tmp_path / "work") == (
+        f"tokenizer='byte': models.actor.path='{model}' has a tokenizer of its own "
+        f"(tokenizer.json); set tokenizer='{model}' to train with it (the byte tokenizer's ids "
+        "would mean other tokens to this model)")
+    (model / "tokenizer.json").unlink()  # weights alone: the byte tokenizer is the only one
+    config.checkpoint.resume = "never"
+    check_config(config, str(tmp_path / "work2"))

@@ -25,6 +25,8 @@ BYTE_BOS_ID = 257
 BYTE_EOS_ID = 258
 BYTE_VOCAB_SIZE = 272
 
+TOKENIZER_FILE = "tokenizer.json"  # what a Hugging Face directory's tokenizer is read from
+
 
 class VocabMismatchError(ValueError):
     """The tokenizer can emit ids that the model's embedding table does not have."""
@@ -106,7 +108,7 @@ class HFTokenizer:
           ValueError: no EOS token can be found, or a named token is not in the vocabulary.
         """
         path = pathlib.Path(path)
-        tokenizer_file = path / "tokenizer.json"
+        tokenizer_file = path / TOKENIZER_FILE
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))

@@ -25,7 +25,7 @@ from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.checkpoint import CHECKPOINT_DIR, ResumeMode, check_resume, shape_mismatches
 from jaxrlhf.data.rewards import NEEDS_ANSWER, resolve_reward
 from jaxrlhf.data.sources import Data, read_data, read_pairs
-from jaxrlhf.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from jaxrlhf.data.tokenizer import TOKENIZER_FILE, Tokenizer, check_vocab, load_tokenizer
 from jaxrlhf.dataflow.graph import build_graph
 from jaxrlhf.dataflow.placement import Placement
 from jaxrlhf.engine.microbatch import num_microbatches
@@ -83,6 +83,7 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
             raise ConfigError('tokenizer: empty; set it to "byte" or to the Hugging Face '
                               "directory of the models' tokenizer (tokenizer.json)")
         tokenizer = load_tokenizer(spec.tokenizer)
+    _check_tokenizer_follows(spec)
     for role, reward in spec.rewards.items():
         with field(f"{role.value}.function"):  # reward or cost
             resolve_reward(reward.function)
@@ -116,6 +117,22 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
         raise ConfigError(f"compile.cache_dir: {e} (set a directory that takes files, or \"\" "
                           "for no cache)") from None
     return job
+
+
+def _check_tokenizer_follows(spec: RunSpec) -> None:
+    """The byte tokenizer (the default) never drives a model that brought its own: byte ids
+    0-271 fed to a model of a 128k vocabulary train silently wrong (loss about ln 128k). The
+    run refuses rather than switch tokenizers by itself: one tokenizer serves every role,
+    roles' directories may hold different ones, and the config (its fingerprint, and export's
+    copy of the tokenizer) should name the one the run uses."""
+    if spec.tokenizer != "byte":
+        return
+    for role, model in {Role.ACTOR: spec.base, **spec.models}.items():
+        if model.path and (pathlib.Path(model.path) / TOKENIZER_FILE).is_file():
+            raise ConfigError(
+                f"tokenizer='byte': models.{role.value}.path={model.path!r} has a tokenizer of "
+                f"its own ({TOKENIZER_FILE}); set tokenizer={model.path!r} to train with it "
+                "(the byte tokenizer's ids would mean other tokens to this model)")
 
 
 def _check_forced_resume(job: Job) -> None:
