@@ -1,6 +1,6 @@
 """Multi-turn rollouts: the policy and an environment take turns, the reward comes at the end.
 
-Turns stream through the rollout engine (`engine/rollout.py`, the generator's engine for
+Turns stream through the rollout engine (`engine/rollout/`, the generator's engine for
 prompts of P + N ids): a trajectory ready for its turn waits in a queue, takes a free slot, where
 its whole conversation so far is prefilled as the prompt, and decodes; a row that ends its turn
 gives up its slot, and its conversation goes to the environment (`data/environments.py`, one
