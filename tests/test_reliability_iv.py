@@ -131,3 +131,16 @@ def test_the_byte_tokenizer_does_not_drive_a_model_with_its_own(tmp_path):
     (model / "tokenizer.json").unlink()  # weights alone: the byte tokenizer is the only one
     config.checkpoint.resume = "never"
     check_config(config, str(tmp_path / "work2"))
+
+
+@pytest.mark.parametrize("feature", [{"async_rl.max_staleness": 1}, {"env.name": "tools"}],
+                         ids=["async", "multi_turn"])
+def test_a_pipelined_generation_layout_of_the_rollout_engine_is_refused_before_compiling(
+        feature, tmp_path):
+    """Before, the rollout engine refused it with a ValueError at run time, after the warm
+    start had compiled and trained (issue 46)."""
+    config = configured({**GRPO, **feature, "placement.kind": "manual", "placement.allocation":
+                         "actor_gen=0-7:p2d4,ref_inf=0-7:d8,actor_train=0-7:d8"})
+    message = refusal(config, tmp_path / "work")
+    assert message.startswith("placement: actor_gen runs on 0-7:d4p2@2, a pipelined") and (
+        "generates on the rollout engine" in message), message

@@ -30,7 +30,7 @@ from jaxrlhf.dataflow.graph import build_graph
 from jaxrlhf.dataflow.placement import Placement
 from jaxrlhf.engine.microbatch import num_microbatches
 from jaxrlhf.fingerprint import run_fingerprint
-from jaxrlhf.mfc import Role
+from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models import hf_io
 from jaxrlhf.run import lock, roles
 from jaxrlhf.run.layouts import RunPlan, place, single
@@ -101,6 +101,7 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     roles.starts(spec)  # every role has weights to start from
     with field("placement"):
         plan = place(spec)
+    _check_rollout_layouts(spec, plan)
     _check_positions(spec)
     fingerprint = run_fingerprint(spec.config_json)
     job = Job(spec, tokenizer, plan, workdir, fingerprint, load_data(spec, workdir, tokenizer))
@@ -117,6 +118,24 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
         raise ConfigError(f"compile.cache_dir: {e} (set a directory that takes files, or \"\" "
                           "for no cache)") from None
     return job
+
+
+def _check_rollout_layouts(spec: RunSpec, plan: RunPlan) -> None:
+    """Asynchronous and multi-turn runs generate on the rollout engine, which decodes each row
+    at its own position; a pipelined layout's stages decode every row at one slot (only the
+    synchronous static batch runs there), so such a generation layout is refused now rather
+    than when the engine is built, after the warm start (engine/rollout keeps its own guard)."""
+    user = ("async_rl.max_staleness" if spec.async_rl.max_staleness
+            else "env.name" if spec.env is not None else None)
+    if user is None:
+        return
+    for m in spec.graph.mfcs:
+        if m.call is Call.GENERATE and plan.layouts[m.name].pipeline > 1:
+            raise ConfigError(
+                f"placement: {m.name} runs on {plan.plan[m.name]}, a pipelined layout, but with "
+                f"{user} set it generates on the rollout engine, which decodes each row at its "
+                f"own position (pipeline stages decode all rows at one): give {m.name} a "
+                "layout without pipeline stages")
 
 
 def _check_tokenizer_follows(spec: RunSpec) -> None:
