@@ -47,7 +47,7 @@ from jaxrlhf.backend import use_cpu_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config", lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 3, "measured rounds (after one compile step): "
-                              "the probe, a step, each MFC alone")
+                              "the probe, a step, each MFC alone", lower_bound=1)
 _PROFILE = flags.DEFINE_string("profile", "", "write a JAX profiler trace of one step here")
 _ROLLOUT = flags.DEFINE_string("rollout", "", "generation alone, one row per entry: new-token "
                                "counts and tail[:MAX] (e.g. 64,512,2048,tail)")

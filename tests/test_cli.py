@@ -33,6 +33,9 @@ CASES = [
     ("bench_batch_does_not_split",
      ["jaxrlhf.bench", "--config=configs/ppo_tiny.py", "--config.rollout.batch_size=7"],
      "error: placement.strategy: MFC 'actor_gen' (0-7:d8) splits the batch 8 ways"),
+    ("bench_zero_steps",  # compiled, then died on a median of no timings
+     ["jaxrlhf.bench", "--config=configs/ppo_tiny.py", "--steps=0"],
+     "error: flag --steps=0: 0 is not a positive integer"),
     ("bench_stray_argument", ["jaxrlhf.bench", "--config=configs/ppo_tiny.py", "extra"],
      "error: unexpected arguments: ['extra']"),
     ("export_no_checkpoints", ["jaxrlhf.export", "--workdir={tmp}", "--out={tmp}/hf"],
