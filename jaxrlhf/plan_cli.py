@@ -91,6 +91,12 @@ def _use_devices(cluster: Cluster) -> None:
 
     if jax.process_count() > 1:
         raise ConfigError("--calibrate/--validate run on one host (one process)")
+    here = jax.devices()[0].platform
+    if here != cluster.platform.value:  # a fit or comparison of another machine's timings
+        raise ConfigError(f"--cluster: {cluster.name} is a {cluster.platform.value.upper()} "
+                          f"cluster but this machine presents {here.upper()} devices; "
+                          "--calibrate and --validate time MFCs on the cluster's own devices "
+                          "(--compile compiles for it without them)")
     if jax.device_count() != cluster.num_devices:
         raise ConfigError(f"--cluster: {cluster.name} has {cluster.num_devices} devices but this "
                           f"machine presents {jax.device_count()} ({jax.devices()[0].platform})")

@@ -22,6 +22,14 @@ CASES = [
      ["jaxrlhf.plan", "--config=configs/ppo_tiny.py", "--cluster=meshes/cpu_8.py",
       "--calibrate", "--validate"],
      "error: --calibrate, --validate and --compile are separate runs"),
+    ("plan_validate_gpu_cluster_on_cpu",  # compared A100 predictions with CPU timings
+     ["jaxrlhf.plan", "--config=configs/ppo_tiny.py", "--cluster=meshes/a100_2x8.py",
+      "--validate"],
+     "error: --cluster: a100_2x8 is a GPU cluster but this machine presents CPU devices"),
+    ("plan_calibrate_gpu_cluster_on_cpu",  # wrote an A100 calibration from CPU timings
+     ["jaxrlhf.plan", "--config=configs/ppo_tiny.py", "--cluster=meshes/a100_2x8.py",
+      "--calibrate", "--workdir={tmp}"],
+     "error: --cluster: a100_2x8 is a GPU cluster but this machine presents CPU devices"),
     ("graph_unknown_algorithm",
      ["jaxrlhf.graph", "--config=configs/ppo_tiny.py", "--config.algorithm=foo"],
      "error: algorithm='foo' is not one of: ppo, grpo"),
