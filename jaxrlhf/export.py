@@ -35,10 +35,15 @@ PEFT's format (adapter_model.safetensors, adapter_config.json), whose base model
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
+import os
 import pathlib
 import shutil
+import socket
 import sys
 import tempfile
 
@@ -85,6 +90,44 @@ def check_out(out: pathlib.Path, overwrite: bool) -> None:
     if any(out.iterdir()):
         raise FileExistsError(f"--out={out}: a directory that is not empty (pass --overwrite "
                               "to replace it and everything in it)")
+
+
+@contextlib.contextmanager
+def out_lock(out: pathlib.Path):
+    """Holds an exclusive lock on `out` (a `flock` on `.NAME.export-lock` beside it, since an
+    export replaces `out` itself) while an export writes it: two exports to one `--out` at once
+    would each pass `check_out` and the later would silently replace the other's.
+
+    Raises:
+      FileExistsError: another export holds it (naming its pid and host).
+    """
+    path = out.absolute().parent / f".{out.name}.export-lock"
+    out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = (os.pread(fd, 256, 0).decode(errors="replace").split() + ["?", "?"])[:2]
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            raise FileExistsError(f"--out={out}: another export is writing it (pid {holder[0]} "
+                                  f"on {holder[1]}); wait for it, or choose another --out") from None
+        # the holder before us unlinks the file as it finishes: lock the one at `path` now
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
 
 
 def _replace(staged: pathlib.Path, out: pathlib.Path) -> None:
@@ -150,16 +193,23 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path, role: Role = Ro
 
     Raises:
       FileNotFoundError: the workdir has no checkpoint (or not `step`), or none that restores.
-      FileExistsError: `out` holds something and not `overwrite` (`check_out`).
+      FileExistsError: `out` holds something and not `overwrite` (`check_out`), or another
+        export is writing it (`out_lock`).
       ValueError: the checkpoint has no model of that role.
     """
+    out = pathlib.Path(out)
+    with out_lock(out):
+        check_out(out, overwrite)
+        return _export(workdir, out, role, step)
+
+
+def _export(workdir, out: pathlib.Path, role: Role, step: int | None) -> Exported:
+    """`export` once `out` is locked and checked."""
     # Imported here so that `--help` answers without starting JAX.
     from jaxrlhf import checkpoint
     from jaxrlhf.data.tokenizer import load_tokenizer
     from jaxrlhf.models import hf_io
 
-    out = pathlib.Path(out)
-    check_out(out, overwrite)
     directory = pathlib.Path(workdir) / checkpoint.CHECKPOINT_DIR
     if not directory.is_dir():
         raise FileNotFoundError(f"no checkpoints in {directory}")

@@ -122,3 +122,22 @@ def test_export_copies_an_hf_tokenizer(tmp_path):
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "actor")
     assert hf_tok("a 3 b", add_special_tokens=False)["input_ids"] == [13, 6, 14]
     assert hf_tok.eos_token_id == 2
+
+
+def test_an_export_to_an_out_another_export_is_writing_is_refused(run, tmp_path):
+    """Two exports to one --out at once both exited 0, the later silently replacing the
+    other's; now the second is refused while the first holds --out (issue 46)."""
+    workdir, _ = run
+    out = tmp_path / "hf"
+    with export.out_lock(out):  # an export in progress
+        with pytest.raises(FileExistsError, match=r"--out=.*/hf: another export is writing it "
+                                                  r"\(pid \d+ on "):
+            export.export(workdir, out)
+        proc = subprocess.run([sys.executable, "-m", "jaxrlhf.export", f"--workdir={workdir}",
+                               f"--out={out}", "--overwrite"], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2 and proc.stderr.startswith(
+            f"error: --out={out}: another export is writing it"), proc.stderr[-2000:]
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing written, no lock left
+    assert export.export(workdir, out).step == 7  # free again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
