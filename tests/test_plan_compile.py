@@ -157,6 +157,27 @@ def test_matmul_flops_count_each_loop_as_often_as_it_runs(v5p_8):
     assert hlo_counts.program_flops(text) == hlo_counts.Flops(6 * per_layer, 1)
 
 
+def test_matmul_flops_of_a_windowed_einsum_count_its_loop_steps(libtpu):
+    """On 8 v5p chips XLA:TPU runs a matmul over an fsdp-sharded weight as a windowed einsum:
+    a loop whose unrolled body adds 2 to its counter, two shards a step. Its trip count is
+    the counter's steps to the bound (4 / 2), not the bound: read as 4 it counted every
+    fsdp-sharded matmul twice (ppo_7b's f8 inference at 2x the cost model's FLOPs)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxrlhf.calibration import hlo_counts
+
+    devices = targets.topology_devices(load_cluster("meshes/tpu_v5p_16.py"))
+    fsdp = NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("f",)), PartitionSpec("f"))
+    x = jax.ShapeDtypeStruct((16, 2048, 1024), jnp.bfloat16, sharding=fsdp)
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=fsdp)
+    product = jax.jit(lambda x, w: jnp.einsum("btk,kn->btn", x, w), out_shardings=fsdp)
+    text = product.lower(x, w).compile().as_text()
+    assert "windowed_dot_general" in text
+    assert hlo_counts.program_flops(text) == hlo_counts.Flops(2 * 2 * 2048 * 1024 * 1024, 0)
+
+
 def test_matmul_flops_of_attention_einsums_written_as_dilated_convolutions(v5p_8):
     """XLA:TPU writes the GQA score and value products ([b, k, g, t, d] × [b, k, s, d]) as
     convolutions over batch dims dilated by their window: one tap of each window counts."""

@@ -8,7 +8,8 @@ and `convolution` (TPU programs express matmuls as convolutions), computation by
 a fusion or call counted where it is called, and a while loop's body times its trip count.
 The trip count is XLA's own (`known_trip_count` in the loop's backend config) or, where the
 loop's condition compares its counter against one integer constant (`i < N`, as a scan's does),
-that constant; a loop bounded by a runtime value (a decode loop that stops when every row is
+the counter's steps from its start to that constant (a windowed einsum's unrolled body steps by
+2); a loop bounded by a runtime value (a decode loop that stops when every row is
 done) has none and is counted once, and `Flops.unbounded_loops` says how many such loops
 there are. A conditional counts its largest branch. Custom calls (Pallas kernels: attention)
 are not counted: their FLOPs are unknown to XLA too.
@@ -69,8 +70,8 @@ def parse(text: str) -> tuple[dict[str, list[_Instruction]], str]:
         elif line.rstrip() == "}":  # (a custom call's config may span lines starting "}}")
             current = None
         elif current is not None and (found := _INSTRUCTION.match(line)) is not None:
-            args = tuple(a.strip().lstrip("%") for a in found.group("args").split(",")
-                         if a.strip().startswith("%"))
+            operands = re.sub(r"/\*.*?\*/", "", found.group("args")).split(",")
+            args = tuple(a.strip().lstrip("%") for a in operands if a.strip().startswith("%"))
             current.append(_Instruction(found.group("name"), _dims(found.group("type")),
                                         found.group("type"),
                                         found.group("op"), args, found.group("args"),
@@ -115,20 +116,56 @@ def _matmul_flops(ins: _Instruction, shapes: dict[str, tuple[int, ...] | None]) 
     return 2.0 * out * contracted / (int(groups.group(1)) if groups else 1)
 
 
-def _trip_count(ins: _Instruction, computations: dict[str, list[_Instruction]]) -> int | None:
-    """A while loop's trip count: XLA's, or its condition's one integer bound; None if unknown."""
+def _element(ins: _Instruction) -> int | None:
+    """The tuple index a get-tuple-element reads."""
+    found = re.search(r"\bindex=(\d+)", ins.attrs)
+    return int(found.group(1)) if ins.op == "get-tuple-element" and found else None
+
+
+def _integer(ins: _Instruction | None) -> int | None:
+    """An integer scalar constant's value."""
+    if ins is None or ins.op != "constant" or ins.dims != ():
+        return None
+    return int(ins.literal) if re.fullmatch(r"-?\d+", ins.literal) else None
+
+
+def _trip_count(ins: _Instruction, computations: dict[str, list[_Instruction]],
+                caller: dict[str, _Instruction]) -> int | None:
+    """A while loop's trip count: XLA's, or, where its condition compares one tuple element
+    (the counter) against one integer constant (`i < N`, as a scan's does), the count of steps
+    from the counter's start (the loop's initial tuple, `caller`'s instructions) to N by the
+    constant its body adds (XLA's windowed einsums step by 2, their bodies unrolled); None if
+    unknown (a decode loop bounded by a runtime value)."""
     if (known := _TRIP.search(ins.attrs)) is not None:
         return int(known.group(1))
     condition = re.search(r"condition=%([^\s,]+)", ins.attrs)
-    body = computations.get(condition.group(1), []) if condition else []
-    compares = [i for i in body if i.op == "compare" and "direction=LT" in i.attrs]
-    names = {i.name: i for i in body}
+    body = re.search(r"body=%([^\s,]+)", ins.attrs)
+    tests = computations.get(condition.group(1), []) if condition else []
+    compares = [i for i in tests if i.op == "compare" and "direction=LT" in i.attrs]
+    names = {i.name: i for i in tests}
     if len(compares) != 1:
         return None
-    bounds = [names[a] for a in compares[0].args if a in names and names[a].op == "constant"]
-    if len(bounds) != 1 or bounds[0].dims != () or not re.fullmatch(r"\d+", bounds[0].literal):
+    operands = [names.get(a) for a in compares[0].args]
+    bounds = [b for b in map(_integer, operands) if b is not None]
+    counters = [_element(o) for o in operands if o is not None and _element(o) is not None]
+    if len(bounds) != 1:
         return None
-    return int(bounds[0].literal)
+    if len(counters) != 1:  # a bound without a counter we can follow: a step of 1 from 0
+        return bounds[0]
+    k = counters[0]
+    start, step = 0, 1
+    steps = computations.get(body.group(1), []) if body else []
+    root = steps[-1] if steps else None
+    if root is not None and root.op == "tuple" and k < len(root.args):
+        inside = {i.name: i for i in steps}
+        update = inside.get(root.args[k])
+        if update is not None and update.op == "add":
+            increments = [_integer(inside.get(a)) for a in update.args]
+            step = next((c for c in increments if c), 1)
+    initial = caller.get(ins.args[0]) if ins.args else None
+    if initial is not None and initial.op == "tuple" and k < len(initial.args):
+        start = _integer(caller.get(initial.args[k])) or 0
+    return max(0, -(-(bounds[0] - start) // step))
 
 
 def program_flops(text: str) -> Flops:
@@ -142,6 +179,7 @@ def program_flops(text: str) -> Flops:
         memo[name] = (0.0, 0)  # a cycle cannot occur in HLO; this only guards the recursion
         instructions = computations.get(name, [])
         shapes = {i.name: i.dims for i in instructions}
+        by_name = {i.name: i for i in instructions}
         flops, unbounded = 0.0, 0
         for ins in instructions:
             if ins.op in ("dot", "convolution"):
@@ -149,7 +187,7 @@ def program_flops(text: str) -> Flops:
             elif ins.op == "while":
                 body = re.search(r"body=%([^\s,]+)", ins.attrs)
                 inner, loops = walk(body.group(1)) if body else (0.0, 0)
-                trips = _trip_count(ins, computations)
+                trips = _trip_count(ins, computations, by_name)
                 unbounded += loops + (trips is None)
                 flops += inner * (1 if trips is None else trips)
             elif ins.op == "conditional":
