@@ -144,3 +144,17 @@ def test_a_pipelined_generation_layout_of_the_rollout_engine_is_refused_before_c
     message = refusal(config, tmp_path / "work")
     assert message.startswith("placement: actor_gen runs on 0-7:d4p2@2, a pipelined") and (
         "generates on the rollout engine" in message), message
+
+
+def test_a_workdir_that_is_a_file_is_named_as_one(tmp_path):
+    (tmp_path / "run").write_text("x")
+    assert refusal(base_config(), tmp_path / "run") == (
+        f"workdir: {tmp_path / 'run'} is a file, not a directory")  # was "[Errno 17] File exists"
+
+
+def test_a_data_file_with_a_bad_byte_names_its_line(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(b'{"prompt": "12>", "answer": "21"}\n{"prompt": "1\xff3>", "answer": "31"}\n')
+    config = configured({"data.train_path": str(data)})
+    assert refusal(config, tmp_path / "work") == (  # was "codec can't decode ... position 47"
+        f"data.train_path: {data}:line 2: is not UTF-8 (byte 0xff at column 14)")

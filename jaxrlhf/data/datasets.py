@@ -188,13 +188,18 @@ def jsonl_records(path: pathlib.Path):
     """Yields ("line N", parsed record) for each non-blank line of a JSONL file.
 
     Raises:
-      DataError: a line is not valid JSON, naming the file and line.
+      DataError: a line is not UTF-8 or not valid JSON, naming the file and line.
     """
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # bytes: a bad byte is named by its line, not its file offset
+        for line_no, raw in enumerate(f, start=1):
+            location = f"line {line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(path, location, None, f"is not UTF-8 (byte 0x{raw[e.start]:02x} "
+                                f"at column {e.start + 1})") from None
             if not line.strip():  # tolerate blank lines, e.g. a trailing newline
                 continue
-            location = f"line {line_no}"
             try:
                 yield location, json.loads(line)
             except json.JSONDecodeError as e:
