@@ -31,3 +31,33 @@ def test_quickstart_notebook_is_valid():
     nbformat.validate(nb)
     assert nb.metadata.kernelspec.name == "python3"
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")  # stored clean
+
+
+def _install(monkeypatch, cwd, source=None) -> list[list[str]]:
+    """The pip commands the install cell runs from `cwd` where jaxrlhf is not importable,
+    with JAXRLHF_SOURCE=`source` (None: unset)."""
+    import importlib.util
+    import subprocess
+
+    calls = []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(subprocess, "check_call", lambda args, **kw: calls.append(args))
+    monkeypatch.chdir(cwd)
+    if source is None:
+        monkeypatch.delenv("JAXRLHF_SOURCE", raising=False)
+    else:
+        monkeypatch.setenv("JAXRLHF_SOURCE", source)
+    exec(nbformat.read(NOTEBOOK, as_version=4).cells[1].source, {})
+    return [args[args.index("install") + 1:] for args in calls]
+
+
+def test_the_install_cell_installs_this_checkout_or_what_the_user_names(monkeypatch, tmp_path):
+    """Inside a checkout: the checkout; elsewhere: JAXRLHF_SOURCE, or a message saying to set
+    it. Never the bare name `jaxrlhf` (a stranger's package on PyPI; issue 46)."""
+    root = NOTEBOOK.parents[1]
+    assert _install(monkeypatch, NOTEBOOK.parent) == [["-q", str(root)]]
+    wheel = str(tmp_path / "jaxrlhf-0.1-py3-none-any.whl")
+    assert _install(monkeypatch, tmp_path, wheel) == [["-q", wheel]]
+    with pytest.raises(RuntimeError, match="not inside a checkout of it: set "
+                                           r"os.environ\['JAXRLHF_SOURCE'\] to a wheel"):
+        _install(monkeypatch, tmp_path)
