@@ -16,7 +16,6 @@ key `rng` samples token i with fold_in(fold_in(rng, i), r), wherever and wheneve
 
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -32,16 +31,15 @@ from jaxrlhf.engine.decoding import (  # noqa: F401  (GenerateConfig, decode_mod
     GenerateConfig, constrain_cache, decode_model, draw, prefill,
 )
 from jaxrlhf.engine.rollout import Rollout, SlotState
+from jaxrlhf.engine.rollout.scheduler import (
+    CHUNK_TOKENS, Occupancy, Request, Scheduler, smaller_sizes,
+)
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
 from jaxrlhf.parallel.pipeline import Pipeline, layer_stack
 from jaxrlhf.parallel.reshard import fetch, transfer
-
-# Tokens decoded between looks at which rows finished (a sync point on a few scalars).
-CHUNK_TOKENS = 32
-
 
 def runs_at_once(micro_batches: int, new_tokens: int, chunk_tokens: int = CHUNK_TOKENS) -> bool:
     """Whether a generate call on the engine runs as one executable (`Rollout.decode_at_once`:
@@ -193,61 +191,13 @@ def generate(
     )
 
 
-# Fewer slots are not worth their compiles (every slot bucket compiles its own decode loop per
-# capacity): below a few rows a step costs what reading the weights costs. W-cpu d1, CPU ms per
-# decode step at capacity 48 / 384: 4 slots 1.9 / 2.9, 8 slots 2.7 / 4.4, 16 slots 3.7 / 5.8
-# (process time of `Rollout.advance` on a filled state, median of 5).
-MIN_SLOTS = 4
-
-
-def _smaller_sizes(slots: int, dp: int) -> list[int]:
-    """The states a state of `slots` compacts into, largest first: 4, 6, 8, 12, 16, 24, ...
-    (two per octave, so a state shrinks by a quarter or a third at a time, never by more than
-    needed) below `slots`, multiples of the data-parallel size, at least MIN_SLOTS."""
-    sizes, low = set(), MIN_SLOTS
-    while low < slots:
-        sizes |= {low, low * 3 // 2}
-        low *= 2
-    return sorted((n for n in sizes if n < slots and n % dp == 0), reverse=True)
-
-
-def _compacted_size(live: int, slots: int, dp: int) -> int:
-    """Slots to compact `live` rows into: the smallest of `_smaller_sizes` that holds them, or
-    `slots` if none does."""
-    return min((n for n in _smaller_sizes(slots, dp) if n >= live), default=slots)
-
-
-def _stop_busy(slots: int, queued: int, dp: int, beyond_chunk: bool) -> int:
-    """How few busy slots end a chunk early (`Rollout.advance`'s stop_busy), the slots all
-    busy or the queue empty (`decode_rows` fills before each chunk): with rows queued, once
-    an eighth of the slots (at least one per device, at most the queue) are free to take
-    them; with none, once the busy rows fit the next smaller state (`_smaller_sizes`), if
-    rows may go on past this chunk (`beyond_chunk`: else a compaction cannot pay for its
-    dispatch and compile); 0 (every row done, or the chunk's end) otherwise.
-
-    Why: a finished row's slot decodes padding to the end of its chunk. On the long-tailed
-    rollout row (W-cpu d1, 64 rows, median 64 tokens) 40% of the slot-steps did so.
-    """
-    if queued:
-        return slots - min(queued, max(dp, slots // 8))
-    return next(iter(_smaller_sizes(slots, dp)), 0) if beyond_chunk else 0
-
-
-class Occupancy(NamedTuple):
-    """Decode work of the calls so far: slot_steps (slots times decode steps run over them,
-    busy or not) and tokens (tokens sampled in them); tokens / slot_steps is the share of the
-    decoded rows that were live."""
-
-    slot_steps: int
-    tokens: int
-
-
 def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
                 prompt_mask_bp: np.ndarray, keys: list, rows_b: np.ndarray, slots: int,
                 chunk_tokens: int = CHUNK_TOKENS, limits_b: np.ndarray | None = None,
                 ) -> tuple[dict[str, np.ndarray], Occupancy]:
-    """Every row generated on the engine: queued, decoded in `slots` slots refilled as rows
-    finish, compacted into the next smaller state when the queue is empty and the live rows fit it.
+    """Every row generated on the engine by its scheduler (`engine.rollout.scheduler`):
+    queued, decoded in `slots` slots refilled as rows finish, compacted into the next smaller
+    state when the queue is empty and the live rows fit it.
 
     Args:
       engine: the rollout engine (its prompt length P).
@@ -263,71 +213,16 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
       ({Rows field: host array [b, ...]} in row order, the decode work done).
     """
     batch = len(prompt_tokens_bp)
-    queue = collections.deque(range(batch))
-    state = engine.vacant(slots)  # built by the first fill
-    row_of = [-1] * slots  # the row in each slot, -1 if free
+    scheduler = Scheduler(engine, slots, chunk_tokens)
+    scheduler.submit(
+        Request(prompt_tokens_bp[i], prompt_mask_bp[i], keys[i], int(rows_b[i]),
+                None if limits_b is None else int(limits_b[i]), tag=i) for i in range(batch))
     out: dict[str, np.ndarray] = {}
-    longest = 0
-    compacted = np.zeros(2, np.int64)  # decode counts of the states compacted away
-    lockstep = batch <= slots  # every row is filled at once: all decode the same step
-    # In lockstep, once a chunk takes the rows past the longest limit all are done: their
-    # rows come back with the done flags, in one fetch.
-    reach = engine.cfg.max_new_tokens if limits_b is None else int(np.max(limits_b, initial=0))
-
-    def harvest(slot_list, rows=None):
-        if not slot_list:
-            return
-        rows = engine.rows(state) if rows is None else rows
-        for name, x in rows._asdict().items():
-            target = out.setdefault(name, np.zeros((batch, *x.shape[1:]), x.dtype))
-            target[[row_of[s] for s in slot_list]] = x[slot_list]
-        for s in slot_list:
-            row_of[s] = -1
-
-    while True:
-        free = [s for s in range(len(row_of)) if row_of[s] < 0]
-        if queue and free:
-            take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
-            targets = engine.spread(free, len(row_of))[:len(take)]
-            state = engine.fill(state, params, 0, targets, prompt_tokens_bp[take],
-                                prompt_mask_bp[take], [keys[i] for i in take], rows_b[take],
-                                None if limits_b is None else limits_b[take])
-            for s, i in zip(targets, take):
-                row_of[s] = i
-            longest = max(longest, 1)
-        steps = engine.chunk_steps(state, longest, chunk_tokens)
-        state = engine.advance(state, params, 0, steps, longest, lockstep,
-                               _stop_busy(len(row_of), len(queue), engine.layout.dp_size,
-                                          reach - longest > steps))
-        rows = None
-        if lockstep and longest + steps >= reach:
-            done_b, counts, rows = engine.collect(state)
-        else:
-            done_b, counts = engine.poll(state)
-        longest = int(counts[2])
-        finished = [s for s, row in enumerate(row_of) if row >= 0 and done_b[s]]
-        live = [s for s, row in enumerate(row_of) if row >= 0 and not done_b[s]]
-        if not live and not queue:
-            harvest(finished, rows)
-            return out, Occupancy(*(int(x) for x in compacted + counts[:2]))
-        if queue:  # their slots take queued rows
-            harvest(finished)
-            continue
-        size = _compacted_size(len(live), len(row_of), engine.layout.dp_size)
-        if size < len(row_of):
-            harvest(finished, rows)
-            # The live rows taking turns over the devices (each decodes its own slots), free
-            # slots after them.
-            rest = sorted(set(range(len(row_of))) - set(live))
-            keep = [0] * size
-            for new, old in zip(engine.spread(list(range(size)), size), live + rest):
-                keep[new] = old
-            state = engine.compact(state, keep)
-            # Devices that each stopped their chunk on their own left rows at different steps,
-            # which compaction mixes on one device.
-            lockstep = lockstep and not (engine.per_device and engine.layout.dp_size > 1)
-            compacted += counts[:2]
-            row_of = [row_of[s] for s in keep]
+    for finished in scheduler.run(params):
+        at = [request.tag for request in finished.requests]
+        for name, x in finished.rows._asdict().items():
+            out.setdefault(name, np.zeros((batch, *x.shape[1:]), x.dtype))[at] = x
+    return out, scheduler.occupancy
 
 
 def engine_output(pad_token_id: int, s: SlotState) -> GenerateOutput:
@@ -352,9 +247,9 @@ class Generator(BucketedCall):
     Calling it left-pads the prompts to the next prompt bucket and decodes them on the rollout
     engine of that bucket: in one executable (`Rollout.decode_at_once`) when every row has a
     slot and the rows end within one chunk of tokens (nothing for the host to schedule),
-    else driven from the host (`decode_rows`); on a pipelined layout it runs the static-batch
-    executable compiled for (bucket, batch). Every executable is compiled on first use and
-    counted in `compile_cache`.
+    else driven from the host by the engine's scheduler (`decode_rows`); on a pipelined layout
+    it runs the static-batch executable compiled for (bucket, batch). Every executable is
+    compiled on first use and counted in `compile_cache`.
     """
 
     def __init__(self, model_config: ModelConfig, gen_config: GenerateConfig, layout: Layout,
@@ -416,7 +311,7 @@ class Generator(BucketedCall):
         engine = self.rollout_engine(bucket, slots)
         at_once = runs_at_once(micro_batches, self.gen_config.max_new_tokens,
                                self.chunk_tokens)
-        smaller = _smaller_sizes(slots, self.layout.dp_size)
+        smaller = smaller_sizes(slots, self.layout.dp_size)
         return engine.lowered_programs(params, tokens_bp[:slots], mask_bp[:slots], rng,
                                        self._finish, at_once, smaller[0] if smaller else None)
 

@@ -1,0 +1,377 @@
+"""The one scheduler of the rollout engine's slots: every caller's rows (the synchronous
+`generate` call, the asynchronous rollout workers, multi-turn trajectories) are `Request`s it
+serves, and it alone drives a `Rollout`'s fill, advance, poll, compact and reload.
+
+A round: the continuations whose results arrived queue their next requests; new weights
+recompute the busy rows' caches (`Rollout.reload`, an interruption); queued requests take the
+free slots (`Rollout.fill`, taking turns over the devices); every busy slot decodes a chunk of
+tokens (`Rollout.advance`), ending it early once enough slots are free for the queue, the live
+rows fit the next smaller state, or a row whose request has a continuation ends its turn; a
+look at the slots (`Rollout.poll`) says which rows are done. Finished rows are read out
+(harvested) when their slots are needed, when their continuation waits for them, when the
+caller steps the scheduler itself (`step`), or when nothing is left; with the queue empty the
+live rows are compacted into the next smaller state (`run` only: a state is never grown back).
+
+A request's continuation receives its finished turn and returns the next request (its prompt
+ids, stream and limit), None (done), or a `Later` whose result comes when it is ready (an
+environment's reply): decoding goes on for the other rows meanwhile.
+
+Nothing here runs per token: the host looks at the slots once per chunk.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, Protocol
+
+import jax
+import numpy as np
+
+from jaxrlhf.engine.rollout.engine import Rollout
+from jaxrlhf.engine.rollout.state import Rows
+
+# Tokens decoded between looks at which rows finished (a sync point on a few scalars).
+CHUNK_TOKENS = 32
+
+# Fewer slots are not worth their compiles (every slot bucket compiles its own decode loop per
+# capacity): below a few rows a step costs what reading the weights costs. W-cpu d1, CPU ms per
+# decode step at capacity 48 / 384: 4 slots 1.9 / 2.9, 8 slots 2.7 / 4.4, 16 slots 3.7 / 5.8
+# (process time of `Rollout.advance` on a filled state, median of 5).
+MIN_SLOTS = 4
+
+
+def smaller_sizes(slots: int, dp: int) -> list[int]:
+    """The states a state of `slots` compacts into, largest first: 4, 6, 8, 12, 16, 24, ...
+    (two per octave, so a state shrinks by a quarter or a third at a time, never by more than
+    needed) below `slots`, multiples of the data-parallel size, at least MIN_SLOTS."""
+    sizes, low = set(), MIN_SLOTS
+    while low < slots:
+        sizes |= {low, low * 3 // 2}
+        low *= 2
+    return sorted((n for n in sizes if n < slots and n % dp == 0), reverse=True)
+
+
+def compacted_size(live: int, slots: int, dp: int) -> int:
+    """Slots to compact `live` rows into: the smallest of `smaller_sizes` that holds them, or
+    `slots` if none does."""
+    return min((n for n in smaller_sizes(slots, dp) if n >= live), default=slots)
+
+
+def stop_busy(slots: int, queued: int, dp: int, beyond_chunk: bool) -> int:
+    """How few busy slots end a chunk early (`Rollout.advance`'s stop_busy), the slots all
+    busy or the queue empty (a round fills before its chunk): with rows queued, once an eighth
+    of the slots (at least one per device, at most the queue) are free to take them; with
+    none, once the busy rows fit the next smaller state (`smaller_sizes`), if rows may go on
+    past this chunk and be compacted (`beyond_chunk`: else a compaction cannot pay for its
+    dispatch and compile); 0 (every row done, or the chunk's end) otherwise.
+
+    Why: a finished row's slot decodes padding to the end of its chunk. On the long-tailed
+    rollout row (W-cpu d1, 64 rows, median 64 tokens) 40% of the slot-steps did so.
+    """
+    if queued:
+        return slots - min(queued, max(dp, slots // 8))
+    return next(iter(smaller_sizes(slots, dp)), 0) if beyond_chunk else 0
+
+
+class Occupancy(NamedTuple):
+    """Decode work so far: slot_steps (slots times decode steps run over them, busy or not)
+    and tokens (tokens sampled in them); tokens / slot_steps is the share of the decoded rows
+    that were live."""
+
+    slot_steps: int
+    tokens: int
+
+
+class Turn(NamedTuple):
+    """A request's finished row: the request and its `Rows` fields, one row each
+    (sequences_bs [P + N], ..., versions_bn [N])."""
+
+    request: Request
+    row: Rows
+
+
+class Later(Protocol):
+    """A continuation's result that comes later (an environment's reply)."""
+
+    def done(self) -> bool:
+        """Whether `result` returns without waiting."""
+
+    def result(self) -> Request | None:
+        """The next request, or None: the request's rows are done."""
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One row to decode.
+
+    Attributes:
+      tokens_p: int [P] the prompt ids, left-padded to the engine's P.
+      mask_p: bool [P] True on them.
+      key: a PRNG key on the engine's devices (replicated); token i samples with
+        fold_in(fold_in(key, i), stream). Requests of one batch share the key object (the
+        engine uploads each distinct key once).
+      stream: the row's sampling stream (its index in its (micro-)batch).
+      limit: the most response tokens (None: the engine's N).
+      then: the continuation: called with the finished `Turn`, it returns the next request,
+        None (done) or a `Later`.
+      tag: the caller's.
+    """
+
+    tokens_p: np.ndarray
+    mask_p: np.ndarray
+    key: jax.Array
+    stream: int
+    limit: int | None = None
+    then: Callable[[Turn], Request | Later | None] | None = None
+    tag: object = None
+
+
+class Finished(NamedTuple):
+    """Rows read out in one look: the requests and their `Rows` fields, [k, ...] each, in
+    the same order."""
+
+    requests: list[Request]
+    rows: Rows
+
+    def turns(self) -> list[Turn]:
+        return [Turn(r, Rows(*(x[i] for x in self.rows))) for i, r in enumerate(self.requests)]
+
+
+class Stepped(NamedTuple):
+    """One round of `Scheduler.step`: the rows finished (None: none), and the requests whose
+    rows had their caches recomputed under new weights before it (an interruption)."""
+
+    finished: Finished | None
+    interrupted: list[Request]
+
+
+def wait_any(laters: Iterable[Later]) -> None:
+    """Blocks until one of `laters` is done (they share no event: short sleeps between
+    looks; whoever makes them bounds the wait, e.g. the environment pool's timeout)."""
+    laters = list(laters)
+    while not any(later.done() for later in laters):
+        time.sleep(0.001)
+
+
+def _joined(a: Finished | None, b: Finished | None) -> Finished | None:
+    """Two read-outs as one (either may be None)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return Finished(a.requests + b.requests,
+                    Rows(*(np.concatenate([x, y]) for x, y in zip(a.rows, b.rows))))
+
+
+class Scheduler:
+    """Requests served in the slots of one rollout engine (module docstring).
+
+    Args:
+      engine: the rollout engine (its prompt length P, its layout).
+      slots: rows decoded at once (a multiple of the data-parallel size; default the
+        engine's).
+      chunk_tokens: the most tokens decoded between looks at the slots.
+      compact: whether `run` compacts the live rows into a smaller state when the queue is
+        empty (a scheduler that takes requests for ever, `step`, keeps its size).
+    """
+
+    def __init__(self, engine: Rollout, slots: int | None = None,
+                 chunk_tokens: int = CHUNK_TOKENS, compact: bool = True):
+        self.engine, self.chunk_tokens, self.compact = engine, chunk_tokens, compact
+        self.size = engine.slots if slots is None else slots
+        self._queue: collections.deque[Request] = collections.deque()
+        self._later: list[tuple[Later, Request]] = []  # continuations not done yet
+        self.drop()
+
+    def drop(self) -> None:
+        """Forgets every request (queued, decoding or waiting): a fresh, vacant state."""
+        self._queue.clear()
+        self._later.clear()
+        self._state = self.engine.vacant(self.size)  # built by the first fill
+        self._in: list[Request | None] = [None] * self.size  # each slot's request
+        self._done = np.zeros(self.size, bool)  # its row finished (at the last look)
+        self._longest = 0  # at least every busy slot's response length so far
+        self._counts = np.zeros(2, np.int64)  # the state's decode counts at the last look
+        self._compacted = np.zeros(2, np.int64)  # those of the states compacted away
+        self._lockstep = False  # every busy row was filled at once: all at one step
+        self._version = None  # the weights the cache was computed with
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queues requests, in order; they take slots as slots free up."""
+        self._queue.extend(requests)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_slots(self) -> int:
+        """Slots holding a request's row (decoding, or finished and not read out yet)."""
+        return sum(r is not None for r in self._in)
+
+    @property
+    def pending(self) -> bool:
+        """Anything queued, decoding or waiting for its continuation."""
+        return bool(self._queue or self._later or self._live())
+
+    @property
+    def occupancy(self) -> Occupancy:
+        """Decode work so far (at the last look at the slots)."""
+        return Occupancy(*(int(x) for x in self._compacted + self._counts))
+
+    def step(self, params, version: int) -> Stepped:
+        """One round under `params` (of policy `version`); every finished row is read out."""
+        interrupted = self._reload(params, version)
+        return Stepped(self._round(params, version, hold=False), interrupted)
+
+    def run(self, params, version: int = 0) -> list[Finished]:
+        """Rounds until nothing is queued, decoding or waiting; the rows read out, in the
+        order they were."""
+        out = []
+        while self.pending:
+            self._reload(params, version)
+            finished = self._round(params, version, hold=True)
+            if finished is not None:
+                out.append(finished)
+            elif not self._live() and not self._queue and self._later:
+                wait_any(later for later, _ in self._later)
+        return out
+
+    def _live(self) -> list[int]:
+        return [s for s, r in enumerate(self._in) if r is not None and not self._done[s]]
+
+    def _reload(self, params, version: int) -> list[Request]:
+        """The busy rows' caches recomputed under new weights; the requests interrupted."""
+        if version == self._version:
+            return []
+        self._version = version
+        live = self._live()
+        if not live:
+            return []
+        self._state = self.engine.reload(self._state, params, self._longest)
+        return [self._in[s] for s in live]
+
+    def _round(self, params, version: int, hold: bool) -> Finished | None:
+        """Continuations' results queued, a fill, a chunk, a look; the rows read out (`hold`:
+        only those whose slots are needed or that nothing else waits behind)."""
+        self._take_later()
+        held = [s for s, r in enumerate(self._in) if r is not None and self._done[s]]
+        early = None
+        if held and self._queue and len(self._in) - self.in_slots < len(self._queue):
+            early, held = self._harvest(held), []  # their slots take queued requests
+        self._fill(params, version)
+        live = self._live()
+        if not live:
+            return _joined(early, self._harvest(held))
+        steps = self.engine.chunk_steps(self._state, self._longest, self.chunk_tokens)
+        reach = max(self._limit(self._in[s]) for s in live)
+        stop = self._stop_busy(live, steps, reach, hold)
+        self._state = self.engine.advance(self._state, params, version, steps, self._longest,
+                                          self._lockstep, stop)
+        rows = None
+        if self._lockstep and self._longest + steps >= reach:
+            done_b, counts, rows = self.engine.collect(self._state)
+        else:
+            done_b, counts = self.engine.poll(self._state)
+        self._longest, self._counts = int(counts[2]), counts[:2].astype(np.int64)
+        occupied = [s for s, r in enumerate(self._in) if r is not None]
+        self._done[occupied] = done_b[occupied]
+        finished = [s for s in occupied if self._done[s]]
+        live = [s for s in occupied if not self._done[s]]
+        waited = any(self._in[s].then is not None for s in finished)
+        if not hold or not live or self._queue or waited:
+            return _joined(early, self._harvest(finished, rows))
+        size = compacted_size(len(live), len(self._in), self.engine.layout.dp_size)
+        if not self.compact or size >= len(self._in):
+            return early
+        out = self._harvest(finished, rows)
+        self._shrink(live, size)
+        return _joined(early, out)
+
+    def _limit(self, request: Request) -> int:
+        n_max = self.engine.cfg.max_new_tokens
+        return n_max if request.limit is None else min(int(request.limit), n_max)
+
+    def _stop_busy(self, live: list[int], steps: int, reach: int, hold: bool) -> int:
+        """How few busy slots end the chunk (`stop_busy`; a compaction only where `run`
+        compacts); as soon as a row ends its turn where a continuation waits for it (its
+        environment call then starts at once)."""
+        dp = self.engine.layout.dp_size
+        beyond = hold and self.compact and reach - self._longest > steps
+        stop = stop_busy(len(self._in), len(self._queue), dp, beyond)
+        if any(self._in[s].then is not None for s in live):
+            stop = max(stop, len(live) - 1)
+        return stop
+
+    def _fill(self, params, version: int) -> None:
+        """Queued requests into free slots, taking turns over the devices."""
+        if not self._queue:
+            return
+        free = [s for s, r in enumerate(self._in) if r is None]
+        if not free:
+            return
+        busy_before = bool(self._live())
+        take = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+        targets = self.engine.spread(free, len(self._in))[:len(take)]
+        n_max = self.engine.cfg.max_new_tokens
+        limits = None if all(r.limit is None for r in take) else np.array(
+            [n_max if r.limit is None else r.limit for r in take], np.int32)
+        self._state = self.engine.fill(
+            self._state, params, version, targets, np.stack([r.tokens_p for r in take]),
+            np.stack([r.mask_p for r in take]), [r.key for r in take],
+            np.array([r.stream for r in take], np.int32), limits)
+        for s, r in zip(targets, take):
+            self._in[s], self._done[s] = r, False
+        self._longest = max(self._longest, 1)
+        # Rows filled together into a state with no busy row decode one step in lockstep
+        # until another fill joins them.
+        self._lockstep = not busy_before and not self._queue
+
+    def _harvest(self, slot_list: list[int], rows: Rows | None = None) -> Finished | None:
+        """The rows of `slot_list` read out and their slots freed; their continuations
+        called."""
+        if not slot_list:
+            return None
+        rows = self.engine.rows(self._state) if rows is None else rows
+        requests = [self._in[s] for s in slot_list]
+        out = Finished(requests, Rows(*(x[slot_list] for x in rows)))
+        for s in slot_list:
+            self._in[s], self._done[s] = None, False
+        if any(r.then is not None for r in requests):
+            for turn in out.turns():
+                if turn.request.then is not None:
+                    self._then(turn.request.then(turn), turn.request)
+        return out
+
+    def _then(self, nxt, request: Request) -> None:
+        if isinstance(nxt, Request):
+            self._queue.append(nxt)
+        elif nxt is not None:
+            self._later.append((nxt, request))
+
+    def _take_later(self) -> None:
+        """Every continuation's result that arrived, queued (in the order they started)."""
+        ready, waiting = [], []
+        for item in self._later:
+            (ready if item[0].done() else waiting).append(item)
+        self._later = waiting
+        for later, request in ready:
+            self._then(later.result(), request)
+
+    def _shrink(self, live: list[int], size: int) -> None:
+        """The live rows compacted into a state of `size` slots, taking turns over the
+        devices (each decodes its own slots), the free slots after them."""
+        rest = sorted(set(range(len(self._in))) - set(live))
+        keep = [0] * size
+        for new, old in zip(self.engine.spread(list(range(size)), size), live + rest):
+            keep[new] = old
+        self._state = self.engine.compact(self._state, keep)
+        # Devices that each stopped their chunk on their own left rows at different steps,
+        # which compaction mixes on one device.
+        engine = self.engine
+        self._lockstep = self._lockstep and not (engine.per_device and engine.layout.dp_size > 1)
+        self._compacted += self._counts
+        self._counts = np.zeros(2, np.int64)
+        self._in = [self._in[s] for s in keep]
+        self._done = self._done[keep]
