@@ -151,3 +151,18 @@ def test_values_outside_float32_are_bad_values():
     """1e300 is finite as a Python float but inf once rewards become float32."""
     assert rewards._check_value(1e300)[0] is rewards.ErrorKind.BAD_VALUE
     assert rewards._check_value(-3.4e38) == (None, -3.4e38)
+
+
+def test_a_function_that_kills_every_worker_warns_once_and_echoes_no_megabytes(caplog):
+    """One reward function that kills its worker on every call logged one warning per call
+    (40 lines), and one that raised with its 1 MB completion in the message echoed it into
+    every message (42 MB on stderr); now one warning, and each message is clipped (issue 46)."""
+    with caplog.at_level("WARNING"), RewardPool(MISBEHAVING, num_workers=1) as pool:
+        batch = pool.submit(["exit"] * 6 + ["echo"] * 3, ["ab"] * 6 + ["x" * 10**6] * 3
+                            ).result(timeout=120)
+    assert batch.errors == ErrorCounts(exception=9)
+    died = [r for r in caplog.records if "worker died" in r.getMessage()]
+    assert len(died) == 1 and "later ones are counted" in died[0].getMessage(), died
+    assert max(len(m) for m in batch.messages) < 400
+    assert any(m.startswith("6: exception: ValueError: bad completion: xxx") and
+               m.endswith("... (1,000,028 characters)") for m in batch.messages), batch.messages

@@ -73,6 +73,9 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "zero": zero
 # The built-in rewards that score against the row's reference `answer` (the tests, for code):
 # every prompt row of a run with one of them must have one (`run/check.py`).
 NEEDS_ANSWER = frozenset({"exact_match", "math", "code"})
+# A failure's message is kept to this many characters: a function that raises with its
+# completion in the message (a 1 MB one) would otherwise echo it into every log and error line.
+MAX_MESSAGE_CHARS = 300
 
 
 def resolve_reward(spec: str) -> RewardFn:
@@ -240,6 +243,11 @@ class RewardBatch:
     messages: tuple[str, ...]
 
 
+def clipped(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`text` cut to `limit` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 class RewardPoolError(RuntimeError):
     """The pool cannot evaluate anything (workers fail to start, or it was closed)."""
 
@@ -263,7 +271,7 @@ class RewardHandle:
             self._rewards_b[index], self._valid_b[index] = payload, True
         else:
             self._errors[kind] += 1
-            self._messages.append(f"{index}: {kind.value}: {payload}")
+            self._messages.append(f"{index}: {kind.value}: {clipped(str(payload))}")
         self._remaining -= 1
         if self._remaining == 0:
             self._done.set()
@@ -363,6 +371,7 @@ class RewardPool:
         self._closing = False
         self._broken: str | None = None
         self._errors: collections.Counter = collections.Counter()
+        self._warned: set[ErrorKind] = set()  # `_warn_once`
         self._next_item_id = 0
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self._workers = [self._start_worker() for _ in range(num_workers)]
@@ -524,7 +533,8 @@ class RewardPool:
             worker.process.join(timeout=1.0)  # reap it, for the exit code in the message
             code = worker.process.exitcode
             if worker.state is _State.BUSY:
-                logging.warning("reward worker died (exit code %s); replacing it", code)
+                self._warn_once(ErrorKind.EXCEPTION,
+                                f"{self._what} worker died (exit code {code}); replacing it")
                 self._finish_item(worker, ErrorKind.EXCEPTION, f"worker died (exit code {code})")
                 self._replace(worker)
             elif worker.state is _State.STARTING:
@@ -546,11 +556,21 @@ class RewardPool:
         for worker in list(self._workers):
             match worker.state:
                 case _State.BUSY if now - worker.since > self._timeout_s:
-                    logging.warning("reward call overran %.1f s; killing worker", self._timeout_s)
+                    self._warn_once(ErrorKind.TIMEOUT, f"{self._what} call overran "
+                                    f"{self._timeout_s:.1f} s; killing its worker")
                     self._finish_item(worker, ErrorKind.TIMEOUT, f"no reply in {self._timeout_s} s")
                     self._replace(worker)
                 case _State.STARTING if now - worker.since > self._startup_timeout_s:
                     self._break(f"{self._what} worker not ready after {self._startup_timeout_s} s")
+
+    def _warn_once(self, kind: ErrorKind, message: str) -> None:
+        """Logs the pool's first failure of `kind`; the later ones are counted (the step's
+        reward errors, and the error line if too many stop the run), not logged: a function
+        that kills its worker on every call printed a warning per call."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logging.warning("%s (later ones are counted in the %s errors, not logged)",
+                            message, self._what)
 
     def _break(self, reason: str) -> None:
         """Fails every unfinished batch: the pool can no longer make progress."""
