@@ -245,6 +245,11 @@ def _check_unread_sections(config: ConfigDict, spec: RunSpec) -> None:
               for section, readers in _SECTION_READERS.items() if name not in readers]
     if spec.env is None:
         unread.append(("env", "env.name is empty (single-turn rollouts read no env.*)"))
+    a = config.async_rl
+    if a.behav_imp_weight_cap and not spec.async_rl.decoupled:  # the decoupled objective's cap
+        why = ("async_rl.max_staleness=0 (a synchronous run trains on its own samples)"
+               if not a.max_staleness else "async_rl.decoupled=False")
+        raise ConfigError(f"async_rl.behav_imp_weight_cap={a.behav_imp_weight_cap}: {why}")
     for role in set(Role) - set(spec.models) - {Role.ACTOR}:
         if role.value in config.models:
             why = (f"{role.value}.kind={config[role.value].kind}" if role in spec.rewards
