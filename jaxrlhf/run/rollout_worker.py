@@ -1,5 +1,5 @@
 """The generation side of asynchronous RL: batches decoded in continuously refilled slots,
-newest weights.
+newest weights, by the rollout engine's scheduler (`engine.rollout.scheduler`).
 
 Used by the one-process loop (jaxrlhf/run/async_loop.py, generation in the main thread) and by
 each generation replica process of the multi-process loop (jaxrlhf/run/async_procs.py).
@@ -7,7 +7,6 @@ each generation replica process of the multi-process loop (jaxrlhf/run/async_pro
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 
@@ -17,6 +16,7 @@ import numpy as np
 
 from jaxrlhf.dataflow.executors import cut_responses
 from jaxrlhf.engine.rollout import NO_VERSION, Rollout
+from jaxrlhf.engine.rollout.scheduler import Finished, Request, Scheduler
 from jaxrlhf.mfc import MFC
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.parallel.layout import Layout
@@ -92,12 +92,10 @@ class RolloutWorker:
         self._shardings = layout.param_shardings(abstract_params(model))
         self._rng = jax.random.key(seed)
         self.params, self.version = None, -1
-        self._state, self._cache_version = None, -1
-        self._slots: list[tuple[int, int] | None] = [None] * rollout.slots  # (batch, row)
-        self._waiting: collections.deque = collections.deque()  # (batch, row, key, stream)
+        # Batches keep coming: the slots keep their number (no compaction).
+        self._scheduler = Scheduler(rollout, chunk_tokens=chunk_tokens, compact=False)
         self._batches: dict[int, _Batch] = {}
         self._counts = np.zeros(2, np.int64)  # (slot-steps, tokens) at the last batch's end
-        self._longest = rollout.cfg.max_new_tokens  # busy slots' longest response at the poll
         self.busy_seconds = 0.0
         self.published_bytes = 0
 
@@ -122,82 +120,57 @@ class RolloutWorker:
     @property
     def occupancy(self) -> float:
         """Rows with a slot or waiting for one, per slot."""
-        return (sum(slot is not None for slot in self._slots) + len(self._waiting)) / len(
-            self._slots)
+        scheduler = self._scheduler
+        return (scheduler.in_slots + scheduler.queued) / self.rollout.slots
 
     def accepts(self) -> bool:
         """Whether to admit another batch now: every admitted row has a slot (so the next
         batch's rows are queued only as slots are about to free up)."""
-        return not self._waiting
+        return not self._scheduler.queued
 
     def start(self, index: int, batch: dict, iterator_before, now: float) -> None:
         """Admits batch `index` (prompts [b, P]); its rows wait for free slots."""
         rng = jax.random.fold_in(self._rng, jax.device_put(np.uint32(index)))
         k = self.micro_batches
-        rows = len(batch["prompt_tokens_bp"])
+        tokens_bp, mask_bp = (np.asarray(batch[name])
+                              for name in ("prompt_tokens_bp", "prompt_mask_bp"))
         for j in range(k):
             key = rng if k == 1 else jax.random.fold_in(rng, j)
-            self._waiting.extend((index, row, key, r) for r, row in enumerate(range(j, rows, k)))
+            self._scheduler.submit(
+                Request(tokens_bp[row], mask_bp[row], key, r, tag=(index, row))
+                for r, row in enumerate(range(j, len(tokens_bp), k)))
         outputs = [None] * 5  # Rows fields, allocated from the first finished row
-        self._batches[index] = _Batch(batch, iterator_before, now, outputs, rows)
+        self._batches[index] = _Batch(batch, iterator_before, now, outputs, len(tokens_bp))
 
     def step(self, now) -> list[Generated]:
-        """Fills free slots, decodes one chunk with the newest weights; the batches whose last
-        row finished (possibly several, in any order)."""
+        """Fills free slots, decodes one chunk with the newest weights (recomputing the busy
+        rows' caches after new ones: an interruption); the batches whose last row finished
+        (possibly several, in any order)."""
         t0 = time.perf_counter()
         try:
-            if self._state is None:
-                self._state = self.rollout.empty()
-            if self.version != self._cache_version:
-                if any(self._slots):  # new weights mid-sequence: an interruption
-                    self._state = self.rollout.reload(self._state, self.params, self._longest)
-                    for index in {slot[0] for slot in self._slots if slot}:
-                        self._batches[index].interruptions += 1
-                self._cache_version = self.version
-            self._fill()
-            self._state = self.rollout.advance(self._state, self.params, self.version,
-                                               self.chunk_tokens, self._longest)
-            done_b, counts = self.rollout.poll(self._state)
-            self._longest = int(counts[2])
-            finished = [s for s, slot in enumerate(self._slots) if slot and done_b[s]]
-            return self._collect(finished, counts, now) if finished else []
+            finished, interrupted = self._scheduler.step(self.params, self.version)
+            for index in {request.tag[0] for request in interrupted}:
+                self._batches[index].interruptions += 1
+            return [] if finished is None else self._collect(finished, now)
         finally:
             self.busy_seconds += time.perf_counter() - t0
 
-    def _fill(self) -> None:
-        free = [s for s, slot in enumerate(self._slots) if slot is None]
-        take = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-        if not take:
-            return
-        slots = self.rollout.spread(free)[:len(take)]
-        prompts = [self._batches[index].batch for index, *_ in take]
-        tokens_kp = np.stack([np.asarray(b["prompt_tokens_bp"][row])
-                              for b, (_, row, *_) in zip(prompts, take)])
-        mask_kp = np.stack([np.asarray(b["prompt_mask_bp"][row])
-                            for b, (_, row, *_) in zip(prompts, take)])
-        self._state = self.rollout.fill(self._state, self.params, self.version, slots, tokens_kp,
-                                        mask_kp, [key for *_, key, _ in take],
-                                        [r for *_, r in take])
-        for s, (index, row, *_) in zip(slots, take):
-            self._slots[s] = (index, row)
-
-    def _collect(self, finished: list[int], counts: np.ndarray, now) -> list[Generated]:
-        rows = self.rollout.rows(self._state)
-        for s in finished:
-            index, row = self._slots[s]
-            self._slots[s] = None
+    def _collect(self, finished: Finished, now) -> list[Generated]:
+        for i, request in enumerate(finished.requests):
+            index, row = request.tag
             out = self._batches[index]
-            for i, x in enumerate(rows):
-                if out.outputs[i] is None:
+            for field, x in enumerate(finished.rows):
+                if out.outputs[field] is None:
                     rows_b = len(out.batch["prompt_tokens_bp"])
-                    out.outputs[i] = np.zeros((rows_b, *x.shape[1:]), x.dtype)
-                out.outputs[i][row] = x[s]
+                    out.outputs[field] = np.zeros((rows_b, *x.shape[1:]), x.dtype)
+                out.outputs[field][row] = x[i]
             out.left -= 1
         done = []
         for index in sorted(i for i, b in self._batches.items() if b.left == 0):
-            slot_steps, tokens = counts[:2] - self._counts
+            counts = np.asarray(self._scheduler.occupancy, np.int64)
+            slot_steps, tokens = counts - self._counts
             idle = 1.0 - tokens / max(slot_steps, 1)
-            self._counts = counts[:2].astype(np.int64)
+            self._counts = counts
             done.append(self._finish(index, self._batches.pop(index), now, float(idle)))
         return done
 
@@ -216,7 +189,5 @@ class RolloutWorker:
         first = min(self._batches, default=None)
         out = None if first is None else (first, self._batches[first].iterator_before)
         self._batches.clear()
-        self._waiting.clear()
-        self._slots = [None] * self.rollout.slots
-        self._state = None
+        self._scheduler.drop()
         return out
