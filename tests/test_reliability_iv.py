@@ -164,3 +164,20 @@ def test_a_data_file_with_a_bad_byte_names_its_line(tmp_path):
     config = configured({"data.train_path": str(data)})
     assert refusal(config, tmp_path / "work") == (  # was "codec can't decode ... position 47"
         f"data.train_path: {data}:line 2: is not UTF-8 (byte 0xff at column 14)")
+
+
+@pytest.mark.entry
+def test_the_train_command_says_it_in_one_line_and_exits_2(tmp_path):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrlhf.train", "--config=configs/grpo_tiny.py",
+         "--config.models.critic.size=small", f"--workdir={tmp_path}"],
+        cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True,
+        timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2 and proc.stderr == (
+        "error: models.critic.size='small': this run has no critic model (algorithm=grpo)\n"
+    ), proc.stderr[-3000:]
