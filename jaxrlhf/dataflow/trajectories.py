@@ -1,10 +1,12 @@
 """Multi-turn rollouts: the policy and an environment take turns, the reward comes at the end.
 
 Turns stream through the rollout engine (`engine/rollout/`, the generator's engine for
-prompts of P + N ids): a trajectory ready for its turn waits in a queue, takes a free slot, where
-its whole conversation so far is prefilled as the prompt, and decodes; a row that ends its turn
-gives up its slot, and its conversation goes to the environment (`data/environments.py`, one
-call in its process pool) while the other rows keep decoding and queued ones take the slot.
+prompts of P + N ids) as requests of its scheduler (`engine.rollout.scheduler`), whose
+continuation is the environment: a trajectory ready for its turn waits in a queue, takes a
+free slot, where its whole conversation so far is prefilled as the prompt, and decodes; a row
+that ends its turn gives up its slot, and its conversation goes to the environment
+(`data/environments.py`, one call in its process pool) while the other rows keep decoding and
+queued ones take the slot.
 When the reply arrives, its ids (`data/transcript.py`) are appended and the trajectory is
 queued again. So a slow environment costs a trajectory its own time, not the batch's.
 
@@ -24,9 +26,7 @@ the policy wrote, so environment tokens are attended to but never trained.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -40,7 +40,7 @@ from jaxrlhf.dataflow.executors import HostFunctionError
 from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine import buckets
 from jaxrlhf.engine.generate import Generator
-from jaxrlhf.engine.rollout import Rollout
+from jaxrlhf.engine.rollout.scheduler import Request, Scheduler, Turn
 from jaxrlhf.mfc import MFC
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.reshard import transfer
@@ -143,82 +143,75 @@ def _start(pool: EnvPool, transcript: Transcript, rows: Sequence[dict],
     return trajectories
 
 
-class _Stream:
-    """One rollout's scheduling state on the host: which trajectory each slot decodes, which
-    wait on their environment (one pool call each) and which are ready for their next turn."""
+class _Turns:
+    """A rollout's trajectories as requests of the rollout engine's scheduler: each turn is a
+    request whose continuation takes the turn's tokens and starts the environment's call (one
+    in its pool); the reply, when it arrives, makes the next turn's request."""
 
-    def __init__(self, engine: Rollout, params, key, trajectories: list[_Trajectory],
-                 limits: TrajectoryLimits, slots: int):
-        self.engine, self.params, self.key = engine, params, key
-        self.trajectories, self.limits = trajectories, limits
-        self.ready = collections.deque(i for i, t in enumerate(trajectories) if not t.done)
-        self.waiting: dict[int, EnvHandle] = {}
-        self.in_slot = [-1] * slots  # the trajectory each slot decodes, -1: free
-        self.state = engine.vacant(slots)  # built by the first fill
-        self.longest = 0  # at least every busy slot's response length so far
+    def __init__(self, prompt_len: int, key, trajectories: list[_Trajectory],
+                 limits: TrajectoryLimits, env: tuple[EnvPool, Transcript, Tokenizer],
+                 messages: list[str]):
+        self.prompt_len, self.key, self.trajectories, self.limits = (prompt_len, key,
+                                                                     trajectories, limits)
+        self.pool, self.transcript, self.tokenizer = env
+        self.messages = messages
 
-    def busy(self) -> bool:
-        return any(i >= 0 for i in self.in_slot)
+    def request(self, i: int) -> Request:
+        """Trajectory i's next turn: its conversation so far as a prompt of the engine's
+        length P. Turn j samples as row i * max_turns + j of the rollout's key: its tokens
+        depend on nothing else (not on which slot, or when)."""
+        t, p = self.trajectories[i], self.prompt_len
+        ids = t.prompt_ids + t.ids
+        tokens_p, mask_p = np.full(p, self.tokenizer.pad_id, np.int32), np.zeros(p, bool)
+        tokens_p[p - len(ids):], mask_p[p - len(ids):] = ids, True
+        return Request(tokens_p, mask_p, self.key, i * self.limits.max_turns + t.turns,
+                       self.limits.budget - len(t.ids), then=self.ended, tag=i)
 
-    def fill(self, pad_id: int) -> None:
-        """Ready trajectories into free slots, each conversation prefilled as a prompt of the
-        engine's length P. Trajectory i's turn j samples as row i * max_turns + j of the
-        rollout's key: its tokens depend on nothing else (not on which slot, or when)."""
-        free = [s for s, i in enumerate(self.in_slot) if i < 0]
-        take = [self.ready.popleft() for _ in range(min(len(free), len(self.ready)))]
-        if not take:
-            return
-        p = self.engine.prompt_len
-        tokens_kp, mask_kp = np.full((len(take), p), pad_id, np.int32), np.zeros((len(take), p),
-                                                                                 bool)
-        streams_k, limits_k = np.zeros(len(take), np.int32), np.zeros(len(take), np.int32)
-        for k, i in enumerate(take):
-            t = self.trajectories[i]
-            ids = t.prompt_ids + t.ids
-            tokens_kp[k, p - len(ids):], mask_kp[k, p - len(ids):] = ids, True
-            streams_k[k] = i * self.limits.max_turns + t.turns
-            limits_k[k] = self.limits.budget - len(t.ids)
-        targets = self.engine.spread(free, len(self.in_slot))[:len(take)]
-        self.state = self.engine.fill(self.state, self.params, 0, targets, tokens_kp, mask_kp,
-                                      [self.key] * len(take), streams_k, limits_k)
-        for s, i in zip(targets, take):
-            self.in_slot[s] = i
-        self.longest = max(self.longest, 1)
-
-    def advance(self) -> list[tuple[int, list[int], list[float]]]:
-        """Decodes a chunk of tokens in every busy slot; (trajectory, its turn's ids, their
-        log-probs) of each row that ended its turn, whose slot is then free."""
-        busy = sum(i >= 0 for i in self.in_slot)
-        self.state = self.engine.advance(self.state, self.params, 0, TURN_CHUNK_TOKENS,
-                                         self.longest, stop_busy=busy - 1)
-        done_b, counts = self.engine.poll(self.state)
-        self.longest = int(counts[2])
-        ended = [s for s, i in enumerate(self.in_slot) if i >= 0 and done_b[s]]
-        if not ended:
-            return []
-        rows = self.engine.rows(self.state)
-        p = self.engine.prompt_len
-        turns = []
-        for s in ended:
-            mask_n = rows.response_mask_bn[s]
-            turns.append((self.in_slot[s], rows.sequences_bs[s, p:][mask_n].tolist(),
-                          rows.logprobs_bn[s][mask_n].tolist()))
-            self.in_slot[s] = -1
-        return turns
+    def ended(self, turn: Turn) -> _Reply:
+        """A turn's tokens appended to its trajectory, whose conversation goes to the
+        environment."""
+        i, row = turn.request.tag, turn.row
+        mask_n = row.response_mask_bn
+        ids = row.sequences_bs[self.prompt_len:][mask_n].tolist()
+        t = self.trajectories[i]
+        t.ids, t.policy = t.ids + ids, t.policy + [True] * len(ids)
+        t.logp = t.logp + row.logprobs_bn[mask_n].tolist()
+        t.turn_ids, t.turns = ids, t.turns + 1
+        t.conversation.append({"role": "assistant",
+                               "content": decode_response(self.tokenizer, ids)})
+        return _Reply(self, i, self.pool.step([t.conversation], [t.row]))
 
 
-def _wait_any(handles) -> None:
-    """Blocks until one of `handles` is done (they share no event: short sleeps between looks;
-    the pool's per-call timeout bounds the wait)."""
-    while not any(h.done() for h in handles):
-        time.sleep(0.001)
+@dataclasses.dataclass
+class _Reply:
+    """An environment's reply on its way (the scheduler's `Later`)."""
+
+    turns: _Turns
+    i: int
+    handle: EnvHandle
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def result(self) -> Request | None:
+        """The reply appended to its trajectory; its next turn's request unless it ended."""
+        turns, t = self.turns, self.turns.trajectories[self.i]
+        (reply,), batch = self.handle.replies()
+        _record_failures(batch, [t], turns.messages)
+        if reply is None:
+            return None
+        try:
+            _take_reply(t, reply, turns.transcript, turns.tokenizer, turns.limits)
+        except TranscriptError as e:  # the template, not one trajectory: stop the run
+            raise EnvironmentFailed(f"env.class: {e}") from None
+        return None if t.done else turns.request(self.i)
 
 
 def rollout(generator: Generator, params, rng, pool: EnvPool, transcript: Transcript,
             tokenizer: Tokenizer, rows: Sequence[dict], limits: TrajectoryLimits,
             slots: int | None = None) -> Trajectories:
     """The trajectories of `rows` (each {"prompt", "answer"}), one per row, streamed through
-    the generator's rollout engine (module docstring).
+    the generator's rollout engine by its scheduler (module docstring).
 
     Args:
       slots: rows decoded at once (a multiple of the data-parallel size); default: one per
@@ -238,41 +231,12 @@ def rollout(generator: Generator, params, rng, pool: EnvPool, transcript: Transc
     dp = generator.layout.dp_size
     slots = -(-max(len(rows), 1) // dp) * dp if slots is None else slots
     engine = generator.rollout_engine(limits.prompt_len + limits.budget, slots)
-    stream = _Stream(engine, params, transfer(rng, generator.layout.replicated()), trajectories,
-                     limits, slots)
-    while stream.ready or stream.waiting or stream.busy():
-        _take_replies(stream, transcript, tokenizer, messages)
-        stream.fill(tokenizer.pad_id)
-        if not stream.busy():  # every unfinished trajectory waits on its environment
-            if stream.waiting:
-                _wait_any(stream.waiting.values())
-            continue
-        for i, ids, logp in stream.advance():
-            t = trajectories[i]
-            t.ids, t.policy, t.logp = t.ids + ids, t.policy + [True] * len(ids), t.logp + logp
-            t.turn_ids, t.turns = ids, t.turns + 1
-            t.conversation.append({"role": "assistant",
-                                   "content": decode_response(tokenizer, ids)})
-            stream.waiting[i] = pool.step([t.conversation], [t.row])
+    turns = _Turns(engine.prompt_len, transfer(rng, generator.layout.replicated()),
+                   trajectories, limits, (pool, transcript, tokenizer), messages)
+    scheduler = Scheduler(engine, slots, TURN_CHUNK_TOKENS)
+    scheduler.submit(turns.request(i) for i, t in enumerate(trajectories) if not t.done)
+    scheduler.run(params)
     return _arrays(trajectories, limits, messages)
-
-
-def _take_replies(stream: _Stream, transcript: Transcript, tokenizer: Tokenizer,
-                  messages: list[str]) -> None:
-    """Every reply that arrived: appended to its trajectory, which is ready for its next turn
-    unless it ended."""
-    for i in [i for i, handle in stream.waiting.items() if handle.done()]:
-        t = stream.trajectories[i]
-        (reply,), batch = stream.waiting.pop(i).replies()
-        _record_failures(batch, [t], messages)
-        if reply is None:
-            continue
-        try:
-            _take_reply(t, reply, transcript, tokenizer, stream.limits)
-        except TranscriptError as e:  # the template, not one trajectory: stop the run
-            raise EnvironmentFailed(f"env.class: {e}") from None
-        if not t.done:
-            stream.ready.append(i)
 
 
 def _take_reply(t: _Trajectory, reply: EnvTurn, transcript: Transcript, tokenizer: Tokenizer,

@@ -173,7 +173,8 @@ class Scheduler:
         engine's).
       chunk_tokens: the most tokens decoded between looks at the slots.
       compact: whether `run` compacts the live rows into a smaller state when the queue is
-        empty (a scheduler that takes requests for ever, `step`, keeps its size).
+        empty and no continuation may bring more (a scheduler that takes requests for ever,
+        `step`, keeps its size).
     """
 
     def __init__(self, engine: Rollout, slots: int | None = None,
@@ -283,11 +284,16 @@ class Scheduler:
         if not hold or not live or self._queue or waited:
             return _joined(early, self._harvest(finished, rows))
         size = compacted_size(len(live), len(self._in), self.engine.layout.dp_size)
-        if not self.compact or size >= len(self._in):
+        if size >= len(self._in) or not self._may_compact(live):
             return early
         out = self._harvest(finished, rows)
         self._shrink(live, size)
         return _joined(early, out)
+
+    def _may_compact(self, live: list[int]) -> bool:
+        """Whether to compact: the scheduler compacts, and no continuation may bring more
+        requests (a state is never grown back)."""
+        return self.compact and not self._later and all(self._in[s].then is None for s in live)
 
     def _limit(self, request: Request) -> int:
         n_max = self.engine.cfg.max_new_tokens
@@ -298,7 +304,7 @@ class Scheduler:
         compacts); as soon as a row ends its turn where a continuation waits for it (its
         environment call then starts at once)."""
         dp = self.engine.layout.dp_size
-        beyond = hold and self.compact and reach - self._longest > steps
+        beyond = hold and self._may_compact(live) and reach - self._longest > steps
         stop = stop_busy(len(self._in), len(self._queue), dp, beyond)
         if any(self._in[s].then is not None for s in live):
             stop = max(stop, len(live) - 1)
