@@ -188,3 +188,45 @@ def test_the_code_cites_documents_of_the_repository():
                 if not (ROOT / cited).is_file():
                     missing.add(f"{path.relative_to(ROOT)}: {cited}")
     assert (ROOT / "docs/ARCHITECTURE.md").is_file() and not missing, sorted(missing)
+
+
+# --- the rollout engine's slots have one driver -------------------------------------------------
+
+SCHEDULER = "jaxrlhf.engine.rollout.scheduler"
+SLOT_METHODS = ("fill", "advance", "poll", "compact", "reload")
+# Calls of those names in the library that are no Rollout's: (module, the call's target).
+NOT_A_ROLLOUT = {
+    ("jaxrlhf.checkpoint", "self._manager.reload"),  # orbax's CheckpointManager
+    ("jaxrlhf.data.sandbox", "select.poll"),  # the select module's poll object
+    ("jaxrlhf.data.sandbox", "poller.poll"),
+    ("jaxrlhf.data.rewards", "self._wake_r.poll"),  # a multiprocessing Connection
+}
+
+
+def _slot_calls(module: str) -> list[str]:
+    """The calls `X.fill(...)`, `X.advance(...)`, ... (SLOT_METHODS) in `module`, as written."""
+    tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
+    return [ast.unparse(node.func) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in SLOT_METHODS]
+
+
+def test_only_the_scheduler_drives_the_rollout_slots():
+    """Only `engine/rollout/scheduler.py` calls a Rollout's fill, advance, poll, compact or
+    reload (the sync call, the async worker and multi-turn trajectories are its users). A call
+    of one of those names on something else goes in NOT_A_ROLLOUT."""
+    found = {name.rsplit(".", 1)[1] for name in _slot_calls(SCHEDULER)}
+    assert found == set(SLOT_METHODS), found  # the scan sees the scheduler's own calls
+    others = {(m, call) for m in MODULES if m != SCHEDULER and not _within(m, MESHES)
+              for call in _slot_calls(m)}
+    assert others <= NOT_A_ROLLOUT, sorted(others - NOT_A_ROLLOUT)
+
+
+def test_the_rollout_package_is_in_modules_of_one_concept():
+    """No file of `jaxrlhf/engine/rollout/` over 550 lines, no function in it over 80."""
+    for path in sorted((ROOT / "jaxrlhf/engine/rollout").glob("*.py")):
+        text = path.read_text()
+        assert len(text.splitlines()) <= 550, path.name
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                assert node.end_lineno - node.lineno < 80, f"{path.name}: {node.name}"
