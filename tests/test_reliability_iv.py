@@ -77,6 +77,11 @@ CASES = [
      "dpo.beta=0.5: algorithm=sft does not read dpo.*"),
     ("cost_keys_outside_safe_rlhf", {"cost.workers": 3},
      "cost.workers=3: algorithm=ppo does not read cost.*"),
+    ("generation_replicas_in_one_process",  # refused by the async loop after the warm start
+     {"placement.kind": "disaggregate", "placement.gen_replicas": 3,
+      "async_rl.max_staleness": 1},
+     "placement.gen_replicas=3: an asynchronous run with generation replicas runs 1 + 3 "
+     "processes"),
     ("critic_size_under_grpo", {**GRPO, "models.critic.size": "small"},
      "models.critic.size='small': this run has no critic model (algorithm=grpo)"),
     ("reward_model_size_with_a_reward_function", {"models.reward.size": "small"},

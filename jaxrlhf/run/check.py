@@ -104,6 +104,7 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     with field("placement"):
         plan = place(spec)
     _check_rollout_layouts(spec, plan)
+    _check_processes(spec, plan)
     _check_positions(spec)
     fingerprint = run_fingerprint(spec.config_json)
     job = Job(spec, tokenizer, plan, workdir, fingerprint, load_data(spec, workdir, tokenizer))
@@ -138,6 +139,28 @@ def _check_rollout_layouts(spec: RunSpec, plan: RunPlan) -> None:
                 f"{user} set it generates on the rollout engine, which decodes each row at its "
                 f"own position (pipeline stages decode all rows at one): give {m.name} a "
                 "layout without pipeline stages")
+
+
+def _check_processes(spec: RunSpec, plan: RunPlan) -> None:
+    """An asynchronous run across processes has the trainer's process and one per generation
+    replica, the generate call on process 1's devices and every other call on process 0's
+    (`run/async_procs.replica_layouts`, which the loop reaches only after the warm start)."""
+    replicas, processes = spec.placement.gen_replicas, jax.process_count()
+    if not spec.async_rl.max_staleness or (processes == 1 and replicas == 1):
+        return
+    if processes != 1 + replicas:
+        raise ConfigError(f"placement.gen_replicas={replicas}: an asynchronous run with "
+                          f"generation replicas runs 1 + {replicas} processes, the trainer's and "
+                          f"one per replica (launch/local.sh {1 + replicas} ...); this job has "
+                          f"{processes}")
+    (gen,) = [m.name for m in spec.graph.mfcs if m.role is Role.ACTOR and m.call is Call.GENERATE]
+    for name, layout in plan.layouts.items():
+        want = 1 if name == gen else 0
+        if {d.process_index for d in layout.devices} != {want} or (
+                name == gen and len(layout.devices) != jax.local_device_count()):
+            raise ConfigError(f"placement: {name} runs on {plan.plan[name]}; in a multi-process "
+                              f"asynchronous run it must use exactly process {want}'s devices "
+                              "(placement.kind=disaggregate places them so)")
 
 
 def _check_tokenizer_follows(spec: RunSpec) -> None:
