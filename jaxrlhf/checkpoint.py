@@ -497,7 +497,9 @@ def shape_mismatches(directory: pathlib.Path, models: dict[Role, ModelConfig]) -
         if not item.is_dir():
             out.append(f"{role.value}: no parameters in {path}")
             continue
-        stored = _shapes(ocp.StandardCheckpointer().metadata(item.absolute()).item_metadata.tree)
+        # the handler's metadata: the item's tree alone (the checkpointer's also looks for a
+        # step metadata file an item does not have, and warns)
+        stored = _shapes(ocp.StandardCheckpointHandler().metadata(item.absolute()).tree)
         wanted = _shapes(nn.unbox(abstract_params(model)))
         out += [f"{role.value}: {key} {list(stored[key]) if key in stored else '(absent)'} "
                 f"where this run has {list(wanted[key]) if key in wanted else '(absent)'}"
