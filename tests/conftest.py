@@ -42,6 +42,21 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @pytest.fixture(scope="session")
+def bwrap():
+    """The code sandbox (`data/sandbox.py`: bubblewrap, Debian's `bubblewrap`, which `.ci/run`
+    installs), started once. Without it the test is skipped with one line naming the package,
+    except under CI=true, where it fails."""
+    from jaxrlhf.data import sandbox
+
+    isolation = sandbox.probe()
+    if isinstance(isolation, str):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the sandbox {isolation}")
+        pytest.skip(f"the sandbox {isolation}")
+    return isolation
+
+
+@pytest.fixture(scope="session")
 def libtpu():
     """libtpu (XLA's TPU compiler, the `[tpu]` extra, which the test extra holds), quiet and
     loadable by both workers: compiling for a described TPU slice needs no TPU. Without it the

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 from absl import logging
 
+from jaxrlhf.data import sandbox
 from jaxrlhf.data.code_reward import code_reward
 from jaxrlhf.data.math_reward import math_reward
 
@@ -84,7 +85,8 @@ def resolve_reward(spec: str) -> RewardFn:
     Raises:
       ValueError: (or FileNotFoundError) naming `spec`: an unknown name, a module that does not
         import (a syntax error, an exception at import), no such function, or one that cannot
-        be called as fn(prompt, completion, answer).
+        be called as fn(prompt, completion, answer); `code` on a machine without a working
+        bubblewrap (`sandbox.SandboxUnavailable`, naming the package).
     """
     target, sep, name = spec.rpartition(":")
     if not sep:
@@ -93,6 +95,8 @@ def resolve_reward(spec: str) -> RewardFn:
                 f"unknown reward {spec!r}: use one of {sorted(BUILTIN_REWARDS)}, "
                 "'module.path:function' or '/path/file.py:function'"
             )
+        if spec == "code":  # refused here, before anything compiles, on a machine without it
+            sandbox.require("the code reward")
         return BUILTIN_REWARDS[spec]
     module = _import(spec, target)
     fn = getattr(module, name, None)

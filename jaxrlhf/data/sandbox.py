@@ -1,26 +1,36 @@
-"""Running model-written Python in a sandboxed subprocess, for the `code` reward.
+"""Running model-written Python in a sandbox, for the `code` reward and the `python` tool.
 
-Each run gets a fresh throwaway directory (removed afterwards) holding the program; it runs as
-`python -I -B` (no user site, no environment, no bytecode written) with stdin from the test case
-and stdout to a file in that directory. What keeps it in:
+The boundary is the kernel's, drawn by bubblewrap (`bwrap`, Debian's package `bubblewrap`):
+each run is a fresh set of namespaces in which the program sees
 
-  * resource limits (setrlimit, in the fresh interpreter before the program runs): CPU seconds (SIGXCPU), address space
-    (MemoryError), file size (a huge output fails with EFBIG: Python ignores SIGXFSZ), open
-    files, processes;
-  * no network: a network namespace of its own (`unshare(CLONE_NEWNET)`, with a user namespace
-    when unprivileged), so only a downed loopback exists;
-  * a user of its own when the trainer runs as root: the program runs under a fresh uid that no
-    other process has, so it cannot write the trainer's files, the process limit counts only its
-    own processes, and every process left behind is killed by uid afterwards;
-  * a Python audit hook installed before the program runs: process creation (fork, exec,
-    subprocess, os.system), sockets, ctypes and writes outside the directory raise
-    PermissionError (a second line where the OS-level ones are unavailable);
-  * a wall-clock timeout after which the whole process group (and the uid's processes) is
-    killed.
+  * files: a private mount namespace holding only the system's `/usr` (and `/bin`, `/lib`...
+    as the host has them), the interpreter's own installation and `/etc/ld.so.cache`, all
+    read-only and nosuid, a fresh `/dev` and `/proc`, and its scratch directory `/scratch`: a
+    tmpfs of `Limits.scratch_bytes` holding `main.py`, its cwd, HOME and TMPDIR, the one place
+    it may write. Nothing of the trainer (workdir, data, checkpoints, the repository, /tmp)
+    exists there;
+  * processes: a PID namespace of its own (its `/proc` lists its own processes only). When the
+    program exits, or is killed at the wall-clock limit, the namespace's init exits and the
+    kernel kills every process left in it before `run_python` returns;
+  * no network: a network namespace holding only its own loopback; no IPC or UTS shared;
+  * a user of its own when the trainer runs as root: a fresh uid that no other process has (so
+    the process limit counts only its own processes and it owns no host file); as another user,
+    a user namespace mapping that user;
+  * resource limits (setrlimit, in the fresh interpreter before the program runs): CPU seconds
+    (SIGXCPU), address space (MemoryError), file size (a huge output fails with EFBIG), open
+    files, processes.
 
-`probe()` reports which OS-level measures this machine allows; each run uses what it can.
-A program that fails in any way returns a `RunStatus` other than OK; it never raises, hangs the
-caller or outlives the call.
+Whatever the program does inside (fork, exec a shell, ctypes, Python's internals), it does as
+that uid in those namespaces; there is no Python-level block list to get around. Its stdin,
+stdout and stderr are anonymous in-memory files (`memfd`) of the trainer's, never paths the
+program could replace. Nothing of the sandbox runs in a fork of the trainer: `bwrap` is
+exec'd, and the limits and uid change happen in the interpreter it starts.
+
+Without a working `bwrap` nothing runs: `run_python` raises `SandboxUnavailable` naming the
+package (`require` says so up front: `data/rewards.resolve_reward` refuses the `code` reward
+before anything compiles; the `python` tool answers the policy with the error). A program that
+fails in any way returns a `RunStatus` other than OK; it never raises, hangs the caller or
+outlives the call.
 """
 
 from __future__ import annotations
@@ -29,38 +39,34 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import json
 import os
 import pathlib
 import secrets
+import select
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
-_CLONE_NEWNET, _CLONE_NEWUSER = 0x40000000, 0x10000000
-# A uid range no account uses: each run picks a fresh one (as root), so killing "every process
-# of this uid" afterwards can only hit the program's own leftovers.
+# A uid range no account uses: each run (as root) gets a fresh one, owning nothing on the host.
 _UID_BASE, _UID_SPAN = 3_100_000, 900_000
+SCRATCH = "/scratch"
 _PROGRAM = "main.py"
-_STDOUT = "stdout.txt"
-_STDERR = "stderr.txt"
-_FAILED_SETUP = 97  # the child could not enter the sandbox: nothing of the program ran
+_TEARDOWN_S = 10.0  # the kernel's killing of a namespace's processes: milliseconds
+_FAILED_SETUP = 97  # the interpreter could not set the limits or uid: nothing of the program ran
+INSTALL_HINT = "needs bubblewrap (apt install bubblewrap)"
 
-# Run by `python -c` in the fresh interpreter that then runs the program (argv: the program,
-# then `_enter_args`): it enters the sandbox (namespaces, limits, then the program's own uid;
-# the order matters: the namespace needs privileges the uid drop removes) and installs the
-# audit hook (see the module docstring). The trainer only execs it: nothing of the sandbox runs
-# in a fork of the trainer's multi-threaded process.
+# Run by `python -c` inside the sandbox (argv: the program, then `_limit_args`): the limits,
+# then (as root) the scratch directory handed to the program's uid and that uid taken, which
+# drops every capability; only then the program.
 _BOOTSTRAP = r'''
 import os, sys
 
-def _enter(netns, unshare_flags, uid, cpu, memory, files, processes, open_files):
+def _enter(uid, cpu, memory, files, processes, open_files):
     try:
-        import ctypes, resource
-        if netns and ctypes.CDLL(None, use_errno=True).unshare(unshare_flags) != 0:
-            os._exit(%(failed)d)
+        import resource
         for kind, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
                             (resource.RLIMIT_AS, (memory, memory)),
                             (resource.RLIMIT_FSIZE, (files, files)),
@@ -69,55 +75,36 @@ def _enter(netns, unshare_flags, uid, cpu, memory, files, processes, open_files)
                             (resource.RLIMIT_CORE, (0, 0))):
             resource.setrlimit(kind, value)
         if uid >= 0:
+            os.chown(".", uid, uid)
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
     except Exception:  # any failure: refuse to run the program at all
         os._exit(%(failed)d)
 
+def _run(path):  # as runpy.run_path(path, run_name="__main__"), at a third of its start-up
+    import builtins
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    sys.argv = [path]
+    builtins.exit = builtins.quit = sys.exit  # what `site` (-S: not imported) would add
+    main = sys.modules["__main__"].__dict__
+    main.clear()
+    main.update(__name__="__main__", __file__=path, __builtins__=builtins)
+    exec(code, main)
+
 _enter(*map(int, sys.argv[2:]))
-del _enter
-_root = os.path.realpath(os.getcwd())
-_deny = {"os.system", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn",
-         "subprocess.Popen", "socket.connect", "socket.bind", "socket.sendto",
-         "socket.sendmsg", "socket.getaddrinfo", "ctypes.dlopen", "ctypes.dlsym",
-         "ctypes.addressof", "ctypes.cdata", "os.kill", "os.killpg", "os.setuid", "os.chroot"}
-_paths = {"os.remove": 1, "os.rename": 2, "os.replace": 2, "os.rmdir": 1, "os.mkdir": 1,
-          "os.symlink": 2, "os.link": 2, "os.truncate": 1, "os.chmod": 1, "os.chown": 1,
-          "os.utime": 1, "shutil.rmtree": 1, "shutil.copyfile": 2, "shutil.move": 2}
-_write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-
-def _inside(path):
-    if isinstance(path, int):
-        return True  # an already open descriptor
-    path = os.path.realpath(os.fsdecode(path))
-    return path == _root or path.startswith(_root + os.sep)
-
-def _hook(event, args):
-    if event in _deny:
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "open":
-        path, mode, flags = args
-        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-            isinstance(flags, int) and flags & _write_flags)
-        if writing and path is not None and not _inside(path):
-            raise PermissionError(f"sandbox: writing {path!r} outside the working directory")
-    elif event in _paths:
-        for path in args[:_paths[event]]:
-            if path is not None and not _inside(path):
-                raise PermissionError(f"sandbox: {event} on {path!r} outside the directory")
-
-sys.addaudithook(_hook)
-del _hook
-import runpy
-sys.argv = [sys.argv[1]]
-runpy.run_path(sys.argv[0], run_name="__main__")
+_run(sys.argv[1])
 ''' % {"failed": _FAILED_SETUP}
+
+
+class SandboxUnavailable(ValueError):
+    """This machine cannot run the sandbox (no `bwrap`, or one that cannot start)."""
 
 
 class RunStatus(enum.Enum):
     OK = "ok"  # exited with status 0
-    ERROR = "error"  # raised or exited non-zero (a blocked escape raises PermissionError)
+    ERROR = "error"  # raised or exited non-zero (a path outside the sandbox: FileNotFoundError)
     TIMEOUT = "timeout"  # wall clock or CPU time limit
     MEMORY = "memory"  # address-space limit
     OUTPUT_LIMIT = "output_limit"  # wrote more than the file-size limit
@@ -131,9 +118,10 @@ class Limits:
     wall_seconds: float = 5.0
     cpu_seconds: int = 3
     memory_bytes: int = 512 * 2**20
-    file_bytes: int = 1 * 2**20  # stdout, stderr and any file written
+    file_bytes: int = 1 * 2**20  # stdout, stderr and any one file written
     processes: int = 8
     open_files: int = 64
+    scratch_bytes: int = 16 * 2**20  # the whole scratch directory (a tmpfs: memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,69 +134,101 @@ class RunResult:
 
 @dataclasses.dataclass(frozen=True)
 class Isolation:
-    """What this machine allows (see `probe`)."""
+    """How runs are started here (see `probe`)."""
 
-    network_namespace: bool
+    bwrap: str
     own_uid: bool  # running as root: the program gets a uid of its own
-    interpreter: str  # a python the program's user can execute
+    mounts: tuple[str, ...]  # bwrap's arguments for the read-only system and interpreter
 
 
-def _world_executable(path: str) -> bool:
-    """Whether any user can execute `path` (it and every parent directory are o+x)."""
-    p = pathlib.Path(os.path.realpath(path))
-    return all(os.stat(q).st_mode & 0o001 for q in [p, *p.parents])
+def _system_mounts() -> list[str]:
+    """/usr, the top-level links into it (or directories, where /usr is not merged) and the
+    interpreter's installation, read-only; a directory holding it is made traversable (bwrap
+    would copy /root's 0700 and lock the program's uid out of its own interpreter)."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    args += ["--perms", "0755", "--dir", "/etc",
+             "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    bound = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"]
+    made = set()
+    candidates = {sys.prefix, sys.base_prefix, os.path.dirname(sys.executable)}
+    for path in sorted(candidates | {os.path.realpath(p) for p in candidates}):
+        if any(path == b or path.startswith(b + "/") for b in bound):
+            continue
+        if path == "/" or not os.path.isdir(path):
+            raise SandboxUnavailable(f"cannot mount the interpreter's installation {path!r}")
+        for parent in reversed(pathlib.PurePath(path).parents[:-1]):
+            if str(parent) not in made:
+                made.add(str(parent))
+                args += ["--perms", "0755", "--dir", str(parent)]
+        args += ["--ro-bind", path, path]
+        bound.append(path)
+    return args
 
 
-def _interpreter(own_uid: bool) -> str:
-    if not own_uid or _world_executable(sys.executable):
-        return sys.executable
-    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
-        if os.path.exists(candidate) and _world_executable(candidate):
-            return candidate
-    raise RuntimeError("no python interpreter another user may run; cannot sandbox as root")
-
-
-def _unshare_flags(own_uid: bool) -> int:
-    return _CLONE_NEWNET | (0 if own_uid else _CLONE_NEWUSER)
+def _bwrap_command(isolation: Isolation, limits: Limits, program_fd: int, info_fd: int,
+                   uid: int | None) -> list[str]:
+    """The whole command line of one run (the module docstring says what each part is for)."""
+    namespaces = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+                  "--unshare-cgroup-try"]
+    if not isolation.own_uid:  # not root: an unprivileged user namespace makes the rest
+        namespaces += ["--unshare-user", "--disable-userns"]
+    limit_args = (-1 if uid is None else uid, max(1, int(limits.cpu_seconds)),
+                  limits.memory_bytes, limits.file_bytes, limits.processes, limits.open_files)
+    return [isolation.bwrap, *namespaces, "--die-with-parent", "--new-session",
+            *isolation.mounts, "--proc", "/proc", "--dev", "/dev",
+            "--size", str(limits.scratch_bytes), "--tmpfs", SCRATCH,
+            "--file", str(program_fd), f"{SCRATCH}/{_PROGRAM}", "--chdir", SCRATCH,
+            "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
+            "--setenv", "HOME", SCRATCH, "--setenv", "TMPDIR", SCRATCH,
+            "--info-fd", str(info_fd),
+            sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, _PROGRAM, *map(str, limit_args)]
 
 
 @functools.lru_cache(maxsize=1)
-def probe() -> Isolation:
-    """Which OS-level isolation works here (tried once, in a throwaway interpreter)."""
-    own_uid = os.geteuid() == 0
-    tried = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", "import ctypes, sys; sys.exit(ctypes.CDLL(None)"
-         ".unshare(int(sys.argv[1])) != 0)", str(_unshare_flags(own_uid))],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return Isolation(network_namespace=tried.returncode == 0, own_uid=own_uid,
-                     interpreter=_interpreter(own_uid))
+def probe() -> Isolation | str:
+    """How runs start here, or why they cannot (a phrase following a subject: "the sandbox
+    needs ..."): a trivial program run once in the sandbox."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return f"{INSTALL_HINT}: no bwrap on PATH"
+    try:
+        isolation = Isolation(bwrap, os.geteuid() == 0, tuple(_system_mounts()))
+    except SandboxUnavailable as e:
+        return str(e)
+    result = _run(isolation, "print(6 * 7)", "", Limits())
+    if result.status is not RunStatus.OK or result.stdout != "42\n":
+        last = (result.stderr.strip().splitlines() or [result.status.value])[-1]
+        return f"needs a bubblewrap that can start here ({bwrap}: {last})"
+    return isolation
 
 
-def _enter_args(limits: Limits, isolation: Isolation, uid: int | None) -> list[str]:
-    """The bootstrap's arguments: what `_enter` in `_BOOTSTRAP` sets up (uid -1: keep ours)."""
-    values = (int(isolation.network_namespace), _unshare_flags(isolation.own_uid),
-              -1 if uid is None else uid, max(1, int(limits.cpu_seconds)), limits.memory_bytes,
-              limits.file_bytes, limits.processes, limits.open_files)
-    return [str(v) for v in values]
+def require(what: str = "the sandbox") -> Isolation:
+    """This machine's `Isolation`.
+
+    Raises:
+      SandboxUnavailable: one line, naming `what` and the package (or bwrap's own complaint).
+    """
+    isolation = probe()
+    if isinstance(isolation, str):
+        raise SandboxUnavailable(f"{what} {isolation}")
+    return isolation
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of `uid` (the run's own uid: its leftovers, nothing else), from an
-    interpreter that becomes that uid: as it, kill(-1) reaches only the uid's processes."""
-    subprocess.run(
-        [probe().interpreter, "-I", "-S", "-c", "import os, signal, sys\n"
-         "uid = int(sys.argv[1]); os.setgroups([]); os.setgid(uid); os.setuid(uid)\n"
-         "try:\n    os.kill(-1, signal.SIGKILL)\nexcept ProcessLookupError:\n    pass",
-         str(uid)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+def _fresh_uid() -> int:
+    return _UID_BASE + secrets.randbelow(_UID_SPAN)
 
 
 def _status(returncode: int, stderr: str, timed_out: bool) -> RunStatus:
-    if timed_out or returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+    # bwrap's init exits 128+N for a program killed by signal N
+    signalled = returncode - 128 if returncode > 128 else -returncode
+    if timed_out or signalled in (signal.SIGXCPU, signal.SIGKILL):
         return RunStatus.TIMEOUT
-    if returncode == -signal.SIGXFSZ:
-        return RunStatus.OUTPUT_LIMIT
-    if returncode == _FAILED_SETUP:
+    if returncode == _FAILED_SETUP or (returncode == 1 and stderr.startswith("bwrap: ")):
         return RunStatus.SETUP
     if returncode != 0:
         if "MemoryError" in stderr:
@@ -218,48 +238,83 @@ def _status(returncode: int, stderr: str, timed_out: bool) -> RunStatus:
     return RunStatus.OK
 
 
-def _read(path: pathlib.Path, limit: int) -> str:
-    if not path.exists():
-        return ""
-    with path.open("rb") as f:
-        return f.read(limit).decode("utf-8", errors="replace")
+def _memfd(name: str, data: str = "") -> int:
+    fd = os.memfd_create(name)
+    os.write(fd, data.encode("utf-8"))
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _read(fd: int, limit: int) -> str:
+    return os.pread(fd, limit, 0).decode("utf-8", errors="replace")
+
+
+def _readable_within(fd: int, seconds: float) -> bool:
+    """Whether `fd` (a pipe, or a pidfd: readable once its process has exited) becomes
+    readable within `seconds`, woken at once (Popen.wait(timeout) polls with sleeps growing to
+    50 ms: a 40 ms program would cost up to 90)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, int(seconds * 1000))))
+
+
+def _init_pidfd(info_r: int, seconds: float) -> int | None:
+    """A pidfd of the sandbox's init, from bwrap's --info-fd report (written, then closed, as
+    the namespaces are made, before the program starts); None when bwrap reported nothing (it
+    failed to start, or did not finish saying so in time) or the init is gone already."""
+    deadline, report = time.perf_counter() + seconds, b""
+    while _readable_within(info_r, deadline - time.perf_counter()):
+        if not (chunk := os.read(info_r, 4096)):
+            try:
+                return os.pidfd_open(int(json.loads(report)["child-pid"]))
+            except (OSError, ValueError, KeyError):
+                return None
+        report += chunk
+    return None
+
+
+def _run(isolation: Isolation, code: str, stdin: str, limits: Limits) -> RunResult:
+    uid = _fresh_uid() if isolation.own_uid else None
+    start = time.perf_counter()
+    fds = [_memfd("program", code), _memfd("stdin", stdin), _memfd("stdout"), _memfd("stderr")]
+    info_r, info_w = os.pipe()
+    fds.append(info_r)
+    try:
+        program_fd, stdin_fd, out_fd, err_fd = fds[:4]
+        try:
+            proc = subprocess.Popen(  # no preexec_fn: nothing runs in a fork of this process
+                _bwrap_command(isolation, limits, program_fd, info_w, uid), stdin=stdin_fd,
+                stdout=out_fd, stderr=err_fd, pass_fds=(program_fd, info_w), close_fds=True,
+                env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
+        finally:
+            os.close(info_w)  # bwrap's copy alone: EOF if it dies before reporting
+        init = _init_pidfd(info_r, limits.wall_seconds)
+        if init is not None:
+            fds.append(init)
+        fds.append(bwrap_fd := os.pidfd_open(proc.pid))
+        left = limits.wall_seconds - (time.perf_counter() - start)
+        timed_out = not _readable_within(bwrap_fd, left)  # bwrap exits when the program does
+        if timed_out:  # the init's death kills every process of its PID namespace
+            if init is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(init, signal.SIGKILL)
+            proc.kill()  # should it not have reported: --die-with-parent takes its child along
+        proc.wait()
+        if init is not None:  # ... and its init, with the namespace's last process, after it
+            _readable_within(init, _TEARDOWN_S)
+        stderr = _read(err_fd, limits.file_bytes)
+        return RunResult(_status(proc.returncode, stderr, timed_out),
+                         _read(out_fd, limits.file_bytes), stderr, time.perf_counter() - start)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> RunResult:
     """Runs `code` as a program in the sandbox with `stdin`; never raises for the program's
-    sake (a failed run is a status), never returns before every process of it is gone."""
-    isolation = probe()
-    uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if isolation.own_uid else None
-    workdir = pathlib.Path(tempfile.mkdtemp(prefix="jaxrlhf_sandbox_"))
-    start = time.perf_counter()
-    try:
-        (workdir / _PROGRAM).write_text(code, encoding="utf-8")
-        (workdir / "stdin.txt").write_text(stdin, encoding="utf-8")
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-            os.chown(workdir / _PROGRAM, uid, uid)
-        with (open(workdir / "stdin.txt", "rb") as stdin_f,
-              open(workdir / _STDOUT, "wb") as out_f, open(workdir / _STDERR, "wb") as err_f):
-            proc = subprocess.Popen(  # no preexec_fn: nothing runs in a fork of this process
-                [isolation.interpreter, "-I", "-B", "-c", _BOOTSTRAP, _PROGRAM,
-                 *_enter_args(limits, isolation, uid)],
-                cwd=workdir, stdin=stdin_f, stdout=out_f, stderr=err_f, close_fds=True,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(workdir)},
-                start_new_session=True)
-            timed_out = False
-            try:
-                proc.wait(timeout=limits.wall_seconds)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # the group: forked children too
-                if uid is not None:
-                    _kill_uid(uid)
-                proc.wait()
-        stderr = _read(workdir / _STDERR, limits.file_bytes)
-        status = _status(proc.returncode, stderr, timed_out)
-        return RunResult(status, _read(workdir / _STDOUT, limits.file_bytes), stderr,
-                         time.perf_counter() - start)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    sake (a failed run is a status), never returns before every process of it is gone.
+
+    Raises:
+      SandboxUnavailable: this machine cannot sandbox (see `require`); nothing ran.
+    """
+    return _run(require(), code, stdin, limits)
