@@ -93,10 +93,16 @@ class CheckpointWriteError(RuntimeError):
 class _QuietOrbaxErrors(logging.Filter):
     """Drops orbax's own ERROR records (a tracebacks per file and thread of a failed save, over
     a thousand lines for one disk-full save): the failure reaches `Checkpointer.save` or
-    `wait` as one exception, which the run reports in one line (`CheckpointWriteError`)."""
+    `wait` as one exception, which the run reports in one line (`CheckpointWriteError`). Also
+    its warnings that a read-only manager is read-only (two lines each time the checks look at
+    a workdir's checkpoints, `Checkpointer(directory, None)`): that is what was asked for."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+        if f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        read_only = record.levelno == logging.WARNING and "read only" in record.getMessage(
+            ).replace("read_only", "read only")
+        return not (record.levelno >= logging.ERROR or read_only)
 
 
 _QUIET_ORBAX = _QuietOrbaxErrors()
@@ -231,13 +237,13 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig | None):
         self.directory = pathlib.Path(directory).absolute()
         self.cfg = cfg
+        logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # once: the same filter object
         if cfg is None:
             options = ocp.CheckpointManagerOptions(read_only=True, create=False)
         else:
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
                 cleanup_tmp_directories=True)  # leftovers of a run killed mid-save
-        logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # once: the same filter object
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:

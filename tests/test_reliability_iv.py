@@ -112,14 +112,16 @@ def _sft_checkpoint(workdir, rank: int) -> None:
 
 @pytest.mark.parametrize("saved,now", [(4, 8), (0, 4)], ids=["rank_changed", "lora_over_full"])
 def test_a_forced_resume_of_other_shapes_is_refused_and_leaves_the_checkpoints(saved, now,
-                                                                               tmp_path):
+                                                                               tmp_path, capfd):
     """checkpoint.resume=force after a LoRA change: one line, before compiling; before, the
     restore failed as on damage and the other run's intact checkpoint was renamed 3.damaged-1."""
     workdir = tmp_path / "work"
     _sft_checkpoint(workdir, saved)
     config = configured({"algorithm": "sft", "models.actor.lora.rank": now,
                          "checkpoint.resume": "force"})
+    capfd.readouterr()
     message = refusal(config, workdir)
+    assert capfd.readouterr().err == ""  # nor "resuming regardless", nor orbax's read-only notes
     assert message.startswith("checkpoint.resume=force: the checkpoints in ") and (
         "do not fit this run's models (actor: layers." in message), message
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["3"]

@@ -111,10 +111,10 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     job = dataclasses.replace(job, warm_start=_warm_start(job))
     _check_batches(job)
     _check_answers(job)
+    if spec.checkpoint.resume is ResumeMode.FORCE:  # before "resuming regardless" is said
+        _check_forced_resume(job)
     with field("checkpoint"):  # another run's checkpoints are refused
         check_resume(workdir / CHECKPOINT_DIR, fingerprint, spec.checkpoint.resume)
-    if spec.checkpoint.resume is ResumeMode.FORCE:
-        _check_forced_resume(job)
     try:  # last: a config refused leaves no directory behind
         backend.use_compilation_cache(spec.compile_cache_dir)
     except OSError as e:  # the default's too (a read-only home): say what to set
