@@ -41,10 +41,9 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-@pytest.fixture(scope="session")
-def bwrap():
-    """The code sandbox (`data/sandbox.py`: bubblewrap, Debian's `bubblewrap`, which `.ci/run`
-    installs), started once. Without it the test is skipped with one line naming the package,
+def sandbox_or_skip():
+    """The code sandbox's `Isolation` (`data/sandbox.py`: bubblewrap, Debian's `bubblewrap`,
+    which `.ci/run` installs). Without it the test is skipped with one line naming the package,
     except under CI=true, where it fails."""
     from jaxrlhf.data import sandbox
 
@@ -54,6 +53,12 @@ def bwrap():
             pytest.fail(f"the sandbox {isolation}")
         pytest.skip(f"the sandbox {isolation}")
     return isolation
+
+
+@pytest.fixture(scope="session")
+def bwrap():
+    """The code sandbox, started once (`sandbox_or_skip`)."""
+    return sandbox_or_skip()
 
 
 @pytest.fixture(scope="session")

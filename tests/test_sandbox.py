@@ -14,6 +14,7 @@ pass) and then reports what it reached; the assertion is on what it reached, not
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import socket
@@ -23,6 +24,7 @@ import threading
 import time
 
 import pytest
+from conftest import sandbox_or_skip
 
 import jaxrlhf
 from jaxrlhf.data import sandbox, tools
@@ -401,6 +403,17 @@ def test_without_bubblewrap_train_refuses_the_code_reward_before_compiling(tmp_p
         "error: reward.function: the code reward needs bubblewrap (apt install bubblewrap): "
         "no bwrap on PATH"), result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("ci, outcome", [("true", pytest.fail.Exception),
+                                         ("", pytest.skip.Exception)])
+def test_a_missing_bwrap_fails_the_tests_under_ci_and_skips_them_elsewhere(ci, outcome,
+                                                                           no_bwrap, monkeypatch):
+    """What the `bwrap` fixture of every sandbox test does on a machine without bwrap."""
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome, match=re.escape(
+            "the sandbox needs bubblewrap (apt install bubblewrap): no bwrap on PATH")):
+        sandbox_or_skip()
 
 
 def test_code_extraction_and_test_parsing():
