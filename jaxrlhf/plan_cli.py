@@ -63,9 +63,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config fil
 _CLUSTER = flags.DEFINE_string("cluster", None, "cluster file, e.g. meshes/a100_16x8.py")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object")
 _SEED = flags.DEFINE_integer("seed", 0, "seed of the annealing proposals")
-_ITERATIONS = flags.DEFINE_integer("iterations", SearchOptions.iterations, "annealing proposals")
+_ITERATIONS = flags.DEFINE_integer("iterations", SearchOptions.iterations, "annealing proposals",
+                                   lower_bound=0)
 _TIME_LIMIT = flags.DEFINE_float("time_limit", SearchOptions.time_limit_s,
-                                 "annealing wall-clock budget in seconds")
+                                 "annealing wall-clock budget in seconds", lower_bound=0)
 _OVERLAP = flags.DEFINE_bool("overlap_steps", SimOptions.overlap_steps,
                              "let consecutive steps overlap where dependencies allow")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory whose calibration/ wins")
@@ -74,12 +75,14 @@ _VALIDATE = flags.DEFINE_bool("validate", False,
                               "run the configured plan here: predicted vs measured")
 _PROBES = flags.DEFINE_string("probes", "", "calibration runs, e.g. d8@32,d4t2@128 "
                               "(STRATEGY@PROMPTS); empty: calibrate.default_probes")
-_REPEATS = flags.DEFINE_integer("repeats", 7, "calibration: timed runs of each MFC")
-_STEPS = flags.DEFINE_integer("steps", 5, "validation: timed steps after the compiling one")
+_REPEATS = flags.DEFINE_integer("repeats", 7, "calibration: timed runs of each MFC",
+                                lower_bound=1)  # no timings have no median
+_STEPS = flags.DEFINE_integer("steps", 5, "validation: timed steps after the compiling one",
+                              lower_bound=1)
 _COMPILE = flags.DEFINE_bool("compile", False, "compile every call for the cluster's hardware "
                              "here, without it: XLA's memory and FLOPs beside the models'")
 _COMPILE_PLANS = flags.DEFINE_integer("compile_plans", 3, "--compile: searched plans to try, "
-                                      "best first, until one fits")
+                                      "best first, until one fits", lower_bound=1)
 
 
 def _use_devices(cluster: Cluster) -> None:
