@@ -21,6 +21,8 @@ import hashlib
 import json
 import pathlib
 
+from jaxrlhf.schema import RENAMED_KEYS
+
 # Config key prefixes that may change on resume (see the module docstring).
 RESUMABLE = (
     "steps", "workdir", "cpu_devices", "log_every", "checkpoint.", "placement.", "micro_batches",
@@ -95,6 +97,7 @@ def run_fingerprint(config_json: str) -> dict[str, str]:
 
 def differences(saved: dict[str, str], current: dict[str, str]) -> list[str]:
     """`key: saved -> current` for every key whose value differs (or exists on one side)."""
+    saved = {RENAMED_KEYS.get(k, k): v for k, v in saved.items()}  # a run before a rename
     keys = sorted(set(saved) | set(current))
     missing = "(absent)"
     return [f"{k}: {saved.get(k, missing)} -> {current.get(k, missing)}" for k in keys

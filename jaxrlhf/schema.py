@@ -56,15 +56,15 @@ def enum_value(kind: type[enum.Enum] | Mapping, value: str, field: str):
     return options[value]
 
 
-_RENAMED = {"env.class": "env.name"}  # old key -> its name now
+RENAMED_KEYS = {"env.class": "env.name"}  # old key -> its name now
 
 
 def unknown_key(path: str) -> str | None:
     """The error line of a dotted key that is not in the schema, with the closest existing key
     as a hint ("rollout.batchsize: unknown config key (did you mean rollout.batch_size?); ..."),
     or None when the key exists."""
-    if path in _RENAMED:
-        return f"{path}: renamed to {_RENAMED[path]}"
+    if path in RENAMED_KEYS:
+        return f"{path}: renamed to {RENAMED_KEYS[path]}"
     node, done = base_config(), []
     for part in path.split("."):
         if not isinstance(node, ConfigDict) or part not in node:

@@ -188,3 +188,14 @@ def test_the_train_command_says_it_in_one_line_and_exits_2(tmp_path):
     assert proc.returncode == 2 and proc.stderr == (
         "error: models.critic.size='small': this run has no critic model (algorithm=grpo)\n"
     ), proc.stderr[-3000:]
+
+
+def test_a_checkpoint_from_before_the_env_rename_keeps_its_fingerprint():
+    """env.class became env.name (a Python keyword cannot be set on the command line): a
+    multi-turn run's checkpoints from before still resume as the same run."""
+    from jaxrlhf.fingerprint import differences
+
+    assert differences({"env.class": "tools", "seed": "0"}, {"env.name": "tools", "seed": "0"}
+                       ) == []
+    assert differences({"env.class": "tools"}, {"env.name": "lookup"}) == [
+        "env.name: tools -> lookup"]
