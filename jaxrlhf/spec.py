@@ -145,22 +145,27 @@ class EnvSpec:
 _MULTITURN = ("grpo", "ppo")  # the algorithms of multi-turn rollouts (algorithms/multiturn.py)
 
 
-def _multiturn(config: ConfigDict) -> Algorithm:
+def _multiturn(config: ConfigDict, decoupled_objective: bool = False) -> Algorithm:
+    """GRPO or PPO over trajectories; with AReaL's decoupled objective when asked (as
+    `make_algorithm`): the behaviour log-probs are per token, of whichever version sampled it."""
+    cap = (config.async_rl.behav_imp_weight_cap or None) if decoupled_objective else None
     if config.algorithm == "ppo":
-        return multiturn.make_ppo(ppo_config(config),
-                                  config.rollout.batch_size * config.rollout.group_size)
-    return multiturn.make(grpo_config(config))
+        cfg = ppo_config(config, cap)
+        algorithm = multiturn.make_ppo(cfg, config.rollout.batch_size * config.rollout.group_size)
+        actor_loss = functools.partial(ppo.actor_loss, cfg)
+    else:
+        cfg = grpo_config(config, cap)
+        algorithm, actor_loss = multiturn.make(cfg), functools.partial(grpo.actor_loss, cfg)
+    return decoupled.decouple(algorithm, actor_loss) if decoupled_objective else algorithm
 
 
 def _env(config: ConfigDict) -> EnvSpec | None:
     e = config.env
     if not e.name:
         return None
-    if (config.algorithm not in _MULTITURN or config.async_rl.max_staleness
-            or config.ppo.tis_cap):
+    if config.algorithm not in _MULTITURN or config.ppo.tis_cap:
         raise ConfigError(f"env.name={e.name!r}: multi-turn rollouts train with "
-                          f"algorithm={' or '.join(_MULTITURN)}, synchronously, without "
-                          "ppo.tis_cap")
+                          f"algorithm={' or '.join(_MULTITURN)}, without ppo.tis_cap")
     with field("env.name"):
         environments.resolve_env_class(e.name)
     return EnvSpec(e.name, e.max_turns, e.workers, e.timeout, e.max_error_rate)
@@ -525,7 +530,7 @@ def run_spec(config: ConfigDict) -> RunSpec:
     env = _env(config)
     with field("algorithm"):
         algorithm = (make_algorithm(config, async_rl.decoupled) if env is None
-                     else _multiturn(config))
+                     else _multiturn(config, async_rl.decoupled))
         graph = build_graph(algorithm.mfcs, roles=set(Role))
     with field("reward"):  # the same graph: normalisation changes how models train
         algorithm = with_reward_norm(algorithm, _of(RewardNormConfig, config.reward))

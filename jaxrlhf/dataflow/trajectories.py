@@ -40,6 +40,7 @@ from jaxrlhf.dataflow.executors import HostFunctionError
 from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine import buckets
 from jaxrlhf.engine.generate import Generator
+from jaxrlhf.engine.rollout import NO_VERSION
 from jaxrlhf.engine.rollout.scheduler import Request, Scheduler, Turn
 from jaxrlhf.mfc import MFC
 from jaxrlhf.parallel.layout import Layout
@@ -77,6 +78,7 @@ class _Trajectory:
     ids: list[int] = dataclasses.field(default_factory=list)  # after the prompt
     policy: list[bool] = dataclasses.field(default_factory=list)
     logp: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)  # policy version per id
     reward: float = 0.0
     turn_rewards: dict[int, float] = dataclasses.field(default_factory=dict)  # at: reward
     turns: int = 0
@@ -96,6 +98,8 @@ class Trajectories:
       mask_bs: bool [b, P + W], True on every real token.
       policy_bn: bool [b, W], True on the tokens the policy wrote.
       logp_bn: float32 [b, W], their behaviour log-probs (0 elsewhere).
+      versions_bn: int32 [b, W], the policy version that sampled each of them (NO_VERSION
+        elsewhere): a trajectory's turns may come from different versions (asynchronous RL).
       rewards_b: float32 [b], the sum of each trajectory's turn rewards (0 where it failed).
       turn_rewards_bn: float32 [b, W], each turn's reward on the last token of the policy's
         turn it answered (0 elsewhere, and where the trajectory failed); rows sum to rewards_b.
@@ -108,6 +112,7 @@ class Trajectories:
     mask_bs: np.ndarray
     policy_bn: np.ndarray
     logp_bn: np.ndarray
+    versions_bn: np.ndarray
     rewards_b: np.ndarray
     turn_rewards_bn: np.ndarray
     turns_b: np.ndarray
@@ -143,50 +148,82 @@ def _start(pool: EnvPool, transcript: Transcript, rows: Sequence[dict],
     return trajectories
 
 
-class _Turns:
-    """A rollout's trajectories as requests of the rollout engine's scheduler: each turn is a
-    request whose continuation takes the turn's tokens and starts the environment's call (one
-    in its pool); the reply, when it arrives, makes the next turn's request."""
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """What multi-turn rollouts talk to: the environment's process pool, the chat transcript
+    its replies are rendered with, the tokenizer and the trajectories' limits."""
 
-    def __init__(self, prompt_len: int, key, trajectories: list[_Trajectory],
-                 limits: TrajectoryLimits, env: tuple[EnvPool, Transcript, Tokenizer],
-                 messages: list[str]):
-        self.prompt_len, self.key, self.trajectories, self.limits = (prompt_len, key,
-                                                                     trajectories, limits)
-        self.pool, self.transcript, self.tokenizer = env
-        self.messages = messages
+    pool: EnvPool
+    transcript: Transcript
+    tokenizer: Tokenizer
+    limits: TrajectoryLimits
+
+
+class TurnRequests:
+    """One rollout's trajectories as requests of the rollout engine's scheduler: each turn is
+    a request whose continuation takes the turn's tokens and starts the environment's call
+    (one in its pool); the reply, when it arrives, makes the next turn's request.
+
+    Args:
+      env: the environment and the limits.
+      rows: one trajectory per row ({"prompt", "answer"}), started here (its environment's
+        reset, in one batch).
+      prompt_len: the engine's P (the first prompt's and the trajectory's ids together).
+      key: the rollout's PRNG key (replicated on the engine's devices).
+      tag: the requests' tags are (tag, trajectory index).
+    """
+
+    def __init__(self, env: Environment, rows: Sequence[dict], prompt_len: int, key,
+                 tag=None):
+        self.env, self.prompt_len, self.key, self.tag = env, prompt_len, key, tag
+        self.messages: list[str] = []
+        self.trajectories = _start(env.pool, env.transcript, rows, env.limits, self.messages)
+        self.left = sum(not t.done for t in self.trajectories)  # trajectories not ended
+
+    def first(self) -> list[Request]:
+        """The first turn of every trajectory that did not end at its start."""
+        return [self.request(i) for i, t in enumerate(self.trajectories) if not t.done]
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0
+
+    def result(self) -> Trajectories:
+        """The trajectories in generate layout (once `done`)."""
+        return _arrays(self.trajectories, self.env.limits, self.messages)
 
     def request(self, i: int) -> Request:
         """Trajectory i's next turn: its conversation so far as a prompt of the engine's
         length P. Turn j samples as row i * max_turns + j of the rollout's key: its tokens
         depend on nothing else (not on which slot, or when)."""
-        t, p = self.trajectories[i], self.prompt_len
+        t, p, limits = self.trajectories[i], self.prompt_len, self.env.limits
         ids = t.prompt_ids + t.ids
-        tokens_p, mask_p = np.full(p, self.tokenizer.pad_id, np.int32), np.zeros(p, bool)
+        tokens_p, mask_p = np.full(p, self.env.tokenizer.pad_id, np.int32), np.zeros(p, bool)
         tokens_p[p - len(ids):], mask_p[p - len(ids):] = ids, True
-        return Request(tokens_p, mask_p, self.key, i * self.limits.max_turns + t.turns,
-                       self.limits.budget - len(t.ids), then=self.ended, tag=i)
+        return Request(tokens_p, mask_p, self.key, i * limits.max_turns + t.turns,
+                       limits.budget - len(t.ids), then=self.ended, tag=(self.tag, i))
 
     def ended(self, turn: Turn) -> _Reply:
         """A turn's tokens appended to its trajectory, whose conversation goes to the
         environment."""
-        i, row = turn.request.tag, turn.row
+        i, row = turn.request.tag[1], turn.row
         mask_n = row.response_mask_bn
         ids = row.sequences_bs[self.prompt_len:][mask_n].tolist()
         t = self.trajectories[i]
         t.ids, t.policy = t.ids + ids, t.policy + [True] * len(ids)
         t.logp = t.logp + row.logprobs_bn[mask_n].tolist()
+        t.versions = t.versions + row.versions_bn[mask_n].tolist()
         t.turn_ids, t.turns = ids, t.turns + 1
         t.conversation.append({"role": "assistant",
-                               "content": decode_response(self.tokenizer, ids)})
-        return _Reply(self, i, self.pool.step([t.conversation], [t.row]))
+                               "content": decode_response(self.env.tokenizer, ids)})
+        return _Reply(self, i, self.env.pool.step([t.conversation], [t.row]))
 
 
 @dataclasses.dataclass
 class _Reply:
     """An environment's reply on its way (the scheduler's `Later`)."""
 
-    turns: _Turns
+    turns: TurnRequests
     i: int
     handle: EnvHandle
 
@@ -196,15 +233,18 @@ class _Reply:
     def result(self) -> Request | None:
         """The reply appended to its trajectory; its next turn's request unless it ended."""
         turns, t = self.turns, self.turns.trajectories[self.i]
+        env = turns.env
         (reply,), batch = self.handle.replies()
         _record_failures(batch, [t], turns.messages)
-        if reply is None:
-            return None
-        try:
-            _take_reply(t, reply, turns.transcript, turns.tokenizer, turns.limits)
-        except TranscriptError as e:  # the template, not one trajectory: stop the run
-            raise EnvironmentFailed(f"env.class: {e}") from None
-        return None if t.done else turns.request(self.i)
+        if reply is not None:
+            try:
+                _take_reply(t, reply, env.transcript, env.tokenizer, env.limits)
+            except TranscriptError as e:  # the template, not one trajectory: stop the run
+                raise EnvironmentFailed(f"env.class: {e}") from None
+            if not t.done:
+                return turns.request(self.i)
+        turns.left -= 1
+        return None
 
 
 def rollout(generator: Generator, params, rng, pool: EnvPool, transcript: Transcript,
@@ -226,17 +266,16 @@ def rollout(generator: Generator, params, rng, pool: EnvPool, transcript: Transc
         raise ValueError(f"multi-turn rollouts stream turns through the rollout engine, which a "
                          f"pipelined layout ({generator.layout}) does not run: give actor_gen a "
                          "layout without pipeline stages")
-    messages: list[str] = []
-    trajectories = _start(pool, transcript, rows, limits, messages)
+    env = Environment(pool, transcript, tokenizer, limits)
+    turns = TurnRequests(env, rows, limits.prompt_len + limits.budget,
+                         transfer(rng, generator.layout.replicated()))
     dp = generator.layout.dp_size
     slots = -(-max(len(rows), 1) // dp) * dp if slots is None else slots
-    engine = generator.rollout_engine(limits.prompt_len + limits.budget, slots)
-    turns = _Turns(engine.prompt_len, transfer(rng, generator.layout.replicated()),
-                   trajectories, limits, (pool, transcript, tokenizer), messages)
-    scheduler = Scheduler(engine, slots, TURN_CHUNK_TOKENS)
-    scheduler.submit(turns.request(i) for i, t in enumerate(trajectories) if not t.done)
+    scheduler = Scheduler(generator.rollout_engine(limits.prompt_len + limits.budget, slots),
+                          slots, TURN_CHUNK_TOKENS)
+    scheduler.submit(turns.first())
     scheduler.run(params)
-    return _arrays(trajectories, limits, messages)
+    return turns.result()
 
 
 def _take_reply(t: _Trajectory, reply: EnvTurn, transcript: Transcript, tokenizer: Tokenizer,
@@ -254,6 +293,7 @@ def _take_reply(t: _Trajectory, reply: EnvTurn, transcript: Transcript, tokenize
     t.ids += ids
     t.policy += [False] * len(ids)
     t.logp += [0.0] * len(ids)
+    t.versions += [NO_VERSION] * len(ids)
     t.conversation.extend(reply.messages)
     tool = [m for m in reply.messages if m["role"] == "tool"]
     t.tool_calls += len(tool)
@@ -273,16 +313,17 @@ def _arrays(trajectories: list[_Trajectory], limits: TrajectoryLimits,
     b = len(trajectories)
     tokens_bs, mask_bs = np.zeros((b, p + w), np.int32), np.zeros((b, p + w), bool)
     policy_bn, logp_bn = np.zeros((b, w), bool), np.zeros((b, w), np.float32)
+    versions_bn = np.full((b, w), NO_VERSION, np.int32)
     turn_rewards_bn = np.zeros((b, w), np.float32)
     for i, t in enumerate(trajectories):
         n = len(t.ids)
         tokens_bs[i, p - len(t.prompt_ids):p + n] = t.prompt_ids + t.ids
         mask_bs[i, p - len(t.prompt_ids):p + n] = True
-        policy_bn[i, :n], logp_bn[i, :n] = t.policy, t.logp
+        policy_bn[i, :n], logp_bn[i, :n], versions_bn[i, :n] = t.policy, t.logp, t.versions
         for at, reward in t.turn_rewards.items():
             turn_rewards_bn[i, at] = reward
     calls = sum(t.tool_calls for t in trajectories)
-    return Trajectories(tokens_bs, mask_bs, policy_bn, logp_bn,
+    return Trajectories(tokens_bs, mask_bs, policy_bn, logp_bn, versions_bn,
                         np.array([t.reward for t in trajectories], np.float32),
                         turn_rewards_bn, np.array([t.turns for t in trajectories], np.int32),
                         ErrorCounts(exception=failed),

@@ -6,7 +6,10 @@ Two workers share the actor:
                              as rows finish (`engine.rollout`, continuous batching), in
                              chunks, always with the newest weights it has been given;
                              weights that arrive mid-sequence are swapped in (the KV cache is
-                             recomputed) and every token records its policy version.
+                             recomputed) and every token records its policy version. With an
+                             environment (`env.name`) the rows are multi-turn trajectories:
+                             a row that ends its turn leaves its slot while the environment
+                             replies, so a trajectory's turns may come from several versions.
   training (a worker thread) runs the rest of the algorithm's graph (reward, ref/critic
                              inference, π_prox, train steps) on the oldest finished batch,
                              through the same `Runner` as the synchronous loop.
@@ -114,10 +117,13 @@ class LocalSource:
         self.runner = trainer_runner(runner, self.gen.name)
         self.desc = f"{runner.algorithm.name} (async η={self.eta})"
         micro = job.plan.micro_batches(self.gen.name)
+        env = self.runner.environment()  # multi-turn: prompts of P + N ids, turn by turn
+        prompt_len = r.max_prompt_len + (0 if env is None else r.max_new_tokens)
         rollout = Rollout(spec.base.config, r.generate(job.tokenizer), gen_layout,
-                          r.max_prompt_len, r.rows // micro)
+                          prompt_len, r.rows // micro)
         self.worker = RolloutWorker(self.gen, rollout, gen_layout, spec.base.config, spec.seed,
-                                    spec.async_rl.chunk_tokens, micro)
+                                    spec.async_rl.chunk_tokens, micro, env,
+                                    self.runner.count_trajectories)
         self.shared_cores = gen_layout.platform is Platform.CPU  # with training
         self.actor = runner.runtimes[Role.ACTOR]
         self.trainer = _Trainer()

@@ -133,6 +133,9 @@ def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.C
     updates) runs on the trainer alone, on the generation layout moved onto its own devices:
     between updates only the trainer holds the newest weights and runs, so a job-wide
     evaluation would wait for busy replicas."""
+    if job.spec.env is not None:
+        raise TopologyError(f"env.name={job.spec.env.spec!r}: multi-turn asynchronous RL runs "
+                            "in one process (generation beside training, or disaggregated)")
     (gen,) = [m for m in job.spec.graph.mfcs if m.role is Role.ACTOR and m.call is Call.GENERATE]
     layouts = replica_layouts(job, gen.name)
     shardings = [lay.param_shardings(abstract_params(job.spec.base.config)) for lay in layouts]

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.dataflow.executors import cut_responses
+from jaxrlhf.dataflow.trajectories import Environment, Trajectories, TurnRequests
 from jaxrlhf.engine.rollout import NO_VERSION, Rollout
 from jaxrlhf.engine.rollout.scheduler import Finished, Request, Scheduler
 from jaxrlhf.mfc import MFC
@@ -62,6 +64,11 @@ class _Batch:
     outputs: list  # Rows fields, [b, ...] each
     left: int
     interruptions: int = 0
+    turns: TurnRequests | None = None  # a multi-turn batch's trajectories
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0 if self.turns is None else self.turns.done
 
 
 class RolloutWorker:
@@ -83,12 +90,23 @@ class RolloutWorker:
       seed: batch k samples with fold_in(key(seed), k), as the synchronous runner's step k.
       chunk_tokens: tokens decoded between checks for finished rows and new weights.
       micro_batches: micro-batches of a batch.
+      env: multi-turn rollouts' environment (`dataflow/trajectories.py`): a batch's rows are
+        trajectories, their turns requests of the scheduler (the rollout's prompts are P + N
+        ids) and the environment's replies their continuations, which never hold up the other
+        rows' decoding; every policy token records the version that sampled it, so a
+        trajectory may span versions. None: single turns.
+      on_trajectories: called with each multi-turn batch's `Trajectories` as it finishes.
     """
 
     def __init__(self, mfc: MFC, rollout: Rollout, layout: Layout, model, seed: int,
-                 chunk_tokens: int, micro_batches: int = 1):
+                 chunk_tokens: int, micro_batches: int = 1, env: Environment | None = None,
+                 on_trajectories: Callable[[Trajectories], None] | None = None):
+        if env is not None and micro_batches != 1:
+            raise ValueError(f"env.name: multi-turn rollouts take one micro-batch of "
+                             f"generation, not actor_gen@{micro_batches}")
         self.mfc, self.rollout, self.layout = mfc, rollout, layout
         self.chunk_tokens, self.micro_batches = chunk_tokens, micro_batches
+        self.env, self.on_trajectories = env, on_trajectories
         self._shardings = layout.param_shardings(abstract_params(model))
         self._rng = jax.random.key(seed)
         self.params, self.version = None, -1
@@ -131,6 +149,14 @@ class RolloutWorker:
     def start(self, index: int, batch: dict, iterator_before, now: float) -> None:
         """Admits batch `index` (prompts [b, P]); its rows wait for free slots."""
         rng = jax.random.fold_in(self._rng, jax.device_put(np.uint32(index)))
+        if self.env is not None:
+            rows = [{"prompt": p, "answer": a}
+                    for p, a in zip(batch["prompt_text"], batch["answer"])]
+            turns = TurnRequests(self.env, rows, self.rollout.prompt_len, rng, tag=index)
+            self._scheduler.submit(turns.first())
+            self._batches[index] = _Batch(batch, iterator_before, now, [], len(rows),
+                                          turns=turns)
+            return
         k = self.micro_batches
         tokens_bp, mask_bp = (np.asarray(batch[name])
                               for name in ("prompt_tokens_bp", "prompt_mask_bp"))
@@ -151,14 +177,16 @@ class RolloutWorker:
             finished, interrupted = self._scheduler.step(self.params, self.version)
             for index in {request.tag[0] for request in interrupted}:
                 self._batches[index].interruptions += 1
-            return [] if finished is None else self._collect(finished, now)
+            return self._collect(finished, now)
         finally:
             self.busy_seconds += time.perf_counter() - t0
 
-    def _collect(self, finished: Finished, now) -> list[Generated]:
-        for i, request in enumerate(finished.requests):
+    def _collect(self, finished: Finished | None, now) -> list[Generated]:
+        for i, request in enumerate(() if finished is None else finished.requests):
             index, row = request.tag
             out = self._batches[index]
+            if out.turns is not None:  # a turn: its continuation took it
+                continue
             for field, x in enumerate(finished.rows):
                 if out.outputs[field] is None:
                     rows_b = len(out.batch["prompt_tokens_bp"])
@@ -166,7 +194,7 @@ class RolloutWorker:
                 out.outputs[field][row] = x[i]
             out.left -= 1
         done = []
-        for index in sorted(i for i, b in self._batches.items() if b.left == 0):
+        for index in sorted(i for i, b in self._batches.items() if b.done):
             counts = np.asarray(self._scheduler.occupancy, np.int64)
             slot_steps, tokens = counts - self._counts
             idle = 1.0 - tokens / max(slot_steps, 1)
@@ -175,12 +203,27 @@ class RolloutWorker:
         return done
 
     def _finish(self, index: int, out: _Batch, now, idle: float) -> Generated:
+        if out.turns is not None:
+            return self._finish_turns(index, out, now, idle)
         sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn, versions_bn = out.outputs
         # Cut after the longest response, as the synchronous generate executor does.
         arrays = cut_responses((sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn),
                                response_mask_bn.shape[1])
         buffer = {**out.batch, **dict(zip(self.mfc.outputs, arrays, strict=True))}
         return Generated(index, buffer, versions_bn[:, :arrays[2].shape[1]], out.interruptions,
+                         out.iterator_before, (out.started, now()), idle)
+
+    def _finish_turns(self, index: int, out: _Batch, now, idle: float) -> Generated:
+        """A multi-turn batch's trajectories as the generate MFC's outputs (the synchronous
+        `trajectory_executor`'s keys), with every token's version."""
+        result = out.turns.result()
+        if self.on_trajectories is not None:
+            self.on_trajectories(result)
+        arrays = {"seq_tokens_bs": result.tokens_bs, "seq_mask_bs": result.mask_bs,
+                  "response_mask_bn": result.policy_bn, "behav_logp_bn": result.logp_bn,
+                  "scores_b": result.rewards_b, "turn_rewards_bn": result.turn_rewards_bn}
+        buffer = {**out.batch, **{name: arrays[name] for name in self.mfc.outputs}}
+        return Generated(index, buffer, result.versions_bn, out.interruptions,
                          out.iterator_before, (out.started, now()), idle)
 
     def drop(self):

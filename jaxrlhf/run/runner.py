@@ -17,7 +17,10 @@ from jaxrlhf.algorithms.spec import Algorithm, Metric
 from jaxrlhf.dataflow import executors as ex
 from jaxrlhf.dataflow.graph import DataflowGraph
 from jaxrlhf.dataflow.runtime import ModelRuntime, with_memory_policy
-from jaxrlhf.dataflow.trajectories import Trajectories, TrajectoryLimits, trajectory_executor
+from jaxrlhf.data.transcript import Transcript
+from jaxrlhf.dataflow.trajectories import (
+    Environment, Trajectories, TrajectoryLimits, trajectory_executor,
+)
 from jaxrlhf.dataflow.scheduler import Scheduler, StepTiming
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.parallel import watchdog
@@ -130,6 +133,19 @@ class Runner:
     def _step_rng(self) -> jax.Array:
         # The step index goes up explicitly: steps run under transfer_guard("disallow").
         return jax.random.fold_in(self._rng, jax.device_put(np.uint32(self.step_index)))
+
+    def environment(self) -> Environment | None:
+        """Multi-turn rollouts' environment (its pool, transcript, tokenizer and limits), for
+        a generation that runs outside the graph (asynchronous RL); None: single turns."""
+        if self._trajectories is None:
+            return None
+        return Environment(self._env.pool, Transcript(self._tokenizer), self._tokenizer,
+                           self._trajectories)
+
+    def count_trajectories(self, result: Trajectories) -> None:
+        """Counts a multi-turn batch generated outside the graph: its environment's failures
+        and the turn statistics the next step reports."""
+        self._count_env(result)
 
     def _count_env(self, result: Trajectories) -> None:
         self._reward_errors += result.errors.total

@@ -222,7 +222,10 @@ class Scheduler:
         return Occupancy(*(int(x) for x in self._compacted + self._counts))
 
     def step(self, params, version: int) -> Stepped:
-        """One round under `params` (of policy `version`); every finished row is read out."""
+        """One round under `params` (of policy `version`); every finished row is read out.
+        With nothing to decode but continuations on their way, it first waits for one."""
+        if self._later and not self._queue and not self._live():
+            wait_any(later for later, _ in self._later)
         interrupted = self._reload(params, version)
         return Stepped(self._round(params, version, hold=False), interrupted)
 
