@@ -1,13 +1,15 @@
 """A config checked end to end, once, before anything compiles: a `Job`.
 
 `check_config(config, workdir)` builds the run spec (`jaxrlhf.spec.run_spec`), locks the
-workdir for this run (`run/lock.py`), loads the tokenizer, checks the reward functions, model
-directories and vocabularies, resolves the placement (`placement.kind=auto` searches here,
-once), reads the run's data (a bad row of a user file is named by file:line), makes the warm
-start a job of its own, refuses checkpoints in the workdir that another run wrote
-(`checkpoint.resume`), and points JAX's persistent compilation cache at `compile.cache_dir`
-(what the process compiles from then on is kept there, and loaded from there by the next run).
-The job then runs what was checked.
+workdir for this run (`run/lock.py`), refuses keys the run does not read, loads the tokenizer
+(not the byte tokenizer beside a model that brought its own), checks the reward functions,
+model directories and vocabularies, resolves the placement (`placement.kind=auto` searches
+here, once) and holds it to what the rollout engine and an asynchronous run's processes can
+run, reads the run's data (a bad row of a user file is named by file:line), makes the warm
+start a job of its own, refuses checkpoints in the workdir that another run wrote, or, forced,
+that do not fit its models (`checkpoint.resume`), and points JAX's persistent compilation
+cache at `compile.cache_dir` (what the process compiles from then on is kept there, and loaded
+from there by the next run). The job then runs what was checked.
 """
 
 from __future__ import annotations
