@@ -9,8 +9,8 @@ import pytest
 from hf_fixtures import hf_logits, hf_token_scores, make_tiny_hf_model
 from jaxrlhf.engine import buckets, inference
 from jaxrlhf.engine.inference import (
-    InferenceBatch, InferenceConfig, InferenceKind, make_inference_fn, positions_from_segments,
-    row_chunks,
+    InferenceBatch, InferenceConfig, InferenceKind, head_row_chunks, make_inference_fn,
+    positions_from_segments, row_chunks,
 )
 from jaxrlhf.models import hf_io
 from jaxrlhf.models.config import HeadKind
@@ -235,6 +235,44 @@ def test_row_chunks():
     assert row_chunks(18, 96, 600) == 3  # the fewest chunks that divide the rows evenly
     assert row_chunks(7, 1024, 2048) == 7 and row_chunks(3, 4096, 2048) == 3  # a row a chunk
     assert row_chunks(64, 96, None) == 1
+
+
+def test_head_row_chunks():
+    # A v5p chip's 16 rows of 2,048 tokens over Llama-3's vocabulary: a row's logits a chunk.
+    assert head_row_chunks(16, 2048, 128256) == 16
+    assert head_row_chunks(8, 2048, 128256 // 4) == 2  # t4: four rows a chunk
+    assert head_row_chunks(3, 4096, 128256) == 3  # a row alone holds more: a row a chunk
+    assert head_row_chunks(6, 128, 1000) == 1
+
+
+@pytest.mark.devices(2)
+@pytest.mark.parametrize("spec", ["0:d1", "0-1:d2"])
+def test_head_in_row_chunks_equals_hf(lm, sequences, spec, monkeypatch):
+    """An accelerator's log-probs read the head out in row chunks (`head_row_chunks`); here on
+    CPU devices with a budget of one row's logits and the whole forward in one chunk: a loop
+    more in the program, log-probs and entropies as HF gives them on each sequence."""
+    hf_model, config, _, params = lm
+    layout = make_layout(spec, model=config)
+    params = jax.device_put(params, layout.param_shardings(abstract_params(config)))
+    sequences = sequences * layout.dp_size  # every device packs two rows
+    batch, mask = _padded(sequences)
+    fn = make_inference_fn(config, InferenceConfig(InferenceKind.LOGPROBS, TEMPERATURE,
+                                                   with_entropy=True), layout,
+                           length_buckets=(WIDTH,))
+    assert fn._head_vocab == 0  # XLA:CPU chunks its whole forward instead
+    loops = lambda: fn._lower(params, jax.device_put(batch, fn._rows)).as_text().count(
+        "stablehlo.while")
+    fn._chunk_tokens, whole = None, loops()
+    monkeypatch.setattr(inference, "HEAD_CHUNK_BYTES", WIDTH * config.vocab_size * 4)
+    fn._head_vocab = config.vocab_size
+    assert loops() == whole + 1
+    out = fn(params, batch)
+    for i, seq in enumerate(sequences):
+        want_logp, want_entropy = _reference_logprobs(hf_model, seq)
+        np.testing.assert_allclose(np.asarray(out.logprobs_bt)[i][mask[i]], want_logp,
+                                   atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(out.entropy_bt)[i][mask[i]], want_entropy,
+                                   atol=1e-5, rtol=0)
 
 
 @pytest.mark.devices(2)

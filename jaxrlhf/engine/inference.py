@@ -204,7 +204,7 @@ def readout(cfg: InferenceConfig, model_out: jax.Array, batch: InferenceBatch) -
 
 
 def infer(model: Transformer, cfg: InferenceConfig, params, batch: InferenceBatch,
-          chunks: int = 1):
+          chunks: int = 1, head_rows: int = 1):
     """The body of every inference call kind on rows as given (traceable). Returns an
     InferenceOutput.
 
@@ -214,10 +214,12 @@ def infer(model: Transformer, cfg: InferenceConfig, params, batch: InferenceBatc
     pipeline's output instead is read out in the pipeline's row chunks
     (`readout_in_chunks`): the pipeline streams its micro-batches through the layers and
     hands back the whole batch's hidden states, whose [b, t, vocab] logits at once would be
-    the largest array of the call (and of a train step's backward pass)."""
+    the largest array of the call (and of a train step's backward pass). `head_rows` > 1
+    reads the layers' output out in that many row chunks likewise (`head_row_chunks`: an
+    accelerator's log-probs of long rows)."""
     if chunks > 1:
         return _in_row_chunks(lambda part: infer(model, cfg, params, part), batch, chunks)
-    head = head_chunks(model, batch.tokens_bt.shape[0])
+    head = max(head_chunks(model, batch.tokens_bt.shape[0]), head_rows)
     if head == 1:
         model_out, _ = model.apply({"params": params}, *batch)
         return readout(cfg, model_out, batch)
@@ -275,6 +277,39 @@ def row_chunks(rows: int, length: int, tokens: int | None) -> int:
                 rows)
 
 
+# fp32 logits of one row chunk of an inference call's head on each device (`head_row_chunks`).
+HEAD_CHUNK_BYTES = 1 << 30
+
+
+def head_row_chunks(rows: int, length: int, vocab: int) -> int:
+    """Row chunks an inference call reads its log-probs out in on an accelerator (`infer`'s
+    `head_rows`): the fewest (a divisor of `rows`) whose fp32 logits [rows/C, length, vocab]
+    hold at most `HEAD_CHUNK_BYTES`, one row a chunk where a row alone holds more.
+
+    Why: the logits of a whole call are its largest array by far: a v5p chip's 16 rows of
+    2,048 tokens over Llama-3's 128,256-id vocabulary are 16 GiB of fp32, and XLA:TPU holds
+    three of them while it reads them out (an fsdp-sharded head runs as a windowed einsum,
+    whose loop carries its output and a partial sum; then the log-softmax's exponentials),
+    48 GiB where the layers need 5. In chunks of 1 GiB a chunk still holds 2,048 tokens of
+    that vocabulary on one device, a matmul as wide as the layers' own.
+
+    Args:
+      rows: rows on each device (the call's rows over its data-parallel size).
+      length: tokens per row.
+      vocab: the head's outputs on each device (the vocabulary over the tensor degree).
+    """
+    per_row = length * vocab * 4
+    return next((c for c in range(1, rows + 1)
+                 if rows % c == 0 and rows // c * per_row <= HEAD_CHUNK_BYTES), max(rows, 1))
+
+
+def head_vocab(model_config: ModelConfig, layout: Layout) -> int:
+    """The LM head's outputs on each device of `layout`: the vocabulary over the tensor degree
+    (whole where that does not divide it, as the layout shards it)."""
+    vocab, tensor = model_config.vocab_size, layout.strategy.tensor
+    return vocab // tensor if vocab % tensor == 0 else vocab
+
+
 def head_chunks(model: Transformer, rows: int) -> int:
     """Row chunks `infer` runs the head of `rows` rows in: a pipeline's micro-batches
     (`Pipeline.num_micro`), else 1 (a micro-batch loop around the call bounds the head)."""
@@ -318,8 +353,8 @@ def readout_in_chunks(model_config: ModelConfig, cfg: InferenceConfig, kernel_dv
 
 
 def infer_packed(model: Transformer, cfg: InferenceConfig, shards: int, params,
-                 batch: InferenceBatch, plan: packing.PackPlan, chunks: int = 1
-                 ) -> InferenceOutput:
+                 batch: InferenceBatch, plan: packing.PackPlan, chunks: int = 1,
+                 head_rows: int = 1) -> InferenceOutput:
     """`infer` of a padded batch computed on its packed rows (traceable, differentiable).
 
     Args:
@@ -327,6 +362,7 @@ def infer_packed(model: Transformer, cfg: InferenceConfig, shards: int, params,
       shards: the data-parallel size the plan was made for (`packing.plan`).
       plan: one micro-batch's plan (gather_mrt [1, R, t], ..., scatter_mbt [1, b, t]).
       chunks: row chunks of the packed rows the forward runs in (`infer`, `row_chunks`).
+      head_rows: row chunks of the packed rows the head reads out in (`head_row_chunks`).
 
     Returns:
       The InferenceOutput `infer(batch)` gives (per-token fields [b, t] on the padded rows),
@@ -337,7 +373,7 @@ def infer_packed(model: Transformer, cfg: InferenceConfig, shards: int, params,
                             packing.pack(batch.positions_bt, gather_rt, shards), segment_ids_rt)
     per_token = cfg if cfg.kind is not InferenceKind.SCORES else dataclasses.replace(
         cfg, kind=InferenceKind.VALUES)
-    out = infer(model, per_token, params, packed, chunks)
+    out = infer(model, per_token, params, packed, chunks, head_rows)
     real_bt = batch.segment_ids_bt != 0
     out = InferenceOutput(*(None if x is None else packing.unpack(x, scatter_bt, real_bt, shards)
                             for x in out))
@@ -380,6 +416,11 @@ class InferenceFn(BucketedCall):
             scores_bk=rows_sharding if cfg.kind is InferenceKind.SCORES else None,
         )
         self._chunk_tokens = chunk_tokens(layout)
+        # Log-probs on an accelerator read the head out in row chunks (`head_row_chunks`);
+        # XLA:CPU chunks the whole forward instead, a pipeline in its micro-batches.
+        self._head_vocab = head_vocab(model_config, layout) if (
+            cfg.kind is InferenceKind.LOGPROBS and layout.platform is not Platform.CPU
+            and stack is None) else 0
         # Per plan kind: each shard's own rows (pack within each shard's block), or spread
         # (`packing.fewest_rows`: indices across the whole batch, shards=1).
         self._jitted = {spread: jax.jit(
@@ -388,7 +429,7 @@ class InferenceFn(BucketedCall):
             in_shardings=(layout.param_shardings(abstract_params(model_config)),
                           InferenceBatch(rows_sharding, rows_sharding, rows_sharding),
                           self._plan_shardings),
-            out_shardings=out_shardings, static_argnums=3,  # chunks
+            out_shardings=out_shardings, static_argnums=(3, 4),  # chunks, head_rows
         ) for spread in (False, True)}
 
     def _jit_for(self, params, batch, plan, spread: bool = False) -> jax.stages.Wrapped:
@@ -399,10 +440,14 @@ class InferenceFn(BucketedCall):
         """The lowered call on a batch of a bucket's length (its plan made if not given)."""
         if plan is None:
             plan, spread = self._plan(batch.segment_ids_bt)
-        chunks = row_chunks(plan.rows // self.layout.dp_size, batch.tokens_bt.shape[1],
-                            self._chunk_tokens)
+        rows, length = plan.rows // self.layout.dp_size, batch.tokens_bt.shape[1]
+        chunks = row_chunks(rows, length, self._chunk_tokens)
+        head_rows = 1
+        if self._head_vocab and chunks == 1:
+            head_rows = head_row_chunks(rows, length, self._head_vocab)
         with self.layout.activation_context():
-            return self._jit_for(params, batch, plan, spread).lower(params, batch, plan, chunks)
+            return self._jit_for(params, batch, plan, spread).lower(params, batch, plan, chunks,
+                                                                    head_rows)
 
     def _host_plan(self, segment_ids_bt) -> tuple[packing.PackPlan, bool]:
         """(the batch's packed rows on the host; whether they are spread over the shards): a

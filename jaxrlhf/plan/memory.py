@@ -29,7 +29,8 @@ One MFC on its own (`call_memory`), per device:
     weight's gradient: a loop of micro-batches runs one at a time, and over a pipeline's
     output the head runs one micro-batch's rows at a time and recomputes them in the backward
     pass (`engine.inference.readout_in_chunks`; inference's head likewise runs one streamed
-    piece at a time);
+    piece at a time, and an accelerator's log-probs one row chunk of at most 1 GiB of logits,
+    `engine.inference.head_row_chunks`);
   * gathered: a layer's largest weight matrix sliced out of the scanned stack or all-gathered
     over fsdp, and with fsdp the LM head's table; after a pipeline, an fp32 copy of the head's
     weight (bf16 parameters, `_head_copy_bytes`);
@@ -66,6 +67,7 @@ import numpy as np
 
 from jaxrlhf.engine.decoding import decodes_layer_by_layer
 from jaxrlhf.engine.generate import runs_at_once
+from jaxrlhf.engine.inference import head_row_chunks
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models import attention
 from jaxrlhf.models.attention import AttentionImpl
@@ -382,9 +384,15 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             # One of the executor's calls (a micro-batch); a pipeline streams it in pieces.
             tokens = work.packed_tokens_per_device(call, choice.dp_size, choice.micro_batches,
                                                    stages)
-            # The head runs over the pipeline's output in the same pieces.
+            # The head runs over the pipeline's output in the same pieces, and on an
+            # accelerator in row chunks of bounded logits (`engine.inference.head_row_chunks`).
             piece = tokens / (streamed_micro_batches(work, call, choice) if stages > 1 else 1)
-            peak = max(forward_peak_bytes(p, piece, span(s), t), _logit_bytes(p, piece, t, 2))
+            head_piece = piece
+            if stages == 1 and platform is not Platform.CPU and p.config.head is HeadKind.LM:
+                vocab = int(_sharded(p.out_dim, t))
+                head_piece = piece / head_row_chunks(max(1, round(piece / s)), s, vocab)
+            peak = max(forward_peak_bytes(p, piece, span(s), t),
+                       _logit_bytes(p, head_piece, t, 2))
             return MemoryBreakdown(params=params, gathered=gathered,
                                    activations=int(peak + _stage_buffers(p, choice, tokens)))
         case Call.GENERATE if stages == 1:  # the rollout engine (`engine.rollout`)
