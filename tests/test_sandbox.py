@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import re
+import secrets
 import subprocess
 import sys
 import socket
@@ -343,6 +344,41 @@ def test_a_left_behind_process_dies_with_its_run(used_uids):
     assert result.status is RunStatus.OK and result.stdout == "left one behind\n"
     assert used_uids or os.geteuid() != 0
     assert _processes_of(used_uids) == []
+
+
+def _processes_with_arg(arg: str) -> list[int]:
+    found = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if arg.encode() in cmdline.read_bytes().split(b"\0"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_killed_caller_takes_its_sandbox_along(bwrap):
+    """A reward worker killed at its timeout (SIGKILL, no clean-up) takes its running program
+    with it (bwrap's --die-with-parent), rather than leaving it to its own limits."""
+    memory = 200 * 2**20 + secrets.randbelow(2**20)  # in the program's argv: how to find it
+    caller = subprocess.Popen(
+        [sys.executable, "-c", "import os\nfrom jaxrlhf.data import sandbox\n"
+         "sandbox.run_python('import time\\ntime.sleep(100)', '', sandbox.Limits("
+         "wall_seconds=100, memory_bytes=int(os.environ['SANDBOX_MEMORY'])))"],
+        cwd=pathlib.Path(jaxrlhf.__file__).resolve().parent.parent,
+        env=os.environ | {"SANDBOX_MEMORY": str(memory)})
+    try:
+        deadline = time.monotonic() + 60
+        while not _processes_with_arg(str(memory)):  # the program has started
+            assert time.monotonic() < deadline and caller.poll() is None, "no program started"
+            time.sleep(0.1)
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 10
+    while _processes_with_arg(str(memory)):
+        assert time.monotonic() < deadline, "the program outlived its killed caller"
+        time.sleep(0.1)
 
 
 def test_a_correct_program_passes_and_its_scratch_is_thrown_away(bwrap):
