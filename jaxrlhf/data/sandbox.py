@@ -21,12 +21,14 @@ each run is a fresh set of namespaces in which the program sees
     files, processes.
 
 The program runs on the trainer's interpreter with the standard library only (`-I -S -B`: no
-site-packages imported, no bytecode written), which also keeps a run's start-up at about
-45 ms. Whatever it does inside (fork, exec a shell, ctypes, Python's internals), it does as
-that uid in those namespaces; there is no Python-level block list to get around. Its stdin,
-stdout and stderr are anonymous in-memory files (`memfd`) of the trainer's, never paths the
-program could replace. Nothing of the sandbox runs in a fork of the trainer: `bwrap` is
-exec'd, and the limits and uid change happen in the interpreter it starts.
+site-packages imported, no bytecode written), which also keeps a whole run at about 35 ms
+(`benchmarks/sandbox_overhead.py`). Whatever it does inside (fork, exec a shell, ctypes,
+Python's internals), it does as that uid in those namespaces; there is no Python-level block
+list to get around. Its stdin, stdout and stderr are anonymous in-memory files (`memfd`) of
+the trainer's, never paths the program could replace. Nothing of the sandbox runs in a fork of
+the trainer: `bwrap` is exec'd, and the limits and uid change happen in the interpreter it
+starts. `--die-with-parent`: a caller killed mid-run (a reward worker at its timeout) takes
+the sandbox along.
 
 Without a working `bwrap` nothing runs: `run_python` raises `SandboxUnavailable` naming the
 package (`require` says so up front: `data/rewards.resolve_reward` refuses the `code` reward
