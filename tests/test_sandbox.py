@@ -407,14 +407,14 @@ def no_bwrap(monkeypatch):
     sandbox.probe.cache_clear()
 
 
-def test_without_bubblewrap_the_code_reward_and_python_tool_refuse_in_one_line(no_bwrap,
-                                                                               tmp_path):
+def test_without_bubblewrap_the_code_reward_and_python_tool_refuse_in_one_line(no_bwrap):
     with pytest.raises(sandbox.SandboxUnavailable) as refused:
         resolve_reward("code")
     assert str(refused.value) == ("the code reward needs bubblewrap (apt install bubblewrap): "
                                   "no bwrap on PATH")
     answer = tools.call_tool(tools.ToolCall("python", {"code": "print(1)"}))
-    assert answer == "error: the sandbox needs bubblewrap (apt install bubblewrap): no bwrap on PATH"
+    assert answer == ("error: the sandbox needs bubblewrap (apt install bubblewrap): "
+                      "no bwrap on PATH")
     with pytest.raises(sandbox.SandboxUnavailable):
         run_python("print(1)")
     assert resolve_reward("math")  # the others are unaffected
