@@ -262,6 +262,12 @@ class RunSpec:
     compile_cache_dir: pathlib.Path | None
     wandb: WandbSpec | None = None
     env: EnvSpec | None = None  # multi-turn rollouts' environment; None: single turns
+    oversample: int = 1  # generated rows per trained row (DAPO's dynamic sampling keeps 1/k)
+
+    @property
+    def train_rows(self) -> int:
+        """Rows a step's train calls are fed (all of `step_rows` but with DAPO's oversampling)."""
+        return self.step_rows // self.oversample
 
     @property
     def step_rows(self) -> int:
@@ -565,4 +571,5 @@ def run_spec(config: ConfigDict) -> RunSpec:
         steps=config.steps, config_json=config.to_json(), async_rl=async_rl,
         require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval),
         compile_cache_dir=_cache_dir(config.compile.cache_dir),
-        wandb=_wandb(config.logging.wandb), env=env)
+        wandb=_wandb(config.logging.wandb), env=env,
+        oversample=config.dapo.oversample if algorithm.name == AlgorithmName.DAPO.value else 1)

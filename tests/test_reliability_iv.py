@@ -82,6 +82,11 @@ CASES = [
       "async_rl.max_staleness": 1},
      "placement.gen_replicas=3: an asynchronous run with generation replicas runs 1 + 3 "
      "processes"),
+    ("dapo_trains_too_few_rows_for_its_layout",  # died in the first train step
+     {"algorithm": "dapo", "rollout.batch_size": 16, "rollout.group_size": 4,
+      "dapo.oversample": 16},
+     "placement.strategy: MFC 'actor_train' (0-7:d8) splits the batch 8 ways, which does not "
+     "divide its batch of 4 (rollout.batch_size × group_size / dapo.oversample / mini-batches)"),
     ("critic_size_under_grpo", {**GRPO, "models.critic.size": "small"},
      "models.critic.size='small': this run has no critic model (algorithm=grpo)"),
     ("reward_model_size_with_a_reward_function", {"models.reward.size": "small"},

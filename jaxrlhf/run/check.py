@@ -320,6 +320,7 @@ def _warm_start(job: Job) -> Job | None:
     sft_spec = dataclasses.replace(
         spec, algorithm=algorithm, graph=build_graph(algorithm.mfcs), steps=w.steps,
         models={Role.ACTOR: spec.base}, rewards={}, optimizers={Role.ACTOR: w.optimizer},
+        oversample=1,
         rollout=dataclasses.replace(spec.rollout, batch_size=w.batch_size, group_size=1))
     return dataclasses.replace(job, spec=sft_spec, plan=single(algorithm.mfcs[0].name, home, micro))
 

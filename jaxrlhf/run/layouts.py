@@ -104,13 +104,14 @@ def _allocation(spec: RunSpec, n: int) -> dict[str, Entry]:
 def _micro_batches(spec: RunSpec, mfc: MFC, entry: Entry, where: str) -> int:
     """The micro-batches `mfc` runs with: the entry's count or the run's default, checked
     against the batch; raises PlacementError naming the MFC and the field."""
-    rows, strategy = spec.step_rows, entry.strategy
-    per_update = rows // spec.mini_batches if mfc.call is Call.TRAIN_STEP else rows
+    strategy = entry.strategy
+    per_update = (spec.train_rows // spec.mini_batches if mfc.call is Call.TRAIN_STEP
+                  else spec.step_rows)
     if per_update % strategy.dp_size:
         raise PlacementError(
             f"{where}: MFC {mfc.name!r} ({strategy}) splits the batch {strategy.dp_size} ways, "
             f"which does not divide its batch of {per_update} (rollout.batch_size × group_size "
-            f"/ mini-batches)")
+            f"{'/ dapo.oversample ' if spec.oversample > 1 else ''}/ mini-batches)")
     if entry.micro_batches is None and mfc.call is not Call.TRAIN_STEP:
         # 1, or on a pipeline the most up to its stage count that split the rows evenly over
         # its data-parallel devices (fewer leave stages idle: the bubble is (p-1)/(M+p-1))
