@@ -441,6 +441,23 @@ def test_without_bubblewrap_train_refuses_the_code_reward_before_compiling(tmp_p
     assert "Traceback" not in result.stderr
 
 
+def test_a_bwrap_that_cannot_start_is_refused_with_its_complaint(monkeypatch, tmp_path):
+    """E.g. a container that forbids namespaces: bwrap's own line, in the one line."""
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: str(fake))
+    sandbox.probe.cache_clear()
+    try:
+        with pytest.raises(sandbox.SandboxUnavailable) as refused:
+            resolve_reward("code")
+    finally:
+        sandbox.probe.cache_clear()
+    assert str(refused.value) == (f"the code reward needs a bubblewrap that can start here "
+                                  f"({fake}: bwrap: No permissions to creating new namespace)")
+
+
 @pytest.mark.parametrize("ci, outcome", [("true", pytest.fail.Exception),
                                          ("", pytest.skip.Exception)])
 def test_a_missing_bwrap_fails_the_tests_under_ci_and_skips_them_elsewhere(ci, outcome,

@@ -204,7 +204,10 @@ def probe() -> Isolation | str:
         isolation = Isolation(bwrap, os.geteuid() == 0, tuple(_system_mounts()))
     except SandboxUnavailable as e:
         return str(e)
-    result = _run(isolation, "print(6 * 7)", "", Limits())
+    try:
+        result = _run(isolation, "print(6 * 7)", "", Limits())
+    except OSError as e:  # not executable, or this kernel has no pidfds
+        return f"needs a bubblewrap that can start here ({bwrap}: {e})"
     if result.status is not RunStatus.OK or result.stdout != "42\n":
         last = (result.stderr.strip().splitlines() or [result.status.value])[-1]
         return f"needs a bubblewrap that can start here ({bwrap}: {last})"
