@@ -10,8 +10,9 @@ test: the figure of issue 46.
 
 Measured on 2 loaded CPU cores (load average 3-7), 60 calls each, as root, against the sandbox
 before bubblewrap (a separate uid, `unshare(CLONE_NEWNET)`, an audit hook, then a second
-interpreter to kill the uid's leftovers; `--other` at commit abcef68): this sandbox 35 ms a
-call, the one before 93 ms; a bare `python -I -B -c` start 72 ms, `python -I -S -B -c` 14 ms.
+interpreter to kill the uid's leftovers; `--other` at commit abcef68), two runs: this sandbox
+35 and 42 ms a call, the one before 93 and 96 ms; a bare `python -I -B -c` start 72 and 77 ms,
+`python -I -S -B -c` 14 and 17 ms.
 """
 
 from __future__ import annotations

@@ -346,6 +346,35 @@ def test_a_left_behind_process_dies_with_its_run(used_uids):
     assert _processes_of(used_uids) == []
 
 
+def test_no_user_namespace_of_its_own(bwrap):
+    """In one the program would hold every capability over namespaces of its own (the usual
+    road from an unprivileged uid to root runs through that kernel code): the seccomp filter
+    refuses them, while threads, fork and subprocess (glibc's clone3, refused, falls back to
+    clone) still work."""
+    if os.uname().machine not in sandbox._SECCOMP_ARCH:
+        pytest.skip(f"no seccomp filter for {os.uname().machine}")
+    x32 = os.uname().machine == "x86_64"
+    result = _run_answering("""
+        import ctypes, os, subprocess, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        def call(name, *args):
+            print(name, libc.syscall(*args), os.strerror(ctypes.get_errno()))
+        print('unshare', libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))
+        call('clone3', 435, 0, 0)
+        if {x32}:
+            call('x32 unshare', 0x40000000 + 272, 0x10000000)
+        threading.Thread(target=print, args=('thread',)).start()
+        print(subprocess.run(['echo', 'spawned'], capture_output=True, text=True).stdout.strip())
+        if (pid := os.fork()) == 0:
+            os._exit(5)
+        print('forked', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        """, x32=x32)
+    assert result.stdout.splitlines()[1:] == [
+        "unshare -1 Operation not permitted", "clone3 -1 Function not implemented",
+        *(["x32 unshare -1 Function not implemented"] if x32 else []),
+        "thread", "spawned", "forked 5"], result.stdout + result.stderr
+
+
 def _processes_with_arg(arg: str) -> list[int]:
     found = []
     for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):

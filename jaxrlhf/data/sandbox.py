@@ -18,10 +18,12 @@ each run is a fresh set of namespaces in which the program sees
     a user namespace mapping that user;
   * resource limits (setrlimit, in the fresh interpreter before the program runs): CPU seconds
     (SIGXCPU), address space (MemoryError), file size (a huge output fails with EFBIG), open
-    files, processes.
+    files, processes;
+  * no user namespaces of its own: a seccomp filter (x86-64 and arm64) refuses them, so the
+    kernel's code for privileged namespaces stays out of its reach (`_seccomp_filter`).
 
 The program runs on the trainer's interpreter with the standard library only (`-I -S -B`: no
-site-packages imported, no bytecode written), which also keeps a whole run at about 35 ms
+site-packages imported, no bytecode written), which also keeps a whole run at about 40 ms
 (`benchmarks/sandbox_overhead.py`). Whatever it does inside (fork, exec a shell, ctypes,
 Python's internals), it does as that uid in those namespaces; there is no Python-level block
 list to get around. Its stdin, stdout and stderr are anonymous in-memory files (`memfd`) of
@@ -50,6 +52,7 @@ import secrets
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -61,6 +64,41 @@ _PROGRAM = "main.py"
 _TEARDOWN_S = 10.0  # the kernel's killing of a namespace's processes: milliseconds
 _FAILED_SETUP = 97  # the interpreter could not set the limits or uid: nothing of the program ran
 INSTALL_HINT = "needs bubblewrap (apt install bubblewrap)"
+
+# A seccomp filter (classic BPF, loaded by bwrap's --seccomp just before the program) refusing
+# new user namespaces: in one the program would hold every capability over its own namespaces,
+# the kernel's code for them (netfilter above all) the usual way from an unprivileged uid to
+# root. unshare/clone with CLONE_NEWUSER fail with EPERM; clone3, whose flags sit in memory a
+# filter cannot read, with ENOSYS (glibc then falls back to clone); another ABI's calls (x32,
+# i386 on x86-64) with ENOSYS. Per machine: (AUDIT_ARCH, clone, unshare, clone3, x32 bit).
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, 56, 272, 435, 0x40000000),
+                 "aarch64": (0xC00000B7, 220, 97, 435, None)}
+_CLONE_NEWUSER = 0x10000000
+
+
+def _seccomp_filter(machine: str) -> bytes:
+    """The filter's sock_filter array (`struct.pack("HBBI")` each) for `machine`."""
+    arch, clone, unshare, clone3, x32 = _SECCOMP_ARCH[machine]
+    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|..|K
+    allow, errno = 0x7FFF0000, 0x00050000  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
+    enosys, eperm = errno | 38, errno | 1
+    program = [  # (code, jump if true, jump if false, k); a jump skips that many ops
+        (load, 0, 0, 4),  # seccomp_data.arch
+        (jeq, 1, 0, arch),
+        (ret, 0, 0, enosys),
+        (load, 0, 0, 0),  # seccomp_data.nr
+        *([] if x32 is None else [(jge, 4, 0, x32)]),
+        (jeq, 3, 0, clone3),
+        (jeq, 3, 0, unshare),
+        (jeq, 2, 0, clone),
+        (ret, 0, 0, allow),
+        (ret, 0, 0, enosys),  # x32's calls and clone3
+        (load, 0, 0, 16),  # seccomp_data.args[0], its low 32 bits: the flags
+        (jset, 0, 1, _CLONE_NEWUSER),
+        (ret, 0, 0, eperm),
+        (ret, 0, 0, allow),
+    ]
+    return b"".join(struct.pack("HBBI", *op) for op in program)
 
 # Run by `python -c` inside the sandbox (argv: the program, then the uid and limits that
 # `_bwrap_command` passes): the limits, then (as root) the scratch directory handed to the
@@ -143,6 +181,7 @@ class Isolation:
     bwrap: str
     own_uid: bool  # running as root: the program gets a uid of its own
     mounts: tuple[str, ...]  # bwrap's arguments for the read-only system and interpreter
+    seccomp: bytes = dataclasses.field(repr=False)  # `_seccomp_filter` (b"": unknown machine)
 
 
 def _system_mounts() -> list[str]:
@@ -175,7 +214,7 @@ def _system_mounts() -> list[str]:
 
 
 def _bwrap_command(isolation: Isolation, limits: Limits, program_fd: int, info_fd: int,
-                   uid: int | None) -> list[str]:
+                   seccomp_fd: int | None, uid: int | None) -> list[str]:
     """The whole command line of one run (the module docstring says what each part is for)."""
     namespaces = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
                   "--unshare-cgroup-try"]
@@ -190,6 +229,7 @@ def _bwrap_command(isolation: Isolation, limits: Limits, program_fd: int, info_f
             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
             "--setenv", "HOME", SCRATCH, "--setenv", "TMPDIR", SCRATCH,
             "--info-fd", str(info_fd),
+            *([] if seccomp_fd is None else ["--seccomp", str(seccomp_fd)]),
             sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, _PROGRAM, *map(str, limit_args)]
 
 
@@ -201,7 +241,9 @@ def probe() -> Isolation | str:
     if bwrap is None:
         return f"{INSTALL_HINT}: no bwrap on PATH"
     try:
-        isolation = Isolation(bwrap, os.geteuid() == 0, tuple(_system_mounts()))
+        machine = os.uname().machine
+        isolation = Isolation(bwrap, os.geteuid() == 0, tuple(_system_mounts()),
+                              _seccomp_filter(machine) if machine in _SECCOMP_ARCH else b"")
     except SandboxUnavailable as e:
         return str(e)
     try:
@@ -245,9 +287,9 @@ def _status(returncode: int, stderr: str, timed_out: bool) -> RunStatus:
     return RunStatus.OK
 
 
-def _memfd(name: str, data: str = "") -> int:
+def _memfd(name: str, data: str | bytes = b"") -> int:
     fd = os.memfd_create(name)
-    os.write(fd, data.encode("utf-8"))
+    os.write(fd, data.encode("utf-8") if isinstance(data, str) else data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
@@ -284,14 +326,16 @@ def _run(isolation: Isolation, code: str, stdin: str, limits: Limits) -> RunResu
     uid = _fresh_uid() if isolation.own_uid else None
     start = time.perf_counter()
     fds = [_memfd("program", code), _memfd("stdin", stdin), _memfd("stdout"), _memfd("stderr")]
+    seccomp_fd = _memfd("seccomp", isolation.seccomp) if isolation.seccomp else None
     info_r, info_w = os.pipe()
-    fds.append(info_r)
+    fds += [info_r] + ([] if seccomp_fd is None else [seccomp_fd])
     try:
         program_fd, stdin_fd, out_fd, err_fd = fds[:4]
+        passed = [fd for fd in (program_fd, info_w, seccomp_fd) if fd is not None]
         try:
             proc = subprocess.Popen(  # no preexec_fn: nothing runs in a fork of this process
-                _bwrap_command(isolation, limits, program_fd, info_w, uid), stdin=stdin_fd,
-                stdout=out_fd, stderr=err_fd, pass_fds=(program_fd, info_w), close_fds=True,
+                _bwrap_command(isolation, limits, program_fd, info_w, seccomp_fd, uid),
+                stdin=stdin_fd, stdout=out_fd, stderr=err_fd, pass_fds=passed, close_fds=True,
                 env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
         finally:
             os.close(info_w)  # bwrap's copy alone: EOF if it dies before reporting
