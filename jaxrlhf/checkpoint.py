@@ -503,9 +503,11 @@ def shape_mismatches(directory: pathlib.Path, models: dict[Role, ModelConfig]) -
         if not item.is_dir():
             out.append(f"{role.value}: no parameters in {path}")
             continue
-        # the handler's metadata: the item's tree alone (the checkpointer's also looks for a
-        # step metadata file an item does not have, and warns)
-        stored = _shapes(ocp.StandardCheckpointHandler().metadata(item.absolute()).tree)
+        try:  # the handler's metadata: the item's tree alone (the checkpointer's also looks
+            # for a step metadata file an item does not have, and warns)
+            stored = _shapes(ocp.StandardCheckpointHandler().metadata(item.absolute()).tree)
+        except Exception:  # noqa: BLE001 - damaged metadata: the restore's fallback handles it
+            continue
         wanted = _shapes(nn.unbox(abstract_params(model)))
         out += [f"{role.value}: {key} {list(stored[key]) if key in stored else '(absent)'} "
                 f"where this run has {list(wanted[key]) if key in wanted else '(absent)'}"

@@ -204,3 +204,18 @@ def test_a_checkpoint_from_before_the_env_rename_keeps_its_fingerprint():
                        ) == []
     assert differences({"env.class": "tools"}, {"env.name": "lookup"}) == [
         "env.name: tools -> lookup"]
+
+
+def test_a_forced_resume_over_damaged_metadata_is_left_to_the_damage_fallback(tmp_path):
+    """Unreadable parameter metadata is damage, not another shape: the check lets the restore
+    set it aside and take the previous checkpoint, as for any damaged checkpoint."""
+    from jaxrlhf.checkpoint import shape_mismatches
+    from jaxrlhf.spec import run_spec
+
+    workdir = tmp_path / "work"
+    _sft_checkpoint(workdir, 4)
+    config = configured({"algorithm": "sft", "models.actor.lora.rank": 8})
+    models = run_spec(config).model_configs()
+    assert shape_mismatches(workdir / "checkpoints", models)  # readable: the ranks differ
+    (workdir / "checkpoints/3/actor_params/_METADATA").write_text("{")
+    assert shape_mismatches(workdir / "checkpoints", models) == []
