@@ -219,3 +219,20 @@ def test_a_forced_resume_over_damaged_metadata_is_left_to_the_damage_fallback(tm
     assert shape_mismatches(workdir / "checkpoints", models)  # readable: the ranks differ
     (workdir / "checkpoints/3/actor_params/_METADATA").write_text("{")
     assert shape_mismatches(workdir / "checkpoints", models) == []
+
+
+def test_multi_turn_async_across_processes_is_refused_by_the_checks(monkeypatch):
+    """Two processes (trainer + one generation replica) with an environment: the async loop
+    refused it after the warm start; the checks now do, before compiling."""
+    from jaxrlhf.run import check
+    from jaxrlhf.run.layouts import place
+    from jaxrlhf.spec import run_spec
+
+    spec = run_spec(configured({**GRPO, "env.name": "tools", "async_rl.max_staleness": 1,
+                                "placement.kind": "disaggregate"}))
+    plan = place(spec)
+    check._check_processes(spec, plan)  # one process: multi-turn async runs here
+    monkeypatch.setattr(check.jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"^env.name='tools': multi-turn asynchronous RL runs "
+                                          "in one process"):
+        check._check_processes(spec, plan)

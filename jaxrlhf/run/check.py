@@ -155,6 +155,9 @@ def _check_processes(spec: RunSpec, plan: RunPlan) -> None:
                           f"generation replicas runs 1 + {replicas} processes, the trainer's and "
                           f"one per replica (launch/local.sh {1 + replicas} ...); this job has "
                           f"{processes}")
+    if spec.env is not None:  # the loop (run/async_procs.rl_loop) refuses it too, later
+        raise ConfigError(f"env.name={spec.env.spec!r}: multi-turn asynchronous RL runs in one "
+                          "process (generation beside training, or disaggregated)")
     (gen,) = [m.name for m in spec.graph.mfcs if m.role is Role.ACTOR and m.call is Call.GENERATE]
     for name, layout in plan.layouts.items():
         want = 1 if name == gen else 0
