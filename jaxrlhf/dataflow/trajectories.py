@@ -41,7 +41,7 @@ from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine import buckets
 from jaxrlhf.engine.generate import Generator
 from jaxrlhf.engine.rollout import NO_VERSION
-from jaxrlhf.engine.rollout.scheduler import Request, Scheduler, Turn
+from jaxrlhf.engine.rollout.scheduler import Later, Request, Scheduler, Turn
 from jaxrlhf.mfc import MFC
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.reshard import transfer
@@ -131,10 +131,11 @@ def _record_failures(batch: RewardBatch, live: Sequence[_Trajectory], messages: 
             _fail(t)
 
 
-def _start(pool: EnvPool, transcript: Transcript, rows: Sequence[dict],
+def _start(reset: EnvHandle, transcript: Transcript, rows: Sequence[dict],
            limits: TrajectoryLimits, messages: list[str]) -> list[_Trajectory]:
-    """Every row's trajectory from its environment's first messages (reset in one batch)."""
-    firsts, batch = pool.reset(rows).replies()
+    """Every row's trajectory from its environment's first messages (`reset`: the rows'
+    resets, one batch of the pool)."""
+    firsts, batch = reset.replies()
     trajectories = []
     for row, first in zip(rows, firsts):
         # A failed reset: the row's prompt alone stands in, so the row is not empty.
@@ -171,18 +172,26 @@ class TurnRequests:
       prompt_len: the engine's P (the first prompt's and the trajectory's ids together).
       key: the rollout's PRNG key (replicated on the engine's devices).
       tag: the requests' tags are (tag, trajectory index).
+      wait: wait here for the resets; else `starting` is the scheduler's `Later` of them.
     """
 
     def __init__(self, env: Environment, rows: Sequence[dict], prompt_len: int, key,
-                 tag=None):
+                 tag=None, wait: bool = True):
         self.env, self.prompt_len, self.key, self.tag = env, prompt_len, key, tag
         self.messages: list[str] = []
-        self.trajectories = _start(env.pool, env.transcript, rows, env.limits, self.messages)
-        self.left = sum(not t.done for t in self.trajectories)  # trajectories not ended
+        self.trajectories: list[_Trajectory] | None = None
+        self.left = -1  # trajectories not ended (-1: not started)
+        self._reset = _Reset(self, rows, env.pool.reset(rows))
+        if wait:
+            self._reset.result()
 
     def first(self) -> list[Request]:
         """The first turn of every trajectory that did not end at its start."""
         return [self.request(i) for i, t in enumerate(self.trajectories) if not t.done]
+
+    def starting(self) -> Later:
+        """The resets on their way (`wait=False`): their result is `first()`."""
+        return self._reset
 
     @property
     def done(self) -> bool:
@@ -217,6 +226,27 @@ class TurnRequests:
         t.conversation.append({"role": "assistant",
                                "content": decode_response(self.env.tokenizer, ids)})
         return _Reply(self, i, self.env.pool.step([t.conversation], [t.row]))
+
+
+@dataclasses.dataclass
+class _Reset:
+    """A rollout's environment resets on their way (the scheduler's `Later`)."""
+
+    turns: TurnRequests
+    rows: Sequence[dict]
+    handle: EnvHandle
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def result(self) -> list[Request]:
+        """The trajectories started from their first messages; their first turns."""
+        turns = self.turns
+        if turns.trajectories is None:
+            turns.trajectories = _start(self.handle, turns.env.transcript, self.rows,
+                                        turns.env.limits, turns.messages)
+            turns.left = sum(not t.done for t in turns.trajectories)
+        return turns.first()
 
 
 @dataclasses.dataclass

@@ -152,8 +152,9 @@ class RolloutWorker:
         if self.env is not None:
             rows = [{"prompt": p, "answer": a}
                     for p, a in zip(batch["prompt_text"], batch["answer"])]
-            turns = TurnRequests(self.env, rows, self.rollout.prompt_len, rng, tag=index)
-            self._scheduler.submit(turns.first())
+            turns = TurnRequests(self.env, rows, self.rollout.prompt_len, rng, tag=index,
+                                 wait=False)  # the resets never hold up decoding
+            self._scheduler.expect(turns.starting())
             self._batches[index] = _Batch(batch, iterator_before, now, [], len(rows),
                                           turns=turns)
             return

@@ -99,8 +99,8 @@ class Later(Protocol):
     def done(self) -> bool:
         """Whether `result` returns without waiting."""
 
-    def result(self) -> Request | None:
-        """The next request, or None: the request's rows are done."""
+    def result(self) -> Request | list[Request] | None:
+        """The next request (or requests), or None: the request's rows are done."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -182,7 +182,7 @@ class Scheduler:
         self.engine, self.chunk_tokens, self.compact = engine, chunk_tokens, compact
         self.size = engine.slots if slots is None else slots
         self._queue: collections.deque[Request] = collections.deque()
-        self._later: list[tuple[Later, Request]] = []  # continuations not done yet
+        self._later: list[tuple[Later, Request | None]] = []  # results on their way
         self.drop()
 
     def drop(self) -> None:
@@ -201,6 +201,11 @@ class Scheduler:
     def submit(self, requests: Iterable[Request]) -> None:
         """Queues requests, in order; they take slots as slots free up."""
         self._queue.extend(requests)
+
+    def expect(self, later: Later) -> None:
+        """Requests on their way (an environment's resets): `later`'s result, a request or a
+        list of them, is queued once it is done."""
+        self._later.append((later, None))
 
     @property
     def queued(self) -> int:
@@ -353,9 +358,13 @@ class Scheduler:
                     self._then(turn.request.then(turn), turn.request)
         return out
 
-    def _then(self, nxt, request: Request) -> None:
+    def _then(self, nxt, request: Request | None) -> None:
+        """A continuation's result: queued (a request, a list of them), done (None) or
+        awaited (a `Later`)."""
         if isinstance(nxt, Request):
             self._queue.append(nxt)
+        elif isinstance(nxt, list):
+            self._queue.extend(nxt)
         elif nxt is not None:
             self._later.append((nxt, request))
 
