@@ -221,6 +221,17 @@ def test_a_forced_resume_over_damaged_metadata_is_left_to_the_damage_fallback(tm
     assert shape_mismatches(workdir / "checkpoints", models) == []
 
 
+def test_asynchronous_multi_turn_generation_in_micro_batches_is_refused_before_compiling(
+        tmp_path):
+    """run/rollout_worker.py refused it when the worker was built, after the warm start."""
+    config = configured({**GRPO, "env.name": "tools", "async_rl.max_staleness": 1,
+                         "placement.kind": "manual", "placement.allocation":
+                         "actor_gen=0-7:d8@2,ref_inf=0-7:d8,actor_train=0-7:d8"})
+    assert refusal(config, tmp_path / "work").startswith(
+        "placement: actor_gen runs on 0-7:d8@2, 2 micro-batches, but asynchronous multi-turn "
+        "rollouts take one micro-batch of generation")
+
+
 def test_multi_turn_async_across_processes_is_refused_by_the_checks(monkeypatch):
     """Two processes (trainer + one generation replica) with an environment: the async loop
     refused it after the warm start; the checks now do, before compiling."""

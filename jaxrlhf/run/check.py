@@ -135,6 +135,12 @@ def _check_rollout_layouts(spec: RunSpec, plan: RunPlan) -> None:
     if user is None:
         return
     for m in spec.graph.mfcs:
+        if (m.call is Call.GENERATE and spec.env is not None and spec.async_rl.max_staleness
+                and plan.micro_batches(m.name) != 1):  # run/rollout_worker.py refuses it too
+            raise ConfigError(
+                f"placement: {m.name} runs on {plan.plan[m.name]}, {plan.micro_batches(m.name)} "
+                "micro-batches, but asynchronous multi-turn rollouts take one micro-batch of "
+                f"generation (give {m.name} @1)")
         if m.call is Call.GENERATE and plan.layouts[m.name].pipeline > 1:
             raise ConfigError(
                 f"placement: {m.name} runs on {plan.plan[m.name]}, a pipelined layout, but with "
