@@ -87,7 +87,7 @@ def main(argv):
     workdir = _WORKDIR.value or config.workdir or tempfile.mkdtemp(prefix="jaxrlhf-")
     if distributed.is_main_process():  # a busy workdir is refused before the heavy imports
         try:
-            pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+            lock.make(pathlib.Path(workdir))
             lock.hold(pathlib.Path(workdir))
         except OSError as e:
             _config_error(f"workdir: {e}", dist)

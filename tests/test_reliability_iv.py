@@ -179,20 +179,25 @@ def test_a_data_file_with_a_bad_byte_names_its_line(tmp_path):
 
 
 @pytest.mark.entry
-def test_the_train_command_says_it_in_one_line_and_exits_2(tmp_path):
+@pytest.mark.parametrize("args,expected", [
+    (["--config.models.critic.size=small", "--workdir={tmp}"],
+     "models.critic.size='small': this run has no critic model (algorithm=grpo)"),
+    (["--workdir={tmp}/file"], "workdir: {tmp}/file is a file, not a directory"),
+], ids=["critic_size_under_grpo", "workdir_is_a_file"])
+def test_the_train_command_says_it_in_one_line_and_exits_2(args, expected, tmp_path):
     import os
     import pathlib
     import subprocess
     import sys
 
+    (tmp_path / "file").write_text("x")
     proc = subprocess.run(
         [sys.executable, "-m", "jaxrlhf.train", "--config=configs/grpo_tiny.py",
-         "--config.models.critic.size=small", f"--workdir={tmp_path}"],
+         *(a.format(tmp=tmp_path) for a in args)],
         cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True,
         timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 2 and proc.stderr == (
-        "error: models.critic.size='small': this run has no critic model (algorithm=grpo)\n"
-    ), proc.stderr[-3000:]
+        f"error: {expected.format(tmp=tmp_path)}\n"), proc.stderr[-3000:]
 
 
 def test_a_checkpoint_from_before_the_env_rename_keeps_its_fingerprint():

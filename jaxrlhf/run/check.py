@@ -75,9 +75,7 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
     """
     spec, workdir = run_spec(config), pathlib.Path(workdir)
     with field("workdir"):  # it exists and takes files
-        if workdir.exists() and not workdir.is_dir():  # mkdir would say "[Errno 17] File exists"
-            raise ConfigError(f"workdir: {workdir} is a file, not a directory")
-        workdir.mkdir(parents=True, exist_ok=True)
+        lock.make(workdir)
         tempfile.NamedTemporaryFile(dir=workdir, prefix=".write-check-").close()
         if jax.process_index() == 0:  # one lock for a job (its processes share the workdir)
             lock.hold(workdir)

@@ -27,6 +27,18 @@ LOCK_FILE = ".lock"
 _held: dict[pathlib.Path, int] = {}  # this process's locks: workdir -> open descriptor
 
 
+def make(workdir: pathlib.Path) -> None:
+    """Creates `workdir` and its parents (there already: nothing to do).
+
+    Raises:
+      ConfigError: a file stands in its place (mkdir would say "[Errno 17] File exists").
+      OSError: it cannot be created.
+    """
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"workdir: {workdir} is a file, not a directory")
+    workdir.mkdir(parents=True, exist_ok=True)
+
+
 def hold(workdir: pathlib.Path) -> None:
     """Locks `workdir` for this process until it exits (or `release`).
 
