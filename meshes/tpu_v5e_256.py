@@ -2,8 +2,9 @@
 
 Google's published v5e figures per chip: 197 TFLOP/s dense bf16, 16 GB HBM2 at 819 GB/s, ICI
 1,600 Gb/s over 4 links (50 GB/s each way per link), so a ring along one torus axis uses two
-links: 100 GB/s. libtpu reports 15.75 GiB a program may use. Host link and efficiencies are the
-same uncalibrated defaults as the v5p files."""
+links: 100 GB/s. libtpu reports 15.75 GiB a program may use, and compiles a program of several
+chips only over the whole slice (its "limited ICI routing": `whole_slice`). Host link and
+efficiencies are the same uncalibrated defaults as the v5p files."""
 
 from jaxrlhf.plan.cluster import Cluster, Platform
 
@@ -27,4 +28,5 @@ def get_cluster() -> Cluster:
         comm_efficiency=0.7,
         platform=Platform.TPU,
         topology="v5e:16x16",
+        whole_slice=True,
     )

@@ -27,7 +27,7 @@ from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models import lora
 from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.models.transformer import Transformer
-from jaxrlhf.parallel.layout import make_layout
+from jaxrlhf.parallel.layout import Platform, make_layout
 from jaxrlhf.plan import memory
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.experiment import Workload
@@ -118,8 +118,8 @@ def test_planner_prices_gradients_and_moments_of_the_adapters_only():
         get_size("small").replace(lora=ADAPTERS))
     work = Workload(batch_size=16, prompt_len=32, new_tokens=32)
     c = _choice(0, 3, f=2, t=2)
-    full_mem = memory.call_memory(full, Call.TRAIN_STEP, work, c)
-    lora_mem = memory.call_memory(adapted, Call.TRAIN_STEP, work, c)
+    full_mem = memory.call_memory(full, Call.TRAIN_STEP, work, c, platform=Platform.CPU)
+    lora_mem = memory.call_memory(adapted, Call.TRAIN_STEP, work, c, platform=Platform.CPU)
     trained = adapted.trained_shard_elements(2, 2)
     assert 0 < trained < adapted.shard_elements(2, 2) // 20
     # fp32: Adam's two moments; one backward pass: fp32 gradients and half the update's

@@ -115,6 +115,30 @@ def test_the_compile_flag_is_refused_beside_another_mode():
         "--calibrate, --validate and --compile are separate runs")
 
 
+def test_v5e_compiles_one_chip_or_the_whole_slice(libtpu):
+    """libtpu compiles a v5e slice's programs for one chip or all 256, never for part of it
+    (`Cluster.whole_slice`): the planner places every call so (`tests/test_plan_search.py`)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    cluster = load_cluster("meshes/tpu_v5e_256.py")
+    devices = targets.topology_devices(cluster)
+    assert cluster.whole_slice and len(devices) == cluster.num_devices
+
+    def compile_on(n):
+        mesh = jax.sharding.Mesh(np.asarray(devices[:n]), ("x",))
+        x = jax.ShapeDtypeStruct((8 * n, 128), jnp.float32,
+                                 sharding=NamedSharding(mesh, PartitionSpec("x")))
+        jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, PartitionSpec())).lower(
+            x).compile()
+
+    compile_on(1)
+    compile_on(256)
+    with pytest.raises(Exception, match="all slice devices"):
+        compile_on(4)
+
+
 def test_reported_hbm_is_libtpus_own_figure(v5p_8):
     _, devices = v5p_8
     assert 95 * 2**30 < targets.reported_hbm_bytes(devices) < 96 * 2**30
@@ -244,6 +268,30 @@ def test_log_probs_read_the_head_out_in_row_chunks_on_tpu(v5p_8):
     logits = 4 * 2048 * vocab * 4
     assert report.xla_bytes < program.argument_bytes + logits, report.xla_bytes
     assert abs(report.memory_error) < 0.15, (report.model_bytes, report.xla_bytes)
+
+
+def test_train_steps_memory_within_10_percent_of_xla_on_tpu(v5p_8):
+    """Llama-3.2-1B trained as the big configs train (bf16 parameters, an fp32 master, full
+    remat) on 2,048-token rows: the actor on d2f2 (its peak the head's fp32 logits), the
+    critic on d4 with a loop of two micro-batches (its peak the optimizer step's fp32
+    gradient trees, `memory.gradient_phases`). The memory model within 10% of XLA's peak
+    (it priced a CPU's gradient trees, all beside the activations: the critic +35%)."""
+    cluster, devices = v5p_8
+    config = ppo_tiny.get_config()
+    for role in ("actor", "critic"):
+        config.models[role].update(size="llama-3.2-1b", dtype="bfloat16",
+                                   param_dtype="bfloat16", remat="full")
+        config.optimizer[role].fp32_master = True
+    config.rollout.update(batch_size=16, max_prompt_len=1024, max_new_tokens=1024)
+    config.placement.update(kind="manual", allocation="actor_gen=0-3:d4,actor_train=0-3:d2f2,"
+                            "critic_inf=0-3:d4,critic_train=0-3:d4@2,ref_inf=0-3:d4")
+    spec = run_spec(config)
+    plan = execution_plan(spec, cluster.num_devices)
+    reports = aot.compile_plan(spec, cluster, plan, devices, cluster.usable_hbm_bytes,
+                               calls={"actor_train", "critic_train"})
+    for report in reports:
+        assert abs(report.memory_error) < 0.10, (report.name, report.model_bytes,
+                                                 report.xla_bytes)
 
 
 def test_parameter_movements_compile_and_move_what_the_planner_counts(v5p_8):

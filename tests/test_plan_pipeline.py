@@ -185,19 +185,18 @@ def test_heuristic_follows_megatrons_rules_for_70b_on_h100():
     """Megatron's rules: TP8 inside a host, the fewest pipeline stages that fit, DP over the
     rest, the fewest micro-batches (>= 2p) that fit. ReaL's Table 3 took PP4 × DP4 with 8
     micro-batches; with the optimizer state sliced over DP (ZeRO-1, as Megatron's
-    distributed optimizer) two stages fit here: PP2 × DP8 with 4."""
+    distributed optimizer) and XLA:GPU's gradients priced in their two phases
+    (`memory.gradient_phases`), one stage fits here: DP16 × TP8, one micro-batch. XLA agrees:
+    compiled for 128 H100s (`plan --compile`), the actor's train step on 0-127:d16t8 needs
+    57.39 GiB of the 67.06 usable (the model 55.45), the critic's 6.67 (6.92)."""
     experiment = run_spec(_config("configs/ppo_70b.py")).experiment()
     evaluator = Evaluator(experiment, load_cluster("meshes/h100_16x8.py"))
     result = heuristic(evaluator, (1, 2, 4, 8, 16, 32, 64))
     assert result.feasible
     for _, choice in result.plan.items():
         assert (choice.data, choice.fsdp, choice.tensor, choice.pipeline,
-                choice.micro_batches) == (8, 1, 8, 2, 4)
+                choice.micro_batches) == (16, 1, 8, 1, 1)
         assert choice.devices == DeviceRange(0, 127)
-    # One stage does not fit, even with the most micro-batches.
-    one_stage = CallChoice(DeviceRange(0, 127), 16, 1, 8, 4, 1)
-    assert not evaluator.evaluate(ExecutionPlan.of(
-        {m.name: one_stage for m in experiment.model_mfcs()})).fits
 
 
 def test_searched_70b_is_at_least_as_fast_as_reals_searched_plan():

@@ -1,5 +1,6 @@
 """Plan search: annealing against exhaustive optima, baselines, memory rejection, the CLI."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -143,6 +144,21 @@ def test_baselines_follow_resolve_placement():
     colo = baseline(menu, Placement.COLOCATE)
     degrees = {(c.data, c.fsdp, c.tensor) for _, c in colo.plan.items()}
     assert len(degrees) == 1 and {c.devices for _, c in colo.plan.items()} == {DeviceRange(0, 3)}
+
+
+def test_a_whole_slice_cluster_places_calls_on_one_device_or_all():
+    """On a `whole_slice` cluster (libtpu's v5e) every searched and baseline call spans one
+    device or all of them; the part-slice baselines are refused with the reason."""
+    whole = dataclasses.replace(ROOMY, whole_slice=True)
+    assert {r.size for r in whole.device_ranges()} == {1, 4}
+    with pytest.raises(ValueError, match="whole_slice"):
+        whole.check_devices(DeviceRange(0, 1))
+    experiment = gen_ref_train()
+    result = search(experiment, whole, SearchOptions(iterations=300), space=MICRO)
+    assert result.searched.feasible
+    assert {c.devices.size for _, c in result.searched.plan.items()} <= {1, 4}
+    split = result.baselines["split"]
+    assert split.plan is None and "whole_slice" in split.reason
 
 
 def test_search_report_tables():

@@ -20,7 +20,7 @@ import pathlib
 
 from jaxrlhf import shipped
 from jaxrlhf.parallel.layout import Platform
-from jaxrlhf.parallel.submesh import ClusterShape
+from jaxrlhf.parallel.submesh import ClusterShape, check_submesh, legal_submeshes
 from jaxrlhf.parallel.strategy import DeviceRange
 
 
@@ -95,6 +95,9 @@ class Cluster:
       target_config: on GPU, the file under `meshes/gpu_targets/` that describes one GPU to
         XLA's compiler ("h100_sxm.txtpb": SMs, compute capability, memory, caches, clocks;
         `calibration/targets.py` reads it); "" where the cluster has none.
+      whole_slice: a program of several devices must span all of them: libtpu compiles a
+        v5e slice's programs (its "limited ICI routing") for one chip or for the whole slice,
+        never for part of it ("device assignment should include all slice devices").
     """
 
     name: str
@@ -119,6 +122,7 @@ class Cluster:
     platform: Platform = Platform.GPU
     topology: str = ""
     target_config: str = ""
+    whole_slice: bool = False
 
     @property
     def cpu(self) -> bool:
@@ -143,6 +147,19 @@ class Cluster:
     @property
     def usable_hbm_bytes(self) -> int:
         return int(self.hbm_bytes * self.usable_hbm_fraction)
+
+    def check_devices(self, devices: DeviceRange) -> None:
+        """Raises ValueError unless a call can run on `devices`: a legal sub-mesh
+        (`parallel.submesh.check_submesh`), and on a `whole_slice` cluster one device or all."""
+        check_submesh(self.shape, devices)
+        if self.whole_slice and devices.size not in (1, self.num_devices):
+            raise ValueError(f"{self.name} compiles a program of several devices only over "
+                             f"all {self.num_devices} (whole_slice); {devices} is part of it")
+
+    def device_ranges(self) -> list[DeviceRange]:
+        """Every device range a call can run on (`check_devices`)."""
+        return [r for r in legal_submeshes(self.shape)
+                if not self.whole_slice or r.size in (1, self.num_devices)]
 
     def host_of(self, device: int) -> int:
         return device // self.devices_per_host

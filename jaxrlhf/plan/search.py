@@ -36,7 +36,6 @@ import time
 
 from jaxrlhf.dataflow.placement import Placement, PlacementError, resolve_placement
 from jaxrlhf.parallel.strategy import DeviceRange
-from jaxrlhf.parallel.submesh import check_submesh
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.evaluate import Evaluation, Evaluator, SimOptions
@@ -191,7 +190,7 @@ def placed(menu: Menu, kind: Placement) -> PlanResult:
     ranges = {}
     for mfc_name, strategy in strategies.items():
         try:
-            check_submesh(cluster.shape, strategy.devices)
+            cluster.check_devices(strategy.devices)
         except ValueError as e:
             return PlanResult(name, None, None, f"MFC {mfc_name}: {e}")
         ranges[mfc_name] = strategy.devices

@@ -1,7 +1,8 @@
 """The search space: every choice the runtime can execute for one MFC.
 
-A choice is a legal ReaL sub-mesh (`parallel.submesh.legal_submeshes`), degrees d × f × t × p
-equal to its size, and a micro-batch count, such that
+A choice is a device range the cluster allows (`Cluster.device_ranges`: ReaL's legal
+sub-meshes, `parallel.submesh.legal_submeshes`; one device or all on a `whole_slice` cluster),
+degrees d × f × t × p equal to its size, and a micro-batch count, such that
   * t divides the devices per host (tensor groups never leave a host) and both head counts;
   * p (pipeline stages) divides the number of layers (stages hold equal slices of the stack);
   * the rows of one jit call (the batch, or one PPO mini-batch when training) split evenly into
@@ -24,7 +25,6 @@ from collections.abc import Iterator
 from jaxrlhf.mfc import MFC
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.parallel.strategy import DeviceRange
-from jaxrlhf.parallel.submesh import legal_submeshes
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.evaluate import Evaluator
@@ -104,7 +104,7 @@ class Menu:
         self.evaluator = evaluator
         experiment, cluster = evaluator.experiment, evaluator.cluster
         by_size: dict[int, list[DeviceRange]] = {}
-        for devices in legal_submeshes(cluster.shape):
+        for devices in cluster.device_ranges():
             by_size.setdefault(devices.size, []).append(devices)
         self.ranges: dict[str, dict[int, list[DeviceRange]]] = {}
         self.configs: dict[str, dict[int, list[Config]]] = {}
