@@ -70,3 +70,23 @@ def test_multiturn_config_learns_to_ask_for_the_second_fact(tmp_path):
     steps = _step_records(tmp_path)
     assert all(math.isfinite(r["actor/turns"]) and math.isfinite(r["actor/tool_error_rate"])
                for r in steps)
+
+
+@pytest.mark.slow
+def test_async_multiturn_keeps_every_trained_token_within_the_staleness_bound(tmp_path):
+    """multiturn_tiny's smoke variant under asynchronous RL (η = 1, one process): batch 1 is
+    generated while update 0 runs, so its trajectories' first tokens are a version old; no
+    trained token is older than η (the loop asserts it from the per-token versions before
+    every update), and the decoupled objective weighs each token by its own behaviour
+    log-prob."""
+    config = multiturn_tiny.get_config("smoke")
+    config.async_rl.max_staleness = 1
+    summary = rl.run(check_config(config, str(tmp_path)))
+    assert summary["steps"] == 2 and not summary["interrupted"], summary
+    steps = _step_records(tmp_path)
+    assert [r["step"] for r in steps] == [0, 1]
+    assert [r["async/staleness_max"] for r in steps] == [0.0, 1.0]
+    for record in steps:
+        assert math.isfinite(record["actor/behav_imp_weight"]) and record["actor/turns"] >= 1
+        fracs = [record[f"async/staleness_frac_{k}"] for k in range(2)]
+        assert math.isclose(sum(fracs), 1.0, rel_tol=1e-6), fracs
