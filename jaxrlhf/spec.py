@@ -308,25 +308,33 @@ def model_config_of(cfg: ConfigDict, role: Role, where: str) -> ModelConfig:
     else:
         with field(f"{where}.size"):
             base = get_size(cfg.size, dtype=dtype, param_dtype=param_dtype, head=head)
-    if adapters is not None and (problem := lora.rank_problem(adapters, base)):
-        raise ConfigError(f"{where}.lora.{problem}")
     return base.replace(scan_layers=cfg.scan_layers, remat=remat, attention=attn, lora=adapters)
 
 
 _LORA_DEFAULTS = schema_model().lora
 
 
-def _lora(cfg: ConfigDict, role: Role, where: str) -> lora.LoraConfig | None:
-    """`models.<role>.lora` as a LoraConfig; None at rank 0. Only the actor takes adapters."""
+def _check_adapters(cfg: ConfigDict, model: ModelConfig, where: str) -> None:
+    """`models.<role>.lora` trains something: no key set at rank 0, alpha > 0, a rank no
+    projection's width caps. For a run only: export rebuilds a checkpoint's models with
+    `model_config_of` whatever an older run accepted."""
     if not cfg.rank:
         for key, value in cfg.items():  # set, and nothing would read it
             if key != "rank" and value != _LORA_DEFAULTS[key]:
                 raise ConfigError(f"{where}.{key}={value!r}: {where}.rank=0 adapts nothing (set "
                                   "a rank > 0 to train adapters)")
-        return None
+        return
     if cfg.alpha <= 0:  # the adapters' output is scaled by alpha / rank: 0 trains nothing
         raise ConfigError(f"{where}.alpha={cfg.alpha}: must be > 0 (the adapters' output is "
                           "scaled by alpha / rank)")
+    if model.lora is not None and (problem := lora.rank_problem(model.lora, model)):
+        raise ConfigError(f"{where}.{problem}")
+
+
+def _lora(cfg: ConfigDict, role: Role, where: str) -> lora.LoraConfig | None:
+    """`models.<role>.lora` as a LoraConfig; None at rank 0. Only the actor takes adapters."""
+    if not cfg.rank:
+        return None
     if role is not Role.ACTOR:
         raise ConfigError(f"{where}.rank={cfg.rank}: LoRA adapts the actor only")
     with field(f"{where}.targets"):
@@ -488,9 +496,12 @@ def _data(d: ConfigDict) -> DataSpec:
 
 def _models(config: ConfigDict, graph: DataflowGraph) -> tuple[dict[Role, ModelSpec], ModelSpec]:
     """(role -> ModelSpec of every model-backed role, the actor's model (the base))."""
-    model = lambda role: ModelSpec(model_config_of(config.models[role.value], role,
-                                                   f"models.{role.value}"),
-                                   config.models[role.value].path)
+    def model(role: Role) -> ModelSpec:
+        cfg, where = config.models[role.value], f"models.{role.value}"
+        built = model_config_of(cfg, role, where)
+        _check_adapters(cfg.lora, built, f"{where}.lora")
+        return ModelSpec(built, cfg.path)
+
     with field("models"):
         models = {role: model(role) for role in graph.roles()
                   if not all(m.host for m in graph.calls_of(role))}

@@ -252,3 +252,18 @@ def test_multi_turn_async_across_processes_is_refused_by_the_checks(monkeypatch)
     with pytest.raises(ConfigError, match=r"^env.name='tools': multi-turn asynchronous RL runs "
                                           "in one process"):
         check._check_processes(spec, plan)
+
+
+def test_export_still_rebuilds_models_an_older_run_accepted():
+    """The LoRA checks hold a run's config, not `model_config_of`, which export uses on a
+    checkpoint's stored config: a checkpoint of a run that set lora.targets at rank 0, or a
+    rank past a projection's width, still exports."""
+    from jaxrlhf.spec import model_config_of, run_spec
+
+    for lora_keys in ({"rank": 0, "targets": "q_proj"}, {"rank": 100}):
+        config = base_config()
+        config.models.actor.lora.update(lora_keys)
+        with pytest.raises(ConfigError):
+            run_spec(config)
+        model = model_config_of(config.models.actor, Role.ACTOR, "models.actor")
+        assert (model.lora.rank if model.lora else 0) == lora_keys["rank"]
