@@ -127,24 +127,25 @@ def _check_rollout_layouts(spec: RunSpec, plan: RunPlan) -> None:
     """Asynchronous and multi-turn runs generate on the rollout engine, which decodes each row
     at its own position; a pipelined layout's stages decode every row at one slot (only the
     synchronous static batch runs there), so such a generation layout is refused now rather
-    than when the engine is built, after the warm start (engine/rollout keeps its own guard)."""
+    than when the engine is built, after the warm start (engine/rollout keeps its own guard).
+    Asynchronous multi-turn generation takes one micro-batch (run/rollout_worker.py's guard)."""
     user = ("async_rl.max_staleness" if spec.async_rl.max_staleness
             else "env.name" if spec.env is not None else None)
     if user is None:
         return
-    for m in spec.graph.mfcs:
-        if (m.call is Call.GENERATE and spec.env is not None and spec.async_rl.max_staleness
-                and plan.micro_batches(m.name) != 1):  # run/rollout_worker.py refuses it too
+    for name in (m.name for m in spec.graph.mfcs if m.call is Call.GENERATE):
+        if plan.layouts[name].pipeline > 1:
             raise ConfigError(
-                f"placement: {m.name} runs on {plan.plan[m.name]}, {plan.micro_batches(m.name)} "
-                "micro-batches, but asynchronous multi-turn rollouts take one micro-batch of "
-                f"generation (give {m.name} @1)")
-        if m.call is Call.GENERATE and plan.layouts[m.name].pipeline > 1:
-            raise ConfigError(
-                f"placement: {m.name} runs on {plan.plan[m.name]}, a pipelined layout, but with "
+                f"placement: {name} runs on {plan.plan[name]}, a pipelined layout, but with "
                 f"{user} set it generates on the rollout engine, which decodes each row at its "
-                f"own position (pipeline stages decode all rows at one): give {m.name} a "
-                "layout without pipeline stages")
+                f"own position (pipeline stages decode all rows at one): give {name} a layout "
+                "without pipeline stages")
+        micro = plan.micro_batches(name)
+        if spec.env is not None and spec.async_rl.max_staleness and micro != 1:
+            raise ConfigError(
+                f"placement: {name} runs on {plan.plan[name]}, {micro} micro-batches, but "
+                "asynchronous multi-turn rollouts take one micro-batch of generation (give "
+                f"{name} @1)")
 
 
 def _check_processes(spec: RunSpec, plan: RunPlan) -> None:
