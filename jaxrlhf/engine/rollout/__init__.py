@@ -1,10 +1,12 @@
 """The rollout engine: rows decoded in slots, each at its own position, refilled as rows finish,
 compacted as they thin out, over a KV cache sized to what the live rows can reach.
 
-Every generation runs here: the synchronous `generate` call kind (jaxrlhf/engine/generate.py
-drives it through `decode_rows`, or `decode_at_once`) and the asynchronous rollout workers
-(jaxrlhf/run/rollout_worker.py). The engine keeps S rows ("slots") on the device, each at its
-own response position, and offers:
+Every generation runs here: the synchronous `generate` call kind (jaxrlhf/engine/generate.py:
+`decode_rows`, or `decode_at_once`), the asynchronous rollout workers
+(jaxrlhf/run/rollout_worker.py) and multi-turn trajectories (jaxrlhf/dataflow/trajectories.py),
+each handing its rows to the one scheduler (`scheduler.Scheduler`) as `Request`s. The engine
+keeps S rows ("slots") on the device, each at its own response position, and offers (to the
+scheduler alone, `tests/test_layers.py`):
 
   empty(slots, capacity)                      every slot free
   fill(state, params, version, slots, rows)   prefills prompts into free slots (each distinct
@@ -21,7 +23,8 @@ own response position, and offers:
 The package's modules: `state` (the slot state `SlotState`, what the host reads of it, the
 cache's capacity buckets), `programs` (the device programs over a state, pure functions),
 `targets` (where a fill's prompts are prefilled and its rows go, planned on the host), `engine`
-(the `Rollout` class: compiles, places and runs the programs).
+(the `Rollout` class: compiles, places and runs the programs), `scheduler` (requests served in
+the slots: fill, chunk, look, read-out, compaction, reload on new weights, continuations).
 
 Slot s's response token i sits in cache slot P + i of row s; a decode step writes each row at
 its own slot and attends causally from there, so a refilled slot never sees its predecessor's
