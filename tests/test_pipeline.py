@@ -20,7 +20,9 @@ from jaxrlhf.engine.microbatch import MicrobatchConfig
 from jaxrlhf.engine.train_step import create_train_state, make_train_step
 from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.parallel.layout import init_params, make_layout
-from jaxrlhf.parallel.pipeline import DecodeSchedule, Pipeline, merge_rows, split_rows
+from jaxrlhf.parallel.pipeline import (
+    DecodeSchedule, Pipeline, layer_stack, merge_rows, split_rows,
+)
 from jaxrlhf.parallel.reshard import fetch, reshard
 from jaxrlhf.parallel.strategy import Strategy, parse_strategy
 
@@ -164,6 +166,18 @@ def test_stage_remat_equals_gpipe_and_keeps_what_the_planner_says():
     saved = temps[0] - temps[1]
     assert saved > temps[0] / 2  # most of GPipe's temporaries were saved activations
     assert 0.6 < (gpipe - staged) * stages / saved < 1.4
+
+
+def test_a_micro_batch_holds_a_row_on_every_data_parallel_device():
+    """A call's rows stream in gcd(M, rows per data-parallel device) micro-batches: 8 rows over
+    d8 as one, not as 8 of one row that each data-parallel device would compute whole; a batch
+    the shards do not divide falls back to gcd(M, rows)."""
+    assert Pipeline(2, 8, shards=8).num_micro(8) == 1
+    assert Pipeline(2, 8, shards=2).num_micro(32) == 8
+    assert Pipeline(2, 8, shards=1).num_micro(8) == 8
+    assert Pipeline(2, 8, shards=4).num_micro(6) == 2
+    layout = make_layout("0-7:d4p2", model=get_size("small"))
+    assert layer_stack(layout).shards == 4
 
 
 def test_split_rows_is_strided_and_merge_inverts_it():

@@ -46,10 +46,11 @@ def _kv_bytes_per_token(cfg) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * head_dim * 2  # keys and values, bf16
 
 
-@pytest.mark.parametrize("micro, streamed", [(1, 1), (2, 2), (4, 4), (8, 8), (16, 4)])
+@pytest.mark.parametrize("micro, streamed", [(1, 1), (2, 2), (4, 4), (8, 4), (16, 2)])
 def test_pipelined_generate_holds_one_executor_calls_cache(micro, streamed):
     """d2p2: k executor calls of 64/k rows (32/k per data rank); the pipeline streams gcd(k,
-    64/k) pieces of each; every row of the call keeps its cache of its stage's layers."""
+    32/k) pieces of each (a row on each data rank at least); every row of the call keeps its
+    cache of its stage's layers."""
     choice = _choice("0-3:d2p2", micro)
     assert memory.streamed_micro_batches(WORK, Call.GENERATE, choice) == streamed
     rows = 64 // micro // 2
@@ -59,7 +60,7 @@ def test_pipelined_generate_holds_one_executor_calls_cache(micro, streamed):
 
 
 def test_pipelined_inference_streams_pieces_of_one_executor_call():
-    """d2p2@4: a call holds 8 rows per device; a layer works on 8 / gcd(4, 16) = 2 rows; the
+    """d2p2@4: a call holds 8 rows per device; a layer works on 8 / gcd(4, 8) = 2 rows; the
     stage's input and output buffers hold the call's 8 rows; the head works on a piece's 2."""
     p, choice = profile_of(SMALL), _choice("0-3:d2p2", 4)
     s, d = WORK.seq_len, SMALL.hidden_size

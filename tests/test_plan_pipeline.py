@@ -66,13 +66,18 @@ def test_bubble_fraction():
 
 @pytest.mark.parametrize("micro", [1, 4, 16])
 def test_pipelined_compute_is_the_stage_share_times_the_schedule(micro):
-    """A stage does 1/p of each micro-batch; M + p - 1 slots: compute = C (M+p-1)/(M p)."""
+    """The executor runs M calls of 1/M of the rows; the pipeline streams each in g = gcd(M,
+    its rows) pieces, a call g + p - 1 slots of a stage's share (1/p) of a piece (1/g of the
+    call): compute = C (g+p-1)/(g p). 16 calls of 2 rows stream 2 pieces each, and idle in
+    3 of their 5 slots."""
     p = profile_of(SMALL)
     stage = CallChoice(DeviceRange(0, 1), tensor=2)  # the whole batch on one stage's devices
     whole = cost.inference_cost(p, WORK, stage, COMPUTE_ONLY).compute
     piped = CallChoice(DeviceRange(0, 7), tensor=2, micro_batches=micro, pipeline=4)
+    pieces = memory.streamed_micro_batches(WORK, Call.INFERENCE, piped)
+    assert pieces == {1: 1, 4: 4, 16: 2}[micro]
     got = cost.inference_cost(p, WORK, piped, COMPUTE_ONLY).compute
-    assert got == pytest.approx(whole * (micro + 3) / (micro * 4), rel=1e-12)
+    assert got == pytest.approx(whole * (pieces + 3) / (pieces * 4), rel=1e-12)
 
 
 def test_decode_schedules():

@@ -39,7 +39,9 @@ per micro-batch. Pipelined decoding keeps every micro-batch in flight. The runti
 pipeline full across tokens as ReaL does (`DecodeSchedule.ACROSS_TOKENS`,
 `engine/pipelined_decode.py`): max(k, p) slots per token (with k < p a token waits for its
 micro-batch to come round); `DecodeSchedule.PER_TOKEN` prices one pipeline pass per token
-(k + p - 1 slots). A pipelined call is one jit call.
+(k + p - 1 slots). A pipelined train step is one jit call per update; pipelined inference
+is a jit call per micro-batch, each streaming its rows in pieces with a fill and drain of its
+own (`inference_cost`).
 
 Parameter movements (`realloc_cost`, `offload_cost`). A layout's mesh is its device range
 reshaped to the mesh axes, and the big matrices are cut along `embed` by fsdp, along
@@ -76,6 +78,7 @@ from jaxrlhf.parallel.strategy import Axis
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import OVERHEADS, Calibration, Cluster
 from jaxrlhf.plan.experiment import DEFAULT_DECODE, DecodeSchedule, Workload
+from jaxrlhf.plan.memory import streamed_micro_batches
 from jaxrlhf.plan.profile import ModelProfile
 
 
@@ -276,15 +279,20 @@ def train_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Clu
 
 def inference_cost(p: ModelProfile, work: Workload, choice: CallChoice,
                    cluster: Cluster) -> CallCost:
-    """One forward pass over the batch (log-probs, values or scores)."""
+    """One forward pass over the batch (log-probs, values or scores): a jit call per
+    micro-batch. A pipeline streams each call's rows through its stages again, in the pieces
+    `memory.streamed_micro_batches` counts, each call with its own fill and drain: pieces +
+    p - 1 slots of a piece's work (`dataflow.executors.in_micro_batches` runs the calls)."""
     tokens = work.packed_tokens_per_device(Call.INFERENCE, choice.dp_size,
                                            choice.micro_batches, choice.pipeline)
     s = work.seq_len
-    micro = _forward(p, cluster, choice, tokens, s) + _gather_weights(p, cluster, choice)
-    send = stage_send(p, cluster, choice, tokens)
-    # A micro-batch of inference is one jit call; a pipelined pass is one for all of them.
-    calls = choice.micro_batches if choice.pipeline == 1 else 1
-    return pipelined(micro, send, choice, schedule_slots(choice)) + CallCost(calls=calls)
+    calls = choice.micro_batches
+    pieces = streamed_micro_batches(work, Call.INFERENCE, choice) if choice.pipeline > 1 else 1
+    micro = (_forward(p, cluster, choice, tokens / pieces, s)
+             + _gather_weights(p, cluster, choice))
+    send = stage_send(p, cluster, choice, tokens / pieces)
+    slots = pieces + choice.pipeline - 1
+    return pipelined(micro, send, choice, slots).times(calls) + CallCost(calls=calls)
 
 
 def decode_step_cost(p: ModelProfile, work: Workload, choice: CallChoice,

@@ -334,9 +334,11 @@ def streamed_micro_batches(work: Workload, call: Call, choice: CallChoice) -> in
 
     The executor runs such an MFC as `choice.micro_batches` = M sequential calls on strided
     slices of the batch (`dataflow.executors.in_micro_batches`), and the layout's pipeline
-    streams M micro-batches of each slice again, or gcd(M, slice rows) when M does not divide
-    it (`parallel.pipeline.Pipeline.num_micro`): the batch is split twice, M·gcd ways."""
-    return math.gcd(choice.micro_batches, work.rows(call) // choice.micro_batches)
+    streams M micro-batches of each slice again, or gcd(M, the slice's rows on each
+    data-parallel device) when M does not divide them (`parallel.pipeline.Pipeline.num_micro`):
+    the batch is split twice, M·gcd ways."""
+    return math.gcd(choice.micro_batches,
+                    work.rows_per_device(call, choice.dp_size, choice.micro_batches))
 
 
 def pipelined_saved_bytes(p: ModelProfile, choice: CallChoice, tokens: int, context: int,
