@@ -33,7 +33,10 @@ compiled and the compile seconds. The plan is the one the run would run on that 
 plans best first (`--compile_plans` of them, baselines included) until one fits by XLA's
 account. Then the parameter movements between the chosen plan's layouts: the collective hops
 `parallel/reshard.py` runs, compiled, their collective bytes beside the planner's. No weights
-are read: `require_model_paths` does not apply. Its last line is one JSON object,
+are read: `require_model_paths` does not apply. With `--explain` a line per call follows the
+table: what XLA holds at the peak of its largest program, by JAX source (XLA's live ranges,
+`calibration/peaks.py`; TPU and GPU): the memory model's misses are read there. Its last line
+is one JSON object,
 `{"compile": {"platform", "topology", "limit_bytes", "plan", "calls": {NAME: ...},
 "reallocations": [...]}}`.
 """
@@ -81,6 +84,8 @@ _STEPS = flags.DEFINE_integer("steps", 5, "validation: timed steps after the com
                               lower_bound=1)
 _COMPILE = flags.DEFINE_bool("compile", False, "compile every call for the cluster's hardware "
                              "here, without it: XLA's memory and FLOPs beside the models'")
+_EXPLAIN = flags.DEFINE_bool("explain", False, "with --compile: what XLA holds at each call's "
+                             "peak, by source (its live ranges; TPU and GPU)")
 _COMPILE_PLANS = flags.DEFINE_integer("compile_plans", 3, "--compile: searched plans to try, "
                                       "best first, until one fits", lower_bound=1)
 
@@ -222,8 +227,11 @@ def _compile(config, cluster: Cluster) -> None:
     tried, known = [], {}
     for candidate in _candidates(spec, cluster):
         print(f"\nplan {candidate.name}: {report_lib.allocation(candidate)}", flush=True)
-        reports = aot.compile_plan(spec, cluster, candidate.plan, devices, limit, log, known)
+        reports = aot.compile_plan(spec, cluster, candidate.plan, devices, limit, log, known,
+                                   explain=_EXPLAIN.value)
         print(aot.table(reports), flush=True)
+        if _EXPLAIN.value:
+            print(aot.explanation(reports), flush=True)
         tried.append((candidate, reports))
         if all(r.fits for r in reports):
             break
@@ -245,6 +253,8 @@ def _compile(config, cluster: Cluster) -> None:
 def main():
     if _CALIBRATE.value + _VALIDATE.value + _COMPILE.value > 1:
         raise ConfigError("--calibrate, --validate and --compile are separate runs")
+    if _EXPLAIN.value and not _COMPILE.value:
+        raise ConfigError("--explain: says what XLA holds at each call's peak; it needs --compile")
     with field(f"--cluster={_CLUSTER.value}"):
         cluster = load_cluster(_CLUSTER.value, workdir=_WORKDIR.value)
     if _COMPILE.value:

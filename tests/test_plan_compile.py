@@ -66,9 +66,12 @@ def test_every_call_compiles_for_tpu(v5p_8, module, placement):
 
 
 def test_command_prints_tables_and_ends_with_one_json_line(libtpu, tmp_path):
+    """... and with `--explain`, what XLA holds at each call's peak, by source (its live
+    ranges): a train step's parameters and optimizer state among them."""
     out = subprocess.run(
         [sys.executable, "-m", "jaxrlhf.plan", "--config=configs/grpo_tiny.py",
-         "--cluster=meshes/tpu_v5p_8.py", "--compile", "--config.placement.kind=colocate"],
+         "--cluster=meshes/tpu_v5p_8.py", "--compile", "--config.placement.kind=colocate",
+         "--explain"],
         capture_output=True, text=True, timeout=600, env=os.environ | {"CI": ""})
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -84,6 +87,11 @@ def test_command_prints_tables_and_ends_with_one_json_line(libtpu, tmp_path):
         assert {"compiled", "xla_bytes", "model_bytes", "limit_bytes", "xla_flops",
                 "model_flops", "seconds"} <= set(call)
         assert call["compiled"] and call["seconds"] > 0
+    explained = [line for line in lines if "GiB live at XLA's peak" in line]
+    assert [line.split(" ")[0] for line in explained] == ["actor_gen", "ref_inf", "actor_train"]
+    step = result["calls"]["actor_train"]["programs"]["train step"]
+    assert 0 < sum(step["peak_sources"].values()) <= step["peak_live_bytes"] <= step["xla_bytes"]
+    assert any(source.startswith("state") for source in step["peak_sources"])
 
 
 def test_a_cluster_without_a_topology_is_one_line(libtpu):
@@ -113,6 +121,13 @@ def test_the_compile_flag_is_refused_beside_another_mode():
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1].endswith(
         "--calibrate, --validate and --compile are separate runs")
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxrlhf.plan", "--config=configs/grpo_tiny.py",
+         "--cluster=meshes/tpu_v5p_8.py", "--explain"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: --explain: says what XLA holds at each call's peak; it needs --compile"]
 
 
 def test_v5e_compiles_one_chip_or_the_whole_slice(libtpu):

@@ -25,6 +25,7 @@ compiled programs call; and the compile seconds.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
 import types
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -34,7 +35,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.checkpoint import abstract_state
-from jaxrlhf.calibration import hlo_counts, validate
+from jaxrlhf.calibration import hlo_counts, peaks, validate
 from jaxrlhf.dataflow.executors import padded_batch
 from jaxrlhf.engine.inference import InferenceBatch
 from jaxrlhf.mfc import MFC, Call, Role
@@ -72,6 +73,8 @@ class Program:
       model_flops: the cost model's FLOPs of the same work (`model_flops`).
       argument_bytes, temporary_bytes: XLA's arguments and temporaries per device (parts of
         `peak_bytes`).
+      live: what XLA holds at the program's peak, by source (`peaks.read_peak`; compiled with
+        `explain`), or None.
     """
 
     name: str
@@ -84,6 +87,7 @@ class Program:
     model_flops: float = 0.0
     argument_bytes: int = 0
     temporary_bytes: int = 0
+    live: peaks.Peak | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,19 +155,28 @@ def _kernels(text: str) -> tuple[str, ...]:
                          if f'custom_call_target="{target}' in text}))
 
 
-def compile_program(name: str, lower: Callable[[], jax.stages.Lowered]) -> Program:
-    """Lowers and compiles one program; its figures."""
+def compile_program(name: str, lower: Callable[[], jax.stages.Lowered],
+                    explain: bool = False) -> Program:
+    """Lowers and compiles one program; its figures (`explain`: with what XLA holds at its
+    peak, read from the live ranges XLA dumps into a temporary directory)."""
     start = time.perf_counter()
-    compiled = lower().compile()
+    live = None
+    if explain:
+        with tempfile.TemporaryDirectory() as dump:
+            compiled = lower().compile(compiler_options=peaks.compile_options(dump))
+            live = peaks.read_peak(dump)
+    else:
+        compiled = lower().compile()
     seconds = time.perf_counter() - start
     m = compiled.memory_analysis()
     peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes)
     text = compiled.as_text()
     flops = hlo_counts.program_flops(text)
-    return Program(name, int(peak), validate.batch_argument_bytes(compiled), flops.flops, _kernels(text),
-                   seconds, flops.unbounded_loops, argument_bytes=m.argument_size_in_bytes,
-                   temporary_bytes=m.temp_size_in_bytes)
+    return Program(name, int(peak), validate.batch_argument_bytes(compiled), flops.flops,
+                   _kernels(text), seconds, flops.unbounded_loops,
+                   argument_bytes=m.argument_size_in_bytes,
+                   temporary_bytes=m.temp_size_in_bytes, live=live)
 
 
 # --- the step's worst-case batch --------------------------------------------------------
@@ -296,12 +309,12 @@ def model_flops(experiment: Experiment, mfc: MFC, choice, cluster: Cluster,
 def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
                  devices: Sequence[jax.Device], limit_bytes: int,
                  log: Callable[[str], None] = lambda line: None,
-                 known: dict | None = None, calls: Collection[str] | None = None
-                 ) -> list[CallReport]:
+                 known: dict | None = None, calls: Collection[str] | None = None,
+                 explain: bool = False) -> list[CallReport]:
     """Every model MFC of `plan` (or those named in `calls`) compiled for `devices` (the
     cluster's), in graph order; a call that fails to compile is reported with XLA's message
     and the others still compile. `known`: reports by (MFC, choice) of plans compiled before,
-    reused (and added to)."""
+    reused (and added to). `explain`: each program with what XLA holds at its peak."""
     known = {} if known is None else known
     experiment = spec.experiment()
     layouts = run_plan(spec, plan, devices).layouts
@@ -323,7 +336,7 @@ def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
             engine = build.engine_call(mfc, model, layout,
                                        build.train_micro(spec, choice.micro_batches), spec.rollout,
                                        tokenizer, spec.algorithm, spec.optimizers.get(mfc.role))
-            compiled = [compile_program(program, lower) for program, lower in _programs(
+            compiled = [compile_program(program, lower, explain) for program, lower in _programs(
                 spec, mfc, engine, layout, choice.micro_batches, buf).items()]
             programs = tuple(dataclasses.replace(c, model_flops=model_flops(
                 experiment, mfc, choice, cluster, c)) for c in compiled)
@@ -367,6 +380,16 @@ def table(reports: Sequence[CallReport]) -> str:
     return "\n".join([validate.text_table(rows), *errors])
 
 
+_PEAK_SOURCES = 12  # the largest sources of a peak the JSON lists
+
+
+def explanation(reports: Sequence[CallReport]) -> str:
+    """Per compiled call, what XLA holds at the peak of its largest program (`explain`)."""
+    lines = [f"{r.name} ({r.peak.name}): {r.peak.live.describe()}" for r in reports
+             if r.compiled and r.peak.live is not None]
+    return "\n".join(lines)
+
+
 def to_json(reports: Sequence[CallReport]) -> dict:
     """{NAME: {compiled, xla_bytes, model_bytes, limit_bytes, xla_flops, model_flops, seconds,
     kernels, programs, error}} of a compiled plan."""
@@ -379,7 +402,10 @@ def to_json(reports: Sequence[CallReport]) -> dict:
                               "unbounded_loops": p.unbounded_loops,
                               "argument_bytes": p.argument_bytes,
                               "temporary_bytes": p.temporary_bytes,
-                              "seconds": round(p.seconds, 2)}
+                              "seconds": round(p.seconds, 2),
+                              **({"peak_live_bytes": p.live.live_bytes,
+                                  "peak_sources": dict(p.live.sources[:_PEAK_SOURCES])}
+                                 if p.live else {})}
                      for p in r.programs},
         "error": r.error} for r in reports}
 
