@@ -237,6 +237,16 @@ def test_row_chunks():
     assert row_chunks(64, 96, None) == 1
 
 
+def _assert_hfs_logprobs(out, hf_model, sequences, mask):
+    """Each padded row's log-probs and entropies as HF gives them on its lone sequence."""
+    for i, seq in enumerate(sequences):
+        want_logp, want_entropy = _reference_logprobs(hf_model, seq)
+        np.testing.assert_allclose(np.asarray(out.logprobs_bt)[i][mask[i]], want_logp,
+                                   atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(out.entropy_bt)[i][mask[i]], want_entropy,
+                                   atol=1e-5, rtol=0)
+
+
 def test_head_row_chunks():
     # A v5p chip's 16 rows of 2,048 tokens over Llama-3's vocabulary: a row's logits a chunk.
     assert head_row_chunks(16, 2048, 128256) == 16
@@ -267,12 +277,7 @@ def test_head_in_row_chunks_equals_hf(lm, sequences, spec, monkeypatch):
     fn._head_vocab = config.vocab_size
     assert loops() == whole + 1
     out = fn(params, batch)
-    for i, seq in enumerate(sequences):
-        want_logp, want_entropy = _reference_logprobs(hf_model, seq)
-        np.testing.assert_allclose(np.asarray(out.logprobs_bt)[i][mask[i]], want_logp,
-                                   atol=1e-5, rtol=0)
-        np.testing.assert_allclose(np.asarray(out.entropy_bt)[i][mask[i]], want_entropy,
-                                   atol=1e-5, rtol=0)
+    _assert_hfs_logprobs(out, hf_model, sequences, mask)
 
 
 @pytest.mark.devices(2)
@@ -297,12 +302,7 @@ def test_inference_in_row_chunks_equals_hf(lm, critic, sequences, spec, monkeypa
     assert row_chunks(rows // layout.dp_size, WIDTH, WIDTH) == 2
     assert loops[WIDTH] == loops[default] + 1
     out = fn(params, batch)
-    for i, seq in enumerate(sequences):
-        want_logp, want_entropy = _reference_logprobs(hf_model, seq)
-        np.testing.assert_allclose(np.asarray(out.logprobs_bt)[i][mask[i]], want_logp,
-                                   atol=1e-5, rtol=0)
-        np.testing.assert_allclose(np.asarray(out.entropy_bt)[i][mask[i]], want_entropy,
-                                   atol=1e-5, rtol=0)
+    _assert_hfs_logprobs(out, hf_model, sequences, mask)
     hf_critic, critic_config, _, critic_params = critic
     critic_params = jax.device_put(critic_params,
                                    layout.param_shardings(abstract_params(critic_config)))

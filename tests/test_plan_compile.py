@@ -238,21 +238,34 @@ def test_matmul_flops_of_attention_einsums_written_as_dilated_convolutions(v5p_8
         assert hlo_counts.program_flops(text).flops == 2 * 2 * 4 * 8 * 256 * 512 * 128
 
 
+def _compile_llama_1b(v5p_8, roles, batch_size, calls, trained=False, **layouts):
+    """ppo_tiny with `roles` of Llama-3.2-1B's shape (bf16; `trained`: as the big configs
+    train, full remat and an fp32 master) over 2,048-token rows, every call on d4 but for
+    `layouts` (MFC -> degrees); (its spec, the reports of `calls` compiled for v5p 2x2x1)."""
+    cluster, devices = v5p_8
+    config = ppo_tiny.get_config()
+    for role in roles:
+        config.models[role].update(size="llama-3.2-1b", dtype="bfloat16", param_dtype="bfloat16",
+                                   **({"remat": "full"} if trained else {}))
+        if trained:
+            config.optimizer[role].fp32_master = True
+    config.rollout.update(batch_size=batch_size, max_prompt_len=1024, max_new_tokens=1024)
+    degrees = {name: "d4" for name in ("actor_gen", "actor_train", "critic_inf", "critic_train",
+                                       "ref_inf")} | layouts
+    config.placement.update(kind="manual", allocation=",".join(
+        f"{name}=0-3:{d}" for name, d in degrees.items()))
+    spec = run_spec(config)
+    plan = execution_plan(spec, cluster.num_devices)
+    return spec, aot.compile_plan(spec, cluster, plan, devices, cluster.usable_hbm_bytes,
+                                  calls=calls)
+
+
 def test_memory_and_flops_of_a_flash_attention_call_match_xla(v5p_8):
     """A value model of Llama-3.2-1B's shape (bf16, no vocabulary logits: attention is its
     largest activation) over 2,048-token rows on d4, attention=auto (Pallas on TPU): the
     memory model is within 15% of XLA's peak (it counted fp32 [heads, query, slot] scores that
     the flash kernel never writes: twice XLA's), and its FLOPs within 1% of XLA's matmuls."""
-    cluster, devices = v5p_8
-    config = ppo_tiny.get_config()
-    config.models.critic.update(size="llama-3.2-1b", dtype="bfloat16", param_dtype="bfloat16")
-    config.rollout.update(batch_size=8, max_prompt_len=1024, max_new_tokens=1024)
-    config.placement.update(kind="manual", allocation="actor_gen=0-3:d4,actor_train=0-3:d4,"
-                            "critic_inf=0-3:d4,critic_train=0-3:d4,ref_inf=0-3:d4")
-    spec = run_spec(config)
-    plan = execution_plan(spec, cluster.num_devices)
-    (report,) = aot.compile_plan(spec, cluster, plan, devices, cluster.usable_hbm_bytes,
-                                 calls={"critic_inf"})
+    _, (report,) = _compile_llama_1b(v5p_8, ("critic",), 8, {"critic_inf"})
     assert report.kernels == ("Mosaic",)
     assert abs(report.memory_error) < 0.15, (report.model_bytes, report.xla_bytes)
     assert abs(report.model_flops / report.xla_flops - 1) < 0.01
@@ -265,18 +278,7 @@ def test_log_probs_read_the_head_out_in_row_chunks_on_tpu(v5p_8):
     4.78 GiB in rows); the memory model, which prices the same chunks, within 15% of it."""
     from jaxrlhf.engine.inference import head_row_chunks
 
-    cluster, devices = v5p_8
-    config = ppo_tiny.get_config()
-    for role in ("actor", "ref"):
-        config.models[role].update(size="llama-3.2-1b", dtype="bfloat16",
-                                   param_dtype="bfloat16")
-    config.rollout.update(batch_size=16, max_prompt_len=1024, max_new_tokens=1024)
-    config.placement.update(kind="manual", allocation="actor_gen=0-3:d4,actor_train=0-3:d4,"
-                            "critic_inf=0-3:d4,critic_train=0-3:d4,ref_inf=0-3:d4")
-    spec = run_spec(config)
-    plan = execution_plan(spec, cluster.num_devices)
-    (report,) = aot.compile_plan(spec, cluster, plan, devices, cluster.usable_hbm_bytes,
-                                 calls={"ref_inf"})
+    spec, (report,) = _compile_llama_1b(v5p_8, ("actor", "ref"), 16, {"ref_inf"})
     vocab = spec.models[Role.REF].config.vocab_size
     assert head_row_chunks(4, 2048, vocab) == 4
     (program,) = report.programs
@@ -291,19 +293,9 @@ def test_train_steps_memory_within_10_percent_of_xla_on_tpu(v5p_8):
     critic on d4 with a loop of two micro-batches (its peak the optimizer step's fp32
     gradient trees, `memory.gradient_phases`). The memory model within 10% of XLA's peak
     (it priced a CPU's gradient trees, all beside the activations: the critic +35%)."""
-    cluster, devices = v5p_8
-    config = ppo_tiny.get_config()
-    for role in ("actor", "critic"):
-        config.models[role].update(size="llama-3.2-1b", dtype="bfloat16",
-                                   param_dtype="bfloat16", remat="full")
-        config.optimizer[role].fp32_master = True
-    config.rollout.update(batch_size=16, max_prompt_len=1024, max_new_tokens=1024)
-    config.placement.update(kind="manual", allocation="actor_gen=0-3:d4,actor_train=0-3:d2f2,"
-                            "critic_inf=0-3:d4,critic_train=0-3:d4@2,ref_inf=0-3:d4")
-    spec = run_spec(config)
-    plan = execution_plan(spec, cluster.num_devices)
-    reports = aot.compile_plan(spec, cluster, plan, devices, cluster.usable_hbm_bytes,
-                               calls={"actor_train", "critic_train"})
+    _, reports = _compile_llama_1b(v5p_8, ("actor", "critic"), 16,
+                                   {"actor_train", "critic_train"}, trained=True,
+                                   actor_train="d2f2", critic_train="d4@2")
     for report in reports:
         assert abs(report.memory_error) < 0.10, (report.name, report.model_bytes,
                                                  report.xla_bytes)
