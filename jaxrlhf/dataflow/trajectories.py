@@ -142,7 +142,7 @@ def _start(reset: EnvHandle, transcript: Transcript, rows: Sequence[dict],
         first_messages = first or ({"role": "user", "content": row["prompt"]},)
         ids = transcript.first_ids(first_messages)
         if len(ids) > limits.prompt_len:
-            raise ValueError(f"env.class: first messages of {len(ids)} tokens exceed "
+            raise ValueError(f"env.name: first messages of {len(ids)} tokens exceed "
                              f"rollout.max_prompt_len={limits.prompt_len}")
         trajectories.append(_Trajectory(row, list(first_messages), ids))
     _record_failures(batch, trajectories, messages)
@@ -270,7 +270,7 @@ class _Reply:
             try:
                 _take_reply(t, reply, env.transcript, env.tokenizer, env.limits)
             except TranscriptError as e:  # the template, not one trajectory: stop the run
-                raise EnvironmentFailed(f"env.class: {e}") from None
+                raise EnvironmentFailed(f"env.name: {e}") from None
             if not t.done:
                 return turns.request(self.i)
         turns.left -= 1
