@@ -238,7 +238,6 @@ def test_real_check_prints_every_mfc_of_every_plan(capsys):
 
 def test_pipelined_allocation_round_trips():
     from jaxrlhf.plan.allocation import parse_allocation, plan_of
-    from jaxrlhf.plan.choice import ExecutionPlan
 
     plan = ExecutionPlan.of({
         "actor_train": CallChoice(DeviceRange(0, 127), data=4, tensor=2, micro_batches=64,
