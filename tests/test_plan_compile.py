@@ -287,6 +287,7 @@ def test_log_probs_read_the_head_out_in_row_chunks_on_tpu(v5p_8):
     assert abs(report.memory_error) < 0.15, (report.model_bytes, report.xla_bytes)
 
 
+@pytest.mark.slow  # two train steps of a 1B model: about two minutes on 2 cores
 def test_train_steps_memory_within_10_percent_of_xla_on_tpu(v5p_8):
     """Llama-3.2-1B trained as the big configs train (bf16 parameters, an fp32 master, full
     remat) on 2,048-token rows: the actor on d2f2 (its peak the head's fp32 logits), the
