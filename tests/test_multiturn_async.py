@@ -12,7 +12,6 @@ import pytest
 
 from jaxrlhf.algorithms import multiturn
 from jaxrlhf.data.environments import EnvPool
-from jaxrlhf.data.tokenizer import ByteTokenizer
 from jaxrlhf.data.transcript import Transcript
 from jaxrlhf.dataflow.trajectories import Environment, TrajectoryLimits, rollout
 from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
@@ -20,19 +19,12 @@ from jaxrlhf.engine.rollout import NO_VERSION
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.parallel.layout import init_params, make_layout
 from jaxrlhf.run.rollout_worker import RolloutWorker
+from tests.test_multiturn import EarlyStops
 
 TWO_TURNS = f"{pathlib.Path(__file__).parent / 'fixtures/envs.py'}:TwoTurns"
 P, N, TURNS, SEED = 8, 48, 3, 7
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in
         [(12, 34), (5, 6), (70, 8), (1, 99)]]
-
-
-class EarlyStops(ByteTokenizer):
-    """Bytes, every id from 128 up ending a turn: an untrained model's turns are short."""
-
-    @property
-    def stop_ids(self):
-        return (self.eos_id, *range(128, 256))
 
 
 @pytest.fixture(scope="module")

@@ -105,9 +105,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_late_input_errors_are_one_line_before_compiling(overrides, expected, tmp_path):
-    overrides = overrides(tmp_path) if callable(overrides) else overrides
+def configured(overrides: dict) -> object:
+    """base_config() with `{dotted key: value}` set."""
     config = base_config()
     for key, value in overrides.items():
         *parents, leaf = key.split(".")
@@ -115,6 +114,13 @@ def test_late_input_errors_are_one_line_before_compiling(overrides, expected, tm
         for part in parents:
             node = node[part]
         node[leaf] = value
+    return config
+
+
+@pytest.mark.parametrize("overrides,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_late_input_errors_are_one_line_before_compiling(overrides, expected, tmp_path):
+    overrides = overrides(tmp_path) if callable(overrides) else overrides
+    config = configured(overrides)
     compiles = []
     listener = lambda event, *_, **__: compiles.append(event)
     jax.monitoring.register_event_duration_secs_listener(listener)

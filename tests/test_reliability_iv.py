@@ -12,21 +12,12 @@ from jaxrlhf.models.sizes import abstract_params
 
 from jaxrlhf.run.check import check_config
 from jaxrlhf.schema import ConfigError, base_config
+from tests.test_reliability_inputs import configured
 
 COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration",
                   "/jax/compilation_cache/cache_retrieval_time_sec")
 
 
-def configured(overrides: dict) -> object:
-    """base_config() with `{dotted key: value}` set."""
-    config = base_config()
-    for key, value in overrides.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return config
 
 
 def refusal(config, workdir) -> str:
