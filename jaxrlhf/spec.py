@@ -282,7 +282,8 @@ class RunSpec:
         r = self.rollout
         workload = Workload(batch_size=r.rows, prompt_len=r.max_prompt_len,
                             new_tokens=r.max_new_tokens, mini_batches=self.mini_batches,
-                            epochs=self.epochs, mean_new_tokens=r.mean_new_tokens)
+                            epochs=self.epochs, mean_new_tokens=r.mean_new_tokens,
+                            group_size=r.group_size)
         master = {role: opt.fp32_master for role, opt in self.optimizers.items()}
         return Experiment.of(self.graph, self.model_configs(), workload, fp32_master=master,
                              offload_frozen=self.placement.offload_frozen,

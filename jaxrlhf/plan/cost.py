@@ -305,12 +305,19 @@ def decode_step_cost(p: ModelProfile, work: Workload, choice: CallChoice,
             + CallCost(memory=reads / cluster.hbm_bandwidth))
 
 
+def prefill_rows(work: Workload, choice: CallChoice) -> int:
+    """Prompts one device prefills per micro-batch: the rollout engine prefills each distinct
+    prompt once (a GRPO group's rows share it); a pipeline's static batch prefills every row."""
+    if choice.pipeline > 1:
+        return work.rows_per_device(Call.GENERATE, choice.dp_size, choice.micro_batches)
+    return work.prompts_per_device(choice.dp_size, choice.micro_batches)
+
+
 def prefill_cost(p: ModelProfile, work: Workload, choice: CallChoice,
                  cluster: Cluster) -> CallCost:
     """The prefill of one micro-batch's prompts (a forward pass over them)."""
-    rows = work.rows_per_device(Call.GENERATE, choice.dp_size, choice.micro_batches)
-    return (_forward(p, cluster, choice, rows * work.prompt_len, work.seq_len)
-            + _gather_weights(p, cluster, choice))
+    tokens = prefill_rows(work, choice) * work.prompt_len
+    return _forward(p, cluster, choice, tokens, work.seq_len) + _gather_weights(p, cluster, choice)
 
 
 def generate_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Cluster,
@@ -318,7 +325,7 @@ def generate_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: 
     """Prefill over the prompts, then `new_tokens` decode steps, per micro-batch."""
     rows = work.rows_per_device(Call.GENERATE, choice.dp_size, choice.micro_batches)
     prefill = prefill_cost(p, work, choice, cluster)
-    prefill_send = stage_send(p, cluster, choice, rows * work.prompt_len)
+    prefill_send = stage_send(p, cluster, choice, prefill_rows(work, choice) * work.prompt_len)
     token_send = stage_send(p, cluster, choice, rows)
     # All micro-batches in flight; a token of each takes (module docstring):
     match decode:

@@ -34,6 +34,8 @@ class Workload:
       mean_new_tokens: the responses' mean length, when shorter than `new_tokens` (None: every
         response runs to `new_tokens`, as benchmarks force it). Train steps and inference pack
         sequences into rows (`engine.packing`), so they compute on the tokens, not the slots.
+      group_size: responses per prompt (a GRPO group's n rows share one prompt, which the
+        rollout engine prefills once: `prompts_per_device`).
     """
 
     batch_size: int
@@ -42,10 +44,14 @@ class Workload:
     mini_batches: int = 1
     epochs: int = 1
     mean_new_tokens: float | None = None
+    group_size: int = 1
 
     def __post_init__(self):
         if self.batch_size % self.mini_batches:
             raise ValueError(f"mini_batches={self.mini_batches} does not divide the batch of "
+                             f"{self.batch_size} sequences")
+        if self.batch_size % self.group_size:
+            raise ValueError(f"group_size={self.group_size} does not divide the batch of "
                              f"{self.batch_size} sequences")
 
     @property
@@ -78,6 +84,13 @@ class Workload:
             raise ValueError(f"{rows} sequences do not split over data×fsdp×micro-batches = "
                              f"{dp_size}×{micro_batches}")
         return rows // ways
+
+    def prompts_per_device(self, dp_size: int, micro_batches: int) -> int:
+        """Distinct prompts one device prefills per micro-batch of a generate call: the rollout
+        engine prefills each prompt once, its group's rows spread over the devices
+        (`engine.rollout.targets`), so a device prefills its share of the prompts."""
+        prompts = self.batch_size // self.group_size
+        return -(-prompts // (dp_size * micro_batches))
 
 
 @dataclasses.dataclass(frozen=True)

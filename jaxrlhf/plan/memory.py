@@ -434,12 +434,14 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                                    activations=int(peak + _stage_buffers(p, choice, tokens)))
         case Call.GENERATE if stages == 1:  # the rollout engine (`engine.rollout`)
             kv_per_token = p.kv_bytes_per_token() / t
-            tokens = rows * work.prompt_len
-            # A fill prefills the prompts into a fresh cache of their own (then into the slots)
-            # on the scanned stack, one layer's weights sliced at a time; an advance runs the
-            # token loop on the weights held `gathered`. The larger executable is the peak.
+            prompts = work.prompts_per_device(choice.dp_size, choice.micro_batches)
+            tokens = prompts * work.prompt_len
+            # A fill prefills each distinct prompt once into a fresh cache of their own (then
+            # into the rows' slots) on the scanned stack, one layer's weights sliced at a time;
+            # an advance runs the token loop on the weights held `gathered`. The larger
+            # executable is the peak.
             fill = (max(forward_peak_bytes(p, tokens, span(work.prompt_len), t),
-                        _logit_bytes(p, rows, t, 1)) + tokens * kv_per_token
+                        _logit_bytes(p, prompts, t, 1)) + tokens * kv_per_token
                     + _gathered_bytes(p, choice, scanned=True))
             advance = (forward_peak_bytes(p, rows, span(s), t) + _logit_bytes(p, rows, t, 2)
                        + gathered)
