@@ -282,6 +282,10 @@ def base_config() -> ConfigDict:
             "decoupled": True,  # η > 0: AReaL's decoupled PPO objective (clip vs π_prox)
             "behav_imp_weight_cap": 0.0,  # decoupled: drop tokens with π_prox/π_behav above (0 = off)
             "chunk_tokens": 8,  # tokens decoded between checks for new weights (interruptions)
+            # A row still decoding when new weights come: continue (its KV cache recomputed
+            # under them, its earlier tokens keep their versions) | restart (aborted, decoded
+            # anew) | finish (under its old weights; new rows wait for it)
+            "on_new_version": "continue",
         },
     })
 

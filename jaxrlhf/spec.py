@@ -36,6 +36,7 @@ from jaxrlhf.dataflow.placement import Placement
 from jaxrlhf.engine.generate import GenerateConfig
 from jaxrlhf.engine.microbatch import MicrobatchConfig
 from jaxrlhf.engine.optimizer import OptimizerConfig
+from jaxrlhf.engine.rollout.scheduler import OnNewVersion
 from jaxrlhf.metrics import WandbMode, WandbSpec, wandb_available
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models import attention, hf_io, lora
@@ -213,11 +214,14 @@ class AsyncRLSpec:
       max_staleness: η; 0 = the synchronous loop.
       decoupled: the algorithm trains with the decoupled PPO objective (η > 0 only).
       chunk_tokens: tokens decoded between checks for new weights.
+      on_new_version: what a row still decoding does when new weights come (read by the
+        rollout workers only).
     """
 
     max_staleness: int
     decoupled: bool
     chunk_tokens: int
+    on_new_version: OnNewVersion
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,7 +548,9 @@ def run_spec(config: ConfigDict) -> RunSpec:
     check_keys(config)
     check_ranges(config)
     a = config.async_rl
-    async_rl = _of(AsyncRLSpec, a, decoupled=bool(a.max_staleness and a.decoupled))
+    async_rl = _of(AsyncRLSpec, a, decoupled=bool(a.max_staleness and a.decoupled),
+                   on_new_version=enum_value(OnNewVersion, a.on_new_version,
+                                             "async_rl.on_new_version"))
     env = _env(config)
     with field("algorithm"):
         algorithm = (make_algorithm(config, async_rl.decoupled) if env is None

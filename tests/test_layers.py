@@ -193,13 +193,15 @@ def test_the_code_cites_documents_of_the_repository():
 # --- the rollout engine's slots have one driver -------------------------------------------------
 
 SCHEDULER = "jaxrlhf.engine.rollout.scheduler"
-SLOT_METHODS = ("fill", "advance", "poll", "compact", "reload")
+SLOT_METHODS = ("fill", "advance", "poll", "compact", "reload", "abort")
 # Calls of those names in the library that are no Rollout's: (module, the call's target).
 NOT_A_ROLLOUT = {
     ("jaxrlhf.checkpoint", "self._manager.reload"),  # orbax's CheckpointManager
     ("jaxrlhf.data.sandbox", "select.poll"),  # the select module's poll object
     ("jaxrlhf.data.sandbox", "poller.poll"),
     ("jaxrlhf.data.rewards", "self._wake_r.poll"),  # a multiprocessing Connection
+    ("jaxrlhf.run.channel", "distributed.abort"),  # a multi-process job's
+    ("jaxrlhf.train", "distributed.abort"),
 }
 
 
@@ -212,9 +214,9 @@ def _slot_calls(module: str) -> list[str]:
 
 
 def test_only_the_scheduler_drives_the_rollout_slots():
-    """Only `engine/rollout/scheduler.py` calls a Rollout's fill, advance, poll, compact or
-    reload (the sync call, the async worker and multi-turn trajectories are its users). A call
-    of one of those names on something else goes in NOT_A_ROLLOUT."""
+    """Only `engine/rollout/scheduler.py` calls a Rollout's fill, advance, poll, compact,
+    reload or abort (the sync call, the async worker and multi-turn trajectories are its
+    users). A call of one of those names on something else goes in NOT_A_ROLLOUT."""
     found = {name.rsplit(".", 1)[1] for name in _slot_calls(SCHEDULER)}
     assert found == set(SLOT_METHODS), found  # the scan sees the scheduler's own calls
     others = {(m, call) for m in MODULES if m != SCHEDULER and not _within(m, MESHES)

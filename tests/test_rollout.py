@@ -2,7 +2,14 @@
 one `generate` call, also when slots are refilled as rows finish; an interruption swaps
 weights mid-sequence, the per-token versions show the switch, and every token's log-prob is its
 own version's (checked against a full forward pass of each version over the finished
-sequences, so the recomputed KV cache is right)."""
+sequences, so the recomputed KV cache is right).
+
+Partial rollouts (`async_rl.on_new_version`, `engine.rollout.scheduler.OnNewVersion`): what a
+row still decoding does when the rollout worker gets new weights. `continue` recomputes its
+cache under them (its earlier tokens keep their versions and log-probs, the later ones are the
+new policy's to the full forward pass), `restart` decodes it anew under them (the generate
+call's row under the new weights; its tokens so far counted as discarded), `finish` ends it
+under the old ones while new rows wait (each batch the generate call's under one version)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +18,7 @@ import pytest
 
 from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
 from jaxrlhf.engine.rollout import NO_VERSION, Rollout
+from jaxrlhf.engine.rollout.scheduler import OnNewVersion
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.models.transformer import Transformer
@@ -213,3 +221,127 @@ def test_micro_batches_decode_in_turn_like_the_synchronous_generate_call(setup):
     np.testing.assert_allclose(done[3].buffer["logp_bn"], want["logp_bn"], rtol=0, atol=1e-6)
     np.testing.assert_array_equal(done[3].versions_bn,
                                   np.where(want["response_mask_bn"], 0, NO_VERSION))
+
+
+# --- partial rollouts: a busy row when new weights come ----------------------------------------
+
+SEED = 5  # the partial-rollout tests' worker seed
+FIRST = 4  # tokens a row has when the weights change: its fill's, then one chunk of 3
+
+
+def _mode_worker(setup, cfg, mode: OnNewVersion, slots: int = 4) -> RolloutWorker:
+    config, layout, *_ = setup
+    mfc = MFC("actor_gen", Role.ACTOR, Call.GENERATE, ("prompt_tokens_bp", "prompt_mask_bp"),
+              OUTPUTS)
+    return RolloutWorker(mfc, Rollout(config, cfg, layout, P, slots), layout, config,
+                         seed=SEED, chunk_tokens=FIRST - 1, on_new_version=mode)
+
+
+def _switched(setup, cfg, mode: OnNewVersion, second_batch: bool = False) -> dict:
+    """Batch 0 (and, with `second_batch`, batch 1 admitted right after the switch) through 4
+    slots: one step under params_a (version 0), then params_b (version 1) to the end;
+    {index: Generated}."""
+    _, _, params_a, params_b, tokens, mask = setup
+    worker = _mode_worker(setup, cfg, mode)
+    worker.install(params_a, 0)
+    worker.start(0, {"prompt_tokens_bp": tokens, "prompt_mask_bp": mask}, None, 0.0)
+    done = {g.index: g for g in worker.step(lambda: 1.0)}
+    assert not done, "every row must still decode at the switch"
+    worker.install(params_b, 1)
+    if second_batch:
+        worker.start(1, {"prompt_tokens_bp": tokens, "prompt_mask_bp": mask}, None, 0.0)
+    while worker.busy:
+        done.update((g.index, g) for g in worker.step(lambda: 1.0))
+    return done
+
+
+def _want(setup, cfg, params, index: int, got) -> dict:
+    """The synchronous generate call's batch `index` under `params`, cut as `got`."""
+    config, layout, _, _, tokens, mask = setup
+    generate = make_generate_fn(config, cfg, layout, prompt_buckets=(P,))
+    rng = jax.random.fold_in(jax.random.key(SEED), np.uint32(index))
+    return _cut_like(_expected(generate, params, tokens, mask, rng), got.buffer)
+
+
+def _assert_rows(got: dict, want: dict, rows) -> None:
+    for key in ("seq_bs", "seq_mask_bs", "response_mask_bn"):
+        np.testing.assert_array_equal(got[key][rows], want[key][rows], err_msg=key)
+    np.testing.assert_allclose(got["logp_bn"][rows], want["logp_bn"][rows], rtol=0, atol=1e-6)
+
+
+def test_continue_recomputes_the_cache_and_keeps_the_earlier_tokens(setup):
+    """Every row spans both versions: its first tokens are version 0's (the generate call's
+    under params_a, log-probs included), the rest version 1's, each token's log-prob its own
+    version's full forward pass (so the recomputed cache is a prefill under the new weights);
+    no row was discarded."""
+    config, _, params_a, params_b, *_ = setup
+    cfg = _gen_config(force_max_length=True)
+    got = _switched(setup, cfg, OnNewVersion.CONTINUE)[0]
+    assert got.interruptions == 1 and got.restarts == 0 and got.discarded_tokens == 0
+    b, versions_bn = got.buffer, got.versions_bn
+    assert b["response_mask_bn"].all()
+    np.testing.assert_array_equal(versions_bn[:, :FIRST], 0)
+    np.testing.assert_array_equal(versions_bn[:, FIRST:], 1)
+    before = _want(setup, cfg, params_a, 0, got)
+    for key in ("seq_bs", "logp_bn"):  # the tokens before the switch, as sampled
+        cut = P + FIRST if key == "seq_bs" else FIRST
+        np.testing.assert_allclose(b[key][:, :cut], before[key][:, :cut], rtol=0, atol=1e-6)
+    logp_a = _full_forward_logp(config, params_a, b["seq_bs"], b["seq_mask_bs"])
+    logp_b = _full_forward_logp(config, params_b, b["seq_bs"], b["seq_mask_bs"])
+    np.testing.assert_allclose(b["logp_bn"], np.where(versions_bn == 0, logp_a, logp_b),
+                               rtol=1e-5, atol=1e-5)
+    assert np.abs(logp_a - logp_b)[:, FIRST:].max() > 1e-2  # the policies differ there
+
+
+def test_restart_decodes_the_busy_rows_anew_under_the_new_weights(setup):
+    """Rows done at the switch are the generate call's under params_a (version 0); the rows
+    still decoding were aborted (their tokens discarded) and are the generate call's under
+    params_b, every token version 1."""
+    _, _, params_a, params_b, *_ = setup
+    cfg = _gen_config(eos_token_id=tuple(range(1, 40)))  # random weights stop at any length
+    got = _switched(setup, cfg, OnNewVersion.RESTART)[0]
+    before = _want(setup, cfg, params_a, 0, got)
+    after = _want(setup, cfg, params_b, 0, got)
+    busy_b = before["response_mask_bn"].sum(1) > FIRST  # still decoding at the switch
+    assert busy_b.any() and not busy_b.all()
+    assert got.restarts == busy_b.sum() and got.interruptions == 0
+    assert got.discarded_tokens == FIRST * busy_b.sum()
+    _assert_rows(got.buffer, before, ~busy_b)
+    _assert_rows(got.buffer, after, busy_b)
+    policy_bn = got.buffer["response_mask_bn"]
+    np.testing.assert_array_equal(
+        got.versions_bn, np.where(policy_bn, np.where(busy_b, 1, 0)[:, None], NO_VERSION))
+
+
+def test_finish_ends_the_busy_rows_under_their_weights_before_new_rows_start(setup):
+    """Batch 0 finishes under params_a although params_b came part-way (every token version 0,
+    the generate call's rows); batch 1, admitted meanwhile, waits for it and decodes wholly
+    under params_b."""
+    _, _, params_a, params_b, *_ = setup
+    cfg = _gen_config(eos_token_id=tuple(range(1, 40)))
+    done = _switched(setup, cfg, OnNewVersion.FINISH, second_batch=True)
+    for index, params, version in ((0, params_a, 0), (1, params_b, 1)):
+        got = done[index]
+        assert got.interruptions == 0 and got.restarts == 0 and got.discarded_tokens == 0
+        want = _want(setup, cfg, params, index, got)
+        _assert_rows(got.buffer, want, slice(None))
+        np.testing.assert_array_equal(
+            got.versions_bn, np.where(got.buffer["response_mask_bn"], version, NO_VERSION))
+
+
+@pytest.mark.parametrize("mode", list(OnNewVersion))
+def test_new_weights_between_batches_change_nothing_else(setup, mode):
+    """Weights that come when no row decodes take effect at once in every mode: the next
+    batch is the generate call's under them."""
+    _, _, params_a, params_b, tokens, mask = setup
+    cfg = _gen_config(eos_token_id=tuple(range(1, 40)))
+    worker = _mode_worker(setup, cfg, mode)
+    worker.install(params_a, 0)
+    worker.install(params_b, 1)
+    worker.start(0, {"prompt_tokens_bp": tokens, "prompt_mask_bp": mask}, None, 0.0)
+    done = []
+    while worker.busy:
+        done += worker.step(lambda: 1.0)
+    (got,) = done
+    _assert_rows(got.buffer, _want(setup, cfg, params_b, 0, got), slice(None))
+    assert got.restarts == 0 and got.interruptions == 0

@@ -168,7 +168,8 @@ def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list
     rollout = Rollout(spec.base.config, spec.rollout.generate(job.tokenizer), layout,
                       spec.rollout.max_prompt_len, spec.rollout.rows // micro)
     worker = RolloutWorker(gen, rollout, layout, spec.base.config, spec.seed,
-                           spec.async_rl.chunk_tokens, micro)
+                           spec.async_rl.chunk_tokens, micro,
+                           on_new_version=spec.async_rl.on_new_version)
     actor = runner.runtimes[Role.ACTOR]
     version = runner.step_index
     worker.install(_publish(actor.params, shardings, version, r)[0], version)
@@ -219,7 +220,8 @@ def _send(chan: Channel, gen, done: Generated, replica: int, busy: float) -> Non
     arrays = {k: np.asarray(jax.device_get(done.buffer[k])) for k in gen.outputs}
     arrays["versions_bn"] = done.versions_bn
     chan.put_arrays(f"batch/{done.index}", arrays,
-                    {"interruptions": done.interruptions, "seconds": list(done.seconds),
+                    {"interruptions": done.interruptions, "restarts": done.restarts,
+                     "discarded_tokens": done.discarded_tokens, "seconds": list(done.seconds),
                      "slots_idle": done.slots_idle, "replica": replica, "busy": busy})
 
 
@@ -293,7 +295,8 @@ class RemoteSource:
                     versions_bn = arrays.pop("versions_bn")
                     done = Generated(index, {**order.batch, **arrays}, versions_bn,
                                                 meta["interruptions"], None,
-                                                tuple(meta["seconds"]), meta["slots_idle"])
+                                                tuple(meta["seconds"]), meta["slots_idle"],
+                                                meta["restarts"], meta["discarded_tokens"])
                     order.arrived = (done, meta)
                     self.arrivals.append(index)
                     self.queued[order.replica - 1] -= 1

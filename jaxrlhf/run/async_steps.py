@@ -61,7 +61,8 @@ def check_staleness(done: Generated, version: int, eta: int) -> None:
 
 
 def batch_metrics(done: Generated, version: int, eta: int) -> dict[str, float]:
-    """Staleness distribution and interruptions of the batch trained at `version`, with its
+    """Staleness distribution, interruptions and restarts of the batch trained at `version`
+    (with the tokens restarts discarded meanwhile), with its
     generation seconds, its longest response and the decode padding: the share of the
     generation slots' decode steps without a row to decode (`async/decode_padding_frac`; with
     continuous batching a slot waits only when no admitted row is left)."""
@@ -74,7 +75,9 @@ def batch_metrics(done: Generated, version: int, eta: int) -> dict[str, float]:
     out = {"async/staleness_mean": float(staleness_bn[valid].mean()) if valid.any() else 0.0,
            "async/staleness_max": float(staleness_bn[valid].max()) if valid.any() else 0.0,
            "async/interrupted_sequences": float(switched_b.sum()),
-           "async/interruptions": float(done.interruptions)}
+           "async/interruptions": float(done.interruptions),
+           "async/restarted_rows": float(done.restarts),
+           "async/discarded_tokens": float(done.discarded_tokens)}
     for s in range(eta + 1):
         out[f"async/staleness_frac_{s}"] = float((staleness_bn == s).sum()) / tokens
     longest = int(valid.sum(1).max(initial=0))

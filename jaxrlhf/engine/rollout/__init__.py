@@ -16,6 +16,7 @@ scheduler alone, `tests/test_layers.py`):
   compact(state, keep)                        the slots `keep` only, as a smaller state
   poll(state) / rows(state)                   which slots are done / every slot's row (host)
   reload(state, params, longest)              every cache recomputed under new weights
+  abort(state, slots)                         the rows of `slots` dropped (their slots free)
   decode_at_once(params, version, rows, ...)  a batch that fits in the slots and ends within
                                               a chunk: fill, token loop and read-out in one
                                               executable (no host look in between)
@@ -41,10 +42,12 @@ whole chunk. A step then reads at most ~1.5x the live slots, and the engine comp
 `advance` per (slots, capacity) bucket. On XLA:CPU each layer keeps its own cache laid out for one-query attention (`models.decode_kv.DecodeKV`,
 `engine.decode_layers`); elsewhere the stacked [L, S, P + C, k, d] cache is written by scatter.
 
-`advance` with weights of another version than the cache's first recomputes every slot's cache
-from its prompt and response so far (an "interruption"): keys and values of the old policy must
-not be mixed with the new one's. Every sampled token records the policy version whose logits it
-was drawn from, so a sequence's versions can change part-way.
+New weights recompute every slot's cache from its prompt and response so far (`reload`, an
+"interruption") before `advance` decodes with them: keys and values of the old policy must not
+be mixed with the new one's. Whether a busy row goes on so, restarts (`abort`, then a fill) or
+finishes under its old weights is the scheduler's choice (`scheduler.OnNewVersion`). Every
+sampled token records the policy version whose logits it was drawn from, so a sequence's
+versions can change part-way.
 
 Sampling keys are the synchronous `generate` call's: a row with key `rng` and index r in its
 (micro-)batch samples token i with fold_in(fold_in(rng, i), r), whatever slot it sits in and

@@ -415,6 +415,14 @@ class Rollout:
                          self._state_out(fn, slots, capacity), params, state,
                          donate=(1,))
 
+    def abort(self, state: SlotState, slots: list[int]) -> tuple[SlotState, jax.Array]:
+        """The rows of `slots` dropped, their slots free; (the state, int32 on the device: the
+        tokens those rows had sampled)."""
+        size = self.size(state)
+        abort_b = transfer(np.isin(np.arange(size[0]), slots), self.layout.batch_sharding(1))
+        build = lambda: (programs.abort, (self._shardings(*size), self._scalar))
+        return self._run(("abort", *size), build, state, abort_b, donate=(0,))
+
     def advance(self, state: SlotState, params, version: int, num_steps: int,
                 longest: int | None = None, lockstep: bool = False,
                 stop_busy: int = 0) -> SlotState:

@@ -1,8 +1,8 @@
 """The rollout engine's device programs: pure functions of a `SlotState` (module
 `engine.rollout.state`) that `Rollout` (module `engine.rollout.engine`) compiles, one
 executable per shape bucket: fill (prefill prompts into free slots and sample their first
-tokens), advance (the token loop), resize, compact, recompute the cache under new weights, and
-fill-and-decode in one program.
+tokens), advance (the token loop), resize, compact, abort rows, recompute the cache under new
+weights, and fill-and-decode in one program.
 
 A decode step writes each row at its own slot and attends causally from there, so a refilled
 slot never sees its predecessor's keys (they lie after its own position until it overwrites
@@ -212,6 +212,14 @@ def compact(axes: tuple[str, ...], s: SlotState, send_1q, at_m) -> SlotState:
     fields = {name: move(x) for name, x in s._asdict().items() if name != "cache"}
     zeros = jnp.zeros(at_m.shape, jnp.int32)
     return SlotState(**{**fields, "steps_b": zeros, "tokens_b": zeros}, cache=cache)
+
+
+def abort(s: SlotState, abort_b) -> tuple[SlotState, jax.Array]:
+    """The rows of `abort_b` (bool [S]) dropped, their slots free (done) as a finished row's;
+    (the state, int32: the tokens the busy ones among them had sampled)."""
+    dropped_b = abort_b & ~s.done_b
+    return (s._replace(done_b=s.done_b | abort_b),
+            jnp.sum(jnp.where(dropped_b, s.step_b, 0), dtype=jnp.int32))
 
 
 def recompute_cache(model: Transformer, n_new: int, params, s: SlotState) -> SlotState:
