@@ -2,6 +2,7 @@
 engine, and GRPO's loss over them (only the policy's tokens trained)."""
 
 import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jaxrlhf.engine.inference import (
     InferenceBatch, InferenceConfig, InferenceKind, InferenceOutput, make_inference_fn,
 )
 from jaxrlhf.engine.packing import Rows
+from jaxrlhf.engine.rollout.scheduler import Abandoned
 from jaxrlhf.mfc import Role
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.parallel.layout import init_params, make_layout
@@ -292,6 +294,23 @@ def test_a_failing_environment_ends_its_trajectory_with_reward_0_and_is_counted(
         _rollout(engine, pool, rows[:1] + rows[4:], max_error_rate=0.2)
     message = str(failed.value)
     assert "\n" not in message and "1 of 3 trajectories" in message and "boom" in message
+
+
+def test_a_stop_abandons_the_rollout_and_cancels_its_environment_calls(engine):
+    """A stop during a rollout whose environment takes 30 s a turn (one worker: 6 rows, 180 s
+    of calls) abandons it within a second or two of the stop (`Abandoned`); the calls queued
+    and running are cancelled, so the pool closes at once instead of finishing them."""
+    config, layout, tok, generator, params = engine
+    rows = [dict(row, delay=30.0) for row in ROWS]
+    t0 = time.monotonic()
+    stop = lambda: time.monotonic() > t0 + 3.0
+    with EnvPool(MISBEHAVING, num_workers=1, timeout_s=60.0) as pool:
+        with pytest.raises(Abandoned):
+            rollout(generator, params, jax.random.key(0), pool, Transcript(tok), tok, rows,
+                    TrajectoryLimits(3, P, N, 0.5), stop=stop)
+        abandoned = time.monotonic() - t0
+    closed = time.monotonic() - t0
+    assert abandoned < 5.0 and closed < abandoned + 10.0, (abandoned, closed)
 
 
 # --- the loss over trajectories ------------------------------------------------------------

@@ -218,6 +218,11 @@ class EnvPool:
     def close(self) -> None:
         self._pool.close()
 
+    def cancel(self, handles: Sequence[EnvHandle]) -> None:
+        """The calls of `handles` not answered yet dropped, those running killed
+        (`RewardPool.cancel`)."""
+        self._pool.cancel(handles)
+
     def reset(self, rows: Sequence[dict]) -> EnvHandle:
         return self._pool.submit_calls([("reset", r, None) for r in rows], EnvHandle(len(rows)))
 

@@ -374,6 +374,7 @@ class RewardPool:
         self._pending: collections.deque[_Item] = collections.deque()
         self._closing = False
         self._broken: str | None = None
+        self._cancelled: set[int] = set()  # ids of cancelled handles (`cancel`)
         self._errors: collections.Counter = collections.Counter()
         self._warned: set[ErrorKind] = set()  # `_warn_once`
         self._next_item_id = 0
@@ -421,6 +422,21 @@ class RewardPool:
             self._pending.extend(_Item(handle, i, tuple(r)) for i, r in enumerate(requests))
         self._wake_w.send_bytes(b"x")
         return handle
+
+    def cancel(self, handles: Sequence[RewardHandle]) -> None:
+        """Drops the calls of `handles` not answered yet: the queued ones never start, the
+        workers running one are killed and replaced (as after a timeout, uncounted), and each
+        handle fails ("cancelled"). For work abandoned by a stop: closing the pool would
+        otherwise finish it first."""
+        ids = {id(h) for h in handles}
+        with self._lock:
+            self._pending = collections.deque(i for i in self._pending
+                                               if id(i.handle) not in ids)
+            self._cancelled |= ids
+        for handle in handles:
+            if not handle.done():
+                handle._fail("cancelled")
+        self._wake_w.send_bytes(b"x")
 
     def error_counts(self) -> ErrorCounts:
         """Failures of every call so far, by kind."""
@@ -484,6 +500,7 @@ class RewardPool:
                     else:
                         self._receive(by_conn[conn])
                 self._expire(time.monotonic())
+                self._kill_cancelled()
         except Exception as e:  # a dispatcher bug must fail the callers, not strand them
             logging.exception("reward pool dispatcher failed")
             self._break(f"reward pool dispatcher failed: {e!r}")
@@ -566,6 +583,15 @@ class RewardPool:
                     self._replace(worker)
                 case _State.STARTING if now - worker.since > self._startup_timeout_s:
                     self._break(f"{self._what} worker not ready after {self._startup_timeout_s} s")
+
+    def _kill_cancelled(self) -> None:
+        """Workers busy on a cancelled handle's call killed and replaced."""
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+        for worker in list(self._workers):
+            if worker.state is _State.BUSY and id(worker.item.handle) in cancelled:
+                worker.state, worker.item = _State.IDLE, None
+                self._replace(worker)
 
     def _warn_once(self, kind: ErrorKind, message: str) -> None:
         """Logs the pool's first failure of `kind`; the later ones are counted (the step's

@@ -12,7 +12,9 @@ queued again. So a slow environment costs a trajectory its own time, not the bat
 
 A trajectory ends when the environment says so, when the policy's turn or the reply would pass
 the token budget, after `max_turns` policy turns, or when the environment fails on it (reward 0,
-counted: more than `max_error_rate` of a step's trajectories failing stops the run).
+counted: more than `max_error_rate` of a step's trajectories failing stops the run). A stop
+signal abandons the rollout between the scheduler's rounds (`rollout`'s `stop`), its
+environment calls cancelled: a slow environment never holds the stop.
 
 Each turn's sampling stream is fixed by the trajectory and the turn alone (row i * max_turns +
 j of the rollout's key), so the trajectories do not depend on the environment's timing nor on
@@ -41,7 +43,7 @@ from jaxrlhf.dataflow.runtime import ModelRuntime
 from jaxrlhf.engine import buckets
 from jaxrlhf.engine.generate import Generator
 from jaxrlhf.engine.rollout import NO_VERSION
-from jaxrlhf.engine.rollout.scheduler import Later, Request, Scheduler, Turn
+from jaxrlhf.engine.rollout.scheduler import Abandoned, Later, Request, Scheduler, Turn
 from jaxrlhf.mfc import MFC
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.reshard import transfer
@@ -181,9 +183,21 @@ class TurnRequests:
         self.messages: list[str] = []
         self.trajectories: list[_Trajectory] | None = None
         self.left = -1  # trajectories not ended (-1: not started)
-        self._reset = _Reset(self, rows, env.pool.reset(rows))
+        self._calls: list[EnvHandle] = []  # the environment's calls, for `cancel`
+        self._reset = _Reset(self, rows, self._call(env.pool.reset(rows)))
         if wait:
             self._reset.result()
+
+    def _call(self, handle: EnvHandle) -> EnvHandle:
+        self._calls = [h for h in self._calls if not h.done()]
+        self._calls.append(handle)
+        return handle
+
+    def cancel(self) -> None:
+        """The environment's calls still on their way dropped (those running killed): the
+        rollout was abandoned."""
+        self.env.pool.cancel([h for h in self._calls if not h.done()])
+        self._calls = []
 
     def first(self) -> list[Request]:
         """The first turn of every trajectory that did not end at its start."""
@@ -225,7 +239,7 @@ class TurnRequests:
         t.turn_ids, t.turns = ids, t.turns + 1
         t.conversation.append({"role": "assistant",
                                "content": decode_response(self.env.tokenizer, ids)})
-        return _Reply(self, i, self.env.pool.step([t.conversation], [t.row]))
+        return _Reply(self, i, self._call(self.env.pool.step([t.conversation], [t.row])))
 
 
 @dataclasses.dataclass
@@ -279,15 +293,18 @@ class _Reply:
 
 def rollout(generator: Generator, params, rng, pool: EnvPool, transcript: Transcript,
             tokenizer: Tokenizer, rows: Sequence[dict], limits: TrajectoryLimits,
-            slots: int | None = None) -> Trajectories:
+            slots: int | None = None, stop: Callable[[], bool] | None = None) -> Trajectories:
     """The trajectories of `rows` (each {"prompt", "answer"}), one per row, streamed through
     the generator's rollout engine by its scheduler (module docstring).
 
     Args:
       slots: rows decoded at once (a multiple of the data-parallel size); default: one per
         trajectory (rounded up).
+      stop: asked between the scheduler's rounds and while it waits for the environment:
+        True abandons the rollout (a stop signal), its environment calls cancelled.
 
     Raises:
+      Abandoned: `stop()` said so before the trajectories ended.
       EnvironmentFailed: the environment failed on more than `max_error_rate` of them, or its
         replies cannot be appended (the chat template rewrites the conversation).
       ValueError: a first prompt longer than P ids; a pipelined layout.
@@ -298,13 +315,17 @@ def rollout(generator: Generator, params, rng, pool: EnvPool, transcript: Transc
                          "layout without pipeline stages")
     env = Environment(pool, transcript, tokenizer, limits)
     turns = TurnRequests(env, rows, limits.prompt_len + limits.budget,
-                         transfer(rng, generator.layout.replicated()))
+                         transfer(rng, generator.layout.replicated()), wait=False)
     dp = generator.layout.dp_size
     slots = -(-max(len(rows), 1) // dp) * dp if slots is None else slots
     scheduler = Scheduler(generator.rollout_engine(limits.prompt_len + limits.budget, slots),
                           slots, TURN_CHUNK_TOKENS)
-    scheduler.submit(turns.first())
-    scheduler.run(params)
+    scheduler.expect(turns.starting())  # the resets, awaited as the replies are
+    try:
+        scheduler.run(params, stop=stop)
+    except Abandoned:
+        turns.cancel()
+        raise
     return turns.result()
 
 
@@ -363,17 +384,19 @@ def _arrays(trajectories: list[_Trajectory], limits: TrajectoryLimits,
 def trajectory_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator: Generator,
                         rng_of_step: Callable[[], jax.Array], pool: EnvPool,
                         tokenizer: Tokenizer, limits: TrajectoryLimits,
-                        on_result: Callable[[Trajectories], None]):
+                        on_result: Callable[[Trajectories], None],
+                        stop: Callable[[], bool] = lambda: False):
     """The generate MFC of a multi-turn run: reads the prompt rows (`prompt_text`, `answer`)
     and writes those of its outputs its MFC names: sequence tokens `seq_tokens_bs`, sequence
     mask `seq_mask_bs`, policy-token mask `response_mask_bn`, behaviour log-probs
-    `behav_logp_bn`, trajectory rewards `scores_b`, turn rewards `turn_rewards_bn`."""
+    `behav_logp_bn`, trajectory rewards `scores_b`, turn rewards `turn_rewards_bn`. `stop`:
+    `rollout`'s (it raises `Abandoned`)."""
     transcript = Transcript(tokenizer)
 
     def run(buf):
         rows = [{"prompt": p, "answer": a} for p, a in zip(buf["prompt_text"], buf["answer"])]
         out = rollout(generator, model.params_on(layout), rng_of_step(), pool, transcript,
-                      tokenizer, rows, limits)
+                      tokenizer, rows, limits, stop=stop)
         on_result(out)
         arrays = {"seq_tokens_bs": out.tokens_bs, "seq_mask_bs": out.mask_bs,
                   "response_mask_bn": out.policy_bn, "behav_logp_bn": out.logp_bn,

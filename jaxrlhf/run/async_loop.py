@@ -6,9 +6,7 @@ Two workers share the actor:
                              as rows finish (`engine.rollout`, continuous batching), in
                              chunks, always with the newest weights it has been given;
                              weights that arrive mid-sequence are swapped in (the KV cache is
-                             recomputed; or the row restarts, or finishes under its old
-                             weights: `async_rl.on_new_version`) and every token records its
-                             policy version. With an
+                             recomputed) and every token records its policy version. With an
                              environment (`env.name`) the rows are multi-turn trajectories:
                              a row that ends its turn leaves its slot while the environment
                              replies, so a trajectory's turns may come from several versions.
@@ -125,8 +123,7 @@ class LocalSource:
                           prompt_len, r.rows // micro)
         self.worker = RolloutWorker(self.gen, rollout, gen_layout, spec.base.config, spec.seed,
                                     spec.async_rl.chunk_tokens, micro, env,
-                                    self.runner.count_trajectories,
-                                    spec.async_rl.on_new_version)
+                                    self.runner.count_trajectories)
         self.shared_cores = gen_layout.platform is Platform.CPU  # with training
         self.actor = runner.runtimes[Role.ACTOR]
         self.trainer = _Trainer()
@@ -141,9 +138,14 @@ class LocalSource:
     def now(self) -> float:
         return time.perf_counter() - self.clock_zero
 
-    def next_update(self, train: loop.Train, stop: StopRequest) -> loop.Update:
-        del stop  # checked between updates (`stop_now`)
+    def next_update(self, train: loop.Train, stop: StopRequest) -> loop.Update | None:
+        """The next update; None when a stop came while no update was training: generation
+        stops at once (a multi-turn batch waiting for a slow environment included), its
+        batches dropped (`stop_now`)."""
         while True:
+            if stop.requested and self.pending is None:
+                self.stop_now(stop)
+                return None
             update = self._advance(train)
             if update is not None:
                 return update

@@ -89,7 +89,9 @@ class StopRequest:
 
     SIGTERM is what SLURM sends at the time limit or on preemption (`launch/slurm.sbatch` asks
     for it early with `--signal`) and what Kubernetes sends on eviction; the loop finishes the
-    step it is in, saves a checkpoint and exits, and rerunning the same command resumes there.
+    step it is in (or abandons it, while its multi-turn rollout waits for an environment: a
+    slow one never holds the stop; `rl.StepSource`), saves a checkpoint and exits, and
+    rerunning the same command resumes there.
     (Multi-process, this handler replaces JAX's preemption notifier for SIGTERM: processes agree
     on the step through `agreed`, as for Ctrl-C.) A second signal of the same kind acts at once
     (the previous handler is back: Ctrl-C raises KeyboardInterrupt). Outside the main thread,

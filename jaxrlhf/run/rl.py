@@ -38,6 +38,7 @@ from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.data.datasets import EpochIterator
 from jaxrlhf.data.encode import preference_batch, prompt_batch, sft_batch
 from jaxrlhf.dataflow.timeline import draw_timeline, time_table
+from jaxrlhf.engine.rollout.scheduler import Abandoned
 from jaxrlhf.metrics import METRICS_FILE, MetricsWriter
 from jaxrlhf.mfc import Role
 from jaxrlhf.run import async_loop, build, loop
@@ -111,10 +112,22 @@ class StepSource:
         self.job, self.runner, self.rows = job, runner, rows
         self.desc = runner.algorithm.name
 
-    def next_update(self, train: loop.Train, stop: StopRequest) -> loop.Update:
-        del stop  # a step always ends at a boundary the loop can stop at
+    def next_update(self, train: loop.Train, stop: StopRequest) -> loop.Update | None:
+        """The next step; None when a stop came during its multi-turn rollout (one process):
+        the step is abandoned, its environment calls cancelled, and its rows go back to the
+        iterator, so the rerun repeats it exactly. (Across processes every step ends: they
+        would have to agree on abandoning it mid-rollout.)"""
         step, spec = self.runner.step_index, self.job.spec
-        result, skipped = train(encode(self.job, next(self.rows)))
+        if jax.process_count() == 1:
+            self.runner.abandon = lambda: stop.requested
+        before = self.rows.state()
+        try:
+            result, skipped = train(encode(self.job, next(self.rows)))
+        except Abandoned:
+            self.rows.restore(before)
+            print(f"{loop.name(self.job)} step {step} abandoned (its environment calls "
+                  "cancelled); it runs again on resuming", flush=True)
+            return None
         if (not spec.algorithm.offline and step in (0, spec.steps - 1)
                 and jax.process_index() == 0):
             draw_timeline(result.timing, self.job.plan.specs,

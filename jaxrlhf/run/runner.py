@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
@@ -22,6 +22,7 @@ from jaxrlhf.dataflow.trajectories import (
     Environment, Trajectories, TrajectoryLimits, trajectory_executor,
 )
 from jaxrlhf.dataflow.scheduler import Scheduler, StepTiming
+from jaxrlhf.engine.rollout.scheduler import Abandoned
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.parallel import watchdog
 from jaxrlhf.parallel.reshard import fetch
@@ -95,6 +96,8 @@ class Runner:
         self.runtimes = runtimes
         self.controller = dict(algorithm.controller_init)
         self.step_index = 0
+        # Asked while a step's multi-turn rollout runs: True abandons the step (`step`).
+        self.abandon: Callable[[], bool] = lambda: False
         self._rng = jax.random.key(seed)
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-wait")
         self._reward_errors = 0
@@ -119,7 +122,7 @@ class Runner:
             case Call.GENERATE if self._trajectories is not None:
                 return trajectory_executor(mfc, runtime, layout, engine, self._step_rng,
                                            self._env.pool, self._tokenizer, self._trajectories,
-                                           self._count_env)
+                                           self._count_env, lambda: self.abandon())
             case Call.GENERATE:
                 return ex.generate_executor(mfc, runtime, layout, engine, self._step_rng,
                                             micro_batches)
@@ -160,9 +163,20 @@ class Runner:
         return sum(engine.compiles for engine in self.engines.values())
 
     def step(self, batch: dict) -> StepResult:
-        """Runs every MFC once on `batch`; returns host figures (the step's sync point)."""
+        """Runs every MFC once on `batch`; returns host figures (the step's sync point).
+
+        Raises:
+          Abandoned: `abandon()` said so during the step's multi-turn rollout (before anything
+            trained): the step left no trace (its generation copies dropped) and the step
+            index stays, so running `batch` again repeats it.
+        """
         with watchdog.label(step=self.step_index):  # names the step in a stuck wait's message
-            buffer, timing = self.scheduler.run_step(batch)
+            try:
+                buffer, timing = self.scheduler.run_step(batch)
+            except Abandoned:
+                for runtime in self.runtimes.values():
+                    runtime.drop_copies()
+                raise
             stats = {m.role: {k: float(v) for k, v in fetch(buffer[m.outputs[0]]).items()}
                      for m in self.graph.mfcs if m.call is Call.TRAIN_STEP}  # every process
             if self._trajectories is not None:
