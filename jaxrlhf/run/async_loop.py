@@ -6,7 +6,9 @@ Two workers share the actor:
                              as rows finish (`engine.rollout`, continuous batching), in
                              chunks, always with the newest weights it has been given;
                              weights that arrive mid-sequence are swapped in (the KV cache is
-                             recomputed) and every token records its policy version. With an
+                             recomputed; or the row restarts, or finishes under its old
+                             weights: `async_rl.on_new_version`) and every token records its
+                             policy version. With an
                              environment (`env.name`) the rows are multi-turn trajectories:
                              a row that ends its turn leaves its slot while the environment
                              replies, so a trajectory's turns may come from several versions.
@@ -123,7 +125,8 @@ class LocalSource:
                           prompt_len, r.rows // micro)
         self.worker = RolloutWorker(self.gen, rollout, gen_layout, spec.base.config, spec.seed,
                                     spec.async_rl.chunk_tokens, micro, env,
-                                    self.runner.count_trajectories)
+                                    self.runner.count_trajectories,
+                                    spec.async_rl.on_new_version)
         self.shared_cores = gen_layout.platform is Platform.CPU  # with training
         self.actor = runner.runtimes[Role.ACTOR]
         self.trainer = _Trainer()

@@ -18,7 +18,7 @@ import numpy as np
 from jaxrlhf.dataflow.executors import cut_responses
 from jaxrlhf.dataflow.trajectories import Environment, Trajectories, TurnRequests
 from jaxrlhf.engine.rollout import NO_VERSION, Rollout
-from jaxrlhf.engine.rollout.scheduler import Finished, Request, Scheduler
+from jaxrlhf.engine.rollout.scheduler import Finished, OnNewVersion, Request, Scheduler
 from jaxrlhf.mfc import MFC
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.parallel.layout import Layout
@@ -34,11 +34,14 @@ class Generated:
       buffer: the trainer graph's dataset keys (prompts, generated sequences, log-probs).
       versions_bn: int32 [b, n] on the host: policy version of every token (NO_VERSION after
         the response).
-      interruptions: weight swaps while any of its rows was being decoded.
+      interruptions: weight swaps while any of its rows was being decoded (their caches
+        recomputed: `async_rl.on_new_version=continue`).
       iterator_before: the prompt iterator's state before the batch was drawn.
       seconds: (start, end) of its generation on the loop's clock.
       slots_idle: the share of decode slot-steps without a row to decode, since the previous
         batch finished (the decode padding continuous batching leaves).
+      restarts: its rows aborted and decoded again under new weights (`restart`).
+      discarded_tokens: tokens of aborted rows thrown away since the previous batch finished.
     """
 
     index: int
@@ -48,6 +51,8 @@ class Generated:
     iterator_before: object
     seconds: tuple[float, float]
     slots_idle: float = 0.0
+    restarts: int = 0
+    discarded_tokens: int = 0
 
     def staleness_bn(self, version: int) -> np.ndarray:
         """Versions behind `version` of every token, -1 where there is none."""
@@ -64,6 +69,7 @@ class _Batch:
     outputs: list  # Rows fields, [b, ...] each
     left: int
     interruptions: int = 0
+    restarts: int = 0
     turns: TurnRequests | None = None  # a multi-turn batch's trajectories
 
     @property
@@ -96,11 +102,14 @@ class RolloutWorker:
         rows' decoding; every policy token records the version that sampled it, so a
         trajectory may span versions. None: single turns.
       on_trajectories: called with each multi-turn batch's `Trajectories` as it finishes.
+      on_new_version: what a row still decoding does when new weights come
+        (`async_rl.on_new_version`).
     """
 
     def __init__(self, mfc: MFC, rollout: Rollout, layout: Layout, model, seed: int,
                  chunk_tokens: int, micro_batches: int = 1, env: Environment | None = None,
-                 on_trajectories: Callable[[Trajectories], None] | None = None):
+                 on_trajectories: Callable[[Trajectories], None] | None = None,
+                 on_new_version: OnNewVersion = OnNewVersion.CONTINUE):
         if env is not None and micro_batches != 1:
             raise ValueError(f"env.name: multi-turn rollouts take one micro-batch of "
                              f"generation, not actor_gen@{micro_batches}")
@@ -111,9 +120,11 @@ class RolloutWorker:
         self._rng = jax.random.key(seed)
         self.params, self.version = None, -1
         # Batches keep coming: the slots keep their number (no compaction).
-        self._scheduler = Scheduler(rollout, chunk_tokens=chunk_tokens, compact=False)
+        self._scheduler = Scheduler(rollout, chunk_tokens=chunk_tokens, compact=False,
+                                    on_new_version=on_new_version)
         self._batches: dict[int, _Batch] = {}
-        self._counts = np.zeros(2, np.int64)  # (slot-steps, tokens) at the last batch's end
+        self._counts = np.zeros(3, np.int64)  # (slot-steps, tokens, discarded tokens) at the
+        # last batch's end
         self.busy_seconds = 0.0
         self.published_bytes = 0
 
@@ -170,14 +181,16 @@ class RolloutWorker:
         self._batches[index] = _Batch(batch, iterator_before, now, outputs, len(tokens_bp))
 
     def step(self, now) -> list[Generated]:
-        """Fills free slots, decodes one chunk with the newest weights (recomputing the busy
-        rows' caches after new ones: an interruption); the batches whose last row finished
-        (possibly several, in any order)."""
+        """Fills free slots, decodes one chunk with the newest weights (after new ones, the
+        busy rows go on, restart or finish as `on_new_version` says); the batches whose last
+        row finished (possibly several, in any order)."""
         t0 = time.perf_counter()
         try:
-            finished, interrupted = self._scheduler.step(self.params, self.version)
+            finished, interrupted, restarted = self._scheduler.step(self.params, self.version)
             for index in {request.tag[0] for request in interrupted}:
                 self._batches[index].interruptions += 1
+            for request in restarted:
+                self._batches[request.tag[0]].restarts += 1
             return self._collect(finished, now)
         finally:
             self.busy_seconds += time.perf_counter() - t0
@@ -196,11 +209,14 @@ class RolloutWorker:
             out.left -= 1
         done = []
         for index in sorted(i for i, b in self._batches.items() if b.done):
-            counts = np.asarray(self._scheduler.occupancy, np.int64)
-            slot_steps, tokens = counts - self._counts
+            counts = np.array([*self._scheduler.occupancy, self._scheduler.discarded.tokens],
+                              np.int64)
+            slot_steps, tokens, discarded = counts - self._counts
             idle = 1.0 - tokens / max(slot_steps, 1)
             self._counts = counts
-            done.append(self._finish(index, self._batches.pop(index), now, float(idle)))
+            done.append(dataclasses.replace(
+                self._finish(index, self._batches.pop(index), now, float(idle)),
+                discarded_tokens=int(discarded)))
         return done
 
     def _finish(self, index: int, out: _Batch, now, idle: float) -> Generated:
@@ -212,7 +228,7 @@ class RolloutWorker:
                                response_mask_bn.shape[1])
         buffer = {**out.batch, **dict(zip(self.mfc.outputs, arrays, strict=True))}
         return Generated(index, buffer, versions_bn[:, :arrays[2].shape[1]], out.interruptions,
-                         out.iterator_before, (out.started, now()), idle)
+                         out.iterator_before, (out.started, now()), idle, out.restarts)
 
     def _finish_turns(self, index: int, out: _Batch, now, idle: float) -> Generated:
         """A multi-turn batch's trajectories as the generate MFC's outputs (the synchronous
@@ -225,7 +241,7 @@ class RolloutWorker:
                   "scores_b": result.rewards_b, "turn_rewards_bn": result.turn_rewards_bn}
         buffer = {**out.batch, **{name: arrays[name] for name in self.mfc.outputs}}
         return Generated(index, buffer, result.versions_bn, out.interruptions,
-                         out.iterator_before, (out.started, now()), idle)
+                         out.iterator_before, (out.started, now()), idle, out.restarts)
 
     def drop(self):
         """Abandons the batches in flight (a stop: they are generated again after resuming;
@@ -238,4 +254,5 @@ class RolloutWorker:
                 batch.turns.cancel()
         self._batches.clear()
         self._scheduler.drop()
+        self._counts[:] = 0  # the scheduler's counts start again
         return out

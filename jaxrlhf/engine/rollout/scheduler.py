@@ -1,16 +1,18 @@
 """The one scheduler of the rollout engine's slots: every caller's rows (the synchronous
 `generate` call, the asynchronous rollout workers, multi-turn trajectories) are `Request`s it
-serves, and it alone drives a `Rollout`'s fill, advance, poll, compact and reload.
+serves, and it alone drives a `Rollout`'s fill, advance, poll, compact, reload and abort.
 
-A round: the continuations whose results arrived queue their next requests; new weights
-recompute the busy rows' caches (`Rollout.reload`, an interruption); queued requests take the
-free slots (`Rollout.fill`, taking turns over the devices); every busy slot decodes a chunk of
-tokens (`Rollout.advance`), ending it early once enough slots are free for the queue, the live
-rows fit the next smaller state, or a row whose request has a continuation ends its turn; a
-look at the slots (`Rollout.poll`) says which rows are done. Finished rows are read out
-(harvested) when their slots are needed, when their continuation waits for them, when the
-caller steps the scheduler itself (`step`), or when nothing is left; with the queue empty the
-live rows are compacted into the next smaller state (`run` only: a state is never grown back).
+A round: the continuations whose results arrived queue their next requests; new weights take
+effect as `OnNewVersion` says (by default the busy rows' caches are recomputed under them,
+`Rollout.reload`, an interruption; or the rows are aborted and queued again, `Rollout.abort`;
+or they finish first); queued requests take the free slots (`Rollout.fill`, taking turns over
+the devices); every busy slot decodes a chunk of tokens (`Rollout.advance`), ending it early
+once enough slots are free for the queue, the live rows fit the next smaller state, or a row
+whose request has a continuation ends its turn; a look at the slots (`Rollout.poll`) says which
+rows are done. Finished rows are read out (harvested) when their slots are needed, when their
+continuation waits for them, when the caller steps the scheduler itself (`step`), or when
+nothing is left; with the queue empty the live rows are compacted into the next smaller state
+(`run` only: a state is never grown back).
 
 A request's continuation receives its finished turn and returns the next request (its prompt
 ids, stream and limit), None (done), or a `Later` whose result comes when it is ready (an
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, Protocol
@@ -32,6 +35,7 @@ import numpy as np
 
 from jaxrlhf.engine.rollout.engine import Rollout
 from jaxrlhf.engine.rollout.state import Rows
+from jaxrlhf.parallel.reshard import fetch
 
 # Tokens decoded between looks at which rows finished (a sync point on a few scalars).
 CHUNK_TOKENS = 32
@@ -74,6 +78,27 @@ def stop_busy(slots: int, queued: int, dp: int, beyond_chunk: bool) -> int:
     if queued:
         return slots - min(queued, max(dp, slots // 8))
     return next(iter(smaller_sizes(slots, dp)), 0) if beyond_chunk else 0
+
+
+class OnNewVersion(enum.Enum):
+    """What a row still decoding when the weights change does (`async_rl.on_new_version`).
+
+    CONTINUE (AReaL's interruptible generation): it goes on under the new weights, its cache
+      recomputed with them (a prefill of its prompt and response so far, `Rollout.reload`);
+      its earlier tokens keep their versions and behaviour log-probs.
+    RESTART: it is aborted (`Rollout.abort`) and its request queued again, first: decoded anew
+      under the new weights (same key and stream), the tokens it had are discarded.
+    FINISH: it finishes under the weights it started with; the new ones take effect once no
+      row decodes (queued requests wait for them, the free slots idle meanwhile).
+
+    Every token a row has was sampled no earlier than its fill, under the newest weights then
+    (CONTINUE's and FINISH's rows keep their oldest tokens; RESTART's start again): the
+    staleness bound on a batch's oldest token holds in every mode.
+    """
+
+    CONTINUE = "continue"
+    RESTART = "restart"
+    FINISH = "finish"
 
 
 class Occupancy(NamedTuple):
@@ -141,11 +166,20 @@ class Finished(NamedTuple):
 
 
 class Stepped(NamedTuple):
-    """One round of `Scheduler.step`: the rows finished (None: none), and the requests whose
-    rows had their caches recomputed under new weights before it (an interruption)."""
+    """One round of `Scheduler.step`: the rows finished (None: none), the requests whose rows
+    had their caches recomputed under new weights before it (an interruption: CONTINUE), and
+    those whose rows were aborted and queued again (RESTART)."""
 
     finished: Finished | None
     interrupted: list[Request]
+    restarted: list[Request] = []
+
+
+class Discarded(NamedTuple):
+    """Work thrown away by RESTART so far: rows aborted, and the tokens they had sampled."""
+
+    rows: int
+    tokens: int
 
 
 class Abandoned(RuntimeError):
@@ -183,11 +217,14 @@ class Scheduler:
       compact: whether `run` compacts the live rows into a smaller state when the queue is
         empty and no continuation may bring more (a scheduler that takes requests for ever,
         `step`, keeps its size).
+      on_new_version: what a busy row does when `step` is given weights of a new version.
     """
 
     def __init__(self, engine: Rollout, slots: int | None = None,
-                 chunk_tokens: int = CHUNK_TOKENS, compact: bool = True):
+                 chunk_tokens: int = CHUNK_TOKENS, compact: bool = True,
+                 on_new_version: OnNewVersion = OnNewVersion.CONTINUE):
         self.engine, self.chunk_tokens, self.compact = engine, chunk_tokens, compact
+        self.on_new_version = on_new_version
         self.size = engine.slots if slots is None else slots
         self._queue: collections.deque[Request] = collections.deque()
         self._later: list[tuple[Later, Request | None]] = []  # results on their way
@@ -205,6 +242,10 @@ class Scheduler:
         self._compacted = np.zeros(2, np.int64)  # those of the states compacted away
         self._lockstep = False  # every busy row was filled at once: all at one step
         self._version = None  # the weights the cache was computed with
+        self._params = None  # FINISH: those weights (the busy rows may need them after)
+        self._held = None  # FINISH: (params, version) the busy rows finish under
+        self._discarded = [0, 0]  # RESTART: rows aborted, tokens of theirs (host ints)
+        self._dropped: list[jax.Array] = []  # ...tokens not fetched yet (device scalars)
 
     def submit(self, requests: Iterable[Request]) -> None:
         """Queues requests, in order; they take slots as slots free up."""
@@ -234,13 +275,23 @@ class Scheduler:
         """Decode work so far (at the last look at the slots)."""
         return Occupancy(*(int(x) for x in self._compacted + self._counts))
 
+    @property
+    def discarded(self) -> Discarded:
+        """The rows RESTART aborted so far and the tokens they had (a fetch of a few
+        scalars, where there are new ones)."""
+        if self._dropped:
+            self._discarded[1] += int(sum(np.asarray(x) for x in fetch(self._dropped)))
+            self._dropped = []
+        return Discarded(*self._discarded)
+
     def step(self, params, version: int, stop: Callable[[], bool] | None = None) -> Stepped:
-        """One round under `params` (of policy `version`); every finished row is read out.
-        With nothing to decode but continuations on their way, it first waits for one."""
+        """One round under `params` (of policy `version`, taking effect as `on_new_version`
+        says); every finished row is read out. With nothing to decode but continuations on
+        their way, it first waits for one."""
         if self._later and not self._queue and not self._live():
             wait_any((later for later, _ in self._later), stop)
-        interrupted = self._reload(params, version)
-        return Stepped(self._round(params, version, hold=False), interrupted)
+        params, version, interrupted, restarted = self._weights(params, version)
+        return Stepped(self._round(params, version, hold=False), interrupted, restarted)
 
     def run(self, params, version: int = 0,
             stop: Callable[[], bool] | None = None) -> list[Finished]:
@@ -256,7 +307,7 @@ class Scheduler:
             if stop is not None and stop():
                 self.drop()
                 raise Abandoned("stopped with requests pending")
-            self._reload(params, version)
+            params, version, *_ = self._weights(params, version)
             finished = self._round(params, version, hold=True)
             if finished is not None:
                 out.append(finished)
@@ -267,16 +318,44 @@ class Scheduler:
     def _live(self) -> list[int]:
         return [s for s, r in enumerate(self._in) if r is not None and not self._done[s]]
 
-    def _reload(self, params, version: int) -> list[Request]:
-        """The busy rows' caches recomputed under new weights; the requests interrupted."""
-        if version == self._version:
-            return []
+    def _weights(self, params, version: int) -> tuple[object, int, list[Request], list[Request]]:
+        """The weights a round decodes with, new ones taking effect as `on_new_version` says:
+        (params, version, the requests whose caches were recomputed (CONTINUE), those aborted
+        and queued again (RESTART))."""
+        mode = self.on_new_version
+        if self._held is not None:  # FINISH: the rows busy at the switch drain first
+            if self._live():
+                return (*self._held, [], [])
+            self._held = None
+        live = self._live() if version != self._version else []
+        interrupted, restarted = [], []
+        if live:
+            match mode:
+                case OnNewVersion.CONTINUE:
+                    self._state = self.engine.reload(self._state, params, self._longest)
+                    interrupted = [self._in[s] for s in live]
+                case OnNewVersion.RESTART:
+                    restarted = self._restart(live)
+                case OnNewVersion.FINISH:
+                    self._held = (self._params, self._version)
+                    return (*self._held, [], [])
         self._version = version
-        live = self._live()
-        if not live:
-            return []
-        self._state = self.engine.reload(self._state, params, self._longest)
-        return [self._in[s] for s in live]
+        if mode is OnNewVersion.FINISH:  # kept only where they may be needed after
+            self._params = params
+        return params, version, interrupted, restarted
+
+    def _restart(self, live: list[int]) -> list[Request]:
+        """The rows of `live` (every busy slot) aborted and their requests queued again,
+        first, in slot order; the requests."""
+        requests = [self._in[s] for s in live]
+        self._state, tokens = self.engine.abort(self._state, live)
+        self._dropped.append(tokens)
+        self._discarded[0] += len(live)
+        for s in live:
+            self._in[s], self._done[s] = None, False
+        self._queue.extendleft(reversed(requests))
+        self._longest = 0  # no busy row is left
+        return requests
 
     def _round(self, params, version: int, hold: bool) -> Finished | None:
         """Continuations' results queued, a fill, a chunk, a look; the rows read out (`hold`:
@@ -330,14 +409,16 @@ class Scheduler:
         environment call then starts at once)."""
         dp = self.engine.layout.dp_size
         beyond = hold and self._may_compact(live) and reach - self._longest > steps
-        stop = stop_busy(len(self._in), len(self._queue), dp, beyond)
+        queued = 0 if self._held is not None else len(self._queue)  # FINISH: none fills yet
+        stop = stop_busy(len(self._in), queued, dp, beyond)
         if any(self._in[s].then is not None for s in live):
             stop = max(stop, len(live) - 1)
         return stop
 
     def _fill(self, params, version: int) -> None:
-        """Queued requests into free slots, taking turns over the devices."""
-        if not self._queue:
+        """Queued requests into free slots, taking turns over the devices (none while FINISH
+        drains the rows of older weights)."""
+        if not self._queue or self._held is not None:
             return
         free = [s for s, r in enumerate(self._in) if r is None]
         if not free:
