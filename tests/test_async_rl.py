@@ -176,6 +176,36 @@ def test_batch_metrics_from_token_versions():
     assert m["async/decode_padding_frac"] == 0.25  # the slots' idle share, as measured
 
 
+def test_the_staleness_bound_holds_for_the_oldest_token():
+    """A row that went on under newer weights (on_new_version=continue) is as old as its
+    oldest token: the bound refuses it though most of its tokens are fresh."""
+    versions_bn = np.array([[2, 4, 4, 4], [4, 4, -1, -1]], np.int32)
+    done = rollout_worker.Generated(4, {}, versions_bn, 1, None, (0.0, 1.0))
+    async_steps.check_staleness(done, version=4, eta=2)
+    with pytest.raises(AssertionError, match="batch 4: a token 2 versions old"):
+        async_steps.check_staleness(done, version=4, eta=1)
+
+
+# restart by default (~20 s on a free core): the mode whose rows leave and come back
+@pytest.mark.parametrize("mode", [pytest.param("continue", marks=pytest.mark.slow), "restart",
+                                  pytest.param("finish", marks=pytest.mark.slow)])
+def test_partial_rollouts_train_every_batch_within_the_bound(mode, rows, tmp_path):
+    """async_rl.on_new_version in the one-process loop: every batch is trained, no token
+    older than η; only restart discards rows (and counts their tokens)."""
+    config = _config("grpo", 1, kind="disaggregate")
+    config.async_rl.on_new_version = mode
+    result, got, prompts = _async(config, rows, tmp_path)
+    assert sorted(got) == list(range(STEPS)) and not result.interrupted
+    assert max(got[s]["async/staleness_max"] for s in range(STEPS)) <= 1
+    restarted = sum(got[s]["async/restarted_rows"] for s in range(STEPS))
+    discarded = sum(got[s]["async/discarded_tokens"] for s in range(STEPS))
+    if mode == "restart":
+        assert discarded >= restarted  # a restarted row had sampled at least its first token
+    else:
+        assert restarted == discarded == 0
+    assert prompts.state().batch == STEPS
+
+
 @pytest.mark.slow
 @pytest.mark.entry
 @pytest.mark.parametrize("config", ["configs/ppo_tiny.py", "configs/grpo_tiny.py"])
