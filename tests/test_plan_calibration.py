@@ -117,6 +117,12 @@ def test_batch_argument_bytes_counts_each_devices_shard():
                         jax.random.key(0)).compile()
     # tokens: 32/4 rows of 16 int32 per device; a threefry key is 8 bytes.
     assert validate.batch_argument_bytes(compiled) == 8 * 16 * 4 + 8
+    # A donated argument (the rollout engine's slot state) is the model's `state`, not batch.
+    donating = jax.jit(lambda params, state_bt, tokens_bt: (state_bt + tokens_bt, params),
+                       in_shardings=(everywhere, rows, rows), donate_argnums=(1,))
+    compiled = donating.lower(jnp.zeros((64, 64)), jnp.zeros((32, 16), jnp.int32),
+                              jnp.zeros((32, 16), jnp.int32)).compile()
+    assert validate.batch_argument_bytes(compiled) == 8 * 16 * 4
 
 
 @pytest.fixture(scope="module")

@@ -42,11 +42,14 @@ def _per_device_bytes(info, sharding) -> int:
 
 def batch_argument_bytes(compiled: jax.stages.Compiled) -> int:
     """Per-device bytes of a compiled MFC's arguments after the first (the parameters or train
-    state come first in every call kind; the rest is the batch, the rng and the like)."""
+    state come first in every call kind; the rest is the batch, the rng and the like), but for
+    donated ones: the rollout engine's slot state, which its programs donate and the memory
+    model counts as `MemoryBreakdown.state`."""
     (args, _), (shardings, _) = compiled.args_info, compiled.input_shardings
     leaves = [(info, sharding)
               for arg, arg_shardings in zip(args[1:], shardings[1:])
-              for info, sharding in zip(jax.tree.leaves(arg), jax.tree.leaves(arg_shardings))]
+              for info, sharding in zip(jax.tree.leaves(arg), jax.tree.leaves(arg_shardings))
+              if not info.donated]
     return sum(_per_device_bytes(info, sharding) for info, sharding in leaves)
 
 
