@@ -6,7 +6,9 @@ data files and built-in task, rollout shapes, hyper-parameters, the seed), flatt
 `"section.key": value`. Files named by the config (data files, model and tokenizer
 directories) enter by content digest, not only by path, so an edited data file counts as a
 different run. A rerun compares its own fingerprint with the checkpoint's before anything
-compiles (`checkpoint.check_resume`).
+compiles (`checkpoint.check_resume`). A key the schema gained after a checkpoint was written
+(a new algorithm's section, a new option) reads as its default there: the run is the same run
+as long as the key keeps its default.
 
 Keys that may legitimately change between a run and its resume do not count: how long it runs
 (`steps`), where and on what it runs (`workdir`, `cpu_devices`, `placement.*`, micro-batching,
@@ -21,7 +23,7 @@ import hashlib
 import json
 import pathlib
 
-from jaxrlhf.schema import RENAMED_KEYS
+from jaxrlhf.schema import RENAMED_KEYS, base_config
 
 # Config key prefixes that may change on resume (see the module docstring).
 RESUMABLE = (
@@ -98,6 +100,8 @@ def run_fingerprint(config_json: str) -> dict[str, str]:
 def differences(saved: dict[str, str], current: dict[str, str]) -> list[str]:
     """`key: saved -> current` for every key whose value differs (or exists on one side)."""
     saved = {RENAMED_KEYS.get(k, k): v for k, v in saved.items()}  # a run before a rename
+    defaults = run_fingerprint(base_config().to_json())
+    saved |= {k: defaults[k] for k in current.keys() - saved.keys() if k in defaults}  # added since
     keys = sorted(set(saved) | set(current))
     missing = "(absent)"
     return [f"{k}: {saved.get(k, missing)} -> {current.get(k, missing)}" for k in keys

@@ -1,5 +1,6 @@
 """Every key an experiment config has, with its default, type and range; and the error that
-names a key. Experiment configs start from here.
+names a key. Experiment configs start from here. The sections an algorithm owns are declared
+in its module and added here from the registry (`jaxrlhf/algorithms/registry.py`).
 
 Library code reads keys directly (no `config.get(key, default)`): a key missing here is a bug,
 and an unknown key on the command line is rejected because configs are locked. `check_keys`
@@ -17,6 +18,8 @@ import re
 from collections.abc import Mapping
 
 from ml_collections import ConfigDict
+
+from jaxrlhf.algorithms import registry
 
 
 class ConfigError(ValueError):
@@ -57,6 +60,7 @@ def enum_value(kind: type[enum.Enum] | Mapping, value: str, field: str):
 
 
 RENAMED_KEYS = {"env.class": "env.name"}  # old key -> its name now
+REWARD_KINDS = {"function": False, "model": True}  # reward.kind, cost.kind: scored by a model?
 
 
 def unknown_key(path: str) -> str | None:
@@ -102,9 +106,16 @@ def optimizer(lr: float) -> ConfigDict:
 
 
 def base_config() -> ConfigDict:
+    """Every key with its default: the shared sections, then those the algorithms own."""
+    config = _shared()
+    for section in registry.sections():
+        config[section.name] = ConfigDict(dict(section.defaults))
+    return config
+
+
+def _shared() -> ConfigDict:
     return ConfigDict({
-        # ppo | grpo | rloo | reinforce_pp | dapo | gspo | remax | safe_rlhf | dpo | sft | rw
-        "algorithm": "ppo",
+        "algorithm": registry.DEFAULT,  # a name of jaxrlhf/algorithms/registry.py's `names()`
         "seed": 0,
         "steps": 40,  # RL (or offline) training steps
         "cpu_devices": 8,  # virtual devices when running on the CPU backend
@@ -146,14 +157,8 @@ def base_config() -> ConfigDict:
             "normalize": False,
             "clip": 0.0,
         },
-        "cost": {  # Safe-RLHF's cost (higher = worse), like `reward`; model = models.cost
-            "kind": "function",  # function | model
-            "function": "jaxrlhf.data.costs:contains_nine",  # "module.path:function" etc.
-            "timeout": 5.0,
-            "workers": 1,
-            "max_error_rate": 0.5,
-        },
-        # Multi-turn rollouts (grpo, ppo): the policy and this environment take turns
+        # Multi-turn rollouts (the algorithms of Capability.MULTITURN): the policy and this
+        # environment take turns
         # (jaxrlhf/data/environments.py); its rewards replace `reward`. Empty = single turns.
         "env": {
             # the environment's class: a built-in name ("tools": Qwen3's tool calls,
@@ -203,42 +208,20 @@ def base_config() -> ConfigDict:
             "expected_new_tokens": 0.0,
         },
         # Policy-gradient settings shared by the RL algorithms (clipping, updates per step; β
-        # and its controller for ppo, rloo, reinforce_pp, remax and safe_rlhf; GAE/critic for
-        # ppo and safe_rlhf).
+        # and its controller where the KL penalty is in the reward; GAE for those with a
+        # critic); each algorithm's `Registration.reads` says whether it reads them.
         "ppo": {
             "gamma": 1.0, "lam": 0.95, "kl_coef": 0.05, "kl_adaptive": False, "kl_target": 6.0,
             "kl_horizon": 10000.0, "kl_in_reward": True, "whiten_advantages": True,
             "clip_eps": 0.2, "value_clip": 0.2, "entropy_coef": 0.0, "mini_batches": 1,
             "epochs": 1,
-            # Mismatch correction (ppo, grpo, rloo, reinforce_pp, dapo, gspo): > 0 recomputes the
+            # Mismatch correction (Capability.MISMATCH_CORRECTION): > 0 recomputes the
             # response log-probs with the training engine before the update (actor_prox),
             # weighs each token's loss by min(π_train / π_generation, tis_cap) (truncated
             # importance sampling) and logs actor/mismatch_mean and actor/mismatch_max
             # (|Δ log p| between generation and training) every step. 0 = off.
             "tis_cap": 0.0,
         },
-        "grpo": {
-            "kl_coef": 0.04,  # β of the KL term in the loss (0 = none)
-            "kl_estimator": "k3",  # k1 | k2 | k3
-            "scale_by_std": True,  # False: Dr. GRPO (advantage = score - group mean)
-            # seq_mean_token_mean | token_mean | seq_mean_token_sum_norm (Dr. GRPO: each
-            # response's token sum over the constant rollout.max_new_tokens)
-            "aggregation": "seq_mean_token_mean",
-        },
-        "dapo": {  # DAPO (jaxrlhf/algorithms/dapo.py); ε_low = ppo.clip_eps, no KL term
-            "clip_eps_high": 0.28,  # clip-higher: the ratio's upper bound is 1 + this
-            "overlong_buffer": 0,  # L_cache tokens before max_new_tokens; 0 = no overlong shaping
-            "overlong_penalty": 1.0,  # the shaping's largest penalty, at max_new_tokens
-            # dynamic sampling: rollout.batch_size prompts generated, batch_size / oversample
-            # groups trained, those whose rewards are not all equal first (1 = drop, no refill)
-            "oversample": 1,
-        },
-        "gspo": {"clip_eps": 3e-4, "clip_eps_high": 4e-4},  # the sequence ratio's clip range
-        "safe_rlhf": {  # Lagrangian constraint E[cost] <= cost_limit
-            "cost_limit": 0.0, "lambda_init": 1.0, "lambda_lr": 0.1,
-            "lambda_max": 0.0,  # 0 = unbounded
-        },
-        "dpo": {"beta": 0.1, "label_smoothing": 0.0},
         "optimizer": {"actor": optimizer(1e-3), "critic": optimizer(1e-3),
                       "cost_critic": optimizer(1e-3), "reward": optimizer(1e-3)},
         "micro_batches": 1,  # per optimizer update; or use a token budget
@@ -277,7 +260,7 @@ def base_config() -> ConfigDict:
         "async_rl": {  # asynchronous RL (AReaL): generation runs ahead of training
             # η: a batch is trained only if its oldest token was sampled at most η policy
             # versions ago, and generation waits when it runs further ahead. 0 = the
-            # synchronous loop (generate, then train, every step). ppo and grpo only.
+            # synchronous loop (generate, then train, every step). Capability.ASYNC only.
             "max_staleness": 0,
             "decoupled": True,  # η > 0: AReaL's decoupled PPO objective (clip vs π_prox)
             "behav_imp_weight_cap": 0.0,  # decoupled: drop tokens with π_prox/π_behav above (0 = off)
@@ -312,24 +295,33 @@ _BOUNDS = (
     (">=", 1, ("steps", "cpu_devices", "rollout.batch_size", "rollout.group_size",
                "rollout.max_prompt_len", "rollout.max_new_tokens", "reward.workers",
                "ppo.mini_batches", "ppo.epochs", "micro_batches", "warm_start.batch_size",
-               "async_rl.chunk_tokens", "placement.gen_replicas", "dapo.oversample",
-               "env.max_turns", "env.workers")),
+               "async_rl.chunk_tokens", "placement.gen_replicas", "env.max_turns",
+               "env.workers")),
     (">=", 0, ("rollout.temperature", "rollout.top_k", "reward.max_error_rate",
-               "cost.max_error_rate", "micro_batch_tokens", "warm_start.sft_steps", "reward.clip",
+               "micro_batch_tokens", "warm_start.sft_steps", "reward.clip",
                "async_rl.max_staleness", "async_rl.behav_imp_weight_cap", "eval.every",
-               "eval.samples", "eval.max_prompts", "ppo.tis_cap", "dapo.overlong_buffer",
-               "dapo.overlong_penalty", "rollout.expected_new_tokens")),
-    (">", 0, ("dapo.clip_eps_high", "gspo.clip_eps", "gspo.clip_eps_high", "rollout.top_p", "reward.timeout", "env.timeout", "warm_start.lr", "optimizer.actor.lr",
-              "optimizer.critic.lr")),
-    ("<=", 1, ("rollout.top_p", "reward.max_error_rate", "cost.max_error_rate",
-               "env.max_error_rate")),
+               "eval.samples", "eval.max_prompts", "ppo.tis_cap",
+               "rollout.expected_new_tokens")),
+    (">", 0, ("rollout.top_p", "reward.timeout", "env.timeout", "warm_start.lr",
+              "optimizer.actor.lr", "optimizer.critic.lr")),
+    ("<=", 1, ("rollout.top_p", "reward.max_error_rate", "env.max_error_rate")),
     (">=", 0, ("seed",)),
     ("<", 2**32, ("seed",)),  # PRNG seeds are unsigned 32-bit
     # a discount or GAE λ outside [0, 1] weighs the future more than the present (or flips
-    # its sign); a negative β rewards drifting from the reference
-    (">=", 0, ("ppo.gamma", "ppo.lam", "grpo.kl_coef")),
+    # its sign)
+    (">=", 0, ("ppo.gamma", "ppo.lam")),
     ("<=", 1, ("ppo.gamma", "ppo.lam")),
 )
+
+
+def _bounds():
+    """(relation, bound, dotted keys) of the shared sections, then of the algorithms'."""
+    yield from _BOUNDS
+    for section in registry.sections():
+        for relation, bound, keys in section.bounds:
+            yield relation, bound, tuple(f"{section.name}.{k}" for k in keys)
+
+
 _RELATIONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
 
@@ -343,10 +335,10 @@ def _check_finite(config: ConfigDict, prefix: str = "") -> None:
 
 
 def check_ranges(config: ConfigDict) -> None:
-    """Every float is finite, every number in its range (`_BOUNDS`); the mini-batches divide
+    """Every float is finite, every number in its range (`_bounds`); the mini-batches divide
     the rollout batch."""
     _check_finite(config)
-    for relation, bound, names in _BOUNDS:
+    for relation, bound, names in _bounds():
         for name in names:
             value = functools.reduce(getattr, name.split("."), config)
             if not _RELATIONS[relation](value, bound):

@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import pathlib
 from collections.abc import Mapping
 
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from jaxrlhf.algorithms import (
-    dapo, decoupled, dpo, grpo, gspo, ppo, reinforce, remax, rw, safe_rlhf, sft,
-)
-from jaxrlhf.algorithms import kl as kl_lib
-from jaxrlhf.algorithms import losses
+from jaxrlhf.algorithms import decoupled, registry
+from jaxrlhf.algorithms.registry import Capability
+from jaxrlhf.algorithms.registry import from_section as _of
 from jaxrlhf.algorithms.reward_norm import RewardNormConfig, with_reward_norm
 from jaxrlhf.algorithms.spec import Algorithm, BatchKind
 from jaxrlhf.checkpoint import CheckpointConfig
-from jaxrlhf.algorithms import multiturn
 from jaxrlhf.data import environments, tasks
 from jaxrlhf.data.chat import ChatTemplateMode
 from jaxrlhf.data.long_prompts import parse_long_prompts
@@ -43,7 +39,9 @@ from jaxrlhf.models import attention, hf_io, lora
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.plan.experiment import Experiment, Workload
-from jaxrlhf.schema import ConfigError, check_keys, check_ranges, enum_value, field
+from jaxrlhf.schema import (
+    REWARD_KINDS, ConfigError, check_keys, check_ranges, enum_value, field,
+)
 from jaxrlhf.schema import model as schema_model
 
 
@@ -55,22 +53,7 @@ class NanPolicy(enum.Enum):
     SKIP = "skip"  # discard the step's updates and controller change; go on with the next batch
 
 
-class AlgorithmName(enum.Enum):
-    PPO = "ppo"
-    GRPO = "grpo"
-    RLOO = "rloo"
-    REINFORCE_PP = "reinforce_pp"
-    DAPO = "dapo"
-    GSPO = "gspo"
-    REMAX = "remax"
-    SAFE_RLHF = "safe_rlhf"
-    DPO = "dpo"
-    SFT = "sft"
-    RW = "rw"
-
-
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_REWARD_KINDS = {"function": False, "model": True}  # reward.kind, cost.kind: scored by a model?
 _TASKS = {"reverse": tasks.ReverseTask, "arithmetic": tasks.ArithmeticTask,  # data.task.kind
           "tool_arithmetic": tasks.ToolArithmeticTask, "lookup": tasks.LookupTask}
 
@@ -143,30 +126,14 @@ class EnvSpec:
     max_error_rate: float
 
 
-_MULTITURN = ("grpo", "ppo")  # the algorithms of multi-turn rollouts (algorithms/multiturn.py)
-
-
-def _multiturn(config: ConfigDict, decoupled_objective: bool = False) -> Algorithm:
-    """GRPO or PPO over trajectories; with AReaL's decoupled objective when asked (as
-    `make_algorithm`): the behaviour log-probs are per token, of whichever version sampled it."""
-    cap = (config.async_rl.behav_imp_weight_cap or None) if decoupled_objective else None
-    if config.algorithm == "ppo":
-        cfg = ppo_config(config, cap)
-        algorithm = multiturn.make_ppo(cfg, config.rollout.batch_size * config.rollout.group_size)
-        actor_loss = functools.partial(ppo.actor_loss, cfg)
-    else:
-        cfg = grpo_config(config, cap)
-        algorithm, actor_loss = multiturn.make(cfg), functools.partial(grpo.actor_loss, cfg)
-    return decoupled.decouple(algorithm, actor_loss) if decoupled_objective else algorithm
-
-
 def _env(config: ConfigDict) -> EnvSpec | None:
     e = config.env
     if not e.name:
         return None
-    if config.algorithm not in _MULTITURN or config.ppo.tis_cap:
+    if Capability.MULTITURN not in _registration(config).capabilities or config.ppo.tis_cap:
+        multiturn = " or ".join(sorted(registry.names(Capability.MULTITURN)))
         raise ConfigError(f"env.name={e.name!r}: multi-turn rollouts train with "
-                          f"algorithm={' or '.join(_MULTITURN)}, without ppo.tis_cap")
+                          f"algorithm={multiturn}, without ppo.tis_cap")
     with field("env.name"):
         environments.resolve_env_class(e.name)
     return EnvSpec(e.name, e.max_turns, e.workers, e.timeout, e.max_error_rate)
@@ -348,145 +315,39 @@ def _lora(cfg: ConfigDict, role: Role, where: str) -> lora.LoraConfig | None:
         return lora.LoraConfig(rank=cfg.rank, alpha=cfg.alpha, targets=targets)
 
 
-def ppo_config(config: ConfigDict, cap: float | None = None) -> ppo.PPOConfig:
-    """PPO's settings; `cap`: the decoupled objective's behav_imp_weight_cap."""
-    c = config.ppo
-    kind = kl_lib.KLControllerKind.ADAPTIVE if c.kl_adaptive else kl_lib.KLControllerKind.FIXED
-    return ppo.PPOConfig(
-        gamma=c.gamma, lam=c.lam,
-        kl=kl_lib.KLControllerConfig(kind=kind, init_kl_coef=c.kl_coef, target=c.kl_target,
-                                     horizon=c.kl_horizon),
-        kl_in_reward=c.kl_in_reward, whiten_advantages=c.whiten_advantages,
-        policy=losses.PPOLossConfig(clip_eps=c.clip_eps, entropy_coef=c.entropy_coef,
-                                    behav_imp_weight_cap=cap, tis_cap=c.tis_cap or None),
-        value=losses.ValueLossConfig(clip_eps_value=c.value_clip or None),
-        mini_batches=c.mini_batches, epochs=c.epochs, temperature=config.rollout.temperature)
+def _registration(config: ConfigDict) -> registry.Registration:
+    """The registry's entry of `algorithm`; a ConfigError listing the names if none."""
+    with field("algorithm"):
+        return registry.lookup(config.algorithm)
 
 
-def grpo_config(config: ConfigDict, cap: float | None = None) -> grpo.GRPOConfig:
-    """GRPO: its own β, estimator and normalisation; clipping and updates from `ppo`."""
-    g, p = config.grpo, ppo_config(config, cap)
-    aggregation = enum_value(losses.LossAggregation, g.aggregation, "grpo.aggregation")
-    loss = losses.GRPOLossConfig(
-        policy=dataclasses.replace(p.policy, aggregation=aggregation), kl_coef=g.kl_coef,
-        kl_estimator=enum_value(kl_lib.KLEstimator, g.kl_estimator, "grpo.kl_estimator"))
-    return _of(grpo.GRPOConfig, p, group_size=config.rollout.group_size, loss=loss,
-               scale_by_std=g.scale_by_std)
+def _refuse_incapable(config: ConfigDict, entry: registry.Registration) -> None:
+    """Asynchronous RL and the mismatch correction run only the algorithms that can."""
+    a, tis_cap = config.async_rl, config.ppo.tis_cap
+    if a.max_staleness and Capability.ASYNC not in entry.capabilities:
+        raise ConfigError(f"async_rl.max_staleness={a.max_staleness}: asynchronous RL runs "
+                          f"{' and '.join(registry.names(Capability.ASYNC))}, not {entry.name}")
+    if tis_cap > 0 and Capability.MISMATCH_CORRECTION not in entry.capabilities:
+        able = ", ".join(registry.names(Capability.MISMATCH_CORRECTION))
+        raise ConfigError(f"ppo.tis_cap={tis_cap}: the mismatch correction runs {able}, not "
+                          f"{entry.name}")
 
 
-def reinforce_config(config: ConfigDict, baseline: reinforce.Baseline
-                     ) -> reinforce.ReinforceConfig:
-    """RLOO / REINFORCE++: PPO's β, controller, estimator, clipping and updates; token mean."""
-    return _of(reinforce.ReinforceConfig, ppo_config(config), baseline=baseline,
-               group_size=config.rollout.group_size)
-
-
-def dapo_config(config: ConfigDict) -> dapo.DAPOConfig:
-    """DAPO: ε_low, updates and temperature from `ppo`; the rest from `dapo`."""
-    d, p = config.dapo, ppo_config(config)
-    r = config.rollout
-    if r.batch_size % d.oversample:
-        raise ConfigError(f"dapo.oversample={d.oversample} does not divide rollout.batch_size="
-                          f"{r.batch_size} (the prompts generated per step)")
-    if d.overlong_buffer >= r.max_new_tokens:
-        raise ConfigError(f"dapo.overlong_buffer={d.overlong_buffer}: must be < "
-                          f"rollout.max_new_tokens={r.max_new_tokens} (the shaping penalises "
-                          "the last overlong_buffer tokens: here every response)")
-    trained = r.batch_size // d.oversample * r.group_size
-    if trained % p.mini_batches:
-        raise ConfigError(f"ppo.mini_batches={p.mini_batches} does not divide the {trained} "
-                          f"rows DAPO trains per step")
-    policy = dataclasses.replace(p.policy, clip_eps_high=d.clip_eps_high,
-                                 aggregation=losses.LossAggregation.TOKEN_MEAN)
-    return _of(dapo.DAPOConfig, d, group_size=r.group_size, policy=policy,
-               mini_batches=p.mini_batches, epochs=p.epochs, temperature=p.temperature)
-
-
-def safe_rlhf_config(config: ConfigDict) -> safe_rlhf.SafeRLHFConfig:
-    s = config.safe_rlhf
-    lagrange = _of(losses.LagrangeConfig, s, lambda_max=s.lambda_max or None)
-    return safe_rlhf.SafeRLHFConfig(ppo=ppo_config(config), lagrange=lagrange)
-
-
-# The algorithms whose actor loss takes π_prox: the decoupled objective and the mismatch
-# correction (ppo.tis_cap) apply to them.
-_DECOUPLABLE = (AlgorithmName.PPO, AlgorithmName.GRPO, AlgorithmName.RLOO,
-                AlgorithmName.REINFORCE_PP, AlgorithmName.DAPO, AlgorithmName.GSPO)
-
-
-def make_algorithm(config: ConfigDict, decoupled_objective: bool = False) -> Algorithm:
-    """The configured algorithm; PPO or GRPO with AReaL's decoupled objective when asked
-    (async_rl.decoupled), the only ones asynchronous RL runs; with the mismatch correction
-    (`ppo.tis_cap` > 0) where its actor loss takes π_prox."""
-    name = enum_value(AlgorithmName, config.algorithm, "algorithm")
-    a = config.async_rl
-    if a.max_staleness and name not in (AlgorithmName.PPO, AlgorithmName.GRPO):
-        raise ConfigError(f"async_rl.max_staleness={a.max_staleness}: asynchronous RL runs ppo "
-                          f"and grpo, not {name.value}")
+def make_algorithm(config: ConfigDict, decoupled_objective: bool = False,
+                   multiturn: bool = False) -> Algorithm:
+    """The configured algorithm (the registry's `algorithm`), over trajectories when
+    `multiturn`; with AReaL's decoupled objective when asked (async_rl.decoupled); with the
+    mismatch correction (`ppo.tis_cap` > 0) where its actor loss takes π_prox."""
+    entry = _registration(config)
+    _refuse_incapable(config, entry)
     tis = config.ppo.tis_cap > 0
-    if tis and name not in _DECOUPLABLE:
-        raise ConfigError(f"ppo.tis_cap={config.ppo.tis_cap}: the mismatch correction runs "
-                          f"{', '.join(n.value for n in _DECOUPLABLE)}, not {name.value}")
-    if name in _DECOUPLABLE:
-        cap = (a.behav_imp_weight_cap or None) if decoupled_objective else None
-        algorithm, actor_loss = _decouplable(name, config, cap)
-        if decoupled_objective or tis:
-            return decoupled.decouple(algorithm, actor_loss, prox_call=tis)
-        return algorithm
-    model = lambda key: enum_value(_REWARD_KINDS, config[key].kind, f"{key}.kind")
-    reward_model = model("reward")
-    batch = config.rollout.batch_size * config.rollout.group_size
-    match name:
-        case AlgorithmName.REMAX:  # PPO's settings, those of them ReMax has
-            return remax.make(_of(remax.ReMaxConfig, ppo_config(config)),
-                              reward_model=reward_model, batch_size=batch)
-        case AlgorithmName.SAFE_RLHF:
-            return safe_rlhf.make(safe_rlhf_config(config), reward_model=reward_model,
-                                  cost_model=model("cost"), batch_size=batch)
-        case AlgorithmName.DPO:
-            return dpo.make(dpo.DPOConfig(_of(losses.DPOLossConfig, config.dpo)))
-        case AlgorithmName.SFT:
-            return sft.make()
-        case AlgorithmName.RW:
-            return rw.make()
+    cap = (config.async_rl.behav_imp_weight_cap or None) if decoupled_objective else None
+    reward_model = enum_value(REWARD_KINDS, config.reward.kind, "reward.kind")
+    built = entry.build(registry.Request(config, cap, reward_model, multiturn))
+    if decoupled_objective or tis:
+        return decoupled.decouple(built.algorithm, built.actor_loss, prox_call=tis)
+    return built.algorithm
 
-
-def _decouplable(name: AlgorithmName, config: ConfigDict, cap: float | None):
-    """(the algorithm, its actor loss of π_prox) of a name in `_DECOUPLABLE`; `cap`: the
-    decoupled objective's behav_imp_weight_cap."""
-    reward_model = enum_value(_REWARD_KINDS, config.reward.kind, "reward.kind")
-    batch = config.rollout.batch_size * config.rollout.group_size
-    match name:
-        case AlgorithmName.PPO:
-            cfg = ppo_config(config, cap)
-            return (ppo.make(cfg, reward_model=reward_model, batch_size=batch),
-                    functools.partial(ppo.actor_loss, cfg))
-        case AlgorithmName.GRPO:
-            cfg = grpo_config(config, cap)
-            return grpo.make(cfg, reward_model=reward_model), functools.partial(grpo.actor_loss, cfg)
-        case AlgorithmName.RLOO | AlgorithmName.REINFORCE_PP:
-            cfg = reinforce_config(config, reinforce.Baseline(name.value))
-            return (reinforce.make(cfg, reward_model=reward_model, batch_size=batch),
-                    functools.partial(reinforce.actor_loss, cfg))
-        case AlgorithmName.GSPO:
-            with field("gspo"):
-                cfg = _of(gspo.GSPOConfig, config.gspo, grpo=grpo_config(config),
-                          tis_cap=config.ppo.tis_cap or None)
-            return (gspo.make(cfg, reward_model=reward_model),
-                    functools.partial(gspo.actor_loss, cfg))
-        case AlgorithmName.DAPO:
-            cfg = dapo_config(config)
-            extra = (decoupled.PROX_KEY,) if config.ppo.tis_cap > 0 else ()
-            return (dapo.make(cfg, reward_model=reward_model, extra_keys=extra),
-                    functools.partial(dapo.actor_loss, cfg))
-
-
-def _of(cls, section, **typed):
-    """Dataclass `cls` from the section's (a ConfigDict's, or another dataclass's) attributes
-    of its fields' names; `typed` gives those that the section holds in another form (an enum's
-    name, a parsed value; those that are not fields of `cls` are ignored)."""
-    return cls(**{f.name: typed[f.name] if f.name in typed else getattr(section, f.name)
-                  for f in dataclasses.fields(cls)})
 
 
 def _data(d: ConfigDict) -> DataSpec:
@@ -553,8 +414,7 @@ def run_spec(config: ConfigDict) -> RunSpec:
                                              "async_rl.on_new_version"))
     env = _env(config)
     with field("algorithm"):
-        algorithm = (make_algorithm(config, async_rl.decoupled) if env is None
-                     else _multiturn(config, async_rl.decoupled))
+        algorithm = make_algorithm(config, async_rl.decoupled, multiturn=env is not None)
         graph = build_graph(algorithm.mfcs, roles=set(Role))
     with field("reward"):  # the same graph: normalisation changes how models train
         algorithm = with_reward_norm(algorithm, _of(RewardNormConfig, config.reward))
@@ -590,4 +450,4 @@ def run_spec(config: ConfigDict) -> RunSpec:
         require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval),
         compile_cache_dir=_cache_dir(config.compile.cache_dir),
         wandb=_wandb(config.logging.wandb), env=env,
-        oversample=config.dapo.oversample if algorithm.name == AlgorithmName.DAPO.value else 1)
+        oversample=algorithm.oversample)

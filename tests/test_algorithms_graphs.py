@@ -234,7 +234,7 @@ def test_safe_rlhf_targets_vs_numpy(whiten):
     buf = rl_buffer(rng, [5, 3, 1, 4, 2, 5])
     config = tiny_config("safe_rlhf")
     config.ppo.whiten_advantages = whiten
-    cfg = spec_lib.safe_rlhf_config(config)
+    cfg = safe_rlhf.from_config(config)
     gamma, lam = cfg.ppo.gamma, cfg.ppo.lam
     controller = {"kl_coef": jnp.float32(0.1), "log_lambda": jnp.float32(np.log(2.0))}
     batch, stats = jax.jit(lambda bf, c: safe_rlhf._actor_batch(bf, c, cfg))(buf, controller)

@@ -27,11 +27,11 @@ ENTRY = 11  # the entry points' layer, the top
 # Layer of each top-level part of the library, bottom up: a module imports only modules of
 # its own part or of a lower layer.
 LAYERS = {
-    "jaxrlhf.kernels": 0, "jaxrlhf.models": 0, "jaxrlhf.mfc": 0, "jaxrlhf.schema": 0,
+    "jaxrlhf.kernels": 0, "jaxrlhf.models": 0, "jaxrlhf.mfc": 0,
     "jaxrlhf.backend": 0, "jaxrlhf.shipped": 0, "jaxrlhf": 1,  # the package exports MFC and Call
     "jaxrlhf.parallel": 1,
     "jaxrlhf.engine": 2,
-    "jaxrlhf.algorithms": 3,
+    "jaxrlhf.algorithms": 3, "jaxrlhf.schema": 3,  # the algorithms own sections of it
     "jaxrlhf.data": 4,
     "jaxrlhf.dataflow": 5,
     "jaxrlhf.plan": 6, "jaxrlhf.perf": 6,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import transformers
 
-from jaxrlhf.algorithms import grpo, losses, multiturn, ppo
+from jaxrlhf.algorithms import grpo, losses, ppo
 from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.data import tools
 from jaxrlhf.data.environments import EnvPool, Llama3ToolEnv, ToolEnv
@@ -322,7 +322,7 @@ def test_environment_tokens_get_no_gradient():
     not at the policy's."""
     cfg = grpo.GRPOConfig(group_size=2, loss=grpo.losses.GRPOLossConfig(
         kl_coef=0.1, policy=grpo.losses.PPOLossConfig(entropy_coef=0.01)))
-    train = multiturn.make(cfg).train[Role.ACTOR]
+    train = grpo.make_multiturn(cfg).train[Role.ACTOR]
     rng = np.random.default_rng(0)
     b, p, n = 4, 3, 10
     policy_bn = np.ones((b, n), bool)
@@ -371,7 +371,7 @@ def test_ppo_over_trajectories_trains_and_values_the_policy_tokens_only():
                         kl=kl_lib.KLControllerConfig(init_kl_coef=0.1),
                         policy=losses.PPOLossConfig(entropy_coef=0.01))
     b, p, n = 4, 3, 10
-    algorithm = multiturn.make_ppo(cfg, batch_size=b)
+    algorithm = ppo.make_multiturn(cfg, batch_size=b)
     assert {m.name for m in algorithm.mfcs} == {"actor_gen", "ref_inf", "critic_inf",
                                                 "actor_train", "critic_train"}
     rng = np.random.default_rng(0)

@@ -24,13 +24,17 @@ Graph (no reference model: DAPO drops the KL term):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
 from jaxrlhf.algorithms import advantages as adv_lib
-from jaxrlhf.algorithms import losses
-from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
+from jaxrlhf.algorithms import decoupled, losses, ppo
+from jaxrlhf.algorithms.registry import (
+    Built, Capability, Registration, Request, Section, from_section,
+)
 from jaxrlhf.algorithms.spec import (
+    GEN_KEYS, PROMPT_KEYS, SEQ_KEYS,
     Algorithm, Metric, Proximal, TrainSpec, model_inputs, clipped_surrogate, policy_readout,
 )
 from jaxrlhf.mfc import MFC, Call, Role
@@ -173,4 +177,47 @@ def make(cfg: DAPOConfig, *, reward_model: bool, extra_keys: tuple[str, ...] = (
                                      policy_readout(cfg.temperature))},
         temperature=cfg.temperature,
         shown=(Metric("reward"), Metric("filled_frac", Role.ACTOR)),
+        oversample=cfg.oversample,
     )
+
+
+SECTION = Section("dapo", {  # ε_low = ppo.clip_eps, no KL term
+    "clip_eps_high": 0.28,  # clip-higher: the ratio's upper bound is 1 + this
+    "overlong_buffer": 0,  # L_cache tokens before max_new_tokens; 0 = no overlong shaping
+    "overlong_penalty": 1.0,  # the shaping's largest penalty, at max_new_tokens
+    # dynamic sampling: rollout.batch_size prompts generated, batch_size / oversample
+    # groups trained, those whose rewards are not all equal first (1 = drop, no refill)
+    "oversample": 1,
+}, bounds=((">=", 1, ("oversample",)), (">=", 0, ("overlong_buffer", "overlong_penalty")),
+           (">", 0, ("clip_eps_high",))))
+
+
+def from_config(config) -> DAPOConfig:
+    """DAPO: ε_low, updates and temperature from `ppo`; the rest from `dapo`."""
+    d, p, r = config.dapo, ppo.from_config(config), config.rollout
+    if r.batch_size % d.oversample:
+        raise ValueError(f"dapo.oversample={d.oversample} does not divide rollout.batch_size="
+                         f"{r.batch_size} (the prompts generated per step)")
+    if d.overlong_buffer >= r.max_new_tokens:
+        raise ValueError(f"dapo.overlong_buffer={d.overlong_buffer}: must be < "
+                         f"rollout.max_new_tokens={r.max_new_tokens} (the shaping penalises "
+                         "the last overlong_buffer tokens: here every response)")
+    trained = r.batch_size // d.oversample * r.group_size
+    if trained % p.mini_batches:
+        raise ValueError(f"ppo.mini_batches={p.mini_batches} does not divide the {trained} "
+                         f"rows DAPO trains per step")
+    policy = dataclasses.replace(p.policy, clip_eps_high=d.clip_eps_high,
+                                 aggregation=losses.LossAggregation.TOKEN_MEAN)
+    return from_section(DAPOConfig, d, group_size=r.group_size, policy=policy,
+                        mini_batches=p.mini_batches, epochs=p.epochs, temperature=p.temperature)
+
+
+def _build(request: Request) -> Built:
+    cfg = from_config(request.config)
+    extra = (decoupled.PROX_KEY,) if request.config.ppo.tis_cap > 0 else ()
+    return Built(make(cfg, reward_model=request.reward_model, extra_keys=extra),
+                 functools.partial(actor_loss, cfg))
+
+
+ALGORITHMS = (Registration("dapo", _build, sections=(SECTION,), reads=("ppo",),
+                           capabilities=frozenset({Capability.MISMATCH_CORRECTION})),)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.logprob import sequence_logprobs
 from jaxrlhf.algorithms.pairs import split_pairs
+from jaxrlhf.algorithms.registry import Built, Registration, Request, Section, from_section
 from jaxrlhf.algorithms.spec import (
     Algorithm, BatchKind, Evaluation, Metric, TrainSpec, model_inputs, response_logprobs,
 )
@@ -72,3 +73,13 @@ def make(cfg: DPOConfig) -> Algorithm:
                      batches=BatchKind.PAIRS, evaluation=Evaluation.PREFERENCE_LOGP,
                      shown=(Metric("loss", Role.ACTOR),
                             Metric("reward_accuracy", Role.ACTOR)))
+
+
+SECTION = Section("dpo", {"beta": 0.1, "label_smoothing": 0.0})
+
+
+def _build(request: Request) -> Built:
+    return Built(make(DPOConfig(from_section(losses.DPOLossConfig, request.config.dpo))))
+
+
+ALGORITHMS = (Registration("dpo", _build, sections=(SECTION,)),)

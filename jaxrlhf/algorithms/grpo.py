@@ -14,17 +14,22 @@ stays a pure outcome signal.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
 from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import kl as kl_lib
-from jaxrlhf.algorithms import losses
-from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
+from jaxrlhf.algorithms import losses, multiturn, ppo
+from jaxrlhf.algorithms.registry import (
+    Built, Capability, Registration, Request, Section, from_section,
+)
 from jaxrlhf.algorithms.spec import (
-    Algorithm, Proximal, TrainSpec, model_inputs, policy_readout, response_policy,
+    GEN_KEYS, PROMPT_KEYS, SEQ_KEYS, Algorithm, Proximal, TrainSpec, model_inputs,
+    policy_readout, response_policy,
 )
 from jaxrlhf.mfc import MFC, Call, Role
+from jaxrlhf.schema import enum_value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,3 +130,43 @@ def make(cfg: GRPOConfig, *, reward_model: bool) -> Algorithm:
                                      policy_readout(cfg.temperature))},
         temperature=cfg.temperature,
     )
+
+
+SECTION = Section("grpo", {
+    "kl_coef": 0.04,  # β of the KL term in the loss (0 = none)
+    "kl_estimator": "k3",  # k1 | k2 | k3
+    "scale_by_std": True,  # False: Dr. GRPO (advantage = score - group mean)
+    # seq_mean_token_mean | token_mean | seq_mean_token_sum_norm (Dr. GRPO: each
+    # response's token sum over the constant rollout.max_new_tokens)
+    "aggregation": "seq_mean_token_mean",
+}, bounds=((">=", 0, ("kl_coef",)),))  # a negative β rewards drifting from the reference
+
+
+def from_config(config, cap: float | None = None) -> GRPOConfig:
+    """GRPO: its own β, estimator and normalisation; clipping and updates from `ppo`."""
+    g, p = config.grpo, ppo.from_config(config, cap)
+    aggregation = enum_value(losses.LossAggregation, g.aggregation, "grpo.aggregation")
+    loss = losses.GRPOLossConfig(
+        policy=dataclasses.replace(p.policy, aggregation=aggregation), kl_coef=g.kl_coef,
+        kl_estimator=enum_value(kl_lib.KLEstimator, g.kl_estimator, "grpo.kl_estimator"))
+    return from_section(GRPOConfig, p, group_size=config.rollout.group_size, loss=loss,
+                        scale_by_std=g.scale_by_std)
+
+
+def make_multiturn(cfg: GRPOConfig) -> Algorithm:
+    """GRPO over trajectories (`multiturn.py`): the trajectory's reward is its score."""
+    return dataclasses.replace(make(cfg, reward_model=False), name="grpo_multiturn",
+                               mfcs=multiturn.mfcs())
+
+
+def _build(request: Request) -> Built:
+    cfg = from_config(request.config, request.cap)
+    algorithm = (make_multiturn(cfg) if request.multiturn
+                 else make(cfg, reward_model=request.reward_model))
+    return Built(algorithm, functools.partial(actor_loss, cfg))
+
+
+ALGORITHMS = (Registration(
+    "grpo", _build, sections=(SECTION,), reads=("ppo",),
+    capabilities=frozenset({Capability.MULTITURN, Capability.ASYNC,
+                            Capability.MISMATCH_CORRECTION})),)

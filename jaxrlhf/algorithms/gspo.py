@@ -20,6 +20,7 @@ length-normalised mismatch ratio, truncated: min((π_prox(y_i) / π_behav(y_i))^
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -28,8 +29,12 @@ import jax.numpy as jnp
 from jaxrlhf.algorithms import grpo
 from jaxrlhf.algorithms.kl import kl_per_token
 from jaxrlhf.algorithms.losses import LossOutput
+from jaxrlhf.algorithms.registry import (
+    Built, Capability, Registration, Request, Section, from_section,
+)
 from jaxrlhf.algorithms.spec import Algorithm, Proximal, response_policy
 from jaxrlhf.mfc import Role
+from jaxrlhf.schema import field
 
 _sg = jax.lax.stop_gradient
 
@@ -125,3 +130,19 @@ def make(cfg: GSPOConfig, *, reward_model: bool) -> Algorithm:
     base = grpo.make(cfg.grpo, reward_model=reward_model)
     actor = dataclasses.replace(base.train[Role.ACTOR], loss_fn=actor_loss(cfg))
     return dataclasses.replace(base, name="gspo", train={Role.ACTOR: actor})
+
+
+SECTION = Section("gspo", {"clip_eps": 3e-4, "clip_eps_high": 4e-4},  # the sequence ratio's
+                  bounds=((">", 0, ("clip_eps", "clip_eps_high")),))  # clip range
+
+
+def _build(request: Request) -> Built:
+    config = request.config
+    with field("gspo"):
+        cfg = from_section(GSPOConfig, config.gspo, grpo=grpo.from_config(config),
+                           tis_cap=config.ppo.tis_cap or None)
+    return Built(make(cfg, reward_model=request.reward_model), functools.partial(actor_loss, cfg))
+
+
+ALGORITHMS = (Registration("gspo", _build, sections=(SECTION,), reads=("ppo", "grpo"),
+                           capabilities=frozenset({Capability.MISMATCH_CORRECTION})),)

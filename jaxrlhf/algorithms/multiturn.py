@@ -1,4 +1,5 @@
-"""GRPO and PPO over multi-turn trajectories: the environment scores them, no reward call.
+"""The graphs of GRPO and PPO over multi-turn trajectories: the environment scores them, no
+reward call (`grpo.make_multiturn`, `ppo.make_multiturn` build the algorithms on them).
 
 GRPO's graph:
     actor_gen (trajectories: policy turns and environment replies, their rewards) ─► ref_inf ─┐
@@ -17,11 +18,7 @@ are never read nor trained, and GAE carries the return across them.
 
 from __future__ import annotations
 
-import dataclasses
-
-from jaxrlhf.algorithms import grpo, ppo
-from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
-from jaxrlhf.algorithms.spec import Algorithm
+from jaxrlhf.algorithms.spec import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
 from jaxrlhf.mfc import MFC, Call, Role
 
 # The prompt rows the environment starts from (host lists of the batch).
@@ -52,14 +49,3 @@ def ppo_mfcs() -> tuple[MFC, ...]:
     )
 
 
-def make(cfg: grpo.GRPOConfig) -> Algorithm:
-    return dataclasses.replace(grpo.make(cfg, reward_model=False), name="grpo_multiturn",
-                               mfcs=mfcs())
-
-
-def make_ppo(cfg: ppo.PPOConfig, batch_size: int) -> Algorithm:
-    base = ppo.make(cfg, reward_model=False, batch_size=batch_size)
-    prepare = lambda buf, controller: ppo.train_batch(buf, controller, cfg,
-                                                      buf["turn_rewards_bn"])
-    train = {role: dataclasses.replace(spec, prepare=prepare) for role, spec in base.train.items()}
-    return dataclasses.replace(base, name="ppo_multiturn", mfcs=ppo_mfcs(), train=train)

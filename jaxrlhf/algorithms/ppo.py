@@ -14,22 +14,21 @@ value updates of the critic. β follows a fixed or adaptive (Ziegler et al.) con
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
 from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import kl as kl_lib
-from jaxrlhf.algorithms import losses
+from jaxrlhf.algorithms import losses, multiturn
+from jaxrlhf.algorithms.registry import Built, Capability, Registration, Request
 from jaxrlhf.algorithms.spec import (
-    Algorithm, Proximal, TrainSpec, model_inputs, policy_readout, response_policy,
-    response_values,
+    GEN_KEYS, PROMPT_KEYS, SEQ_KEYS, Algorithm, Proximal, TrainSpec, model_inputs,
+    policy_readout, response_policy, response_values,
 )
 from jaxrlhf.mfc import MFC, Call, Role
 
-# Keys of the step buffer.
-PROMPT_KEYS = ("prompt_tokens_bp", "prompt_mask_bp")
-GEN_KEYS = ("seq_tokens_bs", "seq_mask_bs", "response_mask_bn", "behav_logp_bn")
-SEQ_KEYS = ("seq_tokens_bs", "seq_mask_bs", "response_mask_bn")
+# Keys of the step buffer: PROMPT_KEYS, GEN_KEYS, SEQ_KEYS (`algorithms/spec.py`).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,3 +163,41 @@ def make(cfg: PPOConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
         controller_update=lambda c, s: kl_lib.update_controller(c, s, batch_size, cfg.kl),
         temperature=cfg.temperature,
     )
+
+
+def from_config(config, cap: float | None = None) -> PPOConfig:
+    """PPO's settings of the shared `ppo` section (the policy-gradient algorithms start from
+    them); `cap`: the decoupled objective's behav_imp_weight_cap."""
+    c = config.ppo
+    kind = kl_lib.KLControllerKind.ADAPTIVE if c.kl_adaptive else kl_lib.KLControllerKind.FIXED
+    return PPOConfig(
+        gamma=c.gamma, lam=c.lam,
+        kl=kl_lib.KLControllerConfig(kind=kind, init_kl_coef=c.kl_coef, target=c.kl_target,
+                                     horizon=c.kl_horizon),
+        kl_in_reward=c.kl_in_reward, whiten_advantages=c.whiten_advantages,
+        policy=losses.PPOLossConfig(clip_eps=c.clip_eps, entropy_coef=c.entropy_coef,
+                                    behav_imp_weight_cap=cap, tis_cap=c.tis_cap or None),
+        value=losses.ValueLossConfig(clip_eps_value=c.value_clip or None),
+        mini_batches=c.mini_batches, epochs=c.epochs, temperature=config.rollout.temperature)
+
+
+def make_multiturn(cfg: PPOConfig, batch_size: int) -> Algorithm:
+    """PPO over trajectories (`multiturn.py`): each turn's reward on the last token of the
+    policy's turn it answered."""
+    base = make(cfg, reward_model=False, batch_size=batch_size)
+    prepare = lambda buf, controller: train_batch(buf, controller, cfg, buf["turn_rewards_bn"])
+    train = {role: dataclasses.replace(spec, prepare=prepare) for role, spec in base.train.items()}
+    return dataclasses.replace(base, name="ppo_multiturn", mfcs=multiturn.ppo_mfcs(), train=train)
+
+
+def _build(request: Request) -> Built:
+    cfg = from_config(request.config, request.cap)
+    algorithm = (make_multiturn(cfg, request.rows) if request.multiturn
+                 else make(cfg, reward_model=request.reward_model, batch_size=request.rows))
+    return Built(algorithm, functools.partial(actor_loss, cfg))
+
+
+ALGORITHMS = (Registration(
+    "ppo", _build, reads=("ppo",),
+    capabilities=frozenset({Capability.MULTITURN, Capability.ASYNC, Capability.CRITIC,
+                            Capability.MISMATCH_CORRECTION})),)

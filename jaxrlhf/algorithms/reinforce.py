@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 import jax.numpy as jnp
 
 from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import grpo
 from jaxrlhf.algorithms import kl as kl_lib
-from jaxrlhf.algorithms import losses
+from jaxrlhf.algorithms import losses, ppo
+from jaxrlhf.algorithms.registry import (
+    Built, Capability, Registration, Request, from_section,
+)
 from jaxrlhf.algorithms.spec import (
     Algorithm, Proximal, TrainSpec, model_inputs, clipped_surrogate, policy_readout,
 )
@@ -131,3 +135,22 @@ def make(cfg: ReinforceConfig, *, reward_model: bool, batch_size: int) -> Algori
         controller_update=lambda c, s: kl_lib.update_controller(c, s, batch_size, cfg.kl),
         temperature=cfg.temperature,
     )
+
+
+def _builder(baseline: Baseline):
+    """The build of RLOO or REINFORCE++: PPO's β, controller, estimator, clipping and updates;
+    token mean."""
+
+    def build(request: Request) -> Built:
+        cfg = from_section(ReinforceConfig, ppo.from_config(request.config), baseline=baseline,
+                           group_size=request.config.rollout.group_size)
+        return Built(make(cfg, reward_model=request.reward_model, batch_size=request.rows),
+                     functools.partial(actor_loss, cfg))
+
+    return build
+
+
+ALGORITHMS = tuple(
+    Registration(b.value, _builder(b), reads=("ppo",),
+                 capabilities=frozenset({Capability.MISMATCH_CORRECTION}))
+    for b in Baseline)

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 
 from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import kl as kl_lib
-from jaxrlhf.algorithms import losses
-from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
+from jaxrlhf.algorithms import losses, ppo
+from jaxrlhf.algorithms.registry import Built, Registration, Request, from_section
 from jaxrlhf.algorithms.spec import (
-    Algorithm, TrainSpec, clipped_surrogate, model_inputs, policy_readout,
+    GEN_KEYS, PROMPT_KEYS, SEQ_KEYS, Algorithm, TrainSpec, clipped_surrogate, model_inputs, policy_readout,
 )
 from jaxrlhf.mfc import MFC, Call, Role
 
@@ -118,3 +118,11 @@ def make(cfg: ReMaxConfig, *, reward_model: bool, batch_size: int) -> Algorithm:
         controller_update=lambda c, s: kl_lib.update_controller(c, s, batch_size, cfg.kl),
         temperature=cfg.temperature,
     )
+
+
+def _build(request: Request) -> Built:  # PPO's settings, those of them ReMax has
+    cfg = from_section(ReMaxConfig, ppo.from_config(request.config))
+    return Built(make(cfg, reward_model=request.reward_model, batch_size=request.rows))
+
+
+ALGORITHMS = (Registration("remax", _build, reads=("ppo",)),)

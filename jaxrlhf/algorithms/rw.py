@@ -12,6 +12,7 @@ serves as `reward.kind=model` in the RL algorithms. Rows are chosen then rejecte
 from __future__ import annotations
 
 from jaxrlhf.algorithms import losses
+from jaxrlhf.algorithms.registry import Built, Registration
 from jaxrlhf.algorithms.pairs import last_token_scores, split_pairs
 from jaxrlhf.algorithms.spec import (
     Algorithm, BatchKind, Evaluation, Metric, TrainSpec, model_inputs,
@@ -41,3 +42,6 @@ def make() -> Algorithm:
                      batches=BatchKind.PAIRS, evaluation=Evaluation.PREFERENCE_SCORE,
                      trained_role=Role.REWARD,
                      shown=(Metric("loss", Role.REWARD), Metric("accuracy", Role.REWARD)))
+
+
+ALGORITHMS = (Registration("rw", lambda request: Built(make())),)

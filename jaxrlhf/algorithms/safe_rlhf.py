@@ -25,9 +25,14 @@ import jax.numpy as jnp
 from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses, ppo
-from jaxrlhf.algorithms.ppo import GEN_KEYS, PROMPT_KEYS, SEQ_KEYS
-from jaxrlhf.algorithms.spec import Algorithm, TrainSpec, model_inputs, policy_readout
+from jaxrlhf.algorithms.registry import (
+    Built, Capability, Registration, Request, Section, from_section,
+)
+from jaxrlhf.algorithms.spec import (
+    GEN_KEYS, PROMPT_KEYS, SEQ_KEYS, Algorithm, TrainSpec, model_inputs, policy_readout,
+)
 from jaxrlhf.mfc import MFC, Call, Role
+from jaxrlhf.schema import REWARD_KINDS, enum_value
 
 # What every trainer of the step reads.
 TRAIN_KEYS = GEN_KEYS + ("ref_logp_bn", "scores_b", "costs_b", "values_bn", "cost_values_bn")
@@ -157,3 +162,35 @@ def make(cfg: SafeRLHFConfig, *, reward_model: bool, cost_model: bool,
         controller_update=lambda c, s: update_controller(c, s, cfg, batch_size),
         temperature=p.temperature,
     )
+
+
+SECTIONS = (
+    Section("safe_rlhf", {  # Lagrangian constraint E[cost] <= cost_limit
+        "cost_limit": 0.0, "lambda_init": 1.0, "lambda_lr": 0.1,
+        "lambda_max": 0.0,  # 0 = unbounded
+    }),
+    Section("cost", {  # the cost (higher = worse), like `reward`; model = models.cost
+        "kind": "function",  # function | model
+        "function": "jaxrlhf.data.costs:contains_nine",  # "module.path:function" etc.
+        "timeout": 5.0,
+        "workers": 1,
+        "max_error_rate": 0.5,
+    }, bounds=((">=", 0, ("max_error_rate",)), ("<=", 1, ("max_error_rate",)))),
+)
+
+
+def from_config(config) -> SafeRLHFConfig:
+    """PPO's settings and the `safe_rlhf` section's constraint."""
+    s = config.safe_rlhf
+    lagrange = from_section(losses.LagrangeConfig, s, lambda_max=s.lambda_max or None)
+    return SafeRLHFConfig(ppo=ppo.from_config(config), lagrange=lagrange)
+
+
+def _build(request: Request) -> Built:
+    cost_model = enum_value(REWARD_KINDS, request.config.cost.kind, "cost.kind")
+    return Built(make(from_config(request.config), reward_model=request.reward_model,
+                      cost_model=cost_model, batch_size=request.rows))
+
+
+ALGORITHMS = (Registration("safe_rlhf", _build, sections=SECTIONS, reads=("ppo",),
+                           capabilities=frozenset({Capability.CRITIC})),)

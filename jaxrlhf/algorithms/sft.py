@@ -8,6 +8,7 @@ it samples.
 from __future__ import annotations
 
 from jaxrlhf.algorithms import losses
+from jaxrlhf.algorithms.registry import Built, Registration
 from jaxrlhf.algorithms.spec import (
     Algorithm, BatchKind, Evaluation, Metric, TrainSpec, model_inputs, response_logprobs,
 )
@@ -36,3 +37,6 @@ def make() -> Algorithm:
         batches=BatchKind.SFT_ROWS, evaluation=Evaluation.SFT,
         shown=(Metric("loss", Role.ACTOR),),
     )
+
+
+ALGORITHMS = (Registration("sft", lambda request: Built(make())),)

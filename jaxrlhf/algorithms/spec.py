@@ -21,6 +21,11 @@ from jaxrlhf.engine.inference import InferenceConfig, InferenceKind, InferenceOu
 from jaxrlhf.mfc import MFC, Role
 
 Batch = dict[str, jax.Array]
+# Step-buffer keys of the policy-gradient graphs: the prompts, the generated rows (with their
+# behaviour log-probs) and what an inference call over those rows reads.
+PROMPT_KEYS = ("prompt_tokens_bp", "prompt_mask_bp")
+GEN_KEYS = ("seq_tokens_bs", "seq_mask_bs", "response_mask_bn", "behav_logp_bn")
+SEQ_KEYS = ("seq_tokens_bs", "seq_mask_bs", "response_mask_bn")
 # (the model's per-token readout of the batch, batch) -> (loss_sum, weight, stats); see
 # jaxrlhf.engine.train_step.
 LossFn = Callable[[InferenceOutput, Batch], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
@@ -92,6 +97,7 @@ class Algorithm:
       evaluation: what the held-out accuracy measures.
       trained_role: the model the job evaluates and reports.
       shown: the progress bar's figures.
+      oversample: generated rows per trained row (DAPO's dynamic sampling trains 1/k).
     """
 
     name: str
@@ -104,6 +110,7 @@ class Algorithm:
     evaluation: Evaluation = Evaluation.EXACT_MATCH
     trained_role: Role = Role.ACTOR
     shown: tuple[Metric, ...] = (Metric("reward"), Metric("kl", Role.ACTOR))
+    oversample: int = 1
 
     @property
     def offline(self) -> bool:

@@ -22,7 +22,7 @@ import jax
 from ml_collections import ConfigDict
 
 from jaxrlhf import backend
-from jaxrlhf.algorithms import sft
+from jaxrlhf.algorithms import registry
 from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.checkpoint import CHECKPOINT_DIR, ResumeMode, check_resume, shape_mismatches
 from jaxrlhf.data.rewards import NEEDS_ANSWER, resolve_reward
@@ -37,7 +37,7 @@ from jaxrlhf.models import hf_io
 from jaxrlhf.run import lock, roles
 from jaxrlhf.run.layouts import RunPlan, place, single
 from jaxrlhf.schema import ConfigError, base_config, field
-from jaxrlhf.spec import AlgorithmName, RunSpec, run_spec
+from jaxrlhf.spec import RunSpec, run_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,15 +249,6 @@ def _check_ignored(config: ConfigDict, spec: RunSpec) -> None:
     _check_unread_sections(config, spec)
 
 
-# The algorithms that read a section of their own (the rest ignore it). A hand-kept table until
-# the algorithm registry (issue 47) says which sections each algorithm reads.
-_SECTION_READERS = {
-    "dapo": (AlgorithmName.DAPO,), "gspo": (AlgorithmName.GSPO,),
-    "grpo": (AlgorithmName.GRPO, AlgorithmName.GSPO), "dpo": (AlgorithmName.DPO,),
-    "safe_rlhf": (AlgorithmName.SAFE_RLHF,), "cost": (AlgorithmName.SAFE_RLHF,),
-}
-
-
 def _changed(section: ConfigDict, default: ConfigDict, prefix: str) -> list[tuple[str, object]]:
     """(dotted key, value) of every leaf of `section` that differs from `default`'s."""
     out = []
@@ -272,10 +263,11 @@ def _changed(section: ConfigDict, default: ConfigDict, prefix: str) -> list[tupl
 def _check_unread_sections(config: ConfigDict, spec: RunSpec) -> None:
     """Refuses a key changed in a section this run never reads: another algorithm's settings,
     the environment's without `env.name`, the model of a role the run does not have."""
-    base, name = base_config(), AlgorithmName(config.algorithm)
-    unread = [(section, f"algorithm={name.value} does not read {section}.* (read by "
-                        f"{', '.join(a.value for a in readers)})")
-              for section, readers in _SECTION_READERS.items() if name not in readers]
+    base, name = base_config(), config.algorithm
+    reads = registry.lookup(name).reads_sections
+    unread = [(s.name, f"algorithm={name} does not read {s.name}.* (read by "
+                       f"{', '.join(registry.readers(s.name))})")
+              for s in registry.sections() if s.name not in reads]
     if spec.env is None:
         unread.append(("env", "env.name is empty (single-turn rollouts read no env.*)"))
     a = config.async_rl
@@ -286,7 +278,7 @@ def _check_unread_sections(config: ConfigDict, spec: RunSpec) -> None:
     for role in set(Role) - set(spec.models) - {Role.ACTOR}:
         if role.value in config.models:
             why = (f"{role.value}.kind={config[role.value].kind}" if role in spec.rewards
-                   else f"algorithm={name.value}")
+                   else f"algorithm={name}")
             unread.append((f"models.{role.value}", f"this run has no {role.value} model ({why})"))
     for section, reason in unread:
         node, default = config, base
@@ -316,7 +308,7 @@ def _warm_start(job: Job) -> Job | None:
     """The warm start as a job of its own (None without one): `warm_start.sft_steps` steps of
     SFT of the actor alone, with the warm start's optimizer and batch size, on the trained
     model's home (reward modelling then starts its reward model from the actor's trunk)."""
-    spec, w, algorithm = job.spec, job.spec.warm_start, sft.make()
+    spec, w, algorithm = job.spec, job.spec.warm_start, registry.warm_start()
     if not w.steps:
         return None
     home = job.plan.home(spec.graph, spec.algorithm.trained_role)

@@ -101,6 +101,12 @@ def _allocation(spec: RunSpec, n: int) -> dict[str, Entry]:
     return {k: Entry(s) for k, s in strategies.items()}
 
 
+def _oversampled(spec: RunSpec) -> str:
+    """"/ <algorithm>.oversample " where the algorithm trains a share of what it generates (the
+    key is its own section's); "" otherwise."""
+    return f"/ {spec.algorithm.name}.oversample " if spec.oversample > 1 else ""
+
+
 def _micro_batches(spec: RunSpec, mfc: MFC, entry: Entry, where: str) -> int:
     """The micro-batches `mfc` runs with: the entry's count or the run's default, checked
     against the batch; raises PlacementError naming the MFC and the field."""
@@ -111,7 +117,7 @@ def _micro_batches(spec: RunSpec, mfc: MFC, entry: Entry, where: str) -> int:
         raise PlacementError(
             f"{where}: MFC {mfc.name!r} ({strategy}) splits the batch {strategy.dp_size} ways, "
             f"which does not divide its batch of {per_update} (rollout.batch_size × group_size "
-            f"{'/ dapo.oversample ' if spec.oversample > 1 else ''}/ mini-batches)")
+            f"{_oversampled(spec)}/ mini-batches)")
     if entry.micro_batches is None and mfc.call is not Call.TRAIN_STEP:
         # 1, or on a pipeline the most up to its stage count that split the rows evenly over
         # its data-parallel devices (fewer leave stages idle: the bubble is (p-1)/(M+p-1))
