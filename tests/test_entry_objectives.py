@@ -45,6 +45,7 @@ def series(records, key):
     ("reinforce_pp_tiny.py", 40, "actor/kl"),
     ("gspo_tiny.py", 40, "actor/ref_kl"),
     ("grpo_tiny.py:dr_grpo", 60, "actor/kl"),
+    ("cispo_tiny.py", 40, "actor/clip_frac"),
 ])
 def test_objective_learns(config, steps, shown, tmp_path):
     summary, records = train(config, tmp_path)
