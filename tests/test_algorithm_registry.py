@@ -145,3 +145,21 @@ def test_capabilities_match_the_graphs():
         config.algorithm, config.rollout.group_size = name, 2
         has_critic = Role.CRITIC in run_spec(config).graph.roles()
         assert has_critic == (registry.Capability.CRITIC in registry.lookup(name).capabilities), name
+
+
+def test_a_checkpoint_from_before_a_section_was_added_is_the_same_run():
+    """A new algorithm's section enters every run's fingerprint at its defaults: a checkpoint
+    written before it still resumes (the key reads as its default there), and one whose run
+    changed such a key does not."""
+    from jaxrlhf.fingerprint import differences, run_fingerprint
+
+    section = next(s for s in registry.sections()[::-1]
+                   if any(isinstance(v, float) for v in s.defaults.values()))
+    config = base_config()
+    now = run_fingerprint(config.to_json())
+    before = {k: v for k, v in now.items() if not k.startswith(f"{section.name}.")}
+    assert before != now and differences(before, now) == []
+    key = next(k for k, v in section.defaults.items() if isinstance(v, float))
+    config[section.name][key] = section.defaults[key] * 2 + 1
+    changed = run_fingerprint(config.to_json())
+    assert [d.split(":")[0] for d in differences(before, changed)] == [f"{section.name}.{key}"]
