@@ -1,6 +1,6 @@
 """The ReaL check: ReaL's published plans priced by the planner, beside ReaL's measurements.
 
-`python benchmarks/real_check.py [--cluster=meshes/h100_16x8.py] [--json]`
+`python benchmarks/real_check.py [--cluster=meshes/h100_16x8.py] [--json] [--compile]`
 
 ReaL's appendix (`shared/papers/real_paper_appendix.txt`) gives four execution plans
 (Tables 2-5: 70B+7B searched and heuristic, 7B+7B searched and heuristic) and the measured
@@ -38,6 +38,11 @@ How ReaL's plans map to jaxrlhf's:
     the runtime's default);
   * generation is compared with the CUDA-graph figures (Tables 2-5 list those); the step with
     Table 6's End2End with CUDA graphs. The w/o-CUDA-graph figures are printed beside them.
+
+`--compile` compiles every call of ReaL's 70B+7B plans (Tables 2 and 3) for the cluster's GPUs
+as XLA describes them (`calibration.aot`, as `plan --compile` does; it needs the `[cuda]`
+extra, and no GPU): XLA's peak per device beside the memory model's and the 80 GB ReaL ran
+them in, and XLA's FLOPs beside the cost model's.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ from jaxrlhf.plan.choice import CallChoice, ExecutionPlan  # noqa: E402
 from jaxrlhf.plan.cluster import Cluster, load_cluster  # noqa: E402
 from jaxrlhf.plan.evaluate import Evaluator  # noqa: E402
 from jaxrlhf.plan.experiment import DecodeSchedule, Experiment  # noqa: E402
-from jaxrlhf.spec import run_spec  # noqa: E402
+from jaxrlhf.spec import RunSpec, run_spec  # noqa: E402
 
 MFCS = ("actor_gen", "reward", "ref_inf", "critic_inf", "critic_train", "actor_train")
 REAL_NAMES = dict(zip(MFCS, ("ActorGen", "RewInf", "RefInf", "CriticInf", "CriticTrain",
@@ -112,8 +117,8 @@ GEN_NO_GRAPH = {("7B+7B", "searched"): 34.5, ("7B+7B", "heuristic"): 104.6,
 CONFIGS = {"7B+7B": ("configs/ppo_7b.py", 512), "70B+7B": ("configs/ppo_70b.py", 4096)}
 
 
-def experiment_of(case: str) -> Experiment:
-    """The case's experiment from its shipped config (see the module docstring)."""
+def spec_of(case: str) -> RunSpec:
+    """The case's run spec from its shipped config (see the module docstring)."""
     path, batch = CONFIGS[case]
     spec = importlib.util.spec_from_file_location(f"_real_{pathlib.Path(path).stem}",
                                                   ROOT / path)
@@ -121,7 +126,12 @@ def experiment_of(case: str) -> Experiment:
     spec.loader.exec_module(module)
     config = module.get_config()
     config.rollout.batch_size = batch
-    experiment = run_spec(config).experiment()
+    return run_spec(config)
+
+
+def experiment_of(case: str) -> Experiment:
+    """The case's experiment (see the module docstring)."""
+    experiment = spec_of(case).experiment()
     return dataclasses.replace(experiment, decode=DecodeSchedule.ACROSS_TOKENS)
 
 
@@ -267,13 +277,48 @@ def check(cluster_path: str) -> dict:
     return result
 
 
+def compile_70b(cluster_path: str) -> dict:
+    """Every call of ReaL's 70B+7B plans compiled for the cluster's GPUs (`--compile`): per
+    plan, `aot.to_json` of its calls, each against the cluster's usable memory and its whole
+    HBM (`fits_hbm`: the 80 GB ReaL ran them in)."""
+    from jaxrlhf.calibration import aot, targets
+
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # the GPUs are described, not here
+    cluster = load_cluster(cluster_path)
+    devices = targets.topology_devices(cluster)
+    spec = spec_of("70B+7B")
+    experiment = experiment_of("70B+7B")
+    result = {"cluster": cluster.name, "hbm_bytes": cluster.hbm_bytes, "plans": {}}
+    for kind in ("searched", "heuristic"):
+        print(f"\n== ReaL's 70B+7B {kind} plan on {cluster.name} ==", flush=True)
+        plan = real_plan(experiment, "70B+7B", kind)
+        reports = aot.compile_plan(spec, cluster, plan, devices, cluster.usable_hbm_bytes,
+                                   lambda line: print(line, flush=True))
+        print(aot.table(reports), flush=True)
+        calls = aot.to_json(reports)
+        for report in reports:
+            calls[report.name]["fits_hbm"] = (report.compiled
+                                              and report.xla_bytes <= cluster.hbm_bytes)
+        result["plans"][kind] = calls
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cluster", default="meshes/h100_16x8.py")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile ReaL's 70B plans for the cluster's GPUs (the [cuda] extra)")
     args = parser.parse_args(argv)
-    result = check(str(ROOT / args.cluster) if not pathlib.Path(args.cluster).is_absolute()
-                   else args.cluster)
+    path = (str(ROOT / args.cluster) if not pathlib.Path(args.cluster).is_absolute()
+            else args.cluster)
+    if args.compile:
+        result = compile_70b(path)
+        print(json.dumps({"compile": result}, sort_keys=True))
+        return result
+    result = check(path)
     if args.json:
         print(json.dumps(result, indent=1, sort_keys=True))
         return result

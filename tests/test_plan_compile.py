@@ -81,6 +81,21 @@ def test_generate_flops_count_each_distinct_prompts_prefill_once(v5p_8):
                                                                    report.xla_flops)
 
 
+def test_pipelined_generate_flops_match_xla(v5p_8):
+    """ppo_tiny's static pipelined generation (d2p2): its token loop runs to a bound XLA knows,
+    so it counts every token, as the cost model does (+7.7%); where the loop stops at a
+    runtime bound (ReaL's 70B plans on h100_16x8) both count its prefill and one token."""
+    cluster, devices = v5p_8
+    spec = run_spec(_config(ppo_tiny, "manual"))
+    plan = execution_plan(spec, cluster.num_devices)
+    (report,) = aot.compile_plan(spec, cluster, plan, devices, cluster.usable_hbm_bytes,
+                                 calls={"actor_gen"})
+    (program,) = report.programs
+    assert program.name == "generate" and program.unbounded_loops == 0
+    assert abs(program.model_flops / program.flops - 1) < 0.10, (program.model_flops,
+                                                                 program.flops)
+
+
 def test_command_prints_tables_and_ends_with_one_json_line(libtpu, tmp_path):
     """... and with `--explain`, what XLA holds at each call's peak, by source (its live
     ranges): a train step's parameters and optimizer state among them."""

@@ -276,7 +276,8 @@ def model_flops(experiment: Experiment, mfc: MFC, choice, cluster: Cluster,
     inference program, and a pipeline's static generate, one executor call (one micro-batch
     of M; a pipeline streams it through its stages); a decode loop
     that stops when its rows are done runs an unknown number of steps, so the engine's decode
-    programs count one step (and "decode at once" its prefill and one step). Where attention
+    programs count one step (and "decode at once", and a pipeline's static generate whose
+    loop is so bounded, their prefill and one step). Where attention
     runs in a kernel (a custom call, which XLA does not count), the model's attention FLOPs
     are left out too: every compute term of the cost model is forward passes of
     `ModelProfile.forward_flops_per_token` at the workload's context, so they are its
@@ -291,8 +292,10 @@ def model_flops(experiment: Experiment, mfc: MFC, choice, cluster: Cluster,
             cost = cost.times(1 / work.updates)
         case "inference":
             cost = cost_lib.inference_cost(p, work, choice, cluster).times(1 / calls)
-        case "generate":  # a pipeline's static batch: every token of one executor call
-            cost = cost_lib.generate_cost(p, work, choice, cluster, experiment.decode)
+        case "generate":  # a pipeline's static batch: one executor call; a token loop that
+            # stops when its rows are done XLA counts once, so its prefill and one token
+            tokens = 1 if program.unbounded_loops else None
+            cost = cost_lib.generate_cost(p, work, choice, cluster, experiment.decode, tokens)
             cost = cost.times(1 / calls)
         case "fill":
             cost = cost_lib.prefill_cost(p, work, choice, cluster)

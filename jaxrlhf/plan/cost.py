@@ -321,8 +321,10 @@ def prefill_cost(p: ModelProfile, work: Workload, choice: CallChoice,
 
 
 def generate_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Cluster,
-                  decode: DecodeSchedule = DEFAULT_DECODE) -> CallCost:
-    """Prefill over the prompts, then `new_tokens` decode steps, per micro-batch."""
+                  decode: DecodeSchedule = DEFAULT_DECODE,
+                  tokens: int | None = None) -> CallCost:
+    """Prefill over the prompts, then `tokens` (None: `new_tokens`) decode steps, per
+    micro-batch."""
     rows = work.rows_per_device(Call.GENERATE, choice.dp_size, choice.micro_batches)
     prefill = prefill_cost(p, work, choice, cluster)
     prefill_send = stage_send(p, cluster, choice, prefill_rows(work, choice) * work.prompt_len)
@@ -336,7 +338,8 @@ def generate_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: 
     decode = pipelined(decode_step_cost(p, work, choice, cluster), token_send, choice, cycle)
     calls = choice.micro_batches if choice.pipeline == 1 else 1
     return (pipelined(prefill, prefill_send, choice, schedule_slots(choice))
-            + decode.times(work.new_tokens) + CallCost(calls=calls))
+            + decode.times(work.new_tokens if tokens is None else tokens)
+            + CallCost(calls=calls))
 
 
 def call_cost(p: ModelProfile, call: Call, work: Workload, choice: CallChoice, cluster: Cluster,
