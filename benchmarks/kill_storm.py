@@ -88,7 +88,8 @@ def differing_steps(got: list[dict], want: list[dict]) -> list[str]:
         for key in w:
             if key.startswith("time/") or key.endswith(_SYSTEM_SUFFIXES):
                 continue
-            if key not in g or abs(g[key] - w[key]) > 1e-6:
+            if key not in g or (g[key] != w[key] if isinstance(w[key], list)  # rows
+                                else abs(g[key] - w[key]) > 1e-6):
                 diffs.append(f"step {w['step']} {key}: {g.get(key)} != {w[key]}")
     return diffs
 

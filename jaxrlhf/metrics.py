@@ -1,7 +1,9 @@
 """Per-step metrics: `metrics.jsonl` (one object per step, with a `step` key), TensorBoard, and
 Weights & Biases when `logging.wandb.project` is set.
 
-metrics.jsonl is the record; the TensorBoard events and the W&B run mirror it. A resumed run
+metrics.jsonl is the record; the TensorBoard events and the W&B run mirror its scalars. An RL or
+offline update's record also lists the training rows it trained on (`rows`: their indices in the
+training data, as `EpochIterator.indices` gives them), in metrics.jsonl only. A resumed run
 repeats the steps its killed predecessor logged after its last checkpoint: the run first trims
 those records from metrics.jsonl (`run.loop.trim_metrics`), and opening a `MetricsWriter` then
 writes the event files anew from what is left, so that TensorBoard shows every (tag, step) once,
@@ -119,17 +121,21 @@ class MetricsWriter:
         for record in earlier:
             self._scalars(record)
 
-    def _scalars(self, record: Mapping[str, float]) -> None:
-        for key, value in record.items():
+    def _scalars(self, record: Mapping[str, float | list]) -> None:
+        scalars = {k: v for k, v in record.items() if not isinstance(v, list)}
+        for key, value in scalars.items():
             if key != "step" and math.isfinite(value):
                 self._tb.add_scalar(_NOT_IN_TAGS.sub("_", key), value, record["step"])
         if self._wandb is not None:
-            self._wandb.log(record)
+            self._wandb.log(scalars)
 
-    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+    def write(self, step: int, metrics: Mapping[str, float | list]) -> None:
+        """One step's record: scalars, and lists (the rows an update trained on) that only
+        metrics.jsonl keeps."""
         if not self.enabled:
             return
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        record = {"step": step, **{k: v if isinstance(v, list) else float(v)
+                                   for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         self._scalars(record)

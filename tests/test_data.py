@@ -204,6 +204,19 @@ def test_iterator_covers_each_epoch_and_resumes_exactly():
         EpochIterator(rows, batch_size=11)
 
 
+def test_iterator_names_the_rows_of_the_batch_drawn_at_a_state():
+    rows = [f"row {i}" for i in range(10)]
+    it, states = EpochIterator(rows, batch_size=3, seed=7), [IteratorState(1, 2)]
+    for _ in range(8):  # across epochs, and at an epoch's end (the next epoch's first batch)
+        states.append(it.state())
+        indices = it.indices(it.state())
+        assert [rows[i] for i in indices] == next(it)
+    resumed = EpochIterator(rows, batch_size=3, seed=7)
+    for state in states:  # from any state, restored or not
+        resumed.restore(state)
+        assert [rows[i] for i in resumed.indices(state)] == next(resumed)
+
+
 # --- arithmetic task ---
 
 

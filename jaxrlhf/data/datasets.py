@@ -352,12 +352,24 @@ class EpochIterator(Generic[RowT]):
     def __iter__(self) -> Iterator[list[RowT]]:
         return self
 
+    def _next_at(self, state: IteratorState) -> tuple[IteratorState, int]:
+        """(the state after the batch drawn at `state`, that batch's epoch)."""
+        if state.batch == self.batches_per_epoch:
+            return IteratorState(epoch=state.epoch + 1, batch=1), state.epoch + 1
+        return IteratorState(epoch=state.epoch, batch=state.batch + 1), state.epoch
+
+    def indices(self, state: IteratorState) -> np.ndarray:
+        """int [batch_size]: the rows' indices (in the rows given) of the batch drawn at
+        `state` (the state before it), e.g. to log which rows an update trained on."""
+        after, epoch = self._next_at(state)
+        order = self._order if epoch == self._state.epoch else self._epoch_order(epoch)
+        start = (after.batch - 1) * self._batch_size
+        return order[start : start + self._batch_size].copy()
+
     def __next__(self) -> list[RowT]:
-        epoch, batch = self._state.epoch, self._state.batch
-        if batch == self.batches_per_epoch:
-            epoch, batch = epoch + 1, 0
+        indices = self.indices(self._state)
+        after, epoch = self._next_at(self._state)
+        if epoch != self._state.epoch:
             self._order = self._epoch_order(epoch)
-        start = batch * self._batch_size
-        indices = self._order[start : start + self._batch_size]
-        self._state = IteratorState(epoch=epoch, batch=batch + 1)
+        self._state = after
         return [self._rows[i] for i in indices]

@@ -178,6 +178,7 @@ class LocalSource:
             before = self.rows.state()
             batch = prompt_batch(next(self.rows), self.job.tokenizer, r.max_prompt_len,
                                  r.group_size)
+            batch[loop.ROWS] = self.rows.indices(before)  # logged by the update that trains it
             worker.start(self.next_index, batch, before, self.now())
             self.next_index += 1
         elif gen_can_work:

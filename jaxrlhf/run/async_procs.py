@@ -282,6 +282,7 @@ class RemoteSource:
         r = self.spec.rollout
         batch = prompt_batch(next(self.rows), self.job.tokenizer, r.max_prompt_len,
                              r.group_size)
+        batch[loop.ROWS] = self.rows.indices(before)  # logged by the update that trains it
         self._order(replica, {"kind": "gen", "index": index, "iterator": before.to_dict()})
         self.queued[replica - 1] += 1
         self.outstanding[index] = _Order(index, replica, version + self.eta, batch)

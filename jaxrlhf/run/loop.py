@@ -12,8 +12,8 @@ The loop owns, once for every run:
                traceback (`STOPS`);
   checkpoints  on the `checkpoint.every` cadence, when stopped, and at the end;
   evaluation   the periodic held-out evaluation of RL runs (`eval.every`), between updates;
-  metrics      an update's record (its figures, the source's, throughput, `nan_skipped`)
-               written under the update's number, the progress bar, and the result the
+  metrics      an update's record (its figures, the source's, throughput, `nan_skipped`,
+               the data rows it trained on) written under the update's number, the progress bar, and the result the
                job's summary line reports (`LoopResult`).
 
 A source (`Source`) only schedules: it makes the next update from batches of its own, through
@@ -49,6 +49,10 @@ from jaxrlhf.run.guards import NanGuard, StopRequest
 from jaxrlhf.run.runner import Runner, StepResult
 
 Train = Callable[[dict], tuple[StepResult, bool]]  # batch -> (its step's figures, discarded)
+
+# A batch's key: its rows' indices in the training data (`EpochIterator.indices`), which every
+# source adds where it draws the batch; the update that trains the batch logs them (`rows`).
+ROWS = "data_rows_b"
 
 
 @dataclasses.dataclass
@@ -221,9 +225,12 @@ def _stops_named(what: str, runner: Runner, checkpoints: checkpoint.Checkpointer
 
 
 def _record(job: Job, runner: Runner, update: Update, held_out: HeldOut | None) -> dict:
-    """An update's metrics: the step's figures, the source's, `nan_skipped`; an RL update's
-    throughput and, every `eval.every` updates, the held-out evaluation (eval/*)."""
+    """An update's metrics: the step's figures, the source's, `nan_skipped`, the rows it trained
+    on (`rows`, where its batch says: `ROWS`); an RL update's throughput and, every
+    `eval.every` updates, the held-out evaluation (eval/*)."""
     record = {**update.result.metrics, **update.figures}
+    if ROWS in update.result.buffer:
+        record["rows"] = [int(i) for i in update.result.buffer[ROWS]]
     if update.skipped:
         record["nan_skipped"] = 1.0
     if job.spec.algorithm.offline:

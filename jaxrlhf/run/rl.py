@@ -121,8 +121,9 @@ class StepSource:
         if jax.process_count() == 1:
             self.runner.abandon = lambda: stop.requested
         before = self.rows.state()
+        batch = {**encode(self.job, next(self.rows)), loop.ROWS: self.rows.indices(before)}
         try:
-            result, skipped = train(encode(self.job, next(self.rows)))
+            result, skipped = train(batch)
         except Abandoned:
             self.rows.restore(before)
             print(f"{loop.name(self.job)} step {step} abandoned (its environment calls "
