@@ -3,7 +3,9 @@ a batch's trajectories stream through the rollout scheduler, each turn under the
 weights; every policy token records the version that sampled it, so a trajectory may span
 versions; with no new weights a batch is what the synchronous rollout gives."""
 
+import dataclasses
 import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ from jaxrlhf.run.rollout_worker import RolloutWorker
 from tests.test_multiturn import EarlyStops
 
 TWO_TURNS = f"{pathlib.Path(__file__).parent / 'fixtures/envs.py'}:TwoTurns"
+MISBEHAVING = f"{pathlib.Path(__file__).parent / 'fixtures/envs.py'}:Misbehaving"
 P, N, TURNS, SEED = 8, 48, 3, 7
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in
         [(12, 34), (5, 6), (70, 8), (1, 99)]]
@@ -98,3 +101,30 @@ def test_a_trajectory_spans_the_versions_that_sampled_its_turns(setup):
     staleness_bn = got.staleness_bn(last)
     assert staleness_bn[policy_bn].max() == last - versions_bn[policy_bn].min()
     assert (staleness_bn[~policy_bn] == -1).all()
+
+
+def test_a_stop_does_not_wait_for_a_slow_environment_and_drop_cancels_its_calls(setup):
+    """A worker whose batch waits for an environment that hangs (one worker in the pool, a
+    60 s timeout): a step told to stop returns at once, and dropping the batch cancels its calls, so
+    the pool closes without finishing them."""
+    config, layout, generator, params, env = setup
+    (gen,) = [m for m in multiturn.mfcs() if m.name == "actor_gen"]
+    t0 = time.monotonic()
+    with EnvPool(MISBEHAVING, num_workers=1, timeout_s=60.0) as pool:
+        slow = dataclasses.replace(env, pool=pool)
+        worker = RolloutWorker(gen, generator.rollout_engine(P + N, len(ROWS)), layout, config,
+                               SEED, chunk_tokens=2, env=slow)
+        worker.install(params, 0)
+        batch = {"prompt_text": [r["prompt"] for r in ROWS], "answer": ["hang"] * len(ROWS)}
+        worker.start(0, batch, "before", 0.0)
+        turns, scheduler = worker._batches[0].turns, worker._scheduler
+        while turns.trajectories is None or scheduler.in_slots or scheduler.queued:
+            assert worker.step(lambda: 1.0) == []  # until every row waits for the environment
+        waited = time.monotonic()
+        assert worker.step(lambda: 1.0, stop=lambda: True) == []
+        stopped = time.monotonic() - waited
+        assert worker.drop() == (0, "before") and not worker.busy
+    closed = time.monotonic() - waited
+    print(f"step told to stop returned in {stopped:.3f} s; pool closed {closed:.1f} s after "
+          f"({time.monotonic() - t0:.1f} s in all)")
+    assert stopped < 1.0 and closed < 10.0, (stopped, closed)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -149,12 +150,13 @@ class LocalSource:
             if stop.requested and self.pending is None:
                 self.stop_now(stop)
                 return None
-            update = self._advance(train)
+            update = self._advance(train, lambda: stop.requested)
             if update is not None:
                 return update
 
-    def _advance(self, train: loop.Train) -> loop.Update | None:
-        """One scheduling decision: collect the update, start one, admit a batch or decode."""
+    def _advance(self, train: loop.Train, stop: Callable[[], bool]) -> loop.Update | None:
+        """One scheduling decision: collect the update, start one, admit a batch or decode
+        (a wait for the environment ends when `stop()` says so)."""
         trained, worker = self.version, self.worker
         limit = drain_limit(trained, self.job.spec.steps, self.job.spec.checkpoint.every)
         can_start = self.next_index < limit and async_steps.may_start(
@@ -182,7 +184,7 @@ class LocalSource:
             worker.start(self.next_index, batch, before, self.now())
             self.next_index += 1
         elif gen_can_work:
-            self.ready.update((g.index, g) for g in worker.step(self.now))
+            self.ready.update((g.index, g) for g in worker.step(self.now, stop))
         elif self.pending is None:
             raise AssertionError(f"async loop stalled at step {trained}: nothing to generate "
                                  "or train")

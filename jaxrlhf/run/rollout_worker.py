@@ -180,13 +180,16 @@ class RolloutWorker:
         outputs = [None] * 5  # Rows fields, allocated from the first finished row
         self._batches[index] = _Batch(batch, iterator_before, now, outputs, len(tokens_bp))
 
-    def step(self, now) -> list[Generated]:
+    def step(self, now, stop: Callable[[], bool] | None = None) -> list[Generated]:
         """Fills free slots, decodes one chunk with the newest weights (after new ones, the
         busy rows go on, restart or finish as `on_new_version` says); the batches whose last
-        row finished (possibly several, in any order)."""
+        row finished (possibly several, in any order). With nothing to decode but
+        environment replies on their way, it waits for one, or until `stop()` says to stop
+        (then nothing is decoded)."""
         t0 = time.perf_counter()
         try:
-            finished, interrupted, restarted = self._scheduler.step(self.params, self.version)
+            finished, interrupted, restarted = self._scheduler.step(self.params, self.version,
+                                                                    stop)
             for index in {request.tag[0] for request in interrupted}:
                 self._batches[index].interruptions += 1
             for request in restarted:

@@ -287,7 +287,7 @@ class Scheduler:
     def step(self, params, version: int, stop: Callable[[], bool] | None = None) -> Stepped:
         """One round under `params` (of policy `version`, taking effect as `on_new_version`
         says); every finished row is read out. With nothing to decode but continuations on
-        their way, it first waits for one."""
+        their way, it first waits for one, or until `stop()` says to stop."""
         if self._later and not self._queue and not self._live():
             wait_any((later for later, _ in self._later), stop)
         params, version, interrupted, restarted = self._weights(params, version)
