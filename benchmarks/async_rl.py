@@ -1,8 +1,8 @@
 """Asynchronous vs synchronous RL: trained tokens/s on a long-tailed response-length workload.
 
 `python benchmarks/async_rl.py [--steps=14] [--warmup=4] [--rounds=1] [--etas=2,4] [--mp_etas=2]
-[--gen_replicas=1] [--stop_ids=12] [--algorithm=ppo] [--sync_placement=colocate]
-[--async_placement=disaggregate] [--devices=8]`
+[--modes=continue] [--sync=1] [--gen_replicas=1] [--stop_ids=12] [--algorithm=ppo]
+[--sync_placement=colocate] [--async_placement=disaggregate] [--devices=8]`
 (from the repository root or anywhere else; no PYTHONPATH needed)
 
 Runs, one after the other, in one process each, the synchronous loop (colocated, the default
@@ -18,6 +18,16 @@ probability ≈ stop_ids/272, so response lengths are geometric (mean ≈ 272/st
 at `--max_new_tokens` (128): long-tailed, from a few tokens to the cap. A synchronous step
 waits for its longest response. The learning rate is tiny so the length distribution stays
 put while the runs are compared.
+
+Partial rollouts: `--modes=continue,restart,finish` runs each single-process η once per
+`async_rl.on_new_version` (what a row still decoding does when new weights come: its cache
+recomputed, aborted and decoded anew, or finished under the old weights while new rows wait)
+and reports each run's useful tokens/s (the trained tokens/s: a restarted row's discarded
+tokens count for nothing), the rows restarted and tokens discarded over the whole run, and the
+useful share of the tokens sampled (`useful_share`: trained response tokens over those plus the
+discarded ones); the summary's `useful_tokens_per_second` and `useful_vs_continue` put the modes
+side by side. `continue` and `finish` discard no row. `--sync=0` leaves the synchronous run out
+(and the ratios to it).
 
 Trained tokens/s (steady state) = the mean prompt + response tokens of a step / the median wall
 time between the ends of consecutive steps, over steps warmup..steps-1 (compiles are in the
@@ -104,7 +114,7 @@ class Clocked:
         self.steps[step] = (time.perf_counter(), dict(metrics))
 
 
-def config(args, eta: int, gen_replicas: int = 1):
+def config(args, eta: int, gen_replicas: int = 1, mode: str = "continue"):
     c = base_config()
     c.algorithm = args.algorithm
     c.steps = args.steps
@@ -115,14 +125,14 @@ def config(args, eta: int, gen_replicas: int = 1):
     c.optimizer.actor.lr = c.optimizer.critic.lr = 1e-6
     c.checkpoint.update(every=0, async_save=False)
     c.reward.workers = 1
-    c.async_rl.update(max_staleness=eta, chunk_tokens=args.chunk_tokens)
+    c.async_rl.update(max_staleness=eta, chunk_tokens=args.chunk_tokens, on_new_version=mode)
     c.placement.kind = args.async_placement if eta else args.sync_placement
     c.placement.gen_replicas = gen_replicas
     return c
 
 
-def run(args, eta: int, workdir: str, gen_replicas: int = 1) -> dict:
-    job = check_config(config(args, eta, gen_replicas), workdir)
+def run(args, eta: int, workdir: str, gen_replicas: int = 1, mode: str = "continue") -> dict:
+    job = check_config(config(args, eta, gen_replicas, mode), workdir)
     stops = tuple(range(ord("a"), ord("a") + args.stop_ids - 1))
     job = dataclasses.replace(job, tokenizer=LongTailTokenizer(extra_stops=stops))
     spec = job.spec
@@ -159,6 +169,14 @@ def run(args, eta: int, workdir: str, gen_replicas: int = 1) -> dict:
            "staleness_max": max(sink.steps[s][1].get("async/staleness_max", 0.0)
                                 for s in measured)}
     if eta:
+        out["on_new_version"] = mode
+        out["useful_tokens_per_second"] = out["tokens_per_second"]  # trained tokens only
+        every = lambda key: sum(sink.steps[s][1].get(key, 0.0) for s in range(args.steps))
+        out["restarted_rows"] = int(every("async/restarted_rows"))
+        out["discarded_tokens"] = int(every("async/discarded_tokens"))
+        trained = sum(sink.steps[s][1]["actor/response_length"] for s in range(args.steps))
+        trained *= spec.rollout.rows
+        out["useful_share"] = trained / (trained + out["discarded_tokens"])
         # Busy fractions over the whole window (total busy / total time): a replica reports its
         # busy seconds when it sends a batch, so one step's window can read above 1.
         for side in ("gen", "train"):
@@ -262,6 +280,11 @@ def parse(argv):
                         help="colocate: one device (a single GPU) serves both workers")
     parser.add_argument("--mp_etas", default="2",
                         help="η of the multi-process runs (trainer + replicas); empty: none")
+    parser.add_argument("--modes", default="continue",
+                        help="async_rl.on_new_version of the single-process asynchronous runs, "
+                             "each η run once per mode: continue, restart, finish")
+    parser.add_argument("--sync", type=int, default=1,
+                        help="0: skip the synchronous run (no ratios to it)")
     parser.add_argument("--gen_replicas", type=int, default=1)
     parser.add_argument("--single_process", type=int, default=1,
                         help="0: skip the single-process asynchronous runs")
@@ -279,23 +302,27 @@ def main(argv=None) -> None:
     if not 1 <= args.warmup < args.steps:
         sys.exit("need 1 <= --warmup < --steps")
     etas = [int(e) for e in args.etas.split(",") if e] if args.single_process else []
+    modes = [m for m in args.modes.split(",") if m]
     results, ratios, steady = [], {}, {}
     name = lambda r: f"eta={r['eta']}" + (f",processes={r['processes']}"
-                                          if r["processes"] > 1 else "")
+                                          if r["processes"] > 1 else "") + (
+        f",{r['on_new_version']}" if len(modes) > 1 and r["eta"] else "")
     # Rounds alternate the synchronous and asynchronous runs: a machine whose load changes
     # (other jobs on the same cores) shows as spread between rounds, not as a false ratio.
     for _ in range(args.rounds):
         first = len(results)
-        for eta in [0] + etas:
+        runs = [(0, "continue")] * bool(args.sync) + [(e, m) for e in etas for m in modes]
+        for eta, mode in runs:
             with tempfile.TemporaryDirectory(prefix="async-bench-") as workdir:
-                results.append(run(args, eta, workdir))
+                results.append(run(args, eta, workdir, mode=mode))
             print(results[-1], flush=True)
-        for r in results[first + 1:]:
+        for r in results[first + 1:] if args.sync else ():
             ratios.setdefault(name(r), []).append(
                 r["tokens_per_second"] / results[first]["tokens_per_second"])
             steady.setdefault(name(r), []).append(
                 r["tokens_per_second_steady"] / results[first]["tokens_per_second_steady"])
-    sync = float(np.median([r["tokens_per_second"] for r in results if not r["eta"]]))
+    sync = float(np.median([r["tokens_per_second"] for r in results if not r["eta"]]
+                           or [np.nan]))
     for eta in [int(e) for e in args.mp_etas.split(",") if e]:
         results.append(multi_process(args, eta, argv))
         print(results[-1], flush=True)
@@ -304,6 +331,20 @@ def main(argv=None) -> None:
                "runs": results,
                "ratio_vs_sync": {k: float(np.median(v)) for k, v in ratios.items()},
                "ratio_vs_sync_steady": {k: float(np.median(v)) for k, v in steady.items()}}
+    if len(modes) > 1:  # partial rollouts: the modes side by side
+        useful = {}
+        for r in results:
+            if r["eta"] and r["processes"] == 1:
+                useful.setdefault(name(r), []).append(r["useful_tokens_per_second"])
+        summary["useful_tokens_per_second"] = {k: float(np.median(v)) for k, v in useful.items()}
+        summary["useful_vs_continue"] = {
+            k: float(np.median(v)) / summary["useful_tokens_per_second"][
+                k.rsplit(",", 1)[0] + ",continue"]
+            for k, v in useful.items() if "continue" in modes}
+        summary["discarded_rows"] = {}  # over each whole run, round by round
+        for r in results:
+            if r["eta"] and r["processes"] == 1:
+                summary["discarded_rows"].setdefault(name(r), []).append(r["restarted_rows"])
     if args.rounds > 1:
         summary["ratio_rounds"] = ratios
         summary["ratio_rounds_steady"] = steady
