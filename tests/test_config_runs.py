@@ -5,7 +5,8 @@ graph, placement and code path as the full config, 2 steps) through the run stac
 
 Where the other configs run: ppo_tiny's full run in tests/test_entry_train.py, ppo_7b:smoke and
 ppo_70b:smoke in tests/test_big_configs.py, sft_tiny, dpo_tiny and rw_tiny's smoke runs in
-tests/test_offline_resume.py. The learning runs of these algorithms are slow-marked
+tests/test_offline_resume.py, cispo_tiny's in tests/test_cispo.py; the RLHF pipeline's three
+stages here, in order, each from the previous stage's export. The learning runs of these algorithms are slow-marked
 (tests/test_entry_algorithms.py). The runs share the test session's persistent compilation cache
 (tests/conftest.py): programs such as the warm start's and the evaluation's are the same across
 the tiny configs.
@@ -25,6 +26,12 @@ RUNS = {
     "grpo_tiny": ("actor/loss", "actor/kl"),
     "remax_tiny": ("actor/loss",),
     "safe_rlhf_tiny": ("actor/loss", "critic/loss", "actor/cost", "actor/lambda"),
+    "rloo_tiny": ("actor/loss",),
+    "reinforce_pp_tiny": ("actor/loss",),
+    "dapo_tiny": ("actor/loss", "actor/informative_group_frac"),
+    "gspo_tiny": ("actor/loss",),
+    "tool_math_tiny": ("actor/loss", "actor/turns", "actor/tool_error_rate"),
+    "multiturn_tiny": ("actor/loss", "actor/turns", "actor/tool_error_rate"),
     "grpo_bench_cpu": ("actor/loss", "actor/kl"),
 }
 
@@ -44,3 +51,27 @@ def test_shipped_config_runs_its_smoke_variant(name, tmp_path):
             assert math.isfinite(record[key]), (name, key, record.get(key))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [
         "2"]
+
+
+def test_rlhf_stages_run_their_smoke_variants_in_order(tmp_path):
+    """configs/rlhf_{sft,rw,ppo}_tiny.py:smoke as their docstring runs them: SFT, its export,
+    the reward model from the SFT trunk, its export, PPO from both."""
+    from jaxrlhf import export
+    from jaxrlhf.mfc import Role
+
+    def stage(name: str, **paths):
+        config = importlib.import_module(f"jaxrlhf.configs.{name}").get_config("smoke")
+        for role, path in paths.items():
+            config.models[role].path = str(path)
+        summary = rl.run(check_config(config, str(tmp_path / name)))
+        assert summary["steps"] == 2 and not summary["interrupted"], (name, summary)
+        return summary
+
+    stage("rlhf_sft_tiny")
+    export.export(tmp_path / "rlhf_sft_tiny", tmp_path / "sft_hf")
+    stage("rlhf_rw_tiny", actor=tmp_path / "sft_hf")
+    export.export(tmp_path / "rlhf_rw_tiny", tmp_path / "rm_hf", Role.REWARD)
+    summary = stage("rlhf_ppo_tiny", actor=tmp_path / "sft_hf", reward=tmp_path / "rm_hf")
+    records = [json.loads(line) for line in
+               (tmp_path / "rlhf_ppo_tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward" in r] == [0, 1], summary
