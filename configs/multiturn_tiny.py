@@ -20,6 +20,7 @@ the environment's). Run as `python -m jaxrlhf.train --config=configs/multiturn_t
 """
 
 from jaxrlhf.configs import tool_math_tiny
+from jaxrlhf.schema import base_config
 
 
 def get_config(arg=None):
@@ -27,6 +28,9 @@ def get_config(arg=None):
     config = tool_math_tiny.get_config(arg)
     config.env.name = "lookup"
     config.data.task.kind = "lookup"
+    # tool_math_tiny's digits back to the default: the lookup task has none, and a key set
+    # but unread is refused
+    config.data.task.num_digits = base_config().data.task.num_digits
     # sft_noise 0.6: demonstrations that stop after one question.
     if arg is None:
         config.warm_start.sft_steps = 1200  # reading the value: in 40% of the demonstrations only

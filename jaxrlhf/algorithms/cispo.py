@@ -28,7 +28,7 @@ from jaxrlhf.algorithms import advantages as adv_lib
 from jaxrlhf.algorithms import losses
 from jaxrlhf.algorithms.registry import Built, Registration, Request, Section
 from jaxrlhf.algorithms.spec import (
-    GEN_KEYS, PROMPT_KEYS, SEQ_KEYS, Algorithm, Metric, TrainSpec, model_inputs, policy_readout,
+    GEN_KEYS, PPO_UPDATES, PROMPT_KEYS, SEQ_KEYS, Algorithm, Metric, TrainSpec, model_inputs, policy_readout,
     response_policy,
 )
 from jaxrlhf.mfc import MFC, Call, Role
@@ -155,4 +155,4 @@ def _build(request: Request) -> Built:
     return Built(make(cfg, reward_model=request.reward_model))
 
 
-ALGORITHMS = (Registration("cispo", _build, sections=(SECTION,), reads=("ppo",)),)
+ALGORITHMS = (Registration("cispo", _build, sections=(SECTION,), reads=PPO_UPDATES),)

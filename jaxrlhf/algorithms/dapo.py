@@ -34,7 +34,7 @@ from jaxrlhf.algorithms.registry import (
     Built, Capability, Registration, Request, Section, from_section,
 )
 from jaxrlhf.algorithms.spec import (
-    GEN_KEYS, PROMPT_KEYS, SEQ_KEYS,
+    GEN_KEYS, PPO_CLIP, PPO_UPDATES, PROMPT_KEYS, SEQ_KEYS,
     Algorithm, Metric, Proximal, TrainSpec, model_inputs, clipped_surrogate, policy_readout,
 )
 from jaxrlhf.mfc import MFC, Call, Role
@@ -219,5 +219,5 @@ def _build(request: Request) -> Built:
                  functools.partial(actor_loss, cfg))
 
 
-ALGORITHMS = (Registration("dapo", _build, sections=(SECTION,), reads=("ppo",),
+ALGORITHMS = (Registration("dapo", _build, sections=(SECTION,), reads=(*PPO_UPDATES, *PPO_CLIP),
                            capabilities=frozenset({Capability.MISMATCH_CORRECTION})),)

@@ -25,7 +25,7 @@ from jaxrlhf.algorithms.registry import (
     Built, Capability, Registration, Request, Section, from_section,
 )
 from jaxrlhf.algorithms.spec import (
-    GEN_KEYS, PROMPT_KEYS, SEQ_KEYS, Algorithm, Proximal, TrainSpec, model_inputs,
+    GEN_KEYS, PPO_CLIP, PPO_UPDATES, PROMPT_KEYS, SEQ_KEYS, Algorithm, Proximal, TrainSpec, model_inputs,
     policy_readout, response_policy,
 )
 from jaxrlhf.mfc import MFC, Call, Role
@@ -167,6 +167,6 @@ def _build(request: Request) -> Built:
 
 
 ALGORITHMS = (Registration(
-    "grpo", _build, sections=(SECTION,), reads=("ppo",),
+    "grpo", _build, sections=(SECTION,), reads=(*PPO_UPDATES, *PPO_CLIP),
     capabilities=frozenset({Capability.MULTITURN, Capability.ASYNC,
                             Capability.MISMATCH_CORRECTION})),)

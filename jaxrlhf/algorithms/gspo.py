@@ -32,7 +32,9 @@ from jaxrlhf.algorithms.losses import LossOutput
 from jaxrlhf.algorithms.registry import (
     Built, Capability, Registration, Request, Section, from_section,
 )
-from jaxrlhf.algorithms.spec import Algorithm, Proximal, response_policy
+from jaxrlhf.algorithms.spec import (
+    PPO_CLIP, PPO_UPDATES, Algorithm, Proximal, response_policy,
+)
 from jaxrlhf.mfc import Role
 from jaxrlhf.schema import field
 
@@ -144,5 +146,6 @@ def _build(request: Request) -> Built:
     return Built(make(cfg, reward_model=request.reward_model), functools.partial(actor_loss, cfg))
 
 
-ALGORITHMS = (Registration("gspo", _build, sections=(SECTION,), reads=("ppo", "grpo"),
+ALGORITHMS = (Registration("gspo", _build, sections=(SECTION,),
+                           reads=(*PPO_UPDATES, *PPO_CLIP, "grpo"),
                            capabilities=frozenset({Capability.MISMATCH_CORRECTION})),)

@@ -98,7 +98,8 @@ class Registration:
       build: the config (a `Request`) -> its graph and losses.
       sections: the config sections it owns.
       reads: sections owned elsewhere (another algorithm's, or the schema's shared `ppo`) that
-        its build reads.
+        its build reads, or their keys ("ppo.clip_eps") where it reads some of a section only:
+        the run refuses the others when set (`jaxrlhf/run/unread.py`).
       capabilities: what it runs beyond single-turn synchronous steps.
     """
 
@@ -110,9 +111,20 @@ class Registration:
 
     @property
     def reads_sections(self) -> tuple[str, ...]:
-        """Every config section its build reads besides the shared ones: its own, then
-        `reads`."""
-        return tuple(s.name for s in self.sections) + self.reads
+        """Every config section its build reads (some keys of, for a key of `reads`) besides
+        the shared ones: its own, then those of `reads`."""
+        own = tuple(s.name for s in self.sections)
+        return own + tuple(dict.fromkeys(_section_of(entry) for entry in self.reads))
+
+    def reads_key(self, key: str) -> bool:
+        """Whether its build reads dotted config key `key` of a section in `reads_sections`."""
+        return (_section_of(key) in (*(s.name for s in self.sections), *self.reads)
+                or key in self.reads)
+
+
+def _section_of(key: str) -> str:
+    """The section of a dotted key (algorithms' sections are top-level: "ppo.clip_eps" -> "ppo")."""
+    return key.split(".", 1)[0]
 
 
 @functools.cache
@@ -149,8 +161,13 @@ def sections() -> tuple[Section, ...]:
 
 
 def readers(section: str) -> tuple[str, ...]:
-    """The names of the algorithms that read `section`."""
+    """The names of the algorithms that read `section` (some of its keys, at least)."""
     return tuple(r.name for r in registered() if section in r.reads_sections)
+
+
+def key_readers(key: str) -> tuple[str, ...]:
+    """The names of the algorithms that read dotted key `key`."""
+    return tuple(r.name for r in registered() if r.reads_key(key))
 
 
 def from_section(cls, section, **typed):

@@ -36,7 +36,7 @@ from jaxrlhf.algorithms.registry import (
     Built, Capability, Registration, Request, from_section,
 )
 from jaxrlhf.algorithms.spec import (
-    Algorithm, Proximal, TrainSpec, model_inputs, clipped_surrogate, policy_readout,
+    PPO_CLIP, PPO_KL_PENALTY, PPO_UPDATES, Algorithm, Proximal, TrainSpec, model_inputs, clipped_surrogate, policy_readout,
 )
 from jaxrlhf.mfc import Role
 
@@ -151,6 +151,6 @@ def _builder(baseline: Baseline):
 
 
 ALGORITHMS = tuple(
-    Registration(b.value, _builder(b), reads=("ppo",),
+    Registration(b.value, _builder(b), reads=(*PPO_UPDATES, *PPO_CLIP, *PPO_KL_PENALTY),
                  capabilities=frozenset({Capability.MISMATCH_CORRECTION}))
     for b in Baseline)

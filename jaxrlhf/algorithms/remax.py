@@ -23,7 +23,8 @@ from jaxrlhf.algorithms import kl as kl_lib
 from jaxrlhf.algorithms import losses, ppo
 from jaxrlhf.algorithms.registry import Built, Registration, Request, from_section
 from jaxrlhf.algorithms.spec import (
-    GEN_KEYS, PROMPT_KEYS, SEQ_KEYS, Algorithm, TrainSpec, clipped_surrogate, model_inputs, policy_readout,
+    GEN_KEYS, PPO_CLIP, PPO_KL_PENALTY, PPO_UPDATES, PROMPT_KEYS, SEQ_KEYS, Algorithm, TrainSpec,
+    clipped_surrogate, model_inputs, policy_readout,
 )
 from jaxrlhf.mfc import MFC, Call, Role
 
@@ -125,4 +126,4 @@ def _build(request: Request) -> Built:  # PPO's settings, those of them ReMax ha
     return Built(make(cfg, reward_model=request.reward_model, batch_size=request.rows))
 
 
-ALGORITHMS = (Registration("remax", _build, reads=("ppo",)),)
+ALGORITHMS = (Registration("remax", _build, reads=(*PPO_UPDATES, *PPO_CLIP, *PPO_KL_PENALTY)),)

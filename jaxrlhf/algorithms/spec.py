@@ -26,6 +26,13 @@ Batch = dict[str, jax.Array]
 PROMPT_KEYS = ("prompt_tokens_bp", "prompt_mask_bp")
 GEN_KEYS = ("seq_tokens_bs", "seq_mask_bs", "response_mask_bn", "behav_logp_bn")
 SEQ_KEYS = ("seq_tokens_bs", "seq_mask_bs", "response_mask_bn")
+# The shared `ppo` section's keys by the part of PPO that reads them; an algorithm that reads
+# only some parts names them in its `Registration.reads` (PPO and Safe-RLHF read all of `ppo`),
+# so a key it never reads is refused when set (`jaxrlhf/run/unread.py`).
+PPO_UPDATES = ("ppo.mini_batches", "ppo.epochs", "ppo.tis_cap")  # updates per step, TIS
+PPO_CLIP = ("ppo.clip_eps", "ppo.entropy_coef")  # the clipped surrogate's ε and entropy bonus
+PPO_KL_PENALTY = ("ppo.kl_coef", "ppo.kl_adaptive", "ppo.kl_target", "ppo.kl_horizon")  # β
+# GAE (gamma, lam, value_clip, whiten_advantages) and kl_in_reward: a critic's algorithms only
 # (the model's per-token readout of the batch, batch) -> (loss_sum, weight, stats); see
 # jaxrlhf.engine.train_step.
 LossFn = Callable[[InferenceOutput, Batch], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]

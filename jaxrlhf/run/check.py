@@ -1,15 +1,15 @@
 """A config checked end to end, once, before anything compiles: a `Job`.
 
-`check_config(config, workdir)` builds the run spec (`jaxrlhf.spec.run_spec`), locks the
-workdir for this run (`run/lock.py`), refuses keys the run does not read, loads the tokenizer
-(not the byte tokenizer beside a model that brought its own), checks the reward functions,
-model directories and vocabularies, resolves the placement (`placement.kind=auto` searches
-here, once) and holds it to what the rollout engine and an asynchronous run's processes can
-run, reads the run's data (a bad row of a user file is named by file:line), makes the warm
+`check_config(config, workdir)` builds the run spec (`jaxrlhf.spec.run_spec`), locks the workdir
+for this run (`run/lock.py`), refuses keys the run does not read (`run/unread.py`), loads the
+tokenizer (not the byte tokenizer beside a model that brought its own), checks the reward
+functions, model directories and vocabularies, resolves the placement (`placement.kind=auto`
+searches here, once) and holds it to what the rollout engine and an asynchronous run's processes
+can run, reads the run's data (a bad row of a user file is named by file:line), makes the warm
 start a job of its own, refuses checkpoints in the workdir that another run wrote, or, forced,
-that do not fit its models (`checkpoint.resume`), and points JAX's persistent compilation
-cache at `compile.cache_dir` (what the process compiles from then on is kept there, and loaded
-from there by the next run). The job then runs what was checked.
+that do not fit its models (`checkpoint.resume`), and points JAX's persistent compilation cache
+at `compile.cache_dir` (what the process compiles from then on is kept there, and loaded from
+there by the next run). The job then runs what was checked.
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ from jaxrlhf.data.rewards import NEEDS_ANSWER, resolve_reward
 from jaxrlhf.data.sources import Data, read_data, read_pairs
 from jaxrlhf.data.tokenizer import TOKENIZER_FILE, Tokenizer, check_vocab, load_tokenizer
 from jaxrlhf.dataflow.graph import build_graph
-from jaxrlhf.dataflow.placement import Placement
 from jaxrlhf.engine.microbatch import num_microbatches
 from jaxrlhf.fingerprint import run_fingerprint
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models import hf_io
-from jaxrlhf.run import lock, roles
+from jaxrlhf.run import lock, roles, unread
 from jaxrlhf.run.layouts import RunPlan, place, single
-from jaxrlhf.schema import ConfigError, base_config, field
+from jaxrlhf.schema import ConfigError, field
 from jaxrlhf.spec import RunSpec, run_spec
 
 
@@ -79,7 +78,7 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
         tempfile.NamedTemporaryFile(dir=workdir, prefix=".write-check-").close()
         if jax.process_index() == 0:  # one lock for a job (its processes share the workdir)
             lock.hold(workdir)
-    _check_ignored(config, spec)
+    unread.check(config, spec)
     with field("tokenizer"):
         if not spec.tokenizer:  # "" would read the current directory
             raise ConfigError('tokenizer: empty; set it to "byte" or to the Hugging Face '
@@ -213,80 +212,6 @@ def _check_positions(spec: RunSpec) -> None:
                 f"rollout.max_new_tokens={r.max_new_tokens}: with rollout.max_prompt_len="
                 f"{r.max_prompt_len} a sequence has {r.seq_len} tokens, more than the "
                 f"{limit} positions of models.{role.value} (max_position_embeddings)")
-
-
-_DEFAULT_SIZE = base_config().models.ref.size  # what a config that never set it has
-
-
-def _check_ignored(config: ConfigDict, spec: RunSpec) -> None:
-    """Refuses a key set to something the chosen placement or algorithm does not read: the
-    user meant it to change the run, and it would not."""
-    p, kind = config.placement, spec.placement.kind
-    ignored = [
-        (p.strategy and kind is not Placement.COLOCATE, f"placement.strategy={p.strategy!r}",
-         f"placement.kind={kind.value} ignores it (colocate reads it; manual: set each MFC's "
-         "strategy in placement.allocation)"),
-        (p.allocation and kind is not Placement.MANUAL, f"placement.allocation={p.allocation!r}",
-         f"placement.kind={kind.value} ignores it (it is read with placement.kind=manual)"),
-        (p.cluster and kind is not Placement.AUTO, f"placement.cluster={p.cluster!r}",
-         f"placement.kind={kind.value} ignores it (it is read with placement.kind=auto; set "
-         "placement.cluster= to clear it)"),
-        (config.micro_batch_tokens and config.micro_batches != 1,
-         f"micro_batches={config.micro_batches}", f"micro_batch_tokens="
-         f"{config.micro_batch_tokens} > 0 splits micro-batches by tokens instead"),
-        (Role.REF in spec.models and not config.models.ref.path
-         and config.models.ref.size not in (config.models.actor.size, _DEFAULT_SIZE),
-         f"models.ref.size={config.models.ref.size!r}", "without models.ref.path the reference "
-         f"is a copy of the actor (models.actor.size={config.models.actor.size!r})"),
-    ]
-    if spec.algorithm.offline:
-        ignored += [(config.eval[k], f"eval.{k}={config.eval[k]}",
-                     f"{spec.algorithm.name} evaluates before and after training only, greedily")
-                    for k in ("every", "samples")]
-    for set_, key, reason in ignored:
-        if set_:
-            raise ConfigError(f"{key}: {reason}")
-    _check_unread_sections(config, spec)
-
-
-def _changed(section: ConfigDict, default: ConfigDict, prefix: str) -> list[tuple[str, object]]:
-    """(dotted key, value) of every leaf of `section` that differs from `default`'s."""
-    out = []
-    for key, value in section.items():
-        if isinstance(value, ConfigDict):
-            out += _changed(value, default[key], f"{prefix}{key}.")
-        elif value != default[key]:
-            out.append((f"{prefix}{key}", value))
-    return out
-
-
-def _check_unread_sections(config: ConfigDict, spec: RunSpec) -> None:
-    """Refuses a key changed in a section this run never reads: another algorithm's settings,
-    the environment's without `env.name`, the model of a role the run does not have."""
-    base, name = base_config(), config.algorithm
-    reads = registry.lookup(name).reads_sections
-    unread = [(s.name, f"algorithm={name} does not read {s.name}.* (read by "
-                       f"{', '.join(registry.readers(s.name))})")
-              for s in registry.sections() if s.name not in reads]
-    if spec.env is None:
-        unread.append(("env", "env.name is empty (single-turn rollouts read no env.*)"))
-    a = config.async_rl
-    if a.behav_imp_weight_cap and not spec.async_rl.decoupled:  # the decoupled objective's cap
-        why = ("async_rl.max_staleness=0 (a synchronous run trains on its own samples)"
-               if not a.max_staleness else "async_rl.decoupled=False")
-        raise ConfigError(f"async_rl.behav_imp_weight_cap={a.behav_imp_weight_cap}: {why}")
-    for role in set(Role) - set(spec.models) - {Role.ACTOR}:
-        if role.value in config.models:
-            why = (f"{role.value}.kind={config[role.value].kind}" if role in spec.rewards
-                   else f"algorithm={name}")
-            unread.append((f"models.{role.value}", f"this run has no {role.value} model ({why})"))
-    for section, reason in unread:
-        node, default = config, base
-        for part in section.split("."):
-            node, default = node[part], default[part]
-        if changed := _changed(node, default, f"{section}."):
-            key, value = changed[0]
-            raise ConfigError(f"{key}={value!r}: {reason}")
 
 
 def _check_answers(job: Job) -> None:
