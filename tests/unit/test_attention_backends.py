@@ -129,7 +129,7 @@ def test_cudnn_bf16_matches_xla_on_gpu():
 def test_gpu_benchmark_script_runs_on_cpu(capsys, tmp_path):
     """benchmarks/gpu_kernels.py end to end at a tiny size (figures meaningless on CPU), its
     lines printed and its rows in --json_out."""
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     path = root / "benchmarks" / "gpu_kernels.py"
     module_spec = importlib.util.spec_from_file_location("gpu_kernels", path)
     bench = importlib.util.module_from_spec(module_spec)

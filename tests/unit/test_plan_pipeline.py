@@ -25,7 +25,7 @@ from jaxrlhf.plan.profile import profile_of
 from jaxrlhf.plan.search import PlanResult, SearchOptions, SearchReport, heuristic, search
 from jaxrlhf.spec import run_spec
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CLUSTER = Cluster(
     name="test_2x4", hosts=2, devices_per_host=4, hbm_bytes=10**9, peak_bf16_flops=1e12,
     hbm_bandwidth=1e11, intra_host_bandwidth=1e10, inter_host_bandwidth=1e9,
