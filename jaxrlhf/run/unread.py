@@ -48,7 +48,7 @@ FEATURES = (
     Feature("env", "env.name", lambda s: s.env is not None,
             "env.name is empty (single-turn rollouts read no env.*)"),
     Feature("async_rl", "async_rl.max_staleness", lambda s: s.async_rl.max_staleness > 0,
-            "async_rl.max_staleness=0 (a synchronous run trains on its own samples)"),
+            "async_rl.max_staleness=0 (the synchronous loop reads no async_rl.*)"),
     # the decoupled objective's cap (an asynchronous run without it trains PPO's objective)
     Feature("async_rl.behav_imp_weight_cap", "async_rl.decoupled",
             lambda s: s.async_rl.decoupled, "async_rl.decoupled=False"),
