@@ -99,6 +99,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrlhf import checkpoint  # noqa: E402
+from jaxrlhf.algorithms import registry  # noqa: E402
+from jaxrlhf.algorithms.registry import Capability  # noqa: E402
 from jaxrlhf.data import datasets  # noqa: E402
 from jaxrlhf.data.tokenizer import ByteTokenizer  # noqa: E402
 from jaxrlhf.run import async_loop, build, rl  # noqa: E402
@@ -135,10 +137,14 @@ def config(args, eta: int, gen_replicas: int = 1, mode: str = "continue"):
                      max_new_tokens=args.max_new_tokens)
     if args.algorithm == "grpo":
         c.rollout.update(batch_size=args.batch_size // 4, group_size=4)
-    c.optimizer.actor.lr = c.optimizer.critic.lr = 1e-6
+    c.optimizer.actor.lr = 1e-6
+    if Capability.CRITIC in registry.lookup(args.algorithm).capabilities:
+        c.optimizer.critic.lr = 1e-6  # (a key set but not read is refused)
     c.checkpoint.update(every=0, async_save=False)
     c.reward.workers = 1
-    c.async_rl.update(max_staleness=eta, chunk_tokens=args.chunk_tokens, on_new_version=mode)
+    c.async_rl.max_staleness = eta
+    if eta:  # the rollout workers' keys: a synchronous run reads neither
+        c.async_rl.update(chunk_tokens=args.chunk_tokens, on_new_version=mode)
     c.placement.kind = args.async_placement if eta else args.sync_placement
     c.placement.gen_replicas = gen_replicas
     return c

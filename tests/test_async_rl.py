@@ -50,7 +50,9 @@ def _config(algorithm="ppo", staleness=0, **placement):
     config.reward.workers = 1
     config.reward.function = (f"{pathlib.Path(__file__).parent / 'fixtures/reward_fns.py'}"
                               ":digit_count")
-    config.async_rl.update(max_staleness=staleness, chunk_tokens=2)
+    config.async_rl.max_staleness = staleness
+    if staleness:  # read by the rollout workers of an asynchronous run only (else refused)
+        config.async_rl.chunk_tokens = 2
     config.checkpoint.update(every=0, async_save=False)
     config.placement.update(placement)
     return config

@@ -56,9 +56,13 @@ def _config(algorithm: str, steps: int = 4):
     config.data.task.update(num_train=48, num_eval=8, num_sft=32)
     config.data.preference_holdout = 8
     # DPO and reward modelling start from a warm-started actor, as their tiny configs do.
-    config.warm_start.update(sft_steps=0 if algorithm == "sft" else 2, batch_size=8)
+    # (a key set but not read is refused: the warm start's batch with a warm start only, the
+    # reward model's optimizer where reward modelling trains one)
+    if algorithm != "sft":
+        config.warm_start.update(sft_steps=2, batch_size=8)
     config.checkpoint.update(every=2, keep=10)
-    config.optimizer.reward.lr = 1e-2  # 4 steps move the zero-initialised head measurably
+    if algorithm == "rw":
+        config.optimizer.reward.lr = 1e-2  # 4 steps move the zero-initialised head measurably
     return config
 
 

@@ -12,8 +12,9 @@ A refusal by the unread-key check of a key whose value did reach the spec would 
 the run reads, unless the spec only copies it (`COPIED`, each with where it is read).
 
 A value the oracle makes must be valid: every key must change the spec under at least one
-algorithm (with its feature switched on where the key belongs to a feature), or be named in
-`SKIPPED` with the reason it cannot be tried here.
+algorithm (with its feature switched on where the key belongs to a feature, `FEATURES`), or
+be named with the reason: in `READ_NOWHERE` (tried, and refused in every run) or `SKIPPED`
+(not tried here).
 """
 
 from __future__ import annotations
