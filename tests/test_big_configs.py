@@ -87,3 +87,17 @@ def test_smoke_variant_runs_the_big_graph(name, critic, dirs, tmp_path):
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len([r for r in rows if '"reward"' in r]) == 2
     assert np.isfinite(summary["seconds"])
+
+
+def test_qwen3_smoke_variant_runs_its_graph(dirs, tmp_path):
+    """grpo_qwen3_8b:smoke: GRPO with the math reward and a searched plan, from HF
+    directories of the actor and the reference, 2 steps on the CPU cluster file."""
+    full, config = load("grpo_qwen3_8b"), load("grpo_qwen3_8b", "smoke")
+    for role in ("actor", "ref"):
+        config.models[role].path = str(dirs["actor"])
+    assert (config.algorithm, config.reward.function, config.placement.kind) == (
+        full.algorithm, full.reward.function, full.placement.kind)
+    summary = rl.run(check_config(config, str(tmp_path)))
+    assert summary["steps"] == 2 and not summary["interrupted"], summary
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len([r for r in rows if '"reward"' in r]) == 2
