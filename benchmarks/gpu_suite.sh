@@ -156,7 +156,7 @@ if [[ $PRE_RC == 3 || ($DRY == 0 && ! -s $WORK/preflight.json) ]]; then
   # No GPU: 1B models on a CPU would only burn the budget.
   for name in "${NAMES[@]}"; do skip_step "$name" "preflight found no GPU"; done
 else
-  mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" tests/test_*.py)
+  mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" tests/test_*.py tests/unit/test_*.py)
   run_step tests 100 "$PY" -m pytest -p no:xdist -p no:cacheprovider -q -rs \
     -m "gpu and not devices" --junitxml="$WORK/tests.xml" "${GPU_TESTS[@]}"
   run_step kernels 150 "$PY" benchmarks/gpu_kernels.py "${SIZE[@]}" --cluster="$CLUSTER" \
