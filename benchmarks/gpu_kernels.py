@@ -22,7 +22,7 @@ probe), as in the papers:
 Weights of prefill/decode are stored in `--dtype` (a rollout engine's copy). Inputs are random
 tokens at full length (no padding), as ReaL measures. On CPU it runs end to end at a tiny
 size (`--size=tiny --dtype=float32 --cluster=meshes/cpu_8.py`): the figures then mean
-nothing, the point is that the script stays alive (tests/test_attention_backends.py).
+nothing, the point is that the script stays alive (tests/unit/test_attention_backends.py).
 
 It prints one line per measurement; `--json_out` also writes them as rows (`phase` = train,
 prefill, decode, attention or mismatch, with the attention asked for and what it ran as) beside the

@@ -2,7 +2,7 @@
 RLHF pipeline (SFT -> reward model -> PPO with the learned reward) run from its three configs.
 
 Each run is a subprocess on 8 virtual CPU devices with the shipped schedule (300 warm-start
-steps, 40 or 60 RL steps), about 3 minutes on 2 cores; the numerics are in tests/test_objectives.py.
+steps, 40 or 60 RL steps), about 3 minutes on 2 cores; the numerics are in tests/unit/test_objectives.py.
 `python -m pytest -q -m slow tests/test_entry_objectives.py` runs them.
 """
 

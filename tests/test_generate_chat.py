@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from hf_fixtures import make_tiny_hf_model
-from test_chat import CHATML_TEMPLATE, LLAMA3_TEMPLATE
+from tests.unit.test_chat import CHATML_TEMPLATE, LLAMA3_TEMPLATE
 
 N_NEW = 5
 PROMPT = "w7 w9 w11"

@@ -12,7 +12,7 @@ import pytest
 
 from jaxrlhf.data.math_reward import math_reward
 from jaxrlhf.data.rewards import RewardPool
-from tests.test_math_reward import TABLE
+from tests.unit.test_math_reward import TABLE
 
 # (completion, reference, reward): each equivalence, and a near miss beside it.
 EQUIVALENCES = [

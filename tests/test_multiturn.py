@@ -28,7 +28,7 @@ from jaxrlhf.mfc import Role
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.parallel.layout import init_params, make_layout
 from jaxrlhf.parallel.reshard import fetch, transfer
-from tests.test_chat import LLAMA3_TEMPLATE, CHATML_TEMPLATE, llama3_dir, qwen_dir
+from tests.unit.test_chat import LLAMA3_TEMPLATE, CHATML_TEMPLATE, llama3_dir, qwen_dir
 
 from tests.fixtures.envs import TwoTurns
 

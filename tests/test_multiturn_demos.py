@@ -11,7 +11,7 @@ from jaxrlhf.data.encode import sft_batch
 from jaxrlhf.data.environments import LookupEnv, ToolEnv
 from jaxrlhf.data.tokenizer import ByteTokenizer, HFTokenizer
 from jaxrlhf.data.transcript import Transcript
-from tests.test_chat import llama3_dir, qwen_dir
+from tests.unit.test_chat import llama3_dir, qwen_dir
 
 TURNS = ({"role": "assistant", "content": tasks.calculator_call("1+1")},
          {"role": "tool", "content": "2"},

@@ -304,7 +304,7 @@ def test_spread_plan_balances_the_ranks_tokens(micro, shards):
 def test_spread_train_step_equals_padded():
     """A train step on two data-parallel devices whose shards' own rows would need 8 packed
     rows takes the spread plan (6) and updates as the padded rows do (within 1e-5)."""
-    from test_token_microbatch import _batch, sequence_nll
+    from tests.unit.test_token_microbatch import _batch, sequence_nll
 
     from jaxrlhf.engine import optimizer as opt
     from jaxrlhf.parallel.layout import make_layout
@@ -336,7 +336,7 @@ def test_spread_inference_equals_padded():
     rows needs 8 packed rows, the fuller rank holding 1.42x the mean tokens; the call deals the
     sequences over the shards instead (6 rows, both ranks within 2% of the mean) and gives the
     padded rows' log-probs and entropies (within 1e-5)."""
-    from test_token_microbatch import _batch
+    from tests.unit.test_token_microbatch import _batch
 
     from jaxrlhf.engine.inference import InferenceConfig, InferenceKind, make_inference_fn
     from jaxrlhf.parallel.layout import make_layout

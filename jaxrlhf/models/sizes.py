@@ -62,7 +62,7 @@ SIZES: dict[str, ModelConfig] = {
         **_LLAMA3,
     ),
     # Released checkpoints (shapes from their HF config.json; counts checked in
-    # tests/test_sizes.py against the published safetensors totals).
+    # tests/unit/test_sizes.py against the published safetensors totals).
     "qwen2.5-0.5b": ModelConfig(
         hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
         tie_word_embeddings=True, **_QWEN2,

@@ -172,7 +172,7 @@ def gradient_bytes(p: ModelProfile, choice: CallChoice, tensor: int, stages: int
     k > 1; a pipeline streams all k through one backward pass) the fp32 accumulator too; and
     the optimizer's update as it is formed, of which XLA keeps about half an fp32 tree live (2
     bytes: measured on CPU devices, fp32 and bf16 parameters, one and several micro-batches,
-    `tests/test_plan_memory_terms.py`). All whole over data parallelism: ZeRO-1 slices the
+    `tests/unit/test_plan_memory_terms.py`). All whole over data parallelism: ZeRO-1 slices the
     optimizer state, not the gradients (`parallel.zero` says why).
 
     With bf16 parameters and a pipeline that is 2 + 4 + 2 = 8 bytes, four times the
@@ -272,7 +272,7 @@ def _head_backward_bytes(p: ModelProfile, tokens: int, tensor: int) -> float:
     logits and their gradient (`_logit_bytes`), and the head weight's fp32 gradient twice (a
     micro-batch's or chunk's and the sum it is added to). The layers' gradients are not yet
     formed (`MemoryBreakdown.temporaries`). Measured on CPU devices against XLA
-    (`tests/test_plan_memory_terms.py`)."""
+    (`tests/unit/test_plan_memory_terms.py`)."""
     head = 2 * 4 * p.config.hidden_size * _sharded(p.out_dim, tensor)
     return _logit_bytes(p, tokens, tensor, 2) + (head if p.config.head is HeadKind.LM else 0)
 
