@@ -129,10 +129,15 @@ def spec_of(case: str) -> RunSpec:
     return run_spec(config)
 
 
+def priced(spec: RunSpec) -> Experiment:
+    """A run's experiment as ReaL's plans are priced: decoding across tokens (module
+    docstring)."""
+    return dataclasses.replace(spec.experiment(), decode=DecodeSchedule.ACROSS_TOKENS)
+
+
 def experiment_of(case: str) -> Experiment:
     """The case's experiment (see the module docstring)."""
-    experiment = spec_of(case).experiment()
-    return dataclasses.replace(experiment, decode=DecodeSchedule.ACROSS_TOKENS)
+    return priced(spec_of(case))
 
 
 def micro_batches(call: Call, row: Row) -> int:
@@ -289,7 +294,7 @@ def compile_70b(cluster_path: str) -> dict:
     cluster = load_cluster(cluster_path)
     devices = targets.topology_devices(cluster)
     spec = spec_of("70B+7B")
-    experiment = experiment_of("70B+7B")
+    experiment = priced(spec)
     result = {"cluster": cluster.name, "hbm_bytes": cluster.hbm_bytes, "plans": {}}
     for kind in ("searched", "heuristic"):
         print(f"\n== ReaL's 70B+7B {kind} plan on {cluster.name} ==", flush=True)
