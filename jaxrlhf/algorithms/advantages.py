@@ -279,3 +279,15 @@ def lagrangian_advantages(
     lam = jnp.exp(jax.lax.stop_gradient(jnp.asarray(log_lambda, jnp.float32)))
     combined_bn = (reward_advantages_bn - lam * cost_advantages_bn) / (1.0 + lam)
     return jnp.where(_valid(mask_bn), combined_bn, 0.0)
+
+
+def check_group_size(algorithm: str, group_size: int) -> None:
+    """Group-relative advantages compare a prompt's responses with each other: `algorithm`
+    needs at least two a group.
+
+    Raises:
+      ValueError: fewer than two.
+    """
+    if group_size < 2:
+        raise ValueError(f"{algorithm} needs group_size >= 2 responses per prompt, got "
+                         f"{group_size}")

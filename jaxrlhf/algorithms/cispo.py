@@ -56,9 +56,7 @@ class CISPOConfig:
     temperature: float = 1.0
 
     def __post_init__(self):
-        if self.group_size < 2:
-            raise ValueError(f"CISPO needs group_size >= 2 responses per prompt, got "
-                             f"{self.group_size}")
+        adv_lib.check_group_size("CISPO", self.group_size)
 
 
 def cispo_loss(logp_bn: jax.Array, old_logp_bn: jax.Array, advantages_bn: jax.Array,

@@ -66,9 +66,7 @@ class DAPOConfig:
     temperature: float = 1.0
 
     def __post_init__(self):
-        if self.group_size < 2:
-            raise ValueError(f"DAPO needs group_size >= 2 responses per prompt, got "
-                             f"{self.group_size}")
+        adv_lib.check_group_size("DAPO", self.group_size)
         if self.oversample < 1 or self.overlong_buffer < 0 or self.overlong_penalty < 0:
             raise ValueError(f"DAPO needs oversample >= 1, overlong_buffer >= 0 and "
                              f"overlong_penalty >= 0: {self}")

@@ -52,9 +52,7 @@ class GRPOConfig:
     temperature: float = 1.0
 
     def __post_init__(self):
-        if self.group_size < 2:
-            raise ValueError(f"GRPO needs group_size >= 2 responses per prompt, got "
-                             f"{self.group_size}")
+        adv_lib.check_group_size("GRPO", self.group_size)
 
 
 def mfcs(reward_model: bool) -> tuple[MFC, ...]:

@@ -72,9 +72,8 @@ class ReinforceConfig:
     temperature: float = 1.0
 
     def __post_init__(self):
-        if self.baseline is Baseline.LEAVE_ONE_OUT and self.group_size < 2:
-            raise ValueError(f"RLOO needs group_size >= 2 responses per prompt, got "
-                             f"{self.group_size}")
+        if self.baseline is Baseline.LEAVE_ONE_OUT:
+            adv_lib.check_group_size("RLOO", self.group_size)
 
 
 def reinforce_advantages(scores_b, behav_logp_bn, ref_logp_bn, mask_bn, kl_coef,
