@@ -59,6 +59,12 @@ class Calibration:
         return cls(**json.loads(text))
 
 
+# A cluster's physical figures: zero or below describes no hardware, and would price every plan
+# as free or as never fitting (a negative hbm_bytes "does not fit: needs 0.00 GiB").
+_POSITIVE_FIGURES = ("hbm_bytes", "peak_bf16_flops", "hbm_bandwidth", "intra_host_bandwidth",
+                     "inter_host_bandwidth", "host_link_bandwidth")
+
+
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """A homogeneous cluster of `hosts` × `devices_per_host` accelerators.
@@ -131,6 +137,13 @@ class Cluster:
     def __post_init__(self):
         if self.hosts < 1 or self.devices_per_host < 1:
             raise ValueError(f"cluster {self.name}: needs at least one host and one device")
+        for field in _POSITIVE_FIGURES:
+            if not getattr(self, field) > 0:  # `not >` also refuses NaN
+                raise ValueError(f"cluster {self.name}: {field} must be positive, "
+                                 f"got {getattr(self, field)}")
+        if not 0 < self.usable_hbm_fraction <= 1:
+            raise ValueError(f"cluster {self.name}: usable_hbm_fraction must be in (0, 1], "
+                             f"got {self.usable_hbm_fraction}")
         if self.target_config and self.platform is not Platform.GPU:
             raise ValueError(f"cluster {self.name}: target_config describes a GPU, but the "
                              f"platform is {self.platform.value}")

@@ -195,6 +195,16 @@ def test_cluster_files_load(name):
     assert cluster.usable_hbm_bytes < cluster.hbm_bytes
 
 
+@pytest.mark.parametrize("field, value", [("hbm_bytes", -1), ("hbm_bytes", 0),
+                                          ("peak_bf16_flops", float("nan")),
+                                          ("inter_host_bandwidth", 0.0),
+                                          ("usable_hbm_fraction", 1.5)])
+def test_a_cluster_without_physical_figures_is_refused_naming_the_field(field, value):
+    good = load_cluster("meshes/a100_2x8.py")
+    with pytest.raises(ValueError, match=f"a100_2x8: {field} must be"):
+        dataclasses.replace(good, **{field: value})
+
+
 def test_calibration_in_workdir_overrides_defaults(tmp_path):
     save_calibration(tmp_path / "calibration" / "a100_16x8.json", Calibration(0.3, 0.4, 0.2))
     cluster = load_cluster("meshes/a100_16x8.py", workdir=str(tmp_path))
