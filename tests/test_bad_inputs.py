@@ -148,6 +148,10 @@ CASES = [
      lambda tmp: {"data.train_path": _rows_file(tmp / "t.jsonl", ['{"prompt": "12>"}'] * 40),
                   "warm_start.sft_steps": 5},
      "warm_start.sft_steps=5: there are no SFT rows (set data.sft_path"),
+    ("warm_start_without_task_demonstrations",
+     {"warm_start.sft_steps": 5, "data.task.num_sft": 0},
+     "warm_start.sft_steps=5: there are no SFT rows (set data.task.num_sft > 0, or "
+     "warm_start.sft_steps=0)"),
     ("too_few_sft_rows_for_a_warm_start_batch",
      {"warm_start.sft_steps": 5, "data.task.num_sft": 4},
      "warm_start.batch_size=32: more than the 4 SFT rows of the built-in task"),
@@ -230,6 +234,14 @@ def test_the_tiny_configs_pass(tmp_path):
         module = __import__(f"jaxrlhf.configs.{name}", fromlist=["get_config"])
         job = check_config(module.get_config(), str(tmp_path))
         assert "actor_gen" in job.plan.specs
+
+
+def test_a_task_without_demonstrations_runs_without_a_warm_start(tmp_path):
+    """`data.task.num_sft=0` asks for no SFT rows: with `warm_start.sft_steps=0` nothing needs
+    them (it was refused: the empty demonstrations file "holds no rows")."""
+    config, _ = _config({"data.task.num_sft": 0, "warm_start.sft_steps": 0})
+    job = check_config(config, str(tmp_path / "work"))
+    assert job.data.sft == [] and job.warm_start is None
 
 
 DISTRIBUTED = [

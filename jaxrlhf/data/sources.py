@@ -71,7 +71,8 @@ def read_data(d: DataSpec, workdir: pathlib.Path, tokenizer, max_prompt_len: int
         paths = (d.train_path, d.eval_path or d.train_path, d.sft_path)
     else:
         files = tasks.write_task(d.task, task_dir(pathlib.Path(workdir)))
-        paths = (files.train, files.eval, files.sft)
+        # num_sft=0 asks for no demonstrations: an empty file, not one that "holds no rows"
+        paths = (files.train, files.eval, files.sft if d.task.num_sft else "")
     names = ("data.train_path", "data.eval_path", "data.sft_path")
     kinds = (kind.PROMPT, kind.PROMPT, kind.SFT)
     return Data(*(_read(d, n, p, k, tokenizer, max_prompt_len)

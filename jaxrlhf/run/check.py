@@ -255,8 +255,9 @@ def _check_batches(job: Job) -> None:
     _check_rows(job, "rollout.batch_size", "rows")
     w = job.spec.warm_start
     if w.steps and not job.data.sft:  # user data without SFT rows: nothing to warm-start on
+        source = "data.sft_path" if job.spec.data.train_path else "data.task.num_sft > 0"
         raise ConfigError(f"warm_start.sft_steps={w.steps}: there are no SFT rows (set "
-                          "data.sft_path, or warm_start.sft_steps=0)")
+                          f"{source}, or warm_start.sft_steps=0)")
     if job.warm_start is not None:
         _check_rows(job.warm_start, "warm_start.batch_size", "SFT rows")
 
