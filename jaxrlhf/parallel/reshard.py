@@ -19,7 +19,12 @@ these routes (chosen per leaf from its shardings):
   * COPY_THEN_SCATTER different devices, |dst| a multiple of |src|: COPY the source shards onto a
               replica-extended mesh of the destination devices, then reshard there.
   * CROSS_PROCESS  a COPY would need a shard that only another process holds (multi-controller:
-              e.g. generation on host 0, training on host 1). |src| >= |dst|: reshard inside the
+              e.g. generation on host 0, training on host 1). By default shard to shard
+              (`shard_transfer.py`): each destination process receives only the boxes it lacks,
+              each overlap from a process that holds it, one single-device transfer per
+              (source device, destination device) pair; no gather, no replica on the sender.
+              `cross_process_path(CrossPath.STAGED)` keeps the older staged hop (benchmarks
+              compare the two): |src| >= |dst|: reshard inside the
               source mesh into the destination's layout on its first |dst| devices, which then
               cross. |src| < |dst|: the source's layout crosses onto each consecutive block of
               |src| destination devices, then the destination reshards locally. A crossing is
@@ -57,6 +62,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import math
 import time
 from collections.abc import Sequence
 
@@ -64,7 +70,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from jaxrlhf.parallel import watchdog
+from jaxrlhf.parallel import shard_transfer, watchdog
 
 DEVICE_MEMORY = "device"
 _REPLICA_AXIS = "_reshard_replica"
@@ -76,6 +82,7 @@ class ReshardStats:
 
     bytes_moved: int
     seconds: float
+    wire_bytes: int = 0  # of them, bytes that crossed processes (the cross-process route)
 
 
 class Route(enum.Enum):
@@ -85,6 +92,27 @@ class Route(enum.Enum):
     GATHER_THEN_COPY = "gather_then_copy"
     COPY_THEN_SCATTER = "copy_then_scatter"
     CROSS_PROCESS = "cross_process"
+
+
+class CrossPath(enum.Enum):
+    """How the CROSS_PROCESS route moves a leaf (module docstring)."""
+
+    SHARDS = "shards"  # shard to shard: each destination box's overlaps, no staging
+    STAGED = "staged"  # the destination's layout built on the sender, then equal meshes cross
+
+
+_CROSS_PATH = CrossPath.SHARDS
+
+
+@contextlib.contextmanager
+def cross_process_path(path: CrossPath):
+    """Inside, cross-process moves take `path` (every process must choose the same)."""
+    global _CROSS_PATH
+    before, _CROSS_PATH = _CROSS_PATH, path
+    try:
+        yield
+    finally:
+        _CROSS_PATH = before
 
 
 def host_memory_kind(device: jax.Device | None = None) -> str:
@@ -332,6 +360,9 @@ def _cross(xs: list[jax.Array], dsts: list[NamedSharding]) -> list[jax.Array]:
             (local if _same_process(x, block) else remote).append((i, block))
     pieces = _copy([xs[i] for i, _ in local], [block for _, block in local]) if local else []
     pieces += _send(xs, remote)
+    # Every device of a remote block receives a whole shard of the crossing layout.
+    wire = sum(math.prod(xs[i].sharding.shard_shape(xs[i].shape)) * xs[i].dtype.itemsize
+               * block.mesh.devices.size for i, block in remote)
     with watchdog.guard(lambda: f"cross-process transfer of {len(remote)} array(s) "
                                 f"({_processes(xs)} -> {_processes([b for _, b in remote])})"):
         jax.block_until_ready(pieces)
@@ -345,7 +376,20 @@ def _cross(xs: list[jax.Array], dsts: list[NamedSharding]) -> list[jax.Array]:
             x.shape, dst, [by_device[i][d] for d in dst.addressable_devices_indices_map(x.shape)],
             dtype=x.dtype)
         for i, (x, dst) in enumerate(zip(xs, dsts))
-    ]
+    ], wire
+
+
+def _shards(xs: list[jax.Array], dsts: list[NamedSharding]) -> tuple[list[jax.Array], int]:
+    """Cross-process hop shard to shard (`shard_transfer.py`); synchronous like `_cross`."""
+
+    def wait(received: list[jax.Array]) -> None:
+        with watchdog.guard(lambda: f"cross-process transfer of {len(xs)} array(s) "
+                                    f"({_processes(xs)} -> {_processes(dsts)})"):
+            jax.block_until_ready(received)
+            if jax.process_count() > 1:
+                _barrier()
+
+    return shard_transfer.move(xs, dsts, wait)
 
 
 class _Step(enum.Enum):
@@ -354,6 +398,7 @@ class _Step(enum.Enum):
     COPY = "copy"  # device_put of matching shards (any devices, any memory kind)
     COLLECTIVE = "collective"  # identity jit on one device set, in device memory
     CROSS = "cross"  # onto equally shaped meshes of other processes (`_cross`)
+    SHARDS = "shards"  # shard to shard onto any layout of other processes (`_shards`)
 
 
 def _order(sharding: NamedSharding) -> tuple[int, ...]:
@@ -379,6 +424,8 @@ def _route_hops(src: NamedSharding, dst: NamedSharding, shape) -> list[tuple[_St
             return [(_Step.COLLECTIVE, _replica_extended(dst, src)), (_Step.COPY, dst)]
         case Route.COPY_THEN_SCATTER:
             return [(_Step.COPY, _replica_extended(src, dst)), (_Step.COLLECTIVE, dst)]
+        case Route.CROSS_PROCESS if _CROSS_PATH is CrossPath.SHARDS:
+            return [(_Step.SHARDS, dst)]
         case Route.CROSS_PROCESS if src.mesh.devices.size >= dst.mesh.devices.size:
             # Reshard inside the source mesh into dst's layout; its first block then crosses.
             staged = _blocks(dst, src)
@@ -423,28 +470,38 @@ def _plan(x: jax.Array, dst: NamedSharding) -> list[tuple[_Step, NamedSharding]]
     return merged
 
 
-def _apply(values: list, indices: list[int], dsts: Sequence, step) -> None:
-    if indices:
-        results = step([values[i] for i in indices], [dsts[i] for i in indices])
-        for i, result in zip(indices, results):
-            values[i] = result
+def _apply(values: list, indices: list[int], dsts: Sequence, step) -> int:
+    """Runs one kind of hop on `indices`; returns the bytes that crossed processes."""
+    if not indices:
+        return 0
+    results = step([values[i] for i in indices], [dsts[i] for i in indices])
+    results, wire = results if isinstance(results, tuple) else (results, 0)
+    for i, result in zip(indices, results):
+        values[i] = result
+    return wire
 
 
-def _move_chunk(xs: list[jax.Array], dsts: list[NamedSharding]) -> tuple[list, list]:
-    """Dispatches every hop of every leaf in a chunk; returns (results, intermediates)."""
+_HOPS = ((_Step.COPY, _copy), (_Step.COLLECTIVE, _collect), (_Step.CROSS, _cross),
+         (_Step.SHARDS, _shards))
+
+
+def _move_chunk(xs: list[jax.Array], dsts: list[NamedSharding]) -> tuple[list, list, int]:
+    """Dispatches every hop of every leaf in a chunk; returns (results, intermediates, bytes
+    that crossed processes)."""
     plans = [_plan(x, dst) for x, dst in zip(xs, dsts)]
     values = list(xs)
     produced: list[jax.Array] = []
+    wire = 0
     for hop in range(max(len(plan) for plan in plans)):
         steps = [plan[hop] if hop < len(plan) else (None, None) for plan in plans]
         targets = [target for _, target in steps]
-        for step, run in ((_Step.COPY, _copy), (_Step.COLLECTIVE, _collect), (_Step.CROSS, _cross)):
+        for step, run in _HOPS:
             indices = [i for i, (kind, _) in enumerate(steps) if kind is step]
-            _apply(values, indices, targets, run)
+            wire += _apply(values, indices, targets, run)
             produced += [values[i] for i in indices]
     # An identity jit may forward its input; never count a source or a result as intermediate.
     keep = {id(x) for x in values} | {id(x) for x in xs}
-    return values, [x for x in produced if id(x) not in keep]
+    return values, [x for x in produced if id(x) not in keep], wire
 
 
 def _chunks(sizes: Sequence[int], chunk_bytes: int) -> list[list[int]]:
@@ -481,13 +538,15 @@ def reshard(tree, dst_shardings, *, free_source: bool = False, chunk_bytes: int 
         i for i, (x, d) in enumerate(zip(leaves, dsts))
         if not x.sharding.is_equivalent_to(d, x.ndim)
     ]
-    bytes_moved = 0
+    bytes_moved = wire_bytes = 0
     for chunk in _chunks([leaves[i].nbytes for i in moving], chunk_bytes):
         indices = [moving[j] for j in chunk]
-        moved, intermediates = _move_chunk([leaves[i] for i in indices], [dsts[i] for i in indices])
+        moved, intermediates, wire = _move_chunk([leaves[i] for i in indices],
+                                                 [dsts[i] for i in indices])
         with watchdog.guard(lambda: f"reshard of {len(indices)} array(s) onto "
                                     f"{_processes(moved)}"):
             jax.block_until_ready(moved)
+        wire_bytes += wire
         for i, result in zip(indices, moved):
             out[i] = result
             bytes_moved += leaves[i].nbytes
@@ -495,7 +554,8 @@ def reshard(tree, dst_shardings, *, free_source: bool = False, chunk_bytes: int 
         for x in doomed:
             if not x.is_deleted():
                 x.delete()
-    stats = ReshardStats(bytes_moved=bytes_moved, seconds=time.perf_counter() - start)
+    stats = ReshardStats(bytes_moved=bytes_moved, seconds=time.perf_counter() - start,
+                         wire_bytes=wire_bytes)
     return jax.tree_util.tree_unflatten(treedef, out), stats
 
 
@@ -520,8 +580,8 @@ def transfer(tree, dst_shardings):
     on_device = [i for i, x in enumerate(leaves) if not is_host[i]
                  and x.sharding != _as_named(dsts[i])]
     if on_device:
-        moved, _ = _move_chunk([leaves[i] for i in on_device],
-                               [_as_named(dsts[i]) for i in on_device])
+        moved, _, _ = _move_chunk([leaves[i] for i in on_device],
+                                  [_as_named(dsts[i]) for i in on_device])
         for i, x in zip(on_device, moved):
             leaves[i] = x
     on_host = [i for i, host in enumerate(is_host) if host]
@@ -605,7 +665,8 @@ def fetch(tree):
                              "by other processes")
     elif on_device and jax.process_count() > 1:
         everywhere = NamedSharding(Mesh(np.asarray(jax.devices()), ("_all",)), PartitionSpec())
-        moved, _ = _move_chunk([leaves[i] for i in on_device], [everywhere] * len(on_device))
+        moved, _, _ = _move_chunk([leaves[i] for i in on_device],
+                                  [everywhere] * len(on_device))
         for i, x in zip(on_device, moved):
             leaves[i] = x.addressable_data(0)
     with watchdog.guard(f"fetch of {len(on_device)} array(s) to the host"):
