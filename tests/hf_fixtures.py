@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face Llama / Qwen2 / Qwen3 models built in-process (nothing is downloaded).
+"""Tiny random Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral models built in-process
+(nothing is downloaded).
 
 Reusable by any HF comparison test:
 
@@ -43,8 +44,21 @@ _QWEN3 = dict(
     num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
 )
+# Qwen3-MoE: Qwen3's attention, 8 experts of width 32, 2 a token; the dense width (used by
+# `mlp_only_layers` / `decoder_sparse_step` layers) differs from the experts'.
+_QWEN3_MOE = dict(_QWEN3, num_hidden_layers=3, moe_intermediate_size=32, num_experts=8,
+                  num_experts_per_tok=2, norm_topk_prob=True)
+# Mixtral: Llama's attention (GQA, untied), 4 experts of `intermediate_size`, top-2.
+_MIXTRAL = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False, num_local_experts=4,
+    num_experts_per_tok=2,
+)
 FAMILIES = {"llama": (transformers.LlamaConfig, _LLAMA), "qwen2": (transformers.Qwen2Config, _QWEN2),
-            "qwen3": (transformers.Qwen3Config, _QWEN3)}
+            "qwen3": (transformers.Qwen3Config, _QWEN3),
+            "qwen3_moe": (transformers.Qwen3MoeConfig, _QWEN3_MOE),
+            "mixtral": (transformers.MixtralConfig, _MIXTRAL)}
 
 
 def tiny_hf_config(family: str, *, num_labels: int | None = None, **overrides):
@@ -68,8 +82,8 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.5 * noise)
             elif "embed_tokens" in name:
                 p.copy_(0.5 * noise)
-            else:  # Linear [out, in]
-                p.copy_(noise / np.sqrt(p.shape[1]))
+            else:  # Linear [out, in], or experts stacked [experts, out, in]
+                p.copy_(noise / np.sqrt(p.shape[-1]))
 
 
 def make_tiny_hf_model(
@@ -86,7 +100,8 @@ def make_tiny_hf_model(
 
     Args:
       tmp_path: parent directory; the checkpoint goes to `tmp_path / f"hf_{family}..."`.
-      family: "llama", "qwen2" or "qwen3".
+      family: "llama", "qwen2", "qwen3", "qwen3_moe" or "mixtral" (experts saved in the Hub's
+        per-expert layout, as transformers writes them whatever it holds in memory).
       seq_cls: a one-label *ForSequenceClassification (critic/reward layout) instead of a
         causal LM.
       save_dtype: dtype of the saved safetensors (e.g. torch.bfloat16); the returned model is

@@ -113,9 +113,9 @@ class LayerByLayer:
             # A DecodeKV is the layer's alone (no index); a [1, ...] KVCache is index 0 of its own.
             index = None if isinstance(cache[0], DecodeKV) else 0
             caches = []
-            for params, layer_cache in zip(params_l, cache, strict=True):
+            for layer, (params, layer_cache) in enumerate(zip(params_l, cache, strict=True)):
                 x_btd, layer_cache = layer_fn(params, (x_btd, layer_cache), index, inputs,
-                                              cache_index)
+                                              cache_index, layer_id=layer)
                 caches.append(layer_cache)
             return x_btd, tuple(caches)
         for layer, params in enumerate(params_l):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxrlhf.models.attention import AttentionImpl
 from jaxrlhf.models.lora import LoraConfig
+from jaxrlhf.models.moe import MoeConfig
 
 
 class HeadKind(enum.Enum):
@@ -38,12 +39,13 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-2/Llama-3/Qwen2/Qwen3-family decoder.
+    """A Llama-2/Llama-3/Qwen2/Qwen3(-MoE)/Mixtral-family decoder.
 
     `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters.
     `scan_layers=False` unrolls the layer loop but keeps the same stacked parameter tree.
     `attention` picks the attention implementation (XLA, cuDNN, Pallas); AUTO by backend.
     `lora`: low-rank adapters beside the targeted projections (models/lora.py); None: none.
+    `moe`: sparse mixture-of-experts feed-forward blocks (models/moe.py); None: dense MLPs.
     """
 
     vocab_size: int
@@ -67,6 +69,7 @@ class ModelConfig:
     remat: RematPolicy = RematPolicy.NONE
     attention: AttentionImpl = AttentionImpl.AUTO  # see models/attention.py
     lora: LoraConfig | None = None
+    moe: MoeConfig | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -75,6 +78,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.moe is not None and any(i >= self.num_layers for i in self.moe.dense_layers):
+            raise ValueError(f"moe.dense_layers={self.moe.dense_layers} names a layer past "
+                             f"num_layers={self.num_layers}")
 
     @property
     def head_dim(self) -> int:

@@ -1,13 +1,18 @@
-"""Hugging Face `config.json` <-> `ModelConfig`, for the Llama, Qwen2 and Qwen3 families.
+"""Hugging Face `config.json` <-> `ModelConfig`, for the Llama, Qwen2, Qwen3, Qwen3-MoE and
+Mixtral families (each one entry of models/families.py, which says what differs).
 
 Supported architectures (`config.json` "architectures"/"model_type"):
 
-  * `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` -> `HeadKind.LM`;
-  * `{Llama,Qwen2,Qwen3}ForSequenceClassification` with `num_labels == 1` -> `HeadKind.SCALAR`
-    (critic / reward / cost models: `score.weight` [1, hidden]).
+  * `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`,
+    `MixtralForCausalLM` -> `HeadKind.LM`;
+  * `{Llama,Qwen2,Qwen3,...}ForSequenceClassification` with `num_labels == 1` ->
+    `HeadKind.SCALAR` (critic / reward / cost models: `score.weight` [1, hidden]).
 
 The families differ in the attention block: Llama has no q/k/v bias, Qwen2 always has one, and
-Qwen3 has none but RMS-normalises each query and key head over head_dim before RoPE (`qk_norm`).
+Qwen3 has none but RMS-normalises each query and key head over head_dim before RoPE (`qk_norm`);
+Qwen3-MoE is Qwen3's attention with mixture-of-experts feed-forward blocks (`ModelConfig.moe`,
+its dense layers from `decoder_sparse_step` and `mlp_only_layers`), Mixtral Llama's attention
+with top-2 experts in every layer.
 
 Both RoPE spellings are read: the transformers<5 one (top-level `rope_theta` plus
 `rope_scaling: {rope_type|type: ...}`) and the transformers>=5 one (`rope_parameters:
@@ -23,7 +28,6 @@ on either side of transformers 5 (and vLLM/SGLang, which read the older keys) se
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,30 +35,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.models.config import HeadKind, ModelConfig, RopeScaling
+from jaxrlhf.models.families import FAMILIES, Family, HfFamily
 
+__all__ = ["HfFamily", "architecture_name", "default_family", "family_of", "hf_config_to_model_config",
+           "model_config_to_hf_config"]
 
-class HfFamily(enum.Enum):
-    """A Hugging Face model family; the value is its `model_type`."""
-
-    LLAMA = "llama"
-    QWEN2 = "qwen2"
-    QWEN3 = "qwen3"
-
-
-_ARCH_PREFIX = {HfFamily.LLAMA: "Llama", HfFamily.QWEN2: "Qwen2", HfFamily.QWEN3: "Qwen3"}
 _HEAD_SUFFIX = {HeadKind.LM: "ForCausalLM", HeadKind.SCALAR: "ForSequenceClassification"}
 # HF's own defaults for keys a config.json may omit (transformers Llama/Qwen2/Qwen3Config).
-_DEFAULT_MAX_POSITIONS = {HfFamily.LLAMA: 2048, HfFamily.QWEN2: 32768, HfFamily.QWEN3: 32768}
 _DEFAULT_RMS_EPS = 1e-6
 _DEFAULT_ROPE_THETA = 10000.0
 
 
 def architecture_name(family: HfFamily, head: HeadKind) -> str:
     """E.g. (QWEN2, SCALAR) -> "Qwen2ForSequenceClassification"."""
-    return _ARCH_PREFIX[family] + _HEAD_SUFFIX[head]
+    return FAMILIES[family].arch_prefix + _HEAD_SUFFIX[head]
 
 
-def _family_of(cfg: Mapping[str, Any]) -> HfFamily:
+def family_of(cfg: Mapping[str, Any]) -> HfFamily:
     model_type = cfg.get("model_type")
     try:
         return HfFamily(model_type)
@@ -119,29 +116,18 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
             )
 
 
-def _check_family_features(cfg: Mapping[str, Any], family: HfFamily) -> None:
+def _check_family_features(cfg: Mapping[str, Any], family: Family) -> None:
     """Rejects HF options the model does not implement."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
-    match family:
-        case HfFamily.LLAMA:
-            if cfg.get("attention_bias", False):
-                raise ValueError(
-                    "Llama attention_bias=True adds a bias to o_proj too, which the model lacks"
-                )
-            if cfg.get("mlp_bias", False):
-                raise ValueError("Llama mlp_bias=True is not supported")
-        case HfFamily.QWEN2 | HfFamily.QWEN3:
-            name = "Qwen2" if family is HfFamily.QWEN2 else "Qwen3"
-            layer_types = cfg.get("layer_types") or []
-            if cfg.get("use_sliding_window", False) or any(
-                t != "full_attention" for t in layer_types
-            ):
-                raise ValueError(f"{name} sliding-window attention is not supported")
-            if family is HfFamily.QWEN3 and cfg.get("attention_bias", False):
-                raise ValueError(
-                    "Qwen3 attention_bias=True adds a bias to o_proj too, which the model lacks"
-                )
+    for key, why in family.refused:
+        if cfg.get(key):
+            raise ValueError(why)
+    layer_types = cfg.get("layer_types") or []
+    if any(cfg.get(key) for key in family.sliding_window_keys) or any(
+        t != "full_attention" for t in layer_types
+    ):
+        raise ValueError(f"{family.arch_prefix} sliding-window attention is not supported")
 
 
 def hf_config_to_model_config(
@@ -164,11 +150,12 @@ def hf_config_to_model_config(
     Raises:
       ValueError: for an unsupported family, architecture, RoPE type or model option.
     """
-    family = _family_of(cfg)
+    family = family_of(cfg)
+    traits = FAMILIES[family]
     inferred_head = _head_of(cfg, family)
     if inferred_head is HeadKind.SCALAR and _num_labels(cfg) != 1:
         raise ValueError(f"a scalar head needs num_labels=1, got {_num_labels(cfg)}")
-    _check_family_features(cfg, family)
+    _check_family_features(cfg, traits)
     rope_theta, rope_scaling = _rope(cfg)
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
@@ -182,14 +169,15 @@ def hf_config_to_model_config(
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim_override=None if head_dim == hidden // num_heads else int(head_dim),
         max_position_embeddings=int(
-            cfg.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[family])
+            cfg.get("max_position_embeddings", traits.default_max_positions)
         ),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_RMS_EPS)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=family is HfFamily.QWEN2,  # Qwen2 always biases q/k/v; Llama, Qwen3 never here
-        qk_norm=family is HfFamily.QWEN3,
+        qkv_bias=traits.qkv_bias,
+        qk_norm=traits.qk_norm,
+        moe=traits.read_moe(cfg),
         head=inferred_head if head is None else head,
         dtype=dtype,
         param_dtype=param_dtype,
@@ -197,21 +185,30 @@ def hf_config_to_model_config(
 
 
 def default_family(config: ModelConfig) -> HfFamily:
-    """The HF family that can express `config`: q/k/v bias without o_proj bias is Qwen2, q/k
-    norms are Qwen3, neither is Llama."""
+    """The HF family that can express `config`: with experts, Qwen3-MoE for q/k norms and
+    Mixtral without; else q/k/v bias without o_proj bias is Qwen2, q/k norms are Qwen3,
+    neither is Llama."""
+    if config.moe is not None:
+        return HfFamily.QWEN3_MOE if config.qk_norm else HfFamily.MIXTRAL
     if config.qk_norm:
         return HfFamily.QWEN3
     return HfFamily.QWEN2 if config.qkv_bias else HfFamily.LLAMA
 
 
 def _check_expressible(config: ModelConfig, family: HfFamily) -> None:
-    """Raises ValueError when `family`'s attention block differs from `config`'s."""
-    if config.qkv_bias != (family is HfFamily.QWEN2):
+    """Raises ValueError when `family`'s attention or feed-forward block differs from
+    `config`'s."""
+    traits = FAMILIES[family]
+    if config.qkv_bias != traits.qkv_bias:
         raise ValueError(
             f"{family.value} cannot express qkv_bias={config.qkv_bias} without an o_proj bias"
         )
-    if config.qk_norm != (family is HfFamily.QWEN3):
+    if config.qk_norm != traits.qk_norm:
         raise ValueError(f"{family.value} cannot express qk_norm={config.qk_norm}")
+    if (config.moe is not None) != traits.sparse:
+        raise ValueError(f"{family.value} cannot express moe={config.moe}")
+    if (why := traits.moe_problem(config.moe)) is not None:
+        raise ValueError(f"{family.value} cannot express moe={config.moe}: {why}")
 
 
 def _rope_dicts(config: ModelConfig) -> tuple[dict | None, dict]:
@@ -269,8 +266,12 @@ def model_config_to_hf_config(
             hf.update(attention_bias=False, mlp_bias=False)
         case HfFamily.QWEN2:
             hf.update(use_sliding_window=False)
-        case HfFamily.QWEN3:
+        case HfFamily.QWEN3 | HfFamily.QWEN3_MOE:
             hf.update(attention_bias=False, use_sliding_window=False)
+        case HfFamily.MIXTRAL:
+            hf.update(sliding_window=None)
+    if config.moe is not None:
+        hf.update(FAMILIES[family].write_moe(config.moe))
     if config.head is HeadKind.SCALAR:
         hf.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return hf

@@ -22,9 +22,19 @@ Hd = head_dim, F = intermediate, V = vocab; per layer i):
   layers/self_attn/o_proj/kernel [L,H,Hd,D] <- ...o_proj.weight [D, H*Hd]
   layers/mlp/{gate,up}_proj/kernel [L,D,F] <- ...mlp.{gate,up}_proj.weight [F, D]
   layers/mlp/down_proj/kernel [L,F,D]    <- ...mlp.down_proj.weight [D, F]
+  layers/moe/router [L, D, E]            <- ...mlp.gate.weight [E, D]  (Mixtral: block_sparse_moe.gate)
+  layers/moe/{gate,up}_proj [L, E, D, F'] <- ...mlp.experts.n.{gate,up}_proj.weight [F', D]
+                                            (Mixtral: block_sparse_moe.experts.n.{w1,w3})
+  layers/moe/down_proj [L, E, F', D]     <- ...mlp.experts.n.down_proj.weight [D, F'] (Mixtral: w2)
   norm/scale [D]                         <- model.norm.weight [D]
   lm_head [D, V]                         <- lm_head.weight [V, D]  (absent when tied)
   score [D, 1]                           <- score.weight [1, D]    (HeadKind.SCALAR)
+
+Experts are read and written in the Hub's per-expert layout (one tensor per expert, as vLLM
+reads it; models/families.py names them per family) and stacked on load, whatever layout
+`transformers` holds them in memory. A mixed dense/sparse model (Qwen3-MoE's `mlp_only_layers`)
+holds both blocks in every layer; the slots a layer does not use have no HF tensor and load as
+zeros.
 
 Critic / reward / cost checkpoints (HeadKind.SCALAR) use HF's sequence-classification layout:
 architecture `{Llama,Qwen2,Qwen3}ForSequenceClassification`, one label
@@ -57,6 +67,7 @@ from safetensors.numpy import save_file
 
 from jaxrlhf.models import hf_config
 from jaxrlhf.models.config import HeadKind, ModelConfig
+from jaxrlhf.models.families import FAMILIES, ExpertNames
 from jaxrlhf.models.sizes import abstract_params
 
 SINGLE_FILE = "model.safetensors"
@@ -80,7 +91,7 @@ class TensorMap:
     of the permuted parameter merge into HF axis j.
     """
 
-    hf_name: str  # contains "{i}" (layer index) iff the parameter is stacked over layers
+    hf_name: str  # "{i}" (layer index) iff stacked over layers; "{n}" (expert) over experts
     perm: tuple[int, ...]
     groups: tuple[int, ...]
 
@@ -88,8 +99,23 @@ class TensorMap:
     def stacked(self) -> bool:
         return "{i}" in self.hf_name
 
-    def name(self, layer: int | None) -> str:
-        return self.hf_name.format(i=layer) if self.stacked else self.hf_name
+    @property
+    def stack_dims(self) -> int:
+        """Leading parameter dims that index HF tensors: layers, then experts (a sparse
+        layer's stacked experts are one HF tensor each in the Hub's layout)."""
+        return self.stacked + ("{n}" in self.hf_name)
+
+    def name(self, layer: int | None = None, expert: int | None = None) -> str:
+        return self.hf_name.format(i=layer, n=expert)
+
+    def names(self, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], str]]:
+        """(indices into the stacked dims, HF name) of every HF tensor of a parameter of
+        `shape`, in file order."""
+        if self.stack_dims == 0:
+            return [((), self.hf_name)]
+        if self.stack_dims == 1:
+            return [((i,), self.name(i)) for i in range(shape[0])]
+        return [((i, n), self.name(i, n)) for i in range(shape[0]) for n in range(shape[1])]
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """HF tensor shape for a per-layer parameter shape."""
@@ -124,10 +150,19 @@ class TensorMap:
         return np.transpose(block, np.argsort(self.perm))
 
 
-def tensor_map(path: tuple[str, ...]) -> TensorMap:
-    """The HF tensor of the parameter at `path` in our (unboxed) parameter tree."""
+def tensor_map(path: tuple[str, ...], experts: ExpertNames | None = None) -> TensorMap:
+    """The HF tensor of the parameter at `path` in our (unboxed) parameter tree; `experts`:
+    where the family keeps a sparse layer's tensors (models/families.py), for a model with
+    experts."""
     layer = "model.layers.{i}."
     match path:
+        case ("layers", "moe", proj) if experts is not None:
+            block = f"{layer}{experts.block}."
+            if proj == "router":  # ours [D, E], HF's gate [E, D]
+                return TensorMap(f"{block}{experts.router}.weight", (1, 0), (1, 1))
+            # ours [E, in, out] per layer, HF's one [out, in] per expert
+            return TensorMap(f"{block}experts.{{n}}.{experts.projection(proj)}.weight", (1, 0),
+                             (1, 1))
         case ("embed_tokens", "embedding"):
             return TensorMap("model.embed_tokens.weight", (0, 1), (1, 1))
         case ("norm", "scale"):
@@ -152,6 +187,11 @@ def tensor_map(path: tuple[str, ...]) -> TensorMap:
 
 def _key_path(path) -> tuple[str, ...]:
     return tuple(str(k.key) for k in path)
+
+
+def _tensor_maps(abstract, experts: ExpertNames | None) -> dict[tuple[str, ...], TensorMap]:
+    return {_key_path(p): tensor_map(_key_path(p), experts)
+            for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]}
 
 
 def _unboxed_abstract(config: ModelConfig):
@@ -259,9 +299,10 @@ def _check_tensors(ckpt: _Checkpoint, config: ModelConfig, maps: dict, abstract,
     expected = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         tmap = maps[_key_path(path)]
-        shape = leaf.shape[1:] if tmap.stacked else leaf.shape
-        for layer in range(config.num_layers) if tmap.stacked else [None]:
-            name = tmap.name(layer)
+        shape = leaf.shape[tmap.stack_dims:]
+        for index, name in tmap.names(leaf.shape):
+            if _unused_slot(config, path, index):
+                continue
             expected.add(ckpt.stored_name(name))
             if name in allow_missing and not ckpt.has(name):
                 continue
@@ -283,10 +324,35 @@ def _check_tensors(ckpt: _Checkpoint, config: ModelConfig, maps: dict, abstract,
         )
 
 
-def _param_callback(ckpt: _Checkpoint, tmap: TensorMap, shape: tuple[int, ...], dtype,
+def _unused_slot(config: ModelConfig, key_path, index: tuple[int, ...]) -> bool:
+    """A mixed dense/sparse model holds both blocks in every layer (models/moe.py): the dense
+    MLP's slot of a sparse layer and the experts' slot of a dense one are zeros, with no HF
+    tensor."""
+    moe = config.moe
+    if moe is None or not moe.mixed or not index:
+        return False
+    path = key_path if isinstance(key_path[0], str) else _key_path(key_path)
+    if path[:2] == ("layers", "mlp"):
+        return index[0] not in moe.dense_layers
+    if path[:2] == ("layers", "moe"):
+        return index[0] in moe.dense_layers
+    return False
+
+
+def _param_callback(ckpt: _Checkpoint, config: ModelConfig, path: tuple[str, ...],
+                    tmap: TensorMap, shape: tuple[int, ...], dtype,
                     zeros_if_missing: bool) -> Callable:
     """make_array_from_callback callback for one parameter; equal shards are read once."""
     blocks: dict[tuple, np.ndarray] = {}
+    stack = tmap.stack_dims
+
+    def read_stacked(bounds, index: tuple[int, ...]) -> np.ndarray:
+        if len(index) == stack:
+            inner = shape[stack:]
+            if _unused_slot(config, path, index):
+                return np.zeros([stop - start for start, stop in bounds], dtype)
+            return tmap.read(ckpt.slice(tmap.name(*index)), inner, bounds)
+        return np.stack([read_stacked(bounds[1:], (*index, i)) for i in range(*bounds[0])])
 
     def read(index) -> np.ndarray:
         bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
@@ -294,13 +360,8 @@ def _param_callback(ckpt: _Checkpoint, tmap: TensorMap, shape: tuple[int, ...], 
             return blocks[bounds]
         if zeros_if_missing:
             block = np.zeros([stop - start for start, stop in bounds], dtype)
-        elif tmap.stacked:
-            block = np.stack([
-                tmap.read(ckpt.slice(tmap.name(layer)), shape[1:], bounds[1:])
-                for layer in range(*bounds[0])
-            ])
         else:
-            block = tmap.read(ckpt.slice(tmap.name(None)), shape, bounds)
+            block = read_stacked(bounds, ())
         blocks[bounds] = block.astype(dtype)
         return blocks[bounds]
 
@@ -343,10 +404,7 @@ def load_hf(
     if shardings is None:
         default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree_util.tree_map(lambda _: default, abstract)
-    maps = {
-        _key_path(p): tensor_map(_key_path(p))
-        for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]
-    }
+    maps = _tensor_maps(abstract, FAMILIES[hf_config.family_of(read_hf_config(path))].experts)
     allow_missing = {"score.weight"} if init_missing_score else set()
     with contextlib.ExitStack() as stack:
         ckpt = _Checkpoint(path, stack)
@@ -355,7 +413,8 @@ def load_hf(
         def build(key_path, leaf, sharding):
             tmap = maps[_key_path(key_path)]
             missing = tmap.hf_name in allow_missing and not ckpt.has(tmap.hf_name)
-            read = _param_callback(ckpt, tmap, leaf.shape, leaf.dtype, missing)
+            read = _param_callback(ckpt, config, _key_path(key_path), tmap, leaf.shape,
+                                   leaf.dtype, missing)
             return jax.make_array_from_callback(leaf.shape, sharding, read, dtype=leaf.dtype)
 
         params = jax.tree_util.tree_map_with_path(build, abstract, shardings)
@@ -368,24 +427,29 @@ class _Entry:
 
     name: str
     path: tuple[str, ...]
-    layer: int | None
+    index: tuple[int, ...]  # into the parameter's stacked dims (layer, expert); () for none
     tmap: TensorMap
     nbytes: int
 
+    @property
+    def layer(self) -> int | None:
+        return self.index[0] if self.index else None
 
-def _entries(config: ModelConfig, abstract, itemsize: int) -> list[_Entry]:
+
+def _entries(config: ModelConfig, abstract, itemsize: int,
+             experts: ExpertNames | None) -> list[_Entry]:
     """All HF tensors in file order: embedding, layer by layer, then final norm and head."""
     entries = []
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         path = _key_path(key_path)
-        tmap = tensor_map(path)
-        shape = leaf.shape[1:] if tmap.stacked else leaf.shape
-        for layer in range(config.num_layers) if tmap.stacked else [None]:
-            nbytes = math.prod(shape) * itemsize
-            entries.append(_Entry(tmap.name(layer), path, layer, tmap, nbytes))
+        tmap = tensor_map(path, experts)
+        nbytes = math.prod(leaf.shape[tmap.stack_dims:]) * itemsize
+        for index, name in tmap.names(leaf.shape):
+            if not _unused_slot(config, path, index):
+                entries.append(_Entry(name, path, index, tmap, nbytes))
     rank = lambda e: (-1 if e.path[0] == "embed_tokens" else
                       config.num_layers if e.layer is None else e.layer)
-    return sorted(entries, key=lambda e: (rank(e), e.name))
+    return sorted(entries, key=lambda e: (rank(e), e.index[1:], e.name))
 
 
 def _plan_shards(entries: list[_Entry], max_shard_bytes: int) -> list[list[_Entry]]:
@@ -405,10 +469,11 @@ def _take_layer(x_l: jax.Array, layer: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(x_l, layer, keepdims=False)
 
 
-def _to_host(x: jax.Array, layer: int | None) -> np.ndarray:
-    """One layer (or all) of a possibly sharded array, gathered to a host numpy array."""
-    if layer is not None:
-        x = _take_layer(x, np.int32(layer))
+def _to_host(x: jax.Array, index: tuple[int, ...]) -> np.ndarray:
+    """One layer (and expert), or all, of a possibly sharded array, gathered to a host numpy
+    array."""
+    for i in index:
+        x = _take_layer(x, np.int32(i))
     if not x.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
@@ -454,7 +519,10 @@ def save_hf(
         raise ValueError("params do not match the parameter tree of config")
     leaves = {_key_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     save_dtype = np.dtype(dtype if dtype is not None else config.param_dtype)
-    shards = _plan_shards(_entries(config, abstract, save_dtype.itemsize), max_shard_bytes)
+    family = hf_config.default_family(config) if family is None else family
+    experts = FAMILIES[family].experts
+    shards = _plan_shards(_entries(config, abstract, save_dtype.itemsize, experts),
+                          max_shard_bytes)
     writer = jax.process_index() == 0
     if writer:
         path.mkdir(parents=True, exist_ok=True)
@@ -466,7 +534,7 @@ def save_hf(
             f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
         tensors = {}
         for entry in shard:
-            host = _to_host(leaves[entry.path], entry.layer)
+            host = _to_host(leaves[entry.path], entry.index)
             tensors[entry.name] = np.ascontiguousarray(entry.tmap.to_hf(host).astype(save_dtype))
             weight_map[entry.name] = file
         if writer:

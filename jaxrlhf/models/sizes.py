@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.models.config import HeadKind, ModelConfig, RopeScaling
+from jaxrlhf.models.moe import MoeConfig
 
 _LLAMA3 = dict(
     vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
@@ -29,6 +30,13 @@ _QWEN2 = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=10000
 # (an override where hidden/heads differs, as HF's config.json import leaves it).
 _QWEN3 = dict(vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
               rms_norm_eps=1e-6, qk_norm=True)
+
+# Qwen3-MoE: Qwen3's attention (head_dim 128), 128 experts, 8 a token, top-k renormalised,
+# every layer sparse (`intermediate_size` is then unused).
+_QWEN3_MOE = dict(_QWEN3, head_dim_override=128)
+# Mixtral: Llama attention with a 32000-row vocabulary, 8 experts, 2 a token, in every layer.
+_MIXTRAL = dict(vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,
+                rms_norm_eps=1e-5)
 
 SIZES: dict[str, ModelConfig] = {
     # ~0.2M parameters, byte vocabulary: the CPU default that learns in minutes.
@@ -99,6 +107,22 @@ SIZES: dict[str, ModelConfig] = {
         hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
         **_LLAMA31,
     ),
+    # Mixtures of experts: all experts count in the parameters, the top-k in `matmul_params`.
+    "qwen3-30b-a3b": ModelConfig(
+        hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4,
+        moe=MoeConfig(num_experts=128, top_k=8, expert_intermediate_size=768,
+                      aux_loss_coef=0.001), **_QWEN3_MOE,
+    ),
+    "qwen3-235b-a22b": ModelConfig(
+        hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64, num_kv_heads=4,
+        moe=MoeConfig(num_experts=128, top_k=8, expert_intermediate_size=1536,
+                      aux_loss_coef=0.001), **_QWEN3_MOE,
+    ),
+    "mixtral-8x7b": ModelConfig(
+        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        moe=MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=14336,
+                      aux_loss_coef=0.02), **_MIXTRAL,
+    ),
 }
 
 
@@ -138,12 +162,32 @@ def param_count_without_output_embedding(config: ModelConfig) -> int:
 
 def matmul_params(config: ModelConfig) -> int:
     """Parameters that take part in a matmul per token: all but the embedding lookup table (a
-    gather) and the norm scales; a tied LM head counts once, as a matmul."""
+    gather) and the norm scales; a tied LM head counts once, as a matmul. A sparse layer counts
+    its router and the top_k experts a token runs through, not all of them."""
     c = config
-    per_layer = (
+    attention = (
         c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim  # q, k, v
         + c.num_heads * c.head_dim * c.hidden_size  # o
-        + 3 * c.hidden_size * c.intermediate_size  # gate, up, down
     )
+    dense_mlp = 3 * c.hidden_size * c.intermediate_size  # gate, up, down
+    if c.moe is None:
+        mlp = c.num_layers * dense_mlp
+    else:
+        m = c.moe
+        sparse = c.hidden_size * m.num_experts + m.top_k * 3 * c.hidden_size * (
+            m.expert_intermediate_size)
+        mlp = len(m.dense_layers) * dense_mlp + (c.num_layers - len(m.dense_layers)) * sparse
     head = c.hidden_size * (c.vocab_size if c.head is HeadKind.LM else 1)
-    return c.num_layers * per_layer + head
+    return c.num_layers * attention + mlp + head
+
+
+def stored_param_count(config: ModelConfig) -> int:
+    """Parameters a checkpoint of `config` holds: `param_count` less the zero slots of a mixed
+    dense/sparse model (the experts of its dense layers, the dense MLP of its sparse ones;
+    models/moe.py)."""
+    c, m = config, config.moe
+    if m is None or not m.mixed:
+        return param_count(c)
+    dense, sparse = len(m.dense_layers), c.num_layers - len(m.dense_layers)
+    experts = m.num_experts * (1 + 3 * m.expert_intermediate_size) * c.hidden_size
+    return param_count(c) - dense * experts - sparse * 3 * c.hidden_size * c.intermediate_size

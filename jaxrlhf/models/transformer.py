@@ -1,4 +1,4 @@
-"""Decoder-only transformer of the Llama-2/Llama-3/Qwen2/Qwen3 family, in Flax linen.
+"""Decoder-only transformer of the Llama-2/Llama-3/Qwen2/Qwen3(-MoE)/Mixtral family, in Flax linen.
 
 Every parameter carries logical axis names (see `LOGICAL_AXES` below) and the main activations
 carry logical sharding constraints; the model never sees a mesh. Layer parameters are stacked on
@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.models import attention, lora
+from jaxrlhf.models import attention, lora, moe
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy, RopeScaling
 from jaxrlhf.models.decode_kv import DecodeKV
 
@@ -32,6 +32,7 @@ LOGICAL_AXES = (
     "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",  # parameters
     "batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab",
     "stages",  # a pipelined LayerStack's per-stage activations (parallel/pipeline.py)
+    "experts", "experts_router", "expert_mlp",  # mixture-of-experts blocks (models/moe.py)
 )
 
 class KVCache(NamedTuple):
@@ -340,16 +341,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU block.
+    """Pre-norm attention + SwiGLU block (a mixture of experts where `config.moe` says).
 
-    Scanned: (carry=(x, whole KVCache or None), xs=layer index) -> ((x, updated cache), None).
+    Scanned: (carry=(x, whole KVCache or None), xs=(layer index, routes or None)) ->
+    ((x, updated cache), None). `layer_id`: the layer's index in the model where `layer` is
+    not it (a layer-by-layer stack's own caches); a mixed dense/sparse model asks it.
+    `routes_btk`: int [b, t, k] experts this layer must use (routing replay), or None.
+
+    A sparse layer sows its `moe.RouterStats` as intermediates "router" and its chosen experts
+    int32 [b, t, k] as "routes" (read by a caller that applies with mutable intermediates).
     """
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, carry, layer, positions_bt, segment_ids_bt, cache_index,
-                 kv_segment_ids_bs):
+                 kv_segment_ids_bs, routes_btk=None, layer_id=None):
         cfg = self.config
         x_btd, cache = carry
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, name=name)
@@ -358,9 +365,36 @@ class DecoderLayer(nn.Module):
             None if cache is None else (cache, layer), cache_index, kv_segment_ids_bs,
         )
         x_btd = x_btd + attn_out
-        x_btd = x_btd + MLP(cfg, name="mlp")(norm("post_attention_layernorm")(x_btd))
+        h_btd = norm("post_attention_layernorm")(x_btd)
+        if cfg.moe is None:
+            x_btd = x_btd + MLP(cfg, name="mlp")(h_btd)
+        else:
+            x_btd = x_btd + self._sparse(h_btd, segment_ids_bt, routes_btk,
+                                         layer if layer_id is None else layer_id)
         x_btd = nn.with_logical_constraint(x_btd, ("batch", "length", "act_embed"))
         return (x_btd, new_cache), None
+
+    def _sparse(self, h_btd, segment_ids_bt, routes_btk, layer_id):
+        """The feed-forward of a model with experts: the MoE block, or for a mixed model the
+        dense MLP where `layer_id` is a dense layer. A mixed model's layers hold both blocks
+        (one parameter stack); with the index traced (a scan) both run and one is selected."""
+        cfg = self.config
+        dense = cfg.moe.dense_layers
+        static = isinstance(layer_id, int)
+        if static and layer_id in dense:
+            y_btd = MLP(cfg, name="mlp")(h_btd)
+            stats = moe.zero_stats(cfg.moe.num_experts)
+            experts_btk = jnp.zeros((*h_btd.shape[:2], cfg.moe.top_k), jnp.int32)
+        else:
+            y_btd, stats, experts_btk = moe.MoeBlock(cfg, name="moe")(
+                h_btd, segment_ids_bt != 0, routes_btk)
+            if dense and not static:
+                is_sparse = jnp.all(jnp.asarray(dense, jnp.int32) != layer_id)
+                y_btd = jnp.where(is_sparse, y_btd, MLP(cfg, name="mlp")(h_btd))
+                stats = jax.tree.map(lambda s: s * is_sparse, stats)
+        self.sow("intermediates", "router", stats)
+        self.sow("intermediates", "routes", experts_btk)
+        return y_btd
 
 
 _REMAT_POLICIES = {
@@ -375,9 +409,9 @@ def _layer_stack(cfg: ModelConfig):
         layer = nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
     return nn.scan(
         layer,
-        variable_axes={"params": 0},
+        variable_axes={"params": 0, "intermediates": 0},
         split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
         length=cfg.num_layers,
         unroll=1 if cfg.scan_layers else cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
@@ -413,14 +447,16 @@ class LayerStack(Protocol):
         ...
 
 
-def apply_layer(cfg: ModelConfig, params, carry, layer, inputs: LayerInputs, cache_index):
+def apply_layer(cfg: ModelConfig, params, carry, layer, inputs: LayerInputs, cache_index,
+                layer_id=None):
     """One decoder layer as a pure function of its own (unstacked) parameters: the body a
-    `LayerStack` runs, with the same remat policy as the plain scan."""
+    `LayerStack` runs, with the same remat policy as the plain scan. `layer_id`: the layer's
+    index in the model when `layer` (an index into the cache given) is not it."""
 
     def run(params, carry):
         (carry, _) = DecoderLayer(cfg, parent=None).apply(
             {"params": params}, carry, layer, inputs.positions_bt, inputs.segment_ids_bt,
-            cache_index, inputs.kv_segment_ids_bs,
+            cache_index, inputs.kv_segment_ids_bs, None, layer_id,
         )
         return carry
 
@@ -450,6 +486,7 @@ class Transformer(nn.Module):
         kv_segment_ids_bs: jax.Array | None = None,
         last_only: bool = False,
         with_head: bool = True,
+        routes_lbtk: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Forward pass.
 
@@ -463,9 +500,12 @@ class Transformer(nn.Module):
           kv_segment_ids_bs: int [batch, S] segment ids of every cache slot *after* this write.
           last_only: apply the head to the last position only (prefill needs just the next
             token's logits; the [batch, len, vocab] array would dominate its memory).
-          with_head: False returns the final norm's output x_btd [batch, len, embed] (compute
-            dtype) instead of the head's, for a caller that applies `head_out` itself, e.g.
-            in row chunks (`engine.inference`).
+          with_head: False returns the last layer's output x_btd [batch, len, embed] (compute
+            dtype; `last_only` aside) instead of the head's, for a caller that applies
+            `final_norm` and `head_out` itself, e.g. in row chunks (`engine.inference`).
+          routes_lbtk: int [layers, batch, len, top_k] experts every sparse layer must use
+            (routing replay, models/moe.py; a dense layer's rows are ignored), or None: each
+            layer's router chooses. Read by the plain layer scan only.
 
         Returns:
           (logits_btv float32 or values_bt float32, or x_btd without the head; updated cache
@@ -482,19 +522,23 @@ class Transformer(nn.Module):
             layers_l = jnp.arange(cfg.num_layers, dtype=jnp.int32)
             (x_btd, new_cache), _ = _layer_stack(cfg)(cfg, name="layers")(
                 (x_btd, cache), layers_l, positions_bt, segment_ids_bt, cache_index,
-                kv_segment_ids_bs,
+                kv_segment_ids_bs, routes_lbtk,
             )
         else:
+            if routes_lbtk is not None:
+                raise ValueError("routing replay runs on the plain layer scan, not a LayerStack")
             x_btd, new_cache = self.layer_stack(
                 functools.partial(apply_layer, cfg), self.variables["params"]["layers"], x_btd,
                 cache, LayerInputs(positions_bt, segment_ids_bt, kv_segment_ids_bs),
                 cache_index, not cfg.scan_layers,
             )
+        if not with_head and not self.is_initializing():
+            # Before the final norm: the caller normalises its row chunks one at a time, so
+            # no normed copy of the whole batch (nor, training, its gradient) lives beside it.
+            return x_btd, new_cache
         x_btd = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, name="norm")(x_btd)
         if last_only:
             x_btd = x_btd[:, -1:]
-        if not with_head and not self.is_initializing():
-            return x_btd, new_cache
         return head_out(cfg, self._head_kernel(embed), x_btd), new_cache
 
     def _head_kernel(self, embed: nn.Embed) -> jax.Array:
@@ -525,6 +569,14 @@ def head_kernel(cfg: ModelConfig, params) -> jax.Array:
             return params["lm_head"]
         case HeadKind.SCALAR:
             return params["score"]
+
+
+def final_norm(cfg: ModelConfig, scale_d: jax.Array, x_btd: jax.Array) -> jax.Array:
+    """The model's final RMSNorm on the last layer's output x_btd [b, t, embed] with its scale
+    `scale_d` [embed] (`params["norm"]["scale"]`, of any float dtype: it is cast to the
+    compute dtype), as `Transformer` applies it before its head: x_btd [b, t, embed]."""
+    return RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype).apply(
+        {"params": {"scale": scale_d}}, x_btd)
 
 
 def head_out(cfg: ModelConfig, kernel_dv: jax.Array, x_btd: jax.Array) -> jax.Array:

@@ -36,6 +36,10 @@ DEFAULT: Rules = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("layers", "pipeline"),
+    # mixture-of-experts blocks (models/moe.py): experts whole on every rank for now
+    ("experts", None),
+    ("experts_router", None),
+    ("expert_mlp", None),
 )
 
 # Everything replicated but the batch: the layout of a pure data-parallel call.

@@ -1,0 +1,154 @@
+"""The mixture-of-experts block (models/moe.py): sorted-group dispatch against a per-token
+reference, forward and gradients; routing and replayed routing; the router statistics; no
+[tokens, experts, ...] intermediate; a mixed dense/sparse model equal scanned and unrolled; the
+planner's sizes of the released MoE checkpoints."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf.engine.decode_layers import LayerByLayer
+from jaxrlhf.models import moe
+from jaxrlhf.models.sizes import (
+    abstract_params, get_size, matmul_params, param_count, stored_param_count,
+)
+from jaxrlhf.models.transformer import Transformer
+
+T, D, F, E, K = 10, 16, 12, 6, 2
+
+
+def _weights(seed=0):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x_td = jax.random.normal(keys[0], (T, D))
+    gate, up = (jax.random.normal(k, (E, D, F)) / np.sqrt(D) for k in keys[1:3])
+    down = jax.random.normal(keys[3], (E, F, D)) / np.sqrt(F)
+    logits = jax.random.normal(keys[4], (T, E))
+    return x_td, gate, up, down, logits
+
+
+def _reference(x_td, routing, gate, up, down):
+    """Every token through every expert, weighed by its routing weight (0 for an expert it
+    did not choose): the dense form the block avoids."""
+    h_ted = jax.nn.silu(jnp.einsum("td,edf->tef", x_td, gate)) * jnp.einsum(
+        "td,edf->tef", x_td, up)
+    y_ted = jnp.einsum("tef,efd->ted", h_ted, down)
+    weight_te = jnp.sum(jax.nn.one_hot(routing.experts_tk, E) * routing.weights_tk[..., None],
+                        axis=1)
+    return jnp.einsum("ted,te->td", y_ted, weight_te)
+
+
+def test_grouped_dispatch_equals_per_token_reference():
+    x_td, gate, up, down, logits = _weights()
+    routing = moe.route(logits, K, norm_topk_prob=True)
+    np.testing.assert_allclose(jax.jit(moe.experts_swiglu)(x_td, routing, gate, up, down),
+                               jax.jit(_reference)(x_td, routing, gate, up, down), atol=1e-5,
+                               rtol=0)
+
+    def loss(fn, x_td, gate, up, down, logits):
+        r = moe.route(logits, K, norm_topk_prob=False)
+        return jnp.sum(jnp.sin(fn(x_td, r, gate, up, down)))
+
+    args = (x_td, gate, up, down, logits)
+    ours = jax.jit(jax.grad(lambda *a: loss(moe.experts_swiglu, *a), argnums=range(5)))(*args)
+    ref = jax.jit(jax.grad(lambda *a: loss(_reference, *a), argnums=range(5)))(*args)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_route_top_k_and_replay():
+    _, _, _, _, logits = _weights()
+    probs = jax.nn.softmax(logits)
+    free = moe.route(logits, K, norm_topk_prob=False)
+    np.testing.assert_array_equal(free.experts_tk, np.argsort(-probs, axis=-1)[:, :K])
+    np.testing.assert_allclose(free.weights_tk, np.sort(probs, axis=-1)[:, ::-1][:, :K],
+                               rtol=1e-6)
+    normed = moe.route(logits, K, norm_topk_prob=True)
+    np.testing.assert_allclose(normed.weights_tk.sum(-1), 1.0, rtol=1e-6)
+    # Replay: the given experts are used whatever the router prefers; weights follow it.
+    given = jnp.stack([jnp.arange(T) % E, (jnp.arange(T) + 3) % E], axis=1)
+    replayed = moe.route(logits, K, norm_topk_prob=True, experts_tk=given)
+    np.testing.assert_array_equal(replayed.experts_tk, given)
+    picked = np.take_along_axis(np.asarray(probs), np.asarray(given), axis=1)
+    np.testing.assert_allclose(replayed.weights_tk, picked / picked.sum(-1, keepdims=True),
+                               rtol=1e-6)
+
+
+def test_router_stats():
+    # An even router: every probability 1/E, each expert chosen by the same number of tokens.
+    n = 2 * E
+    logits = jnp.zeros((n, E))
+    experts = jnp.stack([jnp.arange(n) % E, (jnp.arange(n) + 1) % E], axis=1)
+    stats = moe.router_stats(logits, experts, jnp.ones(n, bool))
+    np.testing.assert_allclose(stats.balance_loss, K, rtol=1e-6)  # HF's form: k when even
+    np.testing.assert_allclose(stats.z_loss, np.log(E) ** 2, rtol=1e-6)
+    np.testing.assert_allclose(stats.load_e, np.full(E, 1 / E), rtol=1e-6)
+    # Padding does not count: all valid tokens on experts 0 and 1.
+    valid = jnp.arange(n) < 4
+    skew = jnp.where(valid[:, None], jnp.array([0, 1]), experts)
+    stats = moe.router_stats(logits, skew, valid)
+    np.testing.assert_allclose(stats.load_e, [0.5, 0.5, 0, 0, 0, 0], atol=1e-7)
+    np.testing.assert_allclose(stats.balance_loss, E * (1 + 1) / E, rtol=1e-6)
+
+
+def test_no_tokens_by_experts_intermediate():
+    """The block's program holds no array with both a token and an expert dim of size T and E
+    besides the router's [T, E] logits: the work follows the k chosen experts."""
+    x_td, gate, up, down, logits = _weights()
+
+    def block(x_td, gate, up, down, logits):
+        return moe.experts_swiglu(x_td, moe.route(logits, K, True), gate, up, down)
+
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(block(*a)), argnums=(0, 1)))(
+        x_td, gate, up, down, logits)
+    shapes = {tuple(v.aval.shape) for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars}
+    big = [s for s in shapes if T in s and E in s and len(s) > 2]
+    assert not big, big
+    assert any(eqn.primitive.name == "ragged_dot_general" or "ragged" in eqn.primitive.name
+               for eqn in jaxpr.jaxpr.eqns)
+
+
+@pytest.mark.parametrize("dense_layers", [(), (0, 2)])
+def test_model_scanned_equals_layer_by_layer(dense_layers):
+    """A mixed model picks each layer's block by its index: traced in the scan (both run, one
+    kept), static layer by layer; the logits agree and the gradient of an unused slot is 0."""
+    cfg = get_size("tiny", dtype=jnp.float32, num_layers=3,
+                   moe=moe.MoeConfig(E, K, F, dense_layers=dense_layers))
+    tokens = jax.random.randint(jax.random.key(1), (2, 7), 1, cfg.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    seg = jnp.ones((2, 7), jnp.int32)
+    rng = np.random.default_rng(0)  # random values on the abstract tree: no init to compile
+    params = jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype),
+                          nn.meta.unbox(abstract_params(cfg)))
+    forward = lambda stack: jax.jit(lambda p: Transformer(cfg, stack).apply(
+        {"params": p}, tokens, pos, seg)[0])(params)
+    scanned, unrolled = forward(None), forward(LayerByLayer())
+    np.testing.assert_allclose(scanned, unrolled, atol=1e-5, rtol=0)
+    if dense_layers:
+        grads = jax.jit(jax.grad(lambda p: Transformer(cfg).apply({"params": p}, tokens, pos,
+                                                                  seg)[0].sum()))(params)
+        experts = np.asarray(grads["layers"]["moe"]["gate_proj"])
+        mlp = np.asarray(grads["layers"]["mlp"]["gate_proj"]["kernel"])
+        assert not experts[list(dense_layers)].any() and experts[1].any()
+        assert not mlp[1].any() and all(mlp[i].any() for i in dense_layers)
+
+
+def test_released_moe_sizes():
+    """Totals and active parameters of the released checkpoints (their model cards: 30.5B /
+    3.3B, 235B / 22B, 46.7B / 12.9B; active = the matmuls plus the embedding)."""
+    for name, total, active in (("qwen3-30b-a3b", 30.5e9, 3.3e9),
+                                ("qwen3-235b-a22b", 235.1e9, 22.2e9),
+                                ("mixtral-8x7b", 46.7e9, 12.9e9)):
+        cfg = get_size(name)
+        embedding = cfg.vocab_size * cfg.hidden_size
+        assert param_count(cfg) == pytest.approx(total, rel=0.005), name
+        assert stored_param_count(cfg) == param_count(cfg)
+        assert matmul_params(cfg) + embedding == pytest.approx(active, rel=0.02), name
+
+
+def test_stored_params_of_a_mixed_model_leave_out_the_zero_slots():
+    cfg = get_size("tiny", num_layers=3, moe=moe.MoeConfig(E, K, F, dense_layers=(1,)))
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    expected = param_count(cfg) - E * (1 + 3 * F) * d - 2 * 3 * d * f
+    assert stored_param_count(cfg) == expected
