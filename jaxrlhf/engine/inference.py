@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrlhf.engine import buckets, packing, sampling
 from jaxrlhf.engine.call import BucketedCall, abstract
+from jaxrlhf.models import moe
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer, head_kernel, head_out
@@ -54,12 +55,15 @@ class InferenceConfig:
         temperature (0, greedy, counts as 1).
       with_entropy: LOGPROBS only: also return the entropy per token.
       max_segments: SCORES only: sequences per row (1 for padded batches).
+      with_router: a model with experts also returns its router's losses
+        (`InferenceOutput.router`; a train step's readout, for the auxiliary losses).
     """
 
     kind: InferenceKind
     temperature: float = 1.0
     with_entropy: bool = False
     max_segments: int = 1
+    with_router: bool = False
 
     @property
     def head(self) -> HeadKind:
@@ -113,12 +117,18 @@ class InferenceOutput(NamedTuple):
       values_bt: float32 [b, t], the scalar head at token t.
       scores_bk: float32 [b, max_segments], the scalar head at the last token of segment k+1
         (0 where the row has no such segment).
+      router: `moe.RouterLosses` of the forward (scalars, not per token; `with_router`).
     """
 
     logprobs_bt: jax.Array | None = None
     entropy_bt: jax.Array | None = None
     values_bt: jax.Array | None = None
     scores_bk: jax.Array | None = None
+    router: moe.RouterLosses | None = None
+
+    def per_token(self, fn) -> "InferenceOutput":
+        """`fn` applied to each per-token field present (the router's scalars kept)."""
+        return InferenceOutput(*(None if x is None else fn(x) for x in self[:4]), self.router)
 
 
 def positions_from_segments(segment_ids_bt: jax.Array) -> jax.Array:
@@ -220,12 +230,22 @@ def infer(model: Transformer, cfg: InferenceConfig, params, batch: InferenceBatc
     if chunks > 1:
         return _in_row_chunks(lambda part: infer(model, cfg, params, part), batch, chunks)
     head = max(head_chunks(model, batch.tokens_bt.shape[0]), head_rows)
+    router = cfg.with_router and model.config.moe is not None
+    apply = functools.partial(model.apply, {"params": params}, *batch,
+                              mutable=["intermediates"] if router else False)
     if head == 1:
-        model_out, _ = model.apply({"params": params}, *batch)
-        return readout(cfg, model_out, batch)
-    x_btd, _ = model.apply({"params": params}, *batch, with_head=False)
-    return readout_in_chunks(model.config, cfg, head_kernel(model.config, params), x_btd, batch,
-                             head)
+        (model_out, _), sown = _with_sown(apply(), router)
+        out = readout(cfg, model_out, batch)
+    else:
+        (x_btd, _), sown = _with_sown(apply(with_head=False), router)
+        out = readout_in_chunks(model.config, cfg, head_kernel(model.config, params), x_btd,
+                                batch, head)
+    return out._replace(router=moe.sown_router_losses(sown)) if router else out
+
+
+def _with_sown(applied, mutable: bool):
+    """(model output, sown intermediates or None) of `model.apply` with or without them."""
+    return applied if mutable else (applied, None)
 
 
 def _in_row_chunks(fn, batch: InferenceBatch, chunks: int) -> InferenceOutput:
@@ -235,7 +255,10 @@ def _in_row_chunks(fn, batch: InferenceBatch, chunks: int) -> InferenceOutput:
                                                           (None, "batch", "length"))
                                for a in batch))
     _, out_c = jax.lax.scan(lambda _, part: (None, fn(InferenceBatch(*part))), None, batch_c)
-    return InferenceOutput(*(None if x is None else merge_rows(x) for x in out_c))
+    router = None if out_c.router is None else moe.RouterLosses(
+        jnp.mean(out_c.router.balance_loss), jnp.mean(out_c.router.z_loss),
+        jnp.min(out_c.router.min_load))
+    return out_c.per_token(merge_rows)._replace(router=router)
 
 
 # Tokens of one row chunk of an inference call on each device, on XLA:CPU (`row_chunks`).
@@ -375,8 +398,7 @@ def infer_packed(model: Transformer, cfg: InferenceConfig, shards: int, params,
         cfg, kind=InferenceKind.VALUES)
     out = infer(model, per_token, params, packed, chunks, head_rows)
     real_bt = batch.segment_ids_bt != 0
-    out = InferenceOutput(*(None if x is None else packing.unpack(x, scatter_bt, real_bt, shards)
-                            for x in out))
+    out = out.per_token(lambda x: packing.unpack(x, scatter_bt, real_bt, shards))
     if cfg.kind is InferenceKind.SCORES:
         return InferenceOutput(
             scores_bk=last_token_scores(out.values_bt, batch.segment_ids_bt, cfg.max_segments))

@@ -46,6 +46,7 @@ from jaxrlhf.engine.inference import (
 from jaxrlhf.engine.optimizer import OptimizerConfig, make_optimizer, make_schedule
 from jaxrlhf.models import lora
 from jaxrlhf.models.config import HeadKind, ModelConfig
+from jaxrlhf.models.moe import MoeConfig, RouterLosses
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import Layout, init_params
@@ -169,7 +170,10 @@ def _grad_fn(model: Transformer, loss_fn: LossFn, readout: InferenceConfig, shar
              frozen):
     """(trained params, (micro_batch, its PackPlan)) -> (grads of loss_sum, {loss_sum, weight,
     num_tokens, stats}); the `frozen` parameters (LoRA's base model) enter as constants: no
-    gradient."""
+    gradient. A model with experts adds its router's auxiliary losses (`_with_router`)."""
+    moe_cfg = model.config.moe
+    if moe_cfg is not None:
+        readout = dataclasses.replace(readout, with_router=True)
 
     def loss_of(trained, micro: Batch, plan: packing.PackPlan):
         params = lora.combine(trained, frozen)
@@ -177,6 +181,8 @@ def _grad_fn(model: Transformer, loss_fn: LossFn, readout: InferenceConfig, shar
         plan_1 = jax.tree.map(lambda x: x[None], plan)
         out = infer_packed(model, readout, shards, params, inputs, plan_1)
         loss_sum, weight, stats = loss_fn(out, micro)
+        if moe_cfg is not None:
+            loss_sum, stats = _with_router(moe_cfg, out.router, loss_sum, weight, stats)
         num_tokens = jnp.sum(micro["segment_ids_bt"] != 0, dtype=jnp.float32)
         aux = dict(loss_sum=loss_sum, weight=jax.lax.stop_gradient(weight),
                    num_tokens=num_tokens, stats=stats)
@@ -187,6 +193,19 @@ def _grad_fn(model: Transformer, loss_fn: LossFn, readout: InferenceConfig, shar
         return grads, aux
 
     return grad_fn
+
+
+def _with_router(moe_cfg: MoeConfig, router: RouterLosses, loss_sum, weight, stats):
+    """The loss with the router's terms, each weighed by `weight` like the loss (so the step
+    optimises loss + aux_loss_coef * balance + z_loss_coef * z per unit of weight), and its
+    stats: moe_balance_loss, moe_z_loss and moe_min_load (the least-used expert's share in
+    units of an even share, models/moe.py), averaged over the batch like the loss's."""
+    weight = jax.lax.stop_gradient(weight)
+    aux = moe_cfg.aux_loss_coef * router.balance_loss + moe_cfg.z_loss_coef * router.z_loss
+    stats = {**stats, "moe_balance_loss": weight * router.balance_loss,
+             "moe_z_loss": weight * router.z_loss,
+             "moe_min_load": weight * jax.lax.stop_gradient(router.min_load)}
+    return loss_sum + weight * aux, stats
 
 
 def _train_step(state: TrainState, batch: Batch, plan: packing.PackPlan, *, spec: _StepSpec,
@@ -256,7 +275,8 @@ class TrainStep(BucketedCall):
 
     Metrics (f32 scalars, replicated): loss (Σloss_sum/Σweight), weight, num_tokens (non-padding
     tokens), grad_norm (before clipping), lr (the rate this update used), and every loss stat
-    as Σstat/Σweight.
+    as Σstat/Σweight (with experts also moe_balance_loss, moe_z_loss, moe_min_load:
+    `_with_router`).
     """
 
     def __init__(self, model_config: ModelConfig, layout: Layout, loss_fn: LossFn,
@@ -266,6 +286,10 @@ class TrainStep(BucketedCall):
         super().__init__("train_step", layout)
         if readout.head is not model_config.head or readout.kind is InferenceKind.SCORES:
             raise ValueError(f"a train step reads {readout.kind} of a {model_config.head} head")
+        if model_config.moe is not None and layout.pipeline > 1:
+            # A pipeline's stages apply each layer alone: its router statistics are not sown.
+            raise ValueError("a model with experts trains without a pipeline (p1): its router's "
+                             "auxiliary losses are not collected across pipeline stages")
         self.model_config = model_config
         self.loss_fn = loss_fn
         self.opt_cfg = opt_cfg

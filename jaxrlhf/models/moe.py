@@ -18,7 +18,9 @@ Per layer the block also returns its router statistics (`RouterStats`): the Swit
 load-balancing loss in Hugging Face's form (E * sum_e f_e * P_e, f_e the share of tokens sent
 to e, P_e its mean probability; k at an even load), the ST-MoE router z-loss (mean squared
 log-partition), and each expert's share of the assignments, all over valid (non-padding)
-tokens. The trainer weighs the losses by `MoeConfig.aux_loss_coef` and `z_loss_coef`.
+tokens. The trainer weighs the losses by `MoeConfig.aux_loss_coef` and `z_loss_coef`
+(`RouterLosses`, averaged over sparse layers; over each forward's own tokens, i.e. per packed
+row chunk and micro-batch, as Megatron computes it per micro-batch).
 
 Shared experts (Qwen2-MoE, DeepSeek) would be a dense MLP beside the routed ones in this block:
 a field of `MoeConfig` and one more term in `MoeBlock.__call__`.
@@ -195,8 +197,28 @@ class MoeBlock(nn.Module):
                 routing.experts_tk.reshape(b, t, moe.top_k))
 
 
-def aux_losses(stats_l: RouterStats) -> tuple[jax.Array, jax.Array]:
-    """(balance loss, z-loss), each the mean over sparse layers of `RouterStats` stacked over
-    layers [L, ...] (dense layers of a mixed model carry sparse = 0)."""
-    layers = jnp.maximum(jnp.sum(stats_l.sparse), 1.0)
-    return jnp.sum(stats_l.balance_loss) / layers, jnp.sum(stats_l.z_loss) / layers
+class RouterLosses(NamedTuple):
+    """A forward's router terms, over its sparse layers (float32 scalars): the mean
+    load-balancing loss and z-loss, and `min_load`, the least-used expert's share of the
+    assignments in units of an even share (1 = perfectly even, 0 = an expert left idle)."""
+
+    balance_loss: jax.Array
+    z_loss: jax.Array
+    min_load: jax.Array
+
+
+def router_losses(stats_l: RouterStats) -> RouterLosses:
+    """`RouterLosses` of `RouterStats` stacked over layers [L, ...] (a mixed model's dense
+    layers carry sparse = 0 and count in no term)."""
+    sparse_l = stats_l.sparse
+    layers = jnp.maximum(jnp.sum(sparse_l), 1.0)
+    even_share = stats_l.load_e * stats_l.load_e.shape[-1]
+    min_load = jnp.min(jnp.where(sparse_l[:, None] > 0, even_share, jnp.inf))
+    return RouterLosses(jnp.sum(stats_l.balance_loss) / layers,
+                        jnp.sum(stats_l.z_loss) / layers, min_load)
+
+
+def sown_router_losses(intermediates) -> RouterLosses:
+    """`router_losses` of what a `Transformer` applied with mutable=["intermediates"] sowed."""
+    (stats_l,) = intermediates["intermediates"]["layers"]["router"]
+    return router_losses(stats_l)
