@@ -81,6 +81,11 @@ class ModelConfig:
         if self.moe is not None and any(i >= self.num_layers for i in self.moe.dense_layers):
             raise ValueError(f"moe.dense_layers={self.moe.dense_layers} names a layer past "
                              f"num_layers={self.num_layers}")
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        if self.moe is not None and self.lora is not None and any(map(self.lora.adapts, mlp)):
+            raise ValueError("lora.targets: a model with experts takes adapters on the attention "
+                             "projections only (q_proj, k_proj, v_proj, o_proj; its experts "
+                             "have none)")
 
     @property
     def head_dim(self) -> int:

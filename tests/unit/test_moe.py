@@ -152,3 +152,12 @@ def test_stored_params_of_a_mixed_model_leave_out_the_zero_slots():
     d, f = cfg.hidden_size, cfg.intermediate_size
     expected = param_count(cfg) - E * (1 + 3 * F) * d - 2 * 3 * d * f
     assert stored_param_count(cfg) == expected
+
+
+def test_lora_on_experts_is_refused():
+    from jaxrlhf.models.lora import LoraConfig, LoraTarget
+
+    attention = LoraConfig(4, 8.0, (LoraTarget.Q_PROJ,))
+    get_size("tiny-moe", lora=attention)  # accepted
+    with pytest.raises(ValueError, match="attention projections only"):
+        get_size("tiny-moe", lora=LoraConfig(4, 8.0, (LoraTarget.Q_PROJ, LoraTarget.UP_PROJ)))
