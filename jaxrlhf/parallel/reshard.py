@@ -379,8 +379,10 @@ def _cross(xs: list[jax.Array], dsts: list[NamedSharding]) -> list[jax.Array]:
     ], wire
 
 
-def _shards(xs: list[jax.Array], dsts: list[NamedSharding]) -> tuple[list[jax.Array], int]:
-    """Cross-process hop shard to shard (`shard_transfer.py`); synchronous like `_cross`."""
+def _shards(xs: list[jax.Array], dsts: list[NamedSharding], names: list[str] | None = None
+            ) -> tuple[list[jax.Array], int]:
+    """Cross-process hop shard to shard (`shard_transfer.py`); synchronous like `_cross`.
+    `names` name the leaves in a `CorruptTransfer`'s message."""
 
     def wait(received: list[jax.Array]) -> None:
         with watchdog.guard(lambda: f"cross-process transfer of {len(xs)} array(s) "
@@ -389,7 +391,7 @@ def _shards(xs: list[jax.Array], dsts: list[NamedSharding]) -> tuple[list[jax.Ar
             if jax.process_count() > 1:
                 _barrier()
 
-    return shard_transfer.move(xs, dsts, wait)
+    return shard_transfer.move(xs, dsts, wait, names)
 
 
 class _Step(enum.Enum):
@@ -485,9 +487,10 @@ _HOPS = ((_Step.COPY, _copy), (_Step.COLLECTIVE, _collect), (_Step.CROSS, _cross
          (_Step.SHARDS, _shards))
 
 
-def _move_chunk(xs: list[jax.Array], dsts: list[NamedSharding]) -> tuple[list, list, int]:
+def _move_chunk(xs: list[jax.Array], dsts: list[NamedSharding], names: list[str] | None = None
+                ) -> tuple[list, list, int]:
     """Dispatches every hop of every leaf in a chunk; returns (results, intermediates, bytes
-    that crossed processes)."""
+    that crossed processes). `names`: the leaves' names (in a corrupt transfer's message)."""
     plans = [_plan(x, dst) for x, dst in zip(xs, dsts)]
     values = list(xs)
     produced: list[jax.Array] = []
@@ -497,6 +500,8 @@ def _move_chunk(xs: list[jax.Array], dsts: list[NamedSharding]) -> tuple[list, l
         targets = [target for _, target in steps]
         for step, run in _HOPS:
             indices = [i for i, (kind, _) in enumerate(steps) if kind is step]
+            if step is _Step.SHARDS and names is not None:
+                run = functools.partial(_shards, names=[names[i] for i in indices])
             wire += _apply(values, indices, targets, run)
             produced += [values[i] for i in indices]
     # An identity jit may forward its input; never count a source or a result as intermediate.
@@ -531,7 +536,9 @@ def reshard(tree, dst_shardings, *, free_source: bool = False, chunk_bytes: int 
       not counted in `bytes_moved`.
     """
     start = time.perf_counter()
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [x for _, x in paths]
+    names = [jax.tree_util.keystr(path) for path, _ in paths]
     dsts = [_as_named(d) for d in treedef.flatten_up_to(dst_shardings)]
     out = list(leaves)
     moving = [
@@ -542,7 +549,8 @@ def reshard(tree, dst_shardings, *, free_source: bool = False, chunk_bytes: int 
     for chunk in _chunks([leaves[i].nbytes for i in moving], chunk_bytes):
         indices = [moving[j] for j in chunk]
         moved, intermediates, wire = _move_chunk([leaves[i] for i in indices],
-                                                 [dsts[i] for i in indices])
+                                                 [dsts[i] for i in indices],
+                                                 [names[i] for i in indices])
         with watchdog.guard(lambda: f"reshard of {len(indices)} array(s) onto "
                                     f"{_processes(moved)}"):
             jax.block_until_ready(moved)

@@ -29,6 +29,12 @@ pairs first occur: JAX pairs a sender with its receiver by a per-process transfe
 and a batched `device_put` of several pairs takes its keys in an order that differs between
 processes (`reshard._send`). The hop is synchronous, as the staged one was: the receivers wait
 for their pieces, then every process meets at a barrier before the sender drops its slices.
+
+Checksums: every piece travels with a checksum the sender computes on its device (a position-
+weighted sum of its bytes, `checksum`: any one changed byte changes it), and the receiver
+checks it against the piece it got. A mismatch raises `CorruptTransfer`, one line naming the
+parameter, before the arrays are assembled: a generator never decodes with weights that
+arrived wrong.
 """
 
 from __future__ import annotations
@@ -43,6 +49,22 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension, global coordinates
+_WEIGHT_PERIOD = 65521  # byte weights 1..65521: weight x (a byte's change < 256) < 2**32
+
+
+class CorruptTransfer(RuntimeError):
+    """A piece whose checksum on arrival differs from the sender's."""
+
+
+@jax.jit
+def checksum(x: jax.Array) -> jax.Array:
+    """uint32 [1]: the sum of every byte of `x` times its position's weight (1..65521), mod
+    2**32. One changed byte changes it (its change times its weight is nonzero mod 2**32), and
+    so do two swapped bytes with different weights."""
+    jnp = jax.numpy
+    bytes_ = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1).astype(jnp.uint32)
+    weights = jax.lax.iota(jnp.uint32, bytes_.size) % _WEIGHT_PERIOD + 1
+    return jnp.sum(bytes_ * weights, dtype=jnp.uint32).reshape(1)
 
 
 def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
@@ -182,6 +204,11 @@ def _slice(data: jax.Array, piece: Piece) -> jax.Array:
     return data[_within(piece.box, piece.src_box)]
 
 
+def _placeholder_sum(piece: Piece) -> jax.Array:
+    return jax.make_array_from_single_device_arrays(
+        (1,), SingleDeviceSharding(piece.src), [], dtype=jax.numpy.uint32)
+
+
 def _placeholder(piece: Piece, dtype) -> jax.Array:
     """The piece as another process's array: what this process passes to the same transfer."""
     return jax.make_array_from_single_device_arrays(
@@ -189,9 +216,9 @@ def _placeholder(piece: Piece, dtype) -> jax.Array:
 
 
 def send(xs: list[jax.Array], plans: list[Plan]) -> tuple[list[dict], list[jax.Array]]:
-    """Issues every piece of every array; returns, per array, this process's received pieces by
-    (destination device, piece index), and the slices cut on this side (to drop after the
-    barrier)."""
+    """Issues every piece of every array with its checksum; returns, per array, this process's
+    received (piece, sender's checksum) by piece index, and the arrays made on this side (to
+    drop after the barrier)."""
     me = jax.process_index()
     pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for i, p in enumerate(plans):
@@ -206,17 +233,33 @@ def send(xs: list[jax.Array], plans: list[Plan]) -> tuple[list[dict], list[jax.A
             piece = plans[i].pieces[j]
             if piece.src.process_index == me:
                 shard = next(s.data for s in xs[i].addressable_shards if s.device == piece.src)
-                outgoing.append(_slice(shard, piece))
-                if outgoing[-1] is not shard:
-                    cut.append(outgoing[-1])
+                data = _slice(shard, piece)
+                outgoing += [data, checksum(data)]
+                cut += outgoing[-2:] if data is not shard else outgoing[-1:]
             else:
-                outgoing.append(_placeholder(piece, xs[i].dtype))
+                outgoing += [_placeholder(piece, xs[i].dtype), _placeholder_sum(piece)]
         target = SingleDeviceSharding(plans[items[0][0]].pieces[items[0][1]].dst)
         moved = jax.device_put(outgoing, [target] * len(outgoing), may_alias=False)
-        for (i, j), piece in zip(items, moved):
+        for k, (i, j) in enumerate(items):
             if plans[i].pieces[j].dst.process_index == me:
-                received[i][j] = piece
+                received[i][j] = (moved[2 * k], moved[2 * k + 1])
     return received, cut
+
+
+def verify(received: list[dict], plans: list[Plan], names: list[str]) -> None:
+    """Raises `CorruptTransfer` naming the first parameter a received piece of which does not
+    match its sender's checksum (one small device-to-host read for all of them)."""
+    keys = [(i, j) for i, got in enumerate(received) for j in got]
+    if not keys:
+        return
+    same = jax.device_get([checksum(received[i][j][0]) == received[i][j][1] for i, j in keys])
+    for (i, j), ok in zip(keys, same):
+        if not bool(ok[0]):
+            piece = plans[i].pieces[j]
+            raise CorruptTransfer(
+                f"weights corrupted in transit: {names[i]}, elements {list(piece.box)} from "
+                f"process {piece.src.process_index} (device {piece.src.id}) to device "
+                f"{piece.dst.id}: checksum mismatch; not using them")
 
 
 def assemble(x: jax.Array, dst: NamedSharding, p: Plan, received: dict) -> jax.Array:
@@ -229,7 +272,7 @@ def assemble(x: jax.Array, dst: NamedSharding, p: Plan, received: dict) -> jax.A
             boxes.setdefault(piece.dst, []).append(j)
     for device, js in boxes.items():
         dst_box = p.pieces[js[0]].dst_box
-        pieces = [received[j] for j in js]
+        pieces = [received[j][0] for j in js]
         if len(js) == 1 and p.pieces[js[0]].box == dst_box:
             by_device[device] = pieces[0]
         else:
@@ -246,16 +289,29 @@ def assemble(x: jax.Array, dst: NamedSharding, p: Plan, received: dict) -> jax.A
     return jax.make_array_from_single_device_arrays(x.shape, dst, shards, dtype=x.dtype)
 
 
-def move(xs: list[jax.Array], dsts: list[NamedSharding], wait: Callable[[list], None]
+def move(xs: list[jax.Array], dsts: list[NamedSharding], wait: Callable[[list], None],
+         names: list[str] | None = None, in_transit: Callable[[list[dict]], None] | None = None
          ) -> tuple[list[jax.Array], int]:
     """Moves each array to its destination sharding (device memory, any processes) piece by
     piece; `wait(arrays)` blocks until this process's pieces are in and every process has
-    reached the same point (the caller's barrier). Returns (arrays, bytes that crossed
-    processes)."""
+    reached the same point (the caller's barrier), then every piece's checksum is checked.
+
+    Args:
+      names: each array's name in a `CorruptTransfer` message (default: its position).
+      in_transit: called with the received pieces (per array, {piece index: (piece, sender's
+        checksum)}) before they are checked; tests replace a piece there to stand for a fault
+        on the wire.
+
+    Returns:
+      (arrays, bytes that crossed processes).
+    """
     plans = [plan(x.sharding, dst, x.shape, x.dtype.itemsize) for x, dst in zip(xs, dsts)]
     received, cut = send(xs, plans)
-    wait([piece for pieces in received for piece in pieces.values()])
+    wait([piece for pieces in received for pair in pieces.values() for piece in pair])
     for piece in cut:
         piece.delete()
+    if in_transit is not None:
+        in_transit(received)
+    verify(received, plans, names or [f"array {i}" for i in range(len(xs))])
     out = [assemble(x, dst, p, got) for x, dst, p, got in zip(xs, dsts, plans, received)]
     return out, sum(p.wire_bytes for p in plans)
