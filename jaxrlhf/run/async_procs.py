@@ -12,10 +12,14 @@ evaluation); inside it the processes run different programs and meet only here (
 held-out evaluation, `eval.every`, runs on the trainer alone, on its own devices):
 
   weights     after each update every process takes part in `parallel.reshard` of the actor's
-              parameters onto each replica's layout (a cross-process transfer; the trainer
-              announces version v first, a replica joins between two chunks). A replica
-              starts a batch only with the newest version: the publish is a rendezvous the
-              trainer completes before it issues more work.
+              parameters onto each replica's layout (a cross-process transfer, shard to
+              shard; the trainer announces version v first, a replica joins between two
+              chunks). A replica receives it on a thread of its own into a second copy while
+              it keeps decoding with the old one, and hands it to its rollout scheduler when
+              complete (`run/weight_receiver.py`; inline, pausing decoding, where the devices
+              have no room for the second copy). A replica starts a batch only with the
+              newest version: the publish is a rendezvous the trainer completes before it
+              issues more work, and a replica finishes receiving before it starts a batch.
   work        the trainer draws the prompts (its iterator is the checkpointed one) and sends
               a replica the batch index and the iterator state to draw the same rows from.
   batches     a replica sends the generated arrays and per-token versions back through the
@@ -61,6 +65,7 @@ from jaxrlhf.run import async_steps, loop
 from jaxrlhf.run.async_steps import drain_limit, draw_async_timeline, trainer_runner
 from jaxrlhf.run.guards import StopRequest
 from jaxrlhf.run.rollout_worker import Generated, RolloutWorker
+from jaxrlhf.run.weight_receiver import WeightReceiver, bytes_per_device, second_copy_fits
 from jaxrlhf.run.channel import Channel, Deadline
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut
@@ -172,21 +177,28 @@ def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list
                            on_new_version=spec.async_rl.on_new_version)
     actor = runner.runtimes[Role.ACTOR]
     version = runner.step_index
-    worker.install(_publish(actor.params, shardings, version, r)[0], version)
+    receive = lambda v: _publish(actor.params, shardings, v, r)[0]  # noqa: E731
+    worker.install(receive(version), version)
+    per_device = bytes_per_device(shardings[r - 1], abstract_params(spec.base.config))
+    weights = WeightReceiver(receive, overlap=second_copy_fits(layout.devices, per_device))
     orders, queue = 0, collections.deque()
     deadline = Deadline(watchdog.timeout_s() or 600.0, r)
     interrupted = False
     with StopRequest():  # a signal to every process: the trainer decides
         while True:
-            if chan.peek(f"pub/{version + 1}"):
+            if (received := weights.poll()) is not None:
+                worker.install(*received)
+            if not weights.busy and chan.peek(f"pub/{version + 1}"):
                 version += 1
-                worker.install(_publish(actor.params, shardings, version, r)[0], version)
+                weights.start(version)
                 deadline.progress()
                 continue
             order = chan.take(f"order/{r}/{orders}")
             if order is not None:
                 orders += 1
                 deadline.progress()
+                if order["kind"] != "gen" and (received := weights.join()) is not None:
+                    worker.install(*received)  # a save or a stop: every process in step
                 match order["kind"]:
                     case "gen":
                         queue.append(order)
@@ -200,6 +212,8 @@ def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list
                         break
                 continue
             if queue and worker.accepts():
+                if (received := weights.join()) is not None:
+                    worker.install(*received)  # a batch starts with the newest weights
                 order = queue.popleft()
                 prompts.restore(order["iterator"])
                 batch = prompt_batch(next(prompts), job.tokenizer, spec.rollout.max_prompt_len,
