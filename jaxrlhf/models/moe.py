@@ -114,6 +114,21 @@ def route(logits_te: jax.Array, top_k: int, norm_topk_prob: bool,
     return Routing(weights_tk, experts_tk)
 
 
+def routes_differ(logits_te: jax.Array, experts_tk: jax.Array) -> jax.Array:
+    """bool [T]: the router's own top-k of `logits_te` [T, E] is not the set `experts_tk`
+    [T, k] (routing replay's given experts; order within a token's k does not count)."""
+    fresh_tk = jax.lax.top_k(logits_te.astype(jnp.float32), experts_tk.shape[-1])[1]
+    return jnp.any(jnp.sort(fresh_tk, axis=-1) != jnp.sort(experts_tk, axis=-1), axis=-1)
+
+
+def routing_mismatch(changed_lbt: jax.Array, valid_bt: jax.Array) -> jax.Array:
+    """float32: the share of valid tokens whose replayed experts differ from the router's own
+    choice in at least one layer (`routes_differ` stacked over layers [L, b, t])."""
+    changed_bt = jnp.any(changed_lbt, axis=0) & valid_bt
+    return jnp.sum(changed_bt, dtype=jnp.float32) / jnp.maximum(
+        jnp.sum(valid_bt, dtype=jnp.float32), 1.0)
+
+
 def router_stats(logits_te: jax.Array, experts_tk: jax.Array, valid_t: jax.Array) -> RouterStats:
     """`RouterStats` of one sparse layer over the tokens with `valid_t` (bool [T])."""
     num_experts = logits_te.shape[-1]
@@ -164,7 +179,11 @@ def _expert_init(stddev: float = 0.02):
 
 
 class MoeBlock(nn.Module):
-    """x [b, t, D] -> (y [b, t, D], RouterStats, experts_btk int32 [b, t, k]).
+    """x [b, t, D] -> (y [b, t, D], RouterStats, experts_btk int32 [b, t, k], changed_bt).
+
+    `experts_btk` given (routing replay): those experts are used, weighed by the router's
+    probabilities, and changed_bt (bool [b, t]) says where the router would have chosen others;
+    else the router chooses and changed_bt is None.
 
     Parameters: router [D, E] (logical ("embed", "experts_router")), gate_proj and up_proj
     [E, D, F], down_proj [E, F, D] (logical "experts", "embed", "expert_mlp").
@@ -193,8 +212,9 @@ class MoeBlock(nn.Module):
         y_td = experts_swiglu(x_td, routing, gate_edf.astype(cfg.dtype),
                               up_edf.astype(cfg.dtype), down_efd.astype(cfg.dtype))
         stats = router_stats(logits_te, routing.experts_tk, valid_bt.reshape(-1))
+        changed_bt = None if given_tk is None else routes_differ(logits_te, given_tk).reshape(b, t)
         return (y_td.reshape(b, t, d).astype(cfg.dtype), stats,
-                routing.experts_tk.reshape(b, t, moe.top_k))
+                routing.experts_tk.reshape(b, t, moe.top_k), changed_bt)
 
 
 class RouterLosses(NamedTuple):

@@ -349,7 +349,8 @@ class DecoderLayer(nn.Module):
     `routes_btk`: int [b, t, k] experts this layer must use (routing replay), or None.
 
     A sparse layer sows its `moe.RouterStats` as intermediates "router" and its chosen experts
-    int32 [b, t, k] as "routes" (read by a caller that applies with mutable intermediates).
+    int32 [b, t, k] as "routes" (read by a caller that applies with mutable intermediates);
+    replaying, also "route_changed" bool [b, t] (`moe.routes_differ`; `moe.routing_mismatch`).
     """
 
     config: ModelConfig
@@ -385,15 +386,19 @@ class DecoderLayer(nn.Module):
             y_btd = MLP(cfg, name="mlp")(h_btd)
             stats = moe.zero_stats(cfg.moe.num_experts)
             experts_btk = jnp.zeros((*h_btd.shape[:2], cfg.moe.top_k), jnp.int32)
+            changed_bt = jnp.zeros(h_btd.shape[:2], bool)
         else:
-            y_btd, stats, experts_btk = moe.MoeBlock(cfg, name="moe")(
+            y_btd, stats, experts_btk, changed_bt = moe.MoeBlock(cfg, name="moe")(
                 h_btd, segment_ids_bt != 0, routes_btk)
             if dense and not static:
                 is_sparse = jnp.all(jnp.asarray(dense, jnp.int32) != layer_id)
                 y_btd = jnp.where(is_sparse, y_btd, MLP(cfg, name="mlp")(h_btd))
                 stats = jax.tree.map(lambda s: s * is_sparse, stats)
+                changed_bt = None if changed_bt is None else changed_bt & is_sparse
         self.sow("intermediates", "router", stats)
         self.sow("intermediates", "routes", experts_btk)
+        if routes_btk is not None:  # replayed: where the router would have chosen otherwise
+            self.sow("intermediates", "route_changed", changed_bt)
         return y_btd
 
 

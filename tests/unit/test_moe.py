@@ -161,3 +161,41 @@ def test_lora_on_experts_is_refused():
     get_size("tiny-moe", lora=attention)  # accepted
     with pytest.raises(ValueError, match="attention projections only"):
         get_size("tiny-moe", lora=LoraConfig(4, 8.0, (LoraTarget.Q_PROJ, LoraTarget.UP_PROJ)))
+
+
+def test_replayed_routes_are_used_and_their_mismatch_counted():
+    """Replaying the experts a forward chose gives that forward's logits and no mismatch;
+    replaying other experts uses exactly those (the sown routes), the router still gets a
+    gradient, and `routing_mismatch` counts the tokens whose own choice differs."""
+    cfg = get_size("tiny", dtype=jnp.float32, num_layers=3,
+                   moe=moe.MoeConfig(E, K, F, dense_layers=(1,)))
+    tokens = jax.random.randint(jax.random.key(2), (2, 7), 1, cfg.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    seg = jnp.ones((2, 7), jnp.int32).at[1, 5:].set(0)
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype),
+                          nn.meta.unbox(abstract_params(cfg)))
+
+    @jax.jit
+    def forward(p, routes_lbtk):
+        (logits, _), sown = Transformer(cfg).apply({"params": p}, tokens, pos, seg,
+                                                   routes_lbtk=routes_lbtk,
+                                                   mutable=["intermediates"])
+        return logits, sown["intermediates"]["layers"]
+
+    free, sown = jax.jit(lambda p: forward(p, None))(params)
+    recorded = np.asarray(sown["routes"][0])
+    replayed, sown = forward(params, recorded)
+    np.testing.assert_allclose(replayed, free, atol=1e-6, rtol=0)
+    assert not np.asarray(sown["route_changed"][0]).any()
+
+    other = (recorded + 1) % E  # every sparse layer's choice shifted by one expert
+    logits, sown = forward(params, other)
+    np.testing.assert_array_equal(np.asarray(sown["routes"][0])[[0, 2]], other[[0, 2]])
+    changed = np.asarray(sown["route_changed"][0])
+    assert changed[[0, 2]].all() and not changed[1].any()  # layer 1 is dense
+    np.testing.assert_allclose(moe.routing_mismatch(changed, seg != 0), 1.0)
+    assert float(moe.routing_mismatch(changed[:, :, :1] & False, seg[:, :1] != 0)) == 0.0
+    assert not np.allclose(logits, free, atol=1e-3)
+    router_grad = jax.grad(lambda p: forward(p, other)[0].sum())(params)["layers"]["moe"]["router"]
+    assert np.asarray(router_grad)[[0, 2]].any()
