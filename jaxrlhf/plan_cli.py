@@ -47,6 +47,7 @@ import dataclasses
 import json
 import os
 
+import jax.numpy as jnp
 from absl import flags, logging
 from ml_collections import config_flags
 
@@ -54,10 +55,13 @@ from jaxrlhf import cli
 from jaxrlhf.dataflow.placement import Placement
 from jaxrlhf.plan import report as report_lib
 from jaxrlhf.plan.choice import ExecutionPlan
+from jaxrlhf.mfc import Call, Role
+from jaxrlhf.models.sizes import param_count
 from jaxrlhf.plan.cluster import Cluster, load_cluster, save_calibration
 from jaxrlhf.plan.evaluate import Evaluator, SimOptions
 from jaxrlhf.plan.search import PlanResult, SearchOptions, search
 from jaxrlhf.plan.simulator import dispatch_order
+from jaxrlhf.plan.weight_sync import sync_price
 from jaxrlhf.run.layouts import execution_plan
 from jaxrlhf.schema import ConfigError, field
 from jaxrlhf.spec import run_spec
@@ -177,10 +181,31 @@ def _search(config, cluster: Cluster) -> None:
         print(report_lib.plan_table(result, cluster, order) + "\n")
     print(report_lib.summary(report))
     print(f"pipelined generation priced with the {experiment.decode.value} decode schedule")
+    for result in report.plans().values():
+        print(_sync_line(spec, result, cluster))
     if report.searched.plan is not None:
         # cluster= cleared: a manual plan reads no cluster (the run refuses one it ignores).
         print(f"\nplacement.kind=manual placement.cluster= placement.allocation="
               f"{report_lib.allocation(report.searched)}")
+
+
+def _sync_line(spec, result: PlanResult, cluster: Cluster) -> str:
+    """The actor's weight sync per version under `result`'s plan (`plan/weight_sync.py`), in
+    the parameters' storage dtype (what `reshard` moves)."""
+    if result.plan is None:
+        return f"weight sync per version, plan {result.name}: no plan"
+    mfcs = spec.graph.calls_of(Role.ACTOR)
+    train = [m.name for m in mfcs if m.call is Call.TRAIN_STEP and m.name in result.plan]
+    gen = [m.name for m in mfcs if m.call is Call.GENERATE and m.name in result.plan]
+    if not train or not gen:
+        return f"weight sync per version, plan {result.name}: the actor does not generate"
+    config = spec.base.config
+    model_bytes = param_count(config) * jnp.dtype(config.param_dtype).itemsize
+    price = sync_price(model_bytes, result.plan[train[0]], result.plan[gen[0]], cluster)
+    if price is None:
+        return (f"weight sync per version, plan {result.name}: {gen[0]} shares devices with "
+                f"{train[0]} (priced as the plan's parameter reallocation)")
+    return f"weight sync per version, plan {result.name}: {price.describe()}"
 
 
 def _candidates(spec, cluster: Cluster) -> list[PlanResult]:
