@@ -68,6 +68,8 @@ def _args(argv=None):
     parser.add_argument("--chunk_mb", type=int, default=256,
                         help="reshard's chunk_bytes in MiB (bytes in flight between waits)")
     parser.add_argument("--timeout", type=float, default=580.0)
+    parser.add_argument("--predict", action="store_true",
+                        help="print the planner's predicted sync per version (PREDICTIONS) only")
     parser.add_argument("--worker", nargs=2, metavar=("ADDRESS", "PROCESS_ID"), default=None)
     parser.add_argument("--out", default="")
     return parser.parse_args(argv)
@@ -351,8 +353,48 @@ def _merge(chan, args, rows0: list[dict]) -> list[dict]:
     return out
 
 
+# (model, cluster file, generator's strategy on the second half: tensor within a host, data
+# across hosts). The trainer holds the first half, fsdp over all of it.
+PREDICTIONS = [(model, cluster, gen) for model in ("qwen3-4b", "llama-3.1-8b", "llama3-70b")
+               for cluster, gen in (("meshes/h100_16x8.py", dict(data=8, tensor=8)),
+                                    ("meshes/tpu_v5p_128.py", dict(data=8, tensor=4)))]
+
+
+def predict() -> list[dict]:
+    """The planner's price of one full sync in bf16 for each of PREDICTIONS."""
+    from jaxrlhf.models.sizes import get_size, param_count
+    from jaxrlhf.parallel.strategy import DeviceRange
+    from jaxrlhf.plan.choice import CallChoice
+    from jaxrlhf.plan.cluster import load_cluster
+    from jaxrlhf.plan.weight_sync import sync_price
+
+    rows = []
+    for model, path, gen in PREDICTIONS:
+        cluster = load_cluster(str(REPO / path))
+        half = cluster.num_devices // 2
+        train = CallChoice(DeviceRange(0, half - 1), fsdp=half)
+        generator = CallChoice(DeviceRange(half, 2 * half - 1), **gen)
+        price = sync_price(2 * param_count(get_size(model)), train, generator, cluster)
+        rows.append({"model": model, "cluster": cluster.name, "gen": generator.axes_str(),
+                     "bytes_per_host": price.bytes_per_host, "gen_hosts": price.gen_hosts,
+                     "total_bytes": price.total_bytes, "host_gbps": price.host_bandwidth / 1e9,
+                     "seconds": price.seconds})
+    return rows
+
+
 def main(argv=None) -> None:
     args = _args(argv)
+    if args.predict:
+        rows = predict()
+        for row in rows:
+            print(json.dumps(row))
+        print(f"{'model':<14}{'cluster':<14}{'generator':<12}{'GB/host':>9}{'hosts':>6}"
+              f"{'GB/s/host':>10}{'s':>8}")
+        for r in rows:
+            print(f"{r['model']:<14}{r['cluster']:<14}{r['gen']:<12}"
+                  f"{r['bytes_per_host'] / 1e9:>9.2f}{r['gen_hosts']:>6}{r['host_gbps']:>10.0f}"
+                  f"{r['seconds']:>8.3f}")
+        return
     if args.worker:
         _worker(args)
         return
