@@ -197,6 +197,16 @@ def test_checksum_changes_with_any_one_byte():
                 assert int(shard_transfer.checksum(y)[0]) != base, (dtype, i, delta)
 
 
+def test_checksum_of_a_mask_sees_every_element():
+    """Bools (which bitcast refuses) are summed by value: each flipped element changes it."""
+    import jax.numpy as jnp
+
+    mask = jnp.asarray(np.random.default_rng(1).integers(0, 2, 40).astype(bool))
+    base = int(shard_transfer.checksum(mask)[0])
+    for i in range(mask.size):
+        assert int(shard_transfer.checksum(mask.at[i].set(~mask[i]))[0]) != base, i
+
+
 def test_two_processes_receive_exactly_what_they_lack(two_processes):
     """2 real processes: each case's generator layout receives the
     trainer's values bit for bit by both paths, shard to shard with bytes on the wire equal to

@@ -67,8 +67,11 @@ def checksum(x: jax.Array) -> jax.Array:
     change times it is nonzero. One pass over the words in their own width (a byte-wise sum
     cost four times the conversions and, on XLA:CPU, more than the transfer itself)."""
     jnp = jax.numpy
-    words = jax.lax.bitcast_convert_type(x, jnp.dtype(_WORD[x.dtype.itemsize]))
-    words = words.reshape(-1).astype(jnp.uint32)
+    if x.dtype == jnp.bool_:  # a mask (bitcast refuses bools): its values are its bits
+        words = x.reshape(-1).astype(jnp.uint32)
+    else:
+        words = jax.lax.bitcast_convert_type(x, jnp.dtype(_WORD[x.dtype.itemsize]))
+        words = words.reshape(-1).astype(jnp.uint32)
     weights = jax.lax.iota(jnp.uint32, words.size) * jnp.uint32(2) + jnp.uint32(1)
     return jnp.sum(words * weights, dtype=jnp.uint32).reshape(1)
 
