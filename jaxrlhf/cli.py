@@ -9,6 +9,7 @@ refuses, stray arguments, and any `ConfigError` its checks raise.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -51,6 +52,22 @@ def parse_flags(argv: list[str]) -> list[str]:
         return flags.FLAGS(argv)
     except flags.Error as e:
         bad_input(e)
+
+
+_DASHED_FLAG = re.compile(r"^(--?)([A-Za-z][\w-]*)(=.*)?$", re.DOTALL)
+
+
+def parse_dashed_flags(argv: list[str]) -> list[str]:
+    """`parse_flags`, accepting `--max-new-tokens` as a spelling of `--max_new_tokens`."""
+
+    def undash(arg: str) -> str:
+        match = _DASHED_FLAG.match(arg)
+        if match is None or arg == "--":
+            return arg
+        dashes, name, value = match.groups()
+        return dashes + name.replace("-", "_") + (value or "")
+
+    return parse_flags([argv[0], *map(undash, argv[1:])])
 
 
 def run(main: Callable[[], None], flags_parser=parse_flags) -> None:

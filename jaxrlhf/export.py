@@ -44,7 +44,6 @@ import os
 import pathlib
 import shutil
 import socket
-import sys
 import tempfile
 
 import numpy as np
@@ -52,6 +51,7 @@ from absl import flags, logging
 
 from jaxrlhf import cli
 from jaxrlhf.mfc import Role
+from jaxrlhf.restore import restore_role
 from jaxrlhf.schema import ConfigError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "the run's workdir (holds checkpoints/)",
@@ -139,53 +139,6 @@ def _replace(staged: pathlib.Path, out: pathlib.Path) -> None:
     staged.rename(out)
 
 
-def _restored(checkpoints, role: Role, step: int | None):
-    """(host state, `role`'s model config and parameters) of checkpoint `step`, or, for None, of the newest one
-    that restores (a damaged newer one is named in a warning and skipped)."""
-    import jax
-
-    from jaxrlhf import checkpoint
-    from jaxrlhf.parallel.layout import make_layout
-    from jaxrlhf.spec import model_config_of
-
-    steps = checkpoints.all_steps()
-    if step is not None and step not in steps:
-        raise FileNotFoundError(f"no checkpoint {step} in {checkpoints.directory} "
-                                f"(there are {steps})")
-    errors = []
-    for candidate in [step] if step is not None else reversed(steps):
-        try:
-            host = checkpoints.restore_host(candidate)
-        except Exception as error:  # noqa: BLE001 - any damage: the previous one
-            errors.append((candidate, error))
-            continue
-        roles = host.trained + host.frozen
-        if role.value not in roles:
-            raise ValueError(f"checkpoint {host.step} has no {role.value} model; it has "
-                             f"{', '.join(roles)}")
-        model = model_config_of(host.experiment_config().models[role.value], role,
-                                f"models.{role.value}")
-        # Sharded over every local device (one is enough); save_hf gathers one tensor at a time.
-        layout = make_layout(f"f{jax.device_count()}", model=model)
-        try:
-            target = {role: checkpoint.abstract_state(model, layout)}
-            return host, model, checkpoints.restore_models(host.step, target)[role]
-        except Exception as error:  # noqa: BLE001 - any damage: the previous one
-            errors.append((candidate, error))
-            if step is None:
-                print(f"warning: checkpoint {checkpoints.step_path(candidate)} cannot be "
-                      f"restored ({type(error).__name__}); trying the previous one",
-                      file=sys.stderr, flush=True)
-    if not steps:
-        raise FileNotFoundError(f"no complete checkpoint in {checkpoints.directory}")
-    bad, error = errors[-1]
-    text = " ".join(str(error).split())[:200]
-    others = [s for s in steps if s not in [b for b, _ in errors]]
-    raise FileNotFoundError(
-        f"checkpoint {bad} in {checkpoints.directory} cannot be restored ({type(error).__name__}: "
-        f"{text})" + (f"; --step= one of {others}" if others else "; none of them restores"))
-
-
 def export(workdir: str | pathlib.Path, out: str | pathlib.Path, role: Role = Role.ACTOR,
            step: int | None = None, overwrite: bool = False) -> Exported:
     """Writes `role` of checkpoint `step` (None: the newest that restores) of `workdir` to
@@ -215,7 +168,7 @@ def _export(workdir, out: pathlib.Path, role: Role, step: int | None) -> Exporte
         raise FileNotFoundError(f"no checkpoints in {directory}")
     checkpoints = checkpoint.Checkpointer(directory, None)
     try:
-        host, model, params = _restored(checkpoints, role, step)
+        host, model, params = restore_role(checkpoints, role, step)
     finally:
         checkpoints.close()
     config = host.experiment_config()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 import time
 
@@ -45,22 +44,6 @@ _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the t
 _CHAT = flags.DEFINE_bool("chat", False, "Apply the model's chat template to the prompt as one "
                           "user message (with the generation prompt).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-
-_DASHED_FLAG = re.compile(r"^(--?)([A-Za-z][\w-]*)(=.*)?$", re.DOTALL)
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    """`cli.parse_flags`, accepting `--max-new-tokens` as a spelling of `--max_new_tokens`."""
-
-    def undash(arg: str) -> str:
-        match = _DASHED_FLAG.match(arg)
-        if match is None or arg == "--":
-            return arg
-        dashes, name, value = match.groups()
-        return dashes + name.replace("-", "_") + (value or "")
-
-    return cli.parse_flags([argv[0], *map(undash, argv[1:])])
-
 
 def check_length(prompt_len: int, max_new_tokens: int, positions: int) -> None:
     """The prompt and the new tokens fit the model's positions (past them RoPE extrapolates
@@ -157,4 +140,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main, flags_parser=_parse_flags)
+    cli.run(main, flags_parser=cli.parse_dashed_flags)

@@ -55,6 +55,12 @@ CASES = [
     ("export_unknown_role",
      ["jaxrlhf.export", "--workdir={tmp}", "--out={tmp}/hf", "--role=critic2"],
      "error: flag --role=critic2: value should be one of <actor|critic|ref|reward|cost|"),
+    ("evaluate_greedy_samples",
+     ["jaxrlhf.evaluate", "--workdir={tmp}", "--data=README.md", "--samples=4",
+      "--temperature=0"],
+     "error: --samples=4: greedy responses (--temperature=0) are all the same"),
+    ("evaluate_no_checkpoints", ["jaxrlhf.evaluate", "--workdir={tmp}", "--data=README.md"],
+     "error: --workdir={tmp}: no checkpoints in {tmp}/checkpoints"),
 ]
 
 

@@ -38,11 +38,13 @@ LAYERS = {
     "jaxrlhf.checkpoint": 7, "jaxrlhf.metrics": 7, "jaxrlhf.distributed": 7,
     "jaxrlhf.fingerprint": 7,
     "jaxrlhf.spec": 8,
+    "jaxrlhf.restore": 9,  # a role's parameters read back from a run's checkpoint
     "jaxrlhf.run": 9,
     "jaxrlhf.calibration": 10, "jaxrlhf.cli": 10,
     # entry points: flags -> spec -> run
     "jaxrlhf.train": ENTRY, "jaxrlhf.bench": ENTRY, "jaxrlhf.generate": ENTRY,
     "jaxrlhf.export": ENTRY, "jaxrlhf.graph": ENTRY, "jaxrlhf.plan_cli": ENTRY,
+    "jaxrlhf.evaluate": ENTRY,
 }
 # The repository's folders and the modules they hold once installed: kernels/ and meshes/
 # install inside the package (through the links jaxrlhf/kernels, jaxrlhf/meshes, which the

@@ -8,7 +8,8 @@ once rather than as a shape error deep inside a jitted step.
 A prompt row carries its prompt as `prompt` (text), as `messages` (a chat: role/content
 objects, rendered with the model's chat template when the data loads, see `data/chat.py`), or
 GSM8K-style as `question` (its `answer` then holds the solution ending in `#### N`, which the
-`math` reward reduces to N).
+`math` reward reduces to N), or MATH-style as `problem` with its answer as `solution` (a worked
+solution whose `\\boxed{}` the `math` reward reduces to the answer).
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ class FieldNames:
     answer: str = "answer"
     messages: str = "messages"
     question: str = "question"  # GSM8K's name of the prompt
+    problem: str = "problem"  # MATH's name of the prompt
+    solution: str = "solution"  # MATH's name of the answer (a solution with a \\boxed{} one)
     chosen: str = "chosen"
     rejected: str = "rejected"
     response: str = "response"
@@ -165,10 +168,15 @@ def _make_row(record: Any, kind: RowKind, names: FieldNames, path, location: str
             required = ()
         elif record.get(names.question) is not None:  # GSM8K
             record = {**record, names.prompt: record[names.question]}
+        elif record.get(names.problem) is not None:  # MATH
+            record = {**record, names.prompt: record[names.problem]}
         else:
             raise DataError(path, location, names.prompt,
-                            f"is missing (and there is no {names.messages!r} or "
-                            f"{names.question!r})")
+                            f"is missing (and there is no {names.messages!r}, "
+                            f"{names.question!r} or {names.problem!r})")
+    if kind is RowKind.PROMPT and record.get(names.answer) is None and (
+            record.get(names.solution) is not None):  # MATH
+        record = {**record, names.answer: record[names.solution]}
     for attr in required + optional:
         key = getattr(names, attr)
         value = record.get(key)
@@ -215,10 +223,11 @@ def _read_parquet(path: pathlib.Path, kind: RowKind, names: FieldNames) -> list[
     parquet = pq.ParquetFile(path)
     _, required, optional = _row_schema(kind)
     present = set(parquet.schema_arrow.names)
-    if kind is RowKind.PROMPT:  # the prompt may come as messages or as GSM8K's question
-        alternatives = [n for n in (names.messages, names.question) if n in present]
-        optional = optional + tuple(a for a in ("messages", "question")
-                                    if getattr(names, a) in alternatives)
+    if kind is RowKind.PROMPT:  # the prompt may come as messages, GSM8K's question or MATH's
+        alternatives = [n for n in (names.messages, names.question, names.problem)
+                        if n in present]
+        optional = optional + tuple(a for a in ("messages", "question", "problem", "solution")
+                                    if getattr(names, a) in present)
         required = () if alternatives else required
     for attr in required:
         if getattr(names, attr) not in present:

@@ -70,8 +70,9 @@ def _padded_rows(rows: Sequence[PromptRow], repeat: int, multiple: int) -> list[
 
 
 @dataclasses.dataclass
-class _Responses:
-    """Generated responses of `repeat` samples per prompt, the first `len(rows)*repeat` rows.
+class Responses:
+    """Generated responses of `repeat` samples per prompt (sample j of prompt i at row
+    i·repeat + j), the first `len(rows)*repeat` rows.
 
     seq_bs, mask_bs: int/bool [rows·repeat, P+N] host arrays (prompt + response, real tokens).
     texts: decoded responses (up to the first stop id).
@@ -80,6 +81,7 @@ class _Responses:
     seq_bs: np.ndarray
     mask_bs: np.ndarray
     texts: list[str]
+    lengths_b: np.ndarray  # int [rows·repeat]: each response's real tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +131,12 @@ def make_scorer(runtime: ModelRuntime, kind: InferenceKind, job: Job) -> Scorer:
     return Scorer(infer, runtime.home.dp_size, job.tokenizer, r)
 
 
+def sampling_key(seed: int, step: int) -> jax.Array:
+    """The key the periodic evaluation after update `step` of a run seeded `seed` samples
+    with (so that `python -m jaxrlhf.evaluate` on that checkpoint draws the same samples)."""
+    return jax.random.fold_in(jax.random.key(seed + 1), step)
+
+
 class HeldOut:
     """The held-out evaluation of one run (see the module docstring).
 
@@ -140,7 +148,7 @@ class HeldOut:
 
     def __init__(self, job: Job, layout: Layout | None = None):
         spec, rows = job.spec, job.data.eval
-        self._job, self.layout = job, _layout(job) if layout is None else layout
+        self._job, self.layout = job, generation_layout(job) if layout is None else layout
         self._rows = list(rows[:spec.evaluation.max_prompts] if spec.evaluation.max_prompts
                           else rows)
         self.has_answers = bool(self._rows) and all(r.answer is not None for r in self._rows)
@@ -168,7 +176,7 @@ class HeldOut:
         result = handle.result()
         return result.rewards_b.astype(np.float64), result.errors.total
 
-    def _model_scores(self, reward: ModelRuntime, responses: _Responses) -> np.ndarray:
+    def _model_scores(self, reward: ModelRuntime, responses: Responses) -> np.ndarray:
         """float [rows]: the reward model's score at each sequence's last real token."""
         if self._reward_scorer is None:
             self._reward_scorer = make_scorer(reward, InferenceKind.SCORES, self._job)
@@ -186,18 +194,32 @@ class HeldOut:
 
     # --- generation ------------------------------------------------------------------------
 
-    def _generate(self, generator, params, repeat: int, rng) -> _Responses:
+    def _generate(self, generator, params, repeat: int, rng,
+                  rows: Sequence[PromptRow] | None = None) -> Responses:
         tokenizer, p = self._job.tokenizer, self._job.spec.rollout.max_prompt_len
-        rows = _padded_rows(self._rows, repeat, self.layout.dp_size)
-        batch = prompt_batch(rows, tokenizer, p, repeat)
+        rows = self._rows if rows is None else rows
+        batch = prompt_batch(_padded_rows(rows, repeat, self.layout.dp_size), tokenizer, p,
+                             repeat)
         out = generator(params, batch["prompt_tokens_bp"], batch["prompt_mask_bp"], rng)
-        n = len(self._rows) * repeat  # every process scores all rows
+        n = len(rows) * repeat  # every process scores all rows
         seq_bs, prompt_mask_bp, mask_bn = fetch((out.sequences_bs, out.prompt_mask_bp,
                                                  out.response_mask_bn))
         seq_bs, mask_bn = np.asarray(seq_bs)[:n], np.asarray(mask_bn)[:n]
         mask_bs = np.concatenate([np.asarray(prompt_mask_bp)[:n], mask_bn], axis=1)
         texts = [decode_response(tokenizer, row[p:].tolist()) for row in seq_bs]
-        return _Responses(seq_bs, mask_bs, texts)
+        return Responses(seq_bs, mask_bs, texts, mask_bn.sum(axis=1))
+
+    def responses(self, params, rows: Sequence[PromptRow], repeat: int, rng, *,
+                  greedy: bool) -> Responses:
+        """`repeat` responses to each of `rows` (greedy, or sampled as the periodic evaluation
+        samples: with eval.samples > 0), in one generate call."""
+        return self._generate(self._greedy if greedy else self._sampling, params, repeat, rng,
+                              rows)
+
+    def score(self, rows: Sequence[PromptRow], texts: list[str]) -> tuple[np.ndarray, int]:
+        """(float [len(texts)] rewards of the run's reward function, 0 where a call failed;
+        the number of failed calls); row i of `rows` goes with text i."""
+        return self._function_scores(rows, texts)
 
     # --- evaluations -----------------------------------------------------------------------
 
@@ -253,7 +275,7 @@ class HeldOut:
         out = {f"eval/{k}": v for k, v in self.greedy(params, reward).items()}
         n = self._job.spec.evaluation.samples
         if n and self.has_answers and self._job.spec.env is None:  # single turns only
-            rng = jax.random.fold_in(jax.random.key(self._job.spec.seed + 1), step)
+            rng = sampling_key(self._job.spec.seed, step)
             responses = self._generate(self._sampling, params, n, rng)
             rows = [r for r in self._rows for _ in range(n)]
             verdicts = self._verdicts(rows, responses.texts, None)
@@ -327,7 +349,7 @@ def evaluator(job: Job, runner: Runner, held_out: HeldOut) -> Evaluator:
             return dpo_metrics
 
 
-def _layout(job: Job) -> Layout:
+def generation_layout(job: Job) -> Layout:
     """Where the held-out evaluation generates by default (`HeldOut`)."""
     spec, layouts = job.spec, job.plan.layouts
     return next((layouts[m.name] for m in spec.graph.mfcs

@@ -16,7 +16,7 @@ PROCESSES = ("subprocess", "multiprocessing", "runpy", "signal",
              "concurrent.futures.ProcessPoolExecutor")
 RUN_STACK = ("jaxrlhf.run", "jaxrlhf.calibration", "jaxrlhf.cli", "jaxrlhf.train",
              "jaxrlhf.bench", "jaxrlhf.generate", "jaxrlhf.export", "jaxrlhf.graph",
-             "jaxrlhf.plan_cli")
+             "jaxrlhf.plan_cli", "jaxrlhf.evaluate")
 
 
 def _imports(path: pathlib.Path) -> set[str]:
