@@ -17,12 +17,14 @@ and writes them with `hf_io.save_hf` in the parameters' dtype:
   each row's last non-pad token, which is a reward model's score as jaxrlhf computes it;
   `score(model(x).last_hidden_state)` gives our per-token values).
 
-config.json carries the tokenizer's `bos_token_id`, `eos_token_id` and `pad_token_id`. When the
-run's tokenizer is a Hugging Face directory its files are copied alongside. The built-in byte
-tokenizer (`tokenizer="byte"`) has no Hugging Face counterpart, so none is written: token ids
-0..255 are the UTF-8 bytes of the text, 256 is padding, 257 BOS and 258 EOS (ids up to 271 are
-reserved), e.g. `list(text.encode("utf-8"))` encodes and `bytes(i for i in ids if i < 256)`
-decodes.
+config.json carries the tokenizer's `bos_token_id`, `eos_token_id` and `pad_token_id`, and
+generation_config.json the ids generation stops on (the run's stop ids: every EOS of the
+tokenizer and of its model's generation config) over the sampling defaults of the run's model
+directory's generation_config.json, where it had one. When the run's tokenizer is a Hugging Face
+directory its files are copied alongside, chat template included. The built-in byte tokenizer
+(`tokenizer="byte"`: ids 0..255 the UTF-8 bytes of the text, 256 padding, 257 BOS, 258 EOS, up
+to 271 reserved) is written as a `tokenizers` model that encodes exactly as it does
+(`data/byte_hf.py`), so every export loads in `transformers` and serves in vLLM as it is.
 
 The parameters are restored onto whatever devices this process has (one CPU device is
 enough), whatever plan the run used.
@@ -68,7 +70,7 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace an existing --out (a
 @dataclasses.dataclass(frozen=True)
 class Exported:
     """What `export` wrote: the directory, the checkpoint step, and the tokenizer files' source
-    (None for the byte tokenizer, which has no HF form)."""
+    (None for the byte tokenizer, whose files are written: data/byte_hf.py)."""
 
     out: pathlib.Path
     step: int
@@ -178,16 +180,49 @@ def _export(workdir, out: pathlib.Path, role: Role, step: int | None) -> Exporte
            "pad_token_id": tokenizer.pad_id}
     staged = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.export-",
                                            dir=out.absolute().parent))
+    model_dir = config.models[role.value].path
     try:
         if model.lora is None:
             hf_io.save_hf(staged, model, params, tokenizer_dir=tokenizer_dir, extra_config=ids)
         else:
-            _save_lora(staged, out, model, params, config.models[role.value].path,
+            _save_lora(staged, out, model, params, model_dir,
                        tokenizer_dir=tokenizer_dir, extra_config=ids)
+        for directory in (staged, staged / BASE_DIR):
+            if directory.is_dir():
+                _write_serving_files(directory, tokenizer, tokenizer_dir, model_dir)
         _replace(staged, out)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
     return Exported(out, host.step, tokenizer_dir)
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def generation_config(tokenizer, model_dir: str) -> dict:
+    """generation_config.json of an export: `model_dir`'s (its sampling defaults), if it has
+    one, with the run's special ids; `eos_token_id` lists every stop id when there are several
+    (as chat models' files do)."""
+    source = pathlib.Path(model_dir) / GENERATION_CONFIG if model_dir else None
+    config = json.loads(source.read_text()) if source is not None and source.is_file() else {}
+    stops = [int(i) for i in tokenizer.stop_ids]
+    config.update(eos_token_id=stops if len(stops) > 1 else stops[0],
+                  pad_token_id=tokenizer.pad_id)
+    if tokenizer.bos_id is not None:
+        config["bos_token_id"] = tokenizer.bos_id
+    return config
+
+
+def _write_serving_files(path: pathlib.Path, tokenizer, tokenizer_dir: str | None,
+                         model_dir: str) -> None:
+    """generation_config.json, and the byte tokenizer's files where the run had no HF one (an
+    HF tokenizer's files are copied by save_hf)."""
+    from jaxrlhf.data.byte_hf import write_byte_tokenizer
+
+    if tokenizer_dir is None:
+        write_byte_tokenizer(path)
+    (path / GENERATION_CONFIG).write_text(
+        json.dumps(generation_config(tokenizer, model_dir), indent=2) + "\n")
 
 
 def _save_lora(staged: pathlib.Path, out: pathlib.Path, model, params, base: str,
@@ -240,8 +275,8 @@ def main() -> None:
     except (FileNotFoundError, ValueError) as e:  # what `export` raises for its input
         raise ConfigError(f"--workdir={_WORKDIR.value}: {e}") from None
     if result.tokenizer_dir is None:
-        print("tokenizer: the byte tokenizer has no Hugging Face form; ids 0-255 are UTF-8 "
-              "bytes, 256 pad, 257 BOS, 258 EOS (`python -m jaxrlhf.export --help`)")
+        print("tokenizer: the byte tokenizer, written as tokenizer.json (ids 0-255 are UTF-8 "
+              "bytes, 256 pad, 257 BOS, 258 EOS; `python -m jaxrlhf.export --help`)")
     print(json.dumps({"out": str(result.out), "role": _ROLE.value, "step": result.step,
                       "tokenizer": result.tokenizer_dir}))
 

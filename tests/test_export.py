@@ -51,7 +51,7 @@ def run(tmp_path_factory):
 def test_exported_actor_gives_jaxrlhf_logits_in_transformers(run, tmp_path):
     workdir, saved = run
     result = export.export(workdir, tmp_path / "actor")
-    assert result.step == 7 and result.tokenizer_dir is None  # byte tokenizer: none written
+    assert result.step == 7 and result.tokenizer_dir is None  # the byte tokenizer's are written
     hf_config = json.loads((tmp_path / "actor/config.json").read_text())
     assert hf_config["architectures"] == ["LlamaForCausalLM"]
     assert (hf_config["bos_token_id"], hf_config["eos_token_id"], hf_config["pad_token_id"]) == (
@@ -87,7 +87,7 @@ def test_export_cli_and_errors(run, tmp_path):
          f"--out={tmp_path / 'ref'}", "--role=ref", "--step=7"],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "byte tokenizer has no Hugging Face form" in out.stdout
+    assert "the byte tokenizer, written as tokenizer.json" in out.stdout
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {
         "out": str(tmp_path / "ref"), "role": "ref", "step": 7, "tokenizer": None}
     assert (tmp_path / "ref/model.safetensors").stat().st_size > 0
@@ -97,6 +97,39 @@ def test_export_cli_and_errors(run, tmp_path):
         export.export(workdir, tmp_path / "x", step=3)
     with pytest.raises(FileNotFoundError, match="no checkpoints in"):
         export.export(tmp_path, tmp_path / "x")
+
+
+def test_a_byte_tokenizer_export_serves_with_its_tokenizer_and_generation_config(run, tmp_path):
+    """transformers' AutoTokenizer reads the exported byte tokenizer (data/byte_hf.py) and
+    encodes as ours, text spelling special tokens included; generation stops on its EOS."""
+    from tests.unit.test_byte_hf import STRINGS
+
+    from jaxrlhf.data.tokenizer import ByteTokenizer, encode_prompt
+
+    workdir, _ = run
+    export.export(workdir, tmp_path / "actor")
+    hf_tok, ours = transformers.AutoTokenizer.from_pretrained(tmp_path / "actor"), ByteTokenizer()
+    for text in STRINGS:
+        assert hf_tok(text)["input_ids"] == encode_prompt(ours, text), text
+        assert hf_tok(text, add_special_tokens=False)["input_ids"] == ours.encode(text), text
+        assert hf_tok.decode(ours.encode(text)) == text
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (257, 258, 256)
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "actor")
+    assert (generation.eos_token_id, generation.bos_token_id, generation.pad_token_id) == (
+        258, 257, 256)
+
+
+def test_generation_config_keeps_the_models_sampling_defaults(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "eos_token_id": 7}))
+
+    class Chat:  # a chat model's tokenizer: two stop ids, no BOS
+        stop_ids, pad_id, bos_id = (5, 9), 0, None
+
+    assert export.generation_config(Chat, str(tmp_path)) == {
+        "do_sample": True, "temperature": 0.6, "top_p": 0.95, "eos_token_id": [5, 9],
+        "pad_token_id": 0}
+    assert export.generation_config(Chat, "") == {"eos_token_id": [5, 9], "pad_token_id": 0}
 
 
 def test_export_copies_an_hf_tokenizer(tmp_path):
@@ -122,6 +155,8 @@ def test_export_copies_an_hf_tokenizer(tmp_path):
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "actor")
     assert hf_tok("a 3 b", add_special_tokens=False)["input_ids"] == [13, 6, 14]
     assert hf_tok.eos_token_id == 2
+    assert json.loads((tmp_path / "actor/generation_config.json").read_text()) == {
+        "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1}
 
 
 def test_an_export_to_an_out_another_export_is_writing_is_refused(run, tmp_path):

@@ -113,6 +113,9 @@ class HFTokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         tok_config = _read_json(path / "tokenizer_config.json")
+        # transformers' flag: text that spells a special token is encoded as text (the byte
+        # tokenizer's export sets it, data/byte_hf.py); tokenizer.json cannot say so itself.
+        backend.encode_special_tokens = bool(tok_config.get("split_special_tokens", False))
         model_config = _read_json(path / "config.json")
 
         def special(name: str) -> list[int]:
