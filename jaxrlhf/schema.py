@@ -269,6 +269,11 @@ def _shared() -> ConfigDict:
             # under them, its earlier tokens keep their versions) | restart (aborted, decoded
             # anew) | finish (under its old weights; new rows wait for it)
             "on_new_version": "continue",
+            # What each new version sends to generation: full (every tensor) | delta (only the
+            # tensors that changed since the generator's version, compared bit for bit on the
+            # trainer, which keeps a copy of the version it last sent; with LoRA only the
+            # adapters travel; jaxrlhf/parallel/delta.py)
+            "weight_sync": "full",
         },
     })
 

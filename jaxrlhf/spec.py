@@ -38,6 +38,7 @@ from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models import attention, hf_io, lora
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.models.sizes import get_size
+from jaxrlhf.parallel.delta import WeightSync
 from jaxrlhf.plan.experiment import Experiment, Workload
 from jaxrlhf.schema import (
     REWARD_KINDS, ConfigError, check_keys, check_ranges, enum_value, field,
@@ -183,12 +184,15 @@ class AsyncRLSpec:
       chunk_tokens: tokens decoded between checks for new weights.
       on_new_version: what a row still decoding does when new weights come (read by the
         rollout workers only).
+      weight_sync: what a publish of new weights sends to generation (every tensor, or those
+        that changed).
     """
 
     max_staleness: int
     decoupled: bool
     chunk_tokens: int
     on_new_version: OnNewVersion
+    weight_sync: WeightSync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +415,8 @@ def run_spec(config: ConfigDict) -> RunSpec:
     a = config.async_rl
     async_rl = _of(AsyncRLSpec, a, decoupled=bool(a.max_staleness and a.decoupled),
                    on_new_version=enum_value(OnNewVersion, a.on_new_version,
-                                             "async_rl.on_new_version"))
+                                             "async_rl.on_new_version"),
+                   weight_sync=enum_value(WeightSync, a.weight_sync, "async_rl.weight_sync"))
     env = _env(config)
     with field("algorithm"):
         algorithm = make_algorithm(config, async_rl.decoupled, multiturn=env is not None)

@@ -50,6 +50,7 @@ CHOICES = {
     "reward.function": "length", "data.long_prompts": "drop", "data.chat_template": "none",
     "data.task.kind": "arithmetic", "data.task.ops": "+-", "env.name": "tools",
     "logging.wandb.mode": "offline", "async_rl.on_new_version": "restart",
+    "async_rl.weight_sync": "delta",
     "compile.cache_dir": "/tmp/jaxrlhf-unread-cache",
     "tokenizer": "/tmp/jaxrlhf-unread-tokenizer", "cost.kind": "model",
     "grpo.aggregation": "token_mean", "grpo.kl_estimator": "k1",
@@ -76,6 +77,7 @@ FEATURES = {
 COPIED = {
     "async_rl.chunk_tokens": "AsyncRLSpec: read by the rollout workers of an asynchronous run",
     "async_rl.on_new_version": "AsyncRLSpec: read by the rollout workers of an asynchronous run",
+    "async_rl.weight_sync": "AsyncRLSpec: read by the publishes of an asynchronous run",
     "eval.every": "EvalSpec: offline algorithms evaluate before and after training only",
     "eval.samples": "EvalSpec: offline algorithms evaluate greedily",
     "optimizer.actor.max_grad_norm": "WarmStartSpec's optimizer: read with a warm start only",

@@ -21,19 +21,19 @@ def test_overlapped_receipt_runs_beside_the_caller_and_is_handed_over_once():
 
     receiver = WeightReceiver(receive, overlap=True)
     receiver.start(3)
-    assert receiver.busy and receiver.poll() is None  # still receiving: the caller goes on
+    assert receiver.busy and receiver.ready() is None  # still receiving: the caller goes on
     with pytest.raises(RuntimeError, match="weights v4 before v3 arrived"):
         receiver.start(4)
     release.set()
     params, version = receiver.join()
     assert version == 3 and params.tolist() == [3, 3, 3, 3] and calls == [3]
-    assert not receiver.busy and receiver.poll() is None and receiver.join() is None
+    assert not receiver.busy and receiver.ready() is None and receiver.join() is None
 
 
 def test_inline_receipt_is_complete_when_start_returns_and_errors_reach_the_caller():
     receiver = WeightReceiver(lambda v: v * 10, overlap=False)
     receiver.start(2)
-    assert receiver.poll() == (20, 2)
+    assert receiver.ready() == (20, 2)
 
     def broken(version):
         raise ValueError(f"v{version} broke")

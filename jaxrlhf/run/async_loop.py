@@ -127,7 +127,7 @@ class LocalSource:
         self.worker = RolloutWorker(self.gen, rollout, gen_layout, spec.base.config, spec.seed,
                                     spec.async_rl.chunk_tokens, micro, env,
                                     self.runner.count_trajectories,
-                                    spec.async_rl.on_new_version)
+                                    spec.async_rl.on_new_version, spec.async_rl.weight_sync)
         self.shared_cores = gen_layout.platform is Platform.CPU  # with training
         self.actor = runner.runtimes[Role.ACTOR]
         self.trainer = _Trainer()

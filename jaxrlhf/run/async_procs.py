@@ -58,9 +58,10 @@ from jaxrlhf import checkpoint
 from jaxrlhf.data.encode import prompt_batch
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models.sizes import abstract_params
-from jaxrlhf.parallel import watchdog
+from jaxrlhf.parallel import delta, watchdog
+from jaxrlhf.parallel.delta import WeightSync
 from jaxrlhf.parallel.layout import Layout
-from jaxrlhf.parallel.reshard import process_local, reshard
+from jaxrlhf.parallel.reshard import process_local
 from jaxrlhf.run import async_steps, loop
 from jaxrlhf.run.async_steps import drain_limit, draw_async_timeline, trainer_runner
 from jaxrlhf.run.guards import StopRequest
@@ -117,13 +118,19 @@ def on_process(layout: Layout, process: int) -> Layout:
     return dataclasses.replace(layout, mesh=jax.sharding.Mesh(devices_, layout.mesh.axis_names))
 
 
-def _publish(params, shardings: list, version: int, mine: int):
-    """Every process: the actor's parameters onto each replica's layout (collective). Returns
-    replica `mine`'s copy (None on the trainer, mine = 0) and the bytes moved."""
+def _publish(params, shardings: list, version: int, mine: int, changed: list[int],
+             previous=None):
+    """Every process: the actor's parameters onto each replica's layout (collective): the
+    leaves `changed` (every process the same), the others kept from `previous` (replica
+    `mine`'s weights of the version before; `parallel/delta.py`). Returns replica `mine`'s
+    copy (None on the trainer, mine = 0) and the bytes moved."""
     kept, moved_bytes = None, 0
     for r, target in enumerate(shardings, 1):
         with watchdog.label(step=version, transfer=f"weights v{version} -> replica {r}"):
-            moved, stats = reshard(params, target)
+            if r == mine:
+                moved, stats = delta.apply(params, previous, target, changed)
+            else:  # another replica's copy: this process only takes part
+                moved, stats = delta.send(params, target, changed)
         moved_bytes += stats.bytes_moved
         if r == mine:
             kept = moved
@@ -177,16 +184,25 @@ def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list
                            on_new_version=spec.async_rl.on_new_version)
     actor = runner.runtimes[Role.ACTOR]
     version = runner.step_index
-    receive = lambda v: _publish(actor.params, shardings, v, r)[0]  # noqa: E731
+    deadline = Deadline(watchdog.timeout_s() or 600.0, r)
+
+    def receive(v: int):
+        """Version v's weights: the tensors the trainer's announcement names, the others kept
+        from the version installed (`async_rl.weight_sync`)."""
+        while (announced := chan.get(f"pub/{v}")) is None:
+            deadline.check(lambda: f"replica {r}: the announcement of weights v{v}")
+            time.sleep(_POLL_S)
+        return _publish(actor.params, shardings, v, r, announced["changed"], worker.params)[0]
+
     worker.install(receive(version), version)
     per_device = bytes_per_device(shardings[r - 1], abstract_params(spec.base.config))
     weights = WeightReceiver(receive, overlap=second_copy_fits(layout.devices, per_device))
     orders, queue = 0, collections.deque()
-    deadline = Deadline(watchdog.timeout_s() or 600.0, r)
+    deadline.progress()
     interrupted = False
     with StopRequest():  # a signal to every process: the trainer decides
         while True:
-            if (received := weights.poll()) is not None:
+            if (received := weights.ready()) is not None:
                 worker.install(*received)
             if not weights.busy and chan.peek(f"pub/{version + 1}"):
                 version += 1
@@ -274,6 +290,8 @@ class RemoteSource:
         self.gen_busy = [0.0] * self.replicas
         self.train_busy = 0.0
         self.published_bytes = 0
+        self.tracker = (delta.Tracker() if job.spec.async_rl.weight_sync is WeightSync.DELTA
+                        else None)
         self.deadline = Deadline(watchdog.timeout_s() or 600.0, 0)
         self.pace = async_steps.Pace(job, time.time)
         self.events = []  # (name, start, end) of every batch's generation and update
@@ -286,8 +304,11 @@ class RemoteSource:
         self.orders[replica - 1] += 1
 
     def _publish(self, version: int) -> None:
-        self.chan.put(f"pub/{version}", {})
-        self.published_bytes += _publish(self.actor.params, self.shardings, version, 0)[1]
+        params = self.actor.params
+        changed = (list(range(len(jax.tree.leaves(params)))) if self.tracker is None
+                   else self.tracker.changed(params))
+        self.chan.put(f"pub/{version}", {"changed": changed})
+        self.published_bytes += _publish(params, self.shardings, version, 0, changed)[1]
 
     def _issue(self, index: int, version: int) -> None:
         """Batch `index` to the replica with the fewest orders."""

@@ -55,6 +55,16 @@ class Channel:
         self.client.key_value_delete(f"{self.prefix}/{key}")
         return json.loads(text)
 
+    def get(self, key: str) -> dict | None:
+        """The message at `key`, left there (several processes read it), or None."""
+        try:
+            text = self.client.key_value_try_get(f"{self.prefix}/{key}")
+        except Exception as error:  # noqa: BLE001 - JaxRuntimeError NOT_FOUND
+            if _missing(error):
+                return None
+            raise
+        return json.loads(text)
+
     def peek(self, key: str) -> bool:
         """Whether `key` is there (not deleted: several processes read it)."""
         try:

@@ -21,6 +21,8 @@ from jaxrlhf.engine.rollout import NO_VERSION, Rollout
 from jaxrlhf.engine.rollout.scheduler import Finished, OnNewVersion, Request, Scheduler
 from jaxrlhf.mfc import MFC
 from jaxrlhf.models.sizes import abstract_params
+from jaxrlhf.parallel import delta
+from jaxrlhf.parallel.delta import WeightSync
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.reshard import reshard
 
@@ -104,12 +106,15 @@ class RolloutWorker:
       on_trajectories: called with each multi-turn batch's `Trajectories` as it finishes.
       on_new_version: what a row still decoding does when new weights come
         (`async_rl.on_new_version`).
+      weight_sync: a publish sends every tensor, or only those that changed since the last
+        (`async_rl.weight_sync`, `parallel/delta.py`).
     """
 
     def __init__(self, mfc: MFC, rollout: Rollout, layout: Layout, model, seed: int,
                  chunk_tokens: int, micro_batches: int = 1, env: Environment | None = None,
                  on_trajectories: Callable[[Trajectories], None] | None = None,
-                 on_new_version: OnNewVersion = OnNewVersion.CONTINUE):
+                 on_new_version: OnNewVersion = OnNewVersion.CONTINUE,
+                 weight_sync: WeightSync = WeightSync.FULL):
         if env is not None and micro_batches != 1:
             raise ValueError(f"env.name: multi-turn rollouts take one micro-batch of "
                              f"generation, not actor_gen@{micro_batches}")
@@ -127,6 +132,7 @@ class RolloutWorker:
         # last batch's end
         self.busy_seconds = 0.0
         self.published_bytes = 0
+        self._tracker = delta.Tracker() if weight_sync is WeightSync.DELTA else None
 
     def install(self, params, version: int) -> None:
         """Weights already on this layout (a multi-process replica receives them itself)."""
@@ -135,7 +141,11 @@ class RolloutWorker:
     def publish(self, params, version: int) -> None:
         """New weights for generation: a copy of the trainer's parameters on this layout in
         buffers of their own (the trainer's next update donates its own)."""
-        moved, stats = reshard(params, self._shardings)
+        if self._tracker is None:
+            moved, stats = reshard(params, self._shardings)
+        else:
+            moved, stats = delta.apply(params, self.params, self._shardings,
+                                       self._tracker.changed(params))
         self.params = jax.tree.map(lambda new, old: jnp.copy(new) if new is old else new, moved,
                                    params)
         self.version = version

@@ -93,7 +93,7 @@ class WeightReceiver:
         except BaseException as error:  # noqa: BLE001 - raised in the caller's thread
             sync.error = error
 
-    def poll(self) -> tuple[object, int] | None:
+    def ready(self) -> tuple[object, int] | None:
         """(params, version) once the version in flight is complete (once), else None."""
         sync = self._sync
         if sync is None or (sync.thread is not None and sync.thread.is_alive()):
