@@ -282,34 +282,48 @@ def test_full_remat_pipelined_train_step_equals_d8(d8_params, d8_train_step):
 
 
 def test_chunked_readout_sums_the_head_gradient_in_fp32():
-    """With bf16 weights the head weight's gradient over C chunks is the fp32 sum of the
-    chunks' own (bf16) gradients, rounded once: what a loop of micro-batches gives. A sum in
-    the weight's dtype would round at every chunk."""
+    """With bf16 weights the gradients of the head's weight and of the final norm's scale over
+    C chunks are the fp32 sums of the chunks' own (bf16) gradients, rounded once: what a loop
+    of micro-batches gives. A sum in the weights' dtype would round at every chunk. The norm
+    runs per chunk (no normed copy of the whole batch), each chunk's output that of
+    `final_norm` on the whole batch."""
     from jaxrlhf.engine.inference import readout_in_chunks
-    from jaxrlhf.models.transformer import head_out
+    from jaxrlhf.models.transformer import final_norm, head_out
 
     cfg = get_size("tiny", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     rows, length, chunks = 32, 16, 8
-    keys = jax.random.split(jax.random.key(0), 3)
+    keys = jax.random.split(jax.random.key(0), 4)
     kernel_dv = (0.1 * jax.random.normal(keys[0], (cfg.hidden_size, cfg.vocab_size))
                  ).astype(jnp.bfloat16)
+    scale_d = (1 + 0.1 * jax.random.normal(keys[3], (cfg.hidden_size,))).astype(jnp.bfloat16)
     x_btd = jax.random.normal(keys[1], (rows, length, cfg.hidden_size)).astype(jnp.bfloat16)
     tokens_bt = jax.random.randint(keys[2], (rows, length), 0, cfg.vocab_size)
     batch = InferenceBatch(tokens_bt, jnp.broadcast_to(jnp.arange(length), (rows, length)),
                            jnp.ones((rows, length), jnp.int32))
     cfg_lp = InferenceConfig(InferenceKind.LOGPROBS)
-    chunked = jax.jit(jax.grad(lambda k: jnp.sum(readout_in_chunks(
-        cfg, cfg_lp, k, x_btd, batch, chunks).logprobs_bt)))(kernel_dv)
-    # A chunk's own gradient, in bf16: rows c, c + C, ...
-    chunk_grad = jax.jit(jax.grad(lambda k, x_btd, part: jnp.sum(readout(
-        cfg_lp, head_out(cfg, k, x_btd), part).logprobs_bt)))
-    total = np.zeros(kernel_dv.shape, np.float32)
+
+    def whole(s, k, x_btd, part):
+        return readout(cfg_lp, head_out(cfg, k, final_norm(cfg, s, x_btd)), part).logprobs_bt
+
+    got_bt = jax.jit(lambda s, k: readout_in_chunks(
+        cfg, cfg_lp, s, k, x_btd, batch, chunks).logprobs_bt)(scale_d, kernel_dv)
+    np.testing.assert_array_equal(np.asarray(got_bt),
+                                  np.asarray(jax.jit(whole)(scale_d, kernel_dv, x_btd, batch)))
+    chunked = jax.jit(jax.grad(lambda s, k: jnp.sum(readout_in_chunks(
+        cfg, cfg_lp, s, k, x_btd, batch, chunks).logprobs_bt), argnums=(0, 1)))(
+            scale_d, kernel_dv)
+    # A chunk's own gradients, in bf16: rows c, c + C, ...
+    chunk_grad = jax.jit(jax.grad(lambda *a: jnp.sum(whole(*a)), argnums=(0, 1)))
+    totals = [np.zeros(w.shape, np.float32) for w in (scale_d, kernel_dv)]
     for c in range(chunks):  # in the scan's order
         part = InferenceBatch(*(a[c::chunks] for a in batch))
-        total += np.asarray(chunk_grad(kernel_dv, x_btd[c::chunks], part), np.float32)
-    assert chunked.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(chunked, np.float32),
-                                  np.asarray(jnp.asarray(total).astype(jnp.bfloat16), np.float32))
+        for total, g in zip(totals, chunk_grad(scale_d, kernel_dv, x_btd[c::chunks], part)):
+            total += np.asarray(g, np.float32)
+    for got, total in zip(chunked, totals):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(jnp.asarray(total).astype(jnp.bfloat16),
+                                                 np.float32))
 
 
 def _logprobs(name, d8_params):

@@ -8,10 +8,14 @@ Compiling the tiny calls takes a few seconds each.
 """
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 
+import flax.linen as nn
+import jax
 import numpy as np
 import pytest
 
@@ -331,6 +335,69 @@ def test_train_steps_memory_within_10_percent_of_xla_on_tpu(v5p_8):
     for report in reports:
         assert abs(report.memory_error) < 0.10, (report.name, report.model_bytes,
                                                  report.xla_bytes)
+
+
+def compiled_call_text(spec, plan, devices, name: str):
+    """(The optimized HLO of MFC `name`'s one program, a train step's or an inference call's,
+    as `plan --compile` compiles it for `devices`; the call's layout)."""
+    from jaxrlhf.run import build
+    from jaxrlhf.run.layouts import run_plan
+
+    layout = run_plan(spec, plan, devices).layouts[name]
+    mfc, choice = spec.graph.mfc(name), plan[name]
+    engine = build.engine_call(
+        mfc, spec.models[mfc.role].config, layout, build.train_micro(spec, choice.micro_batches),
+        spec.rollout, aot.stand_in_tokenizer(spec.base.config.vocab_size), spec.algorithm,
+        spec.optimizers.get(mfc.role))
+    (lower,) = aot._programs(spec, mfc, engine, layout, choice.micro_batches,
+                             aot.step_buffer(spec)).values()
+    return lower().compile().as_text(), layout
+
+
+def gathered_elements(text: str) -> list[int]:
+    """Elements of every array an all-gather writes in an optimized HLO module's text (an
+    asynchronous all-gather-start's result lists its operands, then what it gathers them into;
+    XLA:GPU combines several gathers into one)."""
+    shapes = []
+    for line in text.splitlines():
+        head, gather, _ = line.partition(" all-gather")
+        if not gather or "=" not in head:
+            continue
+        result = [[int(d) for d in dims.split(",") if d]
+                  for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", head.split("=", 1)[1])]
+        start = line.partition(" all-gather")[2].startswith("-start(")
+        shapes += result[len(result) // 2:] if start else result
+    return [math.prod(dims) for dims in shapes]
+
+
+def largest_parameter_shard(spec, role: Role, layout) -> int:
+    """Elements of a device's largest parameter shard of `role`'s model on `layout`."""
+    from jaxrlhf.models.sizes import abstract_params
+
+    boxed = abstract_params(spec.models[role].config)
+    leaves = jax.tree.leaves(nn.meta.unbox(boxed))
+    shardings = jax.tree.leaves(layout.param_shardings(boxed))
+    return max(math.prod(s.shard_shape(a.shape)) for a, s in zip(leaves, shardings))
+
+
+def test_a_pipelined_backward_pass_gathers_no_activations(v5p_8):
+    """ppo_tiny's critic trained on d2p2 with two micro-batches: the only all-gathers are
+    ZeRO-1's of parameter-shaped updates. The pipeline's stage S-1 output was an index into the
+    stage-sharded dim, whose transpose (a pad over that dim) XLA's partitioner formed by
+    gathering the whole [M, b, t, d] gradient of the streamed activations over the
+    data-parallel devices in every backward iteration (`Pipeline.last_stage`; on ReaL's 70B
+    plans for H100s 8 GiB live at the peak)."""
+    cluster, devices = v5p_8
+    config = ppo_tiny.get_config()
+    config.placement.update(kind="manual", allocation=PIPELINED["ppo"].replace(
+        "critic_train=0-3:p2t2", "critic_train=0-3:d2p2@2"))
+    spec = run_spec(config)
+    plan = execution_plan(spec, cluster.num_devices)
+    text, layout = compiled_call_text(spec, plan, devices, "critic_train")
+    assert layout.pipeline == 2 and layout.dp_size == 2
+    gathered = gathered_elements(text)
+    assert gathered, "ZeRO-1 gathers the updated parameters"
+    assert max(gathered) <= largest_parameter_shard(spec, Role.CRITIC, layout), sorted(gathered)
 
 
 def test_parameter_movements_compile_and_move_what_the_planner_counts(v5p_8):

@@ -121,6 +121,31 @@ def test_pipelined_calls_compile_for_gpu(h100, tmp_path):
         assert r.fits and r.kernels == (), (r.name, r.kernels)
 
 
+def test_a_pipelined_backward_pass_gathers_no_activations_on_gpu(h100, tmp_path):
+    """ppo_tiny's critic trained on d2p2 with two micro-batches for 4 H100s: every all-gather
+    is of a parameter shard (ZeRO-1's updates), none of the pipeline's streamed activations or
+    their gradient (`Pipeline.last_stage`; `test_plan_compile.py` says more)."""
+    from jaxrlhf.configs import ppo_tiny
+    from jaxrlhf.mfc import Role
+    from tests.test_plan_compile import (
+        compiled_call_text, gathered_elements, largest_parameter_shard,
+    )
+
+    cluster = _h100s(tmp_path, 4, "1x1x4")
+    config = ppo_tiny.get_config()
+    config.models.critic.dtype = "bfloat16"
+    config.placement.update(kind="manual", allocation=(
+        "actor_gen=0-3:d2p2,actor_train=0-3:d2p2,critic_inf=0-3:d4,critic_train=0-3:d2p2@2,"
+        "ref_inf=0-3:p2d2"))
+    spec = run_spec(config)
+    plan = execution_plan(spec, cluster.num_devices)
+    text, layout = compiled_call_text(spec, plan, targets.topology_devices(cluster),
+                                      "critic_train")
+    gathered = gathered_elements(text)
+    assert gathered and max(gathered) <= largest_parameter_shard(spec, Role.CRITIC, layout), (
+        sorted(gathered))
+
+
 @pytest.mark.parametrize("topology, error", [
     ("", "names no devices to compile for"),
     ("2x1x8", "has 2 hosts and 16 devices"),

@@ -33,7 +33,7 @@ from jaxrlhf.engine.call import BucketedCall, abstract
 from jaxrlhf.models import moe
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params
-from jaxrlhf.models.transformer import Transformer, head_kernel, head_out
+from jaxrlhf.models.transformer import Transformer, final_norm, head_kernel, head_out
 from jaxrlhf.parallel.layout import Layout, Platform, check_batch_divisible
 from jaxrlhf.parallel.pipeline import Pipeline, layer_stack, merge_rows, split_rows
 from jaxrlhf.parallel.reshard import fetch, transfer
@@ -238,8 +238,8 @@ def infer(model: Transformer, cfg: InferenceConfig, params, batch: InferenceBatc
         out = readout(cfg, model_out, batch)
     else:
         (x_btd, _), sown = _with_sown(apply(with_head=False), router)
-        out = readout_in_chunks(model.config, cfg, head_kernel(model.config, params), x_btd,
-                                batch, head)
+        out = readout_in_chunks(model.config, cfg, params["norm"]["scale"],
+                                head_kernel(model.config, params), x_btd, batch, head)
     return out._replace(router=moe.sown_router_losses(sown)) if router else out
 
 
@@ -340,37 +340,48 @@ def head_chunks(model: Transformer, rows: int) -> int:
     return stack.num_micro(rows) if isinstance(stack, Pipeline) else 1
 
 
-def readout_in_chunks(model_config: ModelConfig, cfg: InferenceConfig, kernel_dv: jax.Array,
-                      x_btd: jax.Array, batch: InferenceBatch, chunks: int) -> InferenceOutput:
-    """`readout` of the head on final-norm outputs x_btd [b, t, d], in `chunks` row chunks
-    one after another (rows c, c+C, c+2C, ...: a pipeline's micro-batches, spread over the
-    data-parallel devices as they are), each under `jax.checkpoint`.
+def readout_in_chunks(model_config: ModelConfig, cfg: InferenceConfig, scale_d: jax.Array,
+                      kernel_dv: jax.Array, x_btd: jax.Array, batch: InferenceBatch,
+                      chunks: int) -> InferenceOutput:
+    """`readout` of the final norm and the head on the last layer's outputs x_btd [b, t, d],
+    in `chunks` row chunks one after another (rows c, c+C, c+2C, ...: a pipeline's
+    micro-batches, spread over the data-parallel devices as they are), each under
+    `jax.checkpoint`.
 
     At most one chunk's [b/C, t, vocab] logits (and their gradient) are live, forward or
     backward: the backward pass keeps only x_btd and recomputes one chunk's logits at a time.
+    The norm runs per chunk too, so no normed copy of the whole batch exists, nor its
+    gradient: a train step's backward pass holds x_btd until the head's backward loop ends
+    and then only x_btd's gradient (XLA:GPU had kept a whole-batch normed copy and its
+    gradient alive through the pipeline's backward loop for the norm scale's gradient).
     The readout is row by row, so each entry equals the whole batch's up to the head's
-    summation order. The head weight's gradient is summed over the chunks in fp32, as a loop
-    of micro-batches sums: the scan adds a closed-over operand's gradients in its dtype, so
-    the weight enters it as an fp32 copy (a bf16 sum would round at every chunk: twice the
-    error against the whole batch's gradient, measured with bf16 weights over 16 chunks).
+    summation order. The head weight's and the norm scale's gradients are summed over the
+    chunks in fp32, as a loop of micro-batches sums: the scan adds a closed-over operand's
+    gradients in its dtype, so the weights enter it as fp32 copies (a bf16 sum would round
+    at every chunk: twice the error against the whole batch's gradient, measured with bf16
+    weights over 16 chunks).
 
     Args:
+      scale_d: the final norm's scale [d] (`params["norm"]["scale"]`, `transformer.final_norm`).
       kernel_dv: the head's weight (`transformer.head_kernel`).
+      x_btd: [b, t, d] the last layer's output (`Transformer(..., with_head=False)`).
       batch: [b, t] the rows x_btd was computed on (b divisible by `chunks`).
 
     Returns:
       The InferenceOutput `readout` gives on the whole batch, fields [b, t] (or [b, k]).
     """
 
-    def one_chunk(kernel_dv, x_btd, batch):
-        return readout(cfg, head_out(model_config, kernel_dv, x_btd), batch)
+    def one_chunk(scale_d, kernel_dv, x_btd, batch):
+        normed_btd = final_norm(model_config, scale_d, x_btd)
+        return readout(cfg, head_out(model_config, kernel_dv, normed_btd), batch)
 
     one_chunk = jax.checkpoint(one_chunk, prevent_cse=False)  # a scan body: nothing to CSE
-    kernel_dv = kernel_dv.astype(jnp.float32)  # cast back to the compute dtype in `head_out`
+    # Cast back to the compute dtype in `final_norm` and `head_out`: the values are the same.
+    scale_d, kernel_dv = scale_d.astype(jnp.float32), kernel_dv.astype(jnp.float32)
     x_cbtd = nn.with_logical_constraint(split_rows(x_btd, chunks),
                                         (None, "batch", "length", "act_embed"))
     batch_c = InferenceBatch(*(split_rows(a, chunks) for a in batch))
-    _, out_c = jax.lax.scan(lambda _, xs: (None, one_chunk(kernel_dv, *xs)), None,
+    _, out_c = jax.lax.scan(lambda _, xs: (None, one_chunk(scale_d, kernel_dv, *xs)), None,
                             (x_cbtd, batch_c))
     return InferenceOutput(*(None if x is None else merge_rows(x) for x in out_c))
 
