@@ -33,11 +33,15 @@ RUNS = {
     "tool_math_tiny": ("actor/loss", "actor/turns", "actor/tool_error_rate"),
     "multiturn_tiny": ("actor/loss", "actor/turns", "actor/tool_error_rate"),
     "grpo_bench_cpu": ("actor/loss", "actor/kl"),
+    "grpo_moe_tiny": ("actor/loss", "actor/moe_balance_loss", "actor/moe_z_loss",
+                      "actor/moe_min_load"),
 }
+# The benchmark's config is the longest smoke run, and the MoE one compiles programs no other
+# config shares (its learning run: tests/test_entry_algorithms.py): -m slow.
+SLOW_RUNS = ("grpo_bench_cpu", "grpo_moe_tiny")
 
 
-# The benchmark's config is the longest smoke run: -m slow.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "grpo_bench_cpu"
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RUNS
                                   else n for n in RUNS])
 def test_shipped_config_runs_its_smoke_variant(name, tmp_path):
     config = importlib.import_module(f"jaxrlhf.configs.{name}").get_config("smoke")

@@ -53,6 +53,14 @@ SIZES: dict[str, ModelConfig] = {
         vocab_size=272, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
         num_kv_heads=2, max_position_embeddings=1024, rope_theta=10000.0,
     ),
+    # `tiny` with a Qwen3-MoE block in both layers: 8 experts of width 128, 2 a token (the
+    # dense MLP's 256 active), q/k norms (configs/grpo_moe_tiny.py).
+    "tiny-moe": ModelConfig(
+        vocab_size=272, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
+        num_kv_heads=2, max_position_embeddings=512, rope_theta=10000.0, qk_norm=True,
+        moe=MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=128, norm_topk_prob=True,
+                      aux_loss_coef=0.01, z_loss_coef=0.001),
+    ),
     "llama3-7b": ModelConfig(
         hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
         **_LLAMA3,
