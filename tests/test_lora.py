@@ -228,6 +228,27 @@ def test_export_writes_peft_adapters_on_their_base(lora_run, tmp_path):
     assert untouched and all(np.array_equal(base[k], merged[k]) for k in untouched)
 
 
+def test_peft_loads_the_adapters_on_their_base_and_gives_the_merged_logits(lora_run, tmp_path):
+    """`PeftModel.from_pretrained(base, export/adapter)` is the adapted model: its logits are
+    the merged export's and ours (fp32, within 1e-4)."""
+    peft = pytest.importorskip("peft")
+    workdir, params = lora_run
+    export.export(workdir, tmp_path / "out")
+    load = lambda path: transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32).eval()
+    adapted = peft.PeftModel.from_pretrained(load(tmp_path / "out" / export.BASE_DIR),
+                                             tmp_path / "out" / export.ADAPTER_DIR).eval()
+    tokens_bt, mask_bt = padded_batch(BASE.vocab_size, LENGTHS, SEQ_LEN, left_pad=LEFT_PAD)
+    valid = mask_bt.astype(bool)
+    peft_btv = hf_logits(adapted, tokens_bt, mask_bt)[valid]
+    base_btv = hf_logits(load(tmp_path / "out" / export.BASE_DIR), tokens_bt, mask_bt)[valid]
+    assert np.abs(peft_btv - base_btv).max() > 1e-2  # the adapters change the logits
+    np.testing.assert_allclose(peft_btv, hf_logits(load(tmp_path / "out"), tokens_bt,
+                                                   mask_bt)[valid], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(peft_btv, _logits(ACTOR, params, tokens_bt, mask_bt)[valid],
+                               atol=ATOL, rtol=0)
+
+
 @pytest.mark.slow
 def test_memory_of_a_lora_train_step_against_full_fine_tuning():
     """Per device, XLA's memory_analysis of the compiled train step (arguments: parameters and
