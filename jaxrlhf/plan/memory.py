@@ -41,7 +41,8 @@ One MFC on its own (`call_memory`), per device:
     backward pass, but for every iteration of the schedule: the runtime's GPipe loop keeps
     them for all M + p - 1 (bubble iterations compute on filler), or with stage
     rematerialisation only every iteration's stage input; a train step's stages also hold
-    all M micro-batches' inputs and outputs. A generate or inference MFC with M
+    all M micro-batches' activations (one buffer, each micro-batch's input replaced by its
+    output) and the embedding's output they are split from (`_stage_buffers`). A generate or inference MFC with M
     micro-batches runs as M executor calls on slices of the batch, each streamed through the
     pipeline in gcd(M, slice rows) pieces (`streamed_micro_batches`): a call holds one
     slice's stage buffers and KV cache, a layer works on one piece. On XLA:CPU a stage of
@@ -322,8 +323,13 @@ def stage_weight_copy_bytes(p: ModelProfile, call: Call, choice: CallChoice, cpu
 
 
 def _stage_buffers(p: ModelProfile, choice: CallChoice, tokens: int) -> float:
-    """A pipeline stage's input and output activations of the `tokens` one jit call streams
-    through it, all its micro-batches together (0 without a pipeline)."""
+    """The activations of the `tokens` one jit call streams through a pipeline, all its
+    micro-batches together, twice (0 without a pipeline): the buffer that carries them through
+    the schedule (`parallel.pipeline.Pipeline`: each micro-batch's output takes its input's
+    place) and, at the start, the embedding's output it is split from. XLA:GPU holds both at a
+    pipelined train step's peak (ReaL's heuristic 7B critic on d4p4t8@64 of H100s), beside the
+    saved stage inputs and, not priced here, the zero-filled gradient buffer of the head's
+    backward loop, which it allocates at the program's start."""
     if choice.pipeline == 1:
         return 0.0
     return 2 * tokens * p.config.hidden_size * p.act_itemsize
