@@ -7,9 +7,10 @@ back to its UTF-8 bytes, which is exactly `ByteTokenizer.encode`. Ids 256, 257 a
 special `<pad>`, `<s>` and `</s>`, 259..271 `<reserved_N>`; a post-processor puts `<s>` before a
 prompt as `encode_prompt` does. Text that spells a special token (`"</s>"`) is bytes to
 `ByteTokenizer`, so tokenizer_config.json sets `split_special_tokens` (transformers honours it,
-and so does `HFTokenizer.from_dir`). The decoder turns byte tokens back into text; a byte run
-that is not UTF-8 becomes U+FFFD per byte, where `ByteTokenizer.decode` writes one per maximal
-invalid sequence (Python's `errors="replace"`).
+and so does `HFTokenizer.from_dir`). The decoder turns byte tokens back into text; only where ids
+are not UTF-8 does it differ: `tokenizers`' byte fallback writes U+FFFD for every byte of a run
+of consecutive byte tokens that is not UTF-8 as a whole (its valid characters too), where
+`ByteTokenizer.decode` replaces only each invalid sequence (Python's `errors="replace"`).
 """
 
 from __future__ import annotations
