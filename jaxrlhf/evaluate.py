@@ -22,9 +22,11 @@ at most that many prompts draws exactly that evaluation's samples.
 
 Output: a progress bar (stderr), then one JSON line per prompt {"prompt", "answer", "samples",
 "rewards", "lengths"} and as the last line one JSON object of the totals {"prompts", "samples",
-"pass@1", "pass@k", "mean_reward", "mean_response_tokens", "reward_errors", "tokens_per_second"}
-(response tokens generated per second of generate calls, compilation included) to --out (stdout
-when empty; the totals then also go to stderr as one readable line). Input that cannot work is
+"pass@1", "pass@k", "mean_reward", "mean_response_tokens", "reward_errors", "tokens_per_second",
+"generate_seconds"} to --out (stdout when empty; the totals then also go to stderr as one
+readable line). `tokens_per_second` is response tokens per second of the generate calls after
+the first (which compiles), or of the only one, compilation included; `generate_seconds` each
+call's wall time. Input that cannot work is
 one line `error: FLAG: problem`, exit code 2, before anything compiles.
 """
 
@@ -237,7 +239,7 @@ def evaluate() -> dict:
     greedy, batch = k == 1 and not _TEMPERATURE.value, _BATCH_PROMPTS.value
     rng = jax.random.key(0) if greedy else sampling_key(job.spec.seed, step)
     out = open(_OUT.value, "w") if _OUT.value else sys.stdout  # noqa: SIM115 - closed below
-    rewards_pk, lengths, errors, seconds = [], [], 0, 0.0
+    rewards_pk, lengths, errors, seconds, tokens = [], [], 0, [], []
     try:
         with HeldOut(job, layout) as held_out, tqdm(total=len(rows), desc="evaluate",
                                                      unit="prompt", file=sys.stderr) as bar:
@@ -246,7 +248,8 @@ def evaluate() -> dict:
                 began = time.perf_counter()  # batch 0 keeps the run's key (module docstring)
                 key = rng if start == 0 else jax.random.fold_in(rng, start // batch)
                 responses = held_out.responses(params, chunk, k, key, greedy=greedy)
-                seconds += time.perf_counter() - began
+                seconds.append(time.perf_counter() - began)
+                tokens.append(int(responses.lengths_b.sum()))
                 rewards, failed = held_out.score([r for r in chunk for _ in range(k)],
                                                  responses.texts)
                 errors += failed
@@ -267,7 +270,8 @@ def evaluate() -> dict:
                      if name.startswith("/pass@")},
                   "mean_reward": float(scores_pk.mean()),
                   "mean_response_tokens": float(np.mean(lengths)),
-                  "reward_errors": errors, "tokens_per_second": sum(lengths) / seconds}
+                  "reward_errors": errors, "tokens_per_second": _tokens_per_second(tokens, seconds),
+                  "generate_seconds": [round(t, 3) for t in seconds]}
         out.write(json.dumps(totals) + "\n")
     finally:
         if out is not sys.stdout:
@@ -275,11 +279,17 @@ def evaluate() -> dict:
     return totals
 
 
+def _tokens_per_second(tokens: list[int], seconds: list[float]) -> float:
+    """Response tokens per second of the calls after the first (it compiles), or of the one."""
+    later = slice(1 if len(seconds) > 1 else 0, None)
+    return sum(tokens[later]) / sum(seconds[later])
+
+
 def main() -> None:
     logging.set_verbosity(logging.ERROR)  # orbax logs every checkpoint file it opens
     totals = evaluate()
     summary = ("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                         for k, v in totals.items()))
+                         for k, v in totals.items() if k != "generate_seconds"))
     print(summary, file=sys.stderr if not _OUT.value else sys.stdout, flush=True)
 
 
