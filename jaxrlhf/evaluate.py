@@ -247,11 +247,14 @@ def evaluate() -> dict:
                 chunk = rows[start:start + batch]
                 began = time.perf_counter()  # batch 0 keeps the run's key (module docstring)
                 key = rng if start == 0 else jax.random.fold_in(rng, start // batch)
-                responses = held_out.responses(params, chunk, k, key, greedy=greedy)
+                # a short last batch is filled up to the others' shape: nothing recompiles
+                filled = chunk if len(rows) <= batch else [chunk[i % len(chunk)]
+                                                            for i in range(batch)]
+                responses = held_out.responses(params, filled, k, key, greedy=greedy)
                 seconds.append(time.perf_counter() - began)
-                tokens.append(int(responses.lengths_b.sum()))
+                tokens.append(int(responses.lengths_b[:len(chunk) * k].sum()))
                 rewards, failed = held_out.score([r for r in chunk for _ in range(k)],
-                                                 responses.texts)
+                                                 responses.texts[:len(chunk) * k])
                 errors += failed
                 for i, row in enumerate(chunk):
                     part = slice(i * k, (i + 1) * k)
