@@ -162,7 +162,7 @@ def test_prompt_rows_carry_messages_prompts_or_questions(tmp_path):
     assert again == rows
     for bad, match in [({"messages": []}, "'messages' is not a non-empty list"),
                        ({"messages": [{"role": "user"}]}, "message 0 is not an object"),
-                       ({"answer": "2"}, "'prompt' is missing .*'messages' or 'question'")]:
+                       ({"answer": "2"}, "'prompt' is missing .*'messages', 'question' or 'problem'")]:
         (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
         with pytest.raises(DataError, match=match):
             read_rows(tmp_path / "bad.jsonl", RowKind.PROMPT)
