@@ -53,4 +53,6 @@ def test_second_copy_room_and_bytes_per_device():
     expected = sum(x.size // (4 if s.spec and any(s.spec) else 1) * x.dtype.itemsize
                    for x, s in zip(leaves, jax.tree.leaves(shardings)))
     assert bytes_per_device(shardings, leaves) == expected
-    assert second_copy_fits(jax.devices()[:4], expected)  # XLA:CPU reports no memory figures
+    # XLA:CPU reports no memory figures: the host's available memory decides.
+    assert second_copy_fits(jax.devices()[:4], expected)
+    assert not second_copy_fits(jax.devices()[:4], 1 << 50)

@@ -8,15 +8,16 @@ version meanwhile; the new weights are handed to the rollout scheduler once comp
 decides when rows switch (`async_rl.on_new_version`).
 
 The second copy needs room: the generator's parameters twice, per device, for as long as the
-sync lasts. `second_copy_fits` asks the devices where they can say (GPUs, TPUs); where they
-cannot (XLA:CPU, whose device memory is the host's), it assumes room. Without room the sync
-runs in the main thread and pauses decoding, as before.
+sync lasts. `second_copy_fits` asks the devices where they can say (GPUs, TPUs), and the host's
+available memory for XLA:CPU's (whose device memory is the host's). Without room the sync runs
+in the main thread and pauses decoding, as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -38,15 +39,34 @@ def bytes_per_device(shardings, abstract) -> int:
 
 
 def second_copy_fits(devices: Sequence[jax.Device], bytes_per_device: int) -> bool:
-    """Whether every device has `bytes_per_device` (times a margin) free beside what it holds
-    (True where a device reports no memory figures, e.g. XLA:CPU)."""
-    for device in devices:
-        stats = device.memory_stats() if device.process_index == jax.process_index() else None
+    """Whether every device has `bytes_per_device` (times a margin) free beside what it holds.
+
+    Devices that report memory figures (GPUs, TPUs) are asked. XLA:CPU's devices report none:
+    their memory is this host's, so the host's available memory must hold the second copy of
+    every local device at once (on 2 loaded cores, qwen3-0.6b received beside decoding onto 4
+    replicated CPU devices was killed for memory: 14.8 GB)."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    host_devices = 0
+    for device in local:
+        stats = device.memory_stats()
         if not stats or "bytes_limit" not in stats:
+            host_devices += 1
             continue
         if stats["bytes_limit"] - stats.get("bytes_in_use", 0) < _MARGIN * bytes_per_device:
             return False
-    return True
+    return host_devices * bytes_per_device * _MARGIN <= _host_available_bytes()
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux), else the free physical pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclasses.dataclass
