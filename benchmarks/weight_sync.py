@@ -1,8 +1,9 @@
 """Weight sync trainer -> generator across processes, against the wire.
 
 `python benchmarks/weight_sync.py [--sizes=tiny,bench,llama-3.2-1b] [--processes=2]
-[--cases=0-3:f4>4-5:d2,0-3:d2t2>4-7:t4,0-1:p2>4-7:d4] [--paths=staged,shards] [--rounds=3]
-[--dtype=bfloat16] [--transfer_size=0]`
+[--cases=0-3:f4>4-5:d2,0-3:d2t2>4-7:t4,0-1:p2>4-7:d4] [--paths=staged,shards,overlap]
+[--rounds=3] [--dtype=bfloat16] [--chunk_mb=256] [--transfer_size=0]`, or `--predict`: the
+planner's price of a full sync for three models on two clusters (`PREDICTIONS`)
 (from the repository root or anywhere else; no PYTHONPATH needed)
 
 Starts `--processes` processes on this machine (8 CPU devices split evenly: the trainer's
@@ -15,7 +16,9 @@ groups) and, per model size and case (`TRAIN>GEN` strategy strings), alternates 
   * each sync path (`--paths`): `parallel.reshard` of the whole parameter tree from the
     trainer's layout onto the generator's, the cross-process route taking the staged hop (the
     destination's layout built on the sender, then whole meshes cross; the path before issue
-    48) or shard to shard (`parallel/shard_transfer.py`).
+    48) or shard to shard (`parallel/shard_transfer.py`); `overlap`: shard to shard, received
+    by `run/weight_receiver.py` on a thread while the generator's main thread decodes (a
+    forward of the model on one token of 4 rows per step) with the previous copy.
 
 Per row (one JSON line each, then a plain table): bytes that crossed processes (`wire_bytes`,
 counted by reshard) against the least any move needs (`need_bytes`: every destination
@@ -23,7 +26,9 @@ process's distinct boxes once, `shard_transfer.need_bytes`) and the bytes per ge
 (a replicated destination holds one copy per device: `per_device_bytes`); median seconds over
 the rounds, GB/s (need_bytes / seconds) and its share of the wire's GB/s measured in the same
 rounds; the generator's pause: a sync blocks the generator process from its start to its end
-(the generation loop runs nothing meanwhile), so the pause is its seconds on the generator.
+(the generation loop runs nothing meanwhile), so the pause is its seconds on the generator;
+with `overlap`, the sum of the gaps between decode steps beyond their usual length (the sync's
+seconds then run to the end of the decode step in which it completed).
 Each path's result is checked element for element on the generator against the values the
 trainer was filled with (first round).
 
@@ -208,7 +213,7 @@ def _decode_through(step, params, receiver) -> tuple[float, float, int, object]:
     while got is None:
         jax.block_until_ready(step(params))
         ends.append(time.perf_counter())
-        got = receiver.poll()
+        got = receiver.ready()
     seconds = time.perf_counter() - start
     pause = sum(max(0.0, b - a - usual) for a, b in zip(ends, ends[1:]))
     return pause, seconds, len(ends) - 1, got[0]
@@ -314,17 +319,15 @@ def _worker(args) -> None:
     from jaxrlhf.run.channel import Channel
 
     chan = Channel("weight_sync")
-    rows = []
     for size in args.sizes.split(","):
         for case in args.cases.split(","):
-            rows += _case(chan, args, size, case, args.rounds)
-            if jax.process_index() == 0:
-                print(f"weight_sync: {size} {case} done", file=sys.stderr, flush=True)
+            rows = _case(chan, args, size, case, args.rounds)
             # The generator's seconds are its pause; the trainer's side holds the wire.
-            chan.put(f"rows/{size}/{case}/{jax.process_index()}", {"rows": rows[-len(
-                args.paths.split(",")):]})
-    if jax.process_index() == 0:
-        pathlib.Path(args.out).write_text(json.dumps(_merge(chan, args, rows)))
+            chan.put(f"rows/{size}/{case}/{jax.process_index()}", {"rows": rows})
+            if jax.process_index() == 0:  # each case's rows as they come (a timeout keeps them)
+                with open(args.out, "a") as out:
+                    out.writelines(json.dumps(row) + "\n" for row in _merge(chan, args, rows))
+                print(f"weight_sync: {size} {case} done", file=sys.stderr, flush=True)
 
 
 def _merge(chan, args, rows0: list[dict]) -> list[dict]:
@@ -420,9 +423,7 @@ def main(argv=None) -> None:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-    if any(p.returncode for p in procs):
-        sys.exit(f"weight_sync: a worker failed ({[p.returncode for p in procs]})")
-    rows = json.loads(out.read_text())
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     for row in rows:
         print(json.dumps(row))
     print(f"{'size':<14}{'case':<22}{'path':<8}{'wire MB':>9}{'need MB':>9}{'/dev MB':>9}"
@@ -432,6 +433,9 @@ def main(argv=None) -> None:
               f"{r['need_bytes'] / 1e6:>9.1f}{r['per_device_bytes'] / 1e6:>9.1f}"
               f"{r['bytes_vs_need']:>11.3f}{r['seconds']:>8.3f}{r['gbps']:>7.2f}"
               f"{r['wire_gbps']:>7.2f}{r['of_wire']:>8.2f}{r['pause_seconds']:>8.3f}")
+    if any(p.returncode for p in procs):
+        sys.exit(f"weight_sync: a worker failed or ran out of time "
+                 f"({[p.returncode for p in procs]}); the rows above are the cases it finished")
 
 
 if __name__ == "__main__":
