@@ -6,9 +6,6 @@ are *explicit* host<->device transfers, so a path that gathers through numpy rai
 
 import contextlib
 import itertools
-import os
-import pathlib
-import subprocess
 import sys
 from collections import Counter
 
@@ -20,6 +17,7 @@ import pytest
 
 from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.parallel import make_layout
+from tests.processes import run_processes
 from jaxrlhf.parallel.reshard import (
     ReshardStats, Route, _chunks, choose_route, host_memory_kind, offload_to_host, onload, reshard,
     transfer,
@@ -245,23 +243,7 @@ def test_cross_hop_from_one_process_to_two_arrives_everywhere():
     """3 real processes (no model, nothing compiled; ~10 s, mostly JAX start-ups): a hop from
     process 0 onto blocks of processes 1 and 2 delivers every shard. Before `_send`, one
     batched device_put hung here (the 3-process checkpoint save of async RL)."""
-    from jaxrlhf.distributed import reserve_port
-
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's 8 devices
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(pathlib.Path(__file__).parent.parent))
-    with reserve_port() as sock:
-        address = f"127.0.0.1:{sock.getsockname()[1]}"
-        procs = [subprocess.Popen([sys.executable, __file__, address, str(i)], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for i in range(3)]
-        try:
-            results = [p.communicate(timeout=180) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    for i, (p, (out, err)) in enumerate(zip(procs, results)):
+    for i, (p, out, err) in enumerate(run_processes(__file__, 3)):
         assert p.returncode == 0 and "reshard-ok" in out, f"process {i}: {err[-2000:]}"
 
 

@@ -1,8 +1,6 @@
 """Shard-to-shard moves (`parallel/shard_transfer.py`): exact values, and across processes
 exactly the bytes each destination process lacks on the wire, against the staged hop's."""
 
-import os
-import pathlib
 import subprocess
 import sys
 
@@ -11,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.parallel import make_layout, shard_transfer
+from tests.processes import run_processes
 
 # Sharded to replicated and back, onto fewer, more, disjoint and overlapping devices.
 PAIRS = [("0-7:f8", "0-3:t4"), ("0-1:t2", "0-7:t2f4"), ("0-7:t2f4", "0-7:d8"),
@@ -147,23 +146,7 @@ def _corrupt_one_byte() -> None:
 def two_processes() -> list[tuple[subprocess.Popen, str, str]]:
     """Both processes' (process, stdout, stderr) after the worker's moves (one start-up for
     the tests below: ~15 s, mostly JAX start-ups)."""
-    from jaxrlhf.distributed import reserve_port
-
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(pathlib.Path(__file__).parent.parent))
-    with reserve_port() as sock:
-        address = f"127.0.0.1:{sock.getsockname()[1]}"
-        procs = [subprocess.Popen([sys.executable, __file__, address, str(i)], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for i in range(2)]
-        try:
-            results = [p.communicate(timeout=180) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    return [(p, out, err) for p, (out, err) in zip(procs, results)]
+    return run_processes(__file__, 2)
 
 
 def test_a_byte_flipped_in_transit_is_refused_naming_the_parameter(two_processes):

@@ -46,14 +46,10 @@ class Channel:
 
     def take(self, key: str) -> dict | None:
         """The message at `key` (then deleted), or None if it is not there yet."""
-        try:
-            text = self.client.key_value_try_get(f"{self.prefix}/{key}")
-        except Exception as error:  # noqa: BLE001 - JaxRuntimeError NOT_FOUND
-            if _missing(error):
-                return None
-            raise
-        self.client.key_value_delete(f"{self.prefix}/{key}")
-        return json.loads(text)
+        message = self.get(key)
+        if message is not None:
+            self.client.key_value_delete(f"{self.prefix}/{key}")
+        return message
 
     def get(self, key: str) -> dict | None:
         """The message at `key`, left there (several processes read it), or None."""
