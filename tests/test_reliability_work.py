@@ -205,7 +205,10 @@ def test_export_refuses_an_occupied_out_unless_overwrite(tmp_path):
     assert a_file.read_text() == "x"
 
     export.export(tmp_path, occupied, Role.REF, overwrite=True)
-    assert sorted(p.name for p in occupied.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in occupied.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json"]
+    assert (occupied / "tokenizer.json").read_text() != "{}"  # the older export's is gone
     export.export(tmp_path, a_file, Role.REF, overwrite=True)
     assert a_file.is_dir()
     empty = tmp_path / "empty"

@@ -53,3 +53,14 @@ def write_byte_tokenizer(path: str | pathlib.Path) -> None:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS,
               "eos_token": EOS, "pad_token": PAD, "split_special_tokens": True}
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def is_byte_tokenizer(path: str | pathlib.Path) -> bool:
+    """Whether directory `path`'s tokenizer.json is this module's byte tokenizer (an export of
+    a byte-tokenizer run, e.g. the RLHF pipeline's SFT stage): its ids are the byte
+    tokenizer's, so the default `tokenizer=byte` drives it as it was trained."""
+    try:
+        saved = json.loads((pathlib.Path(path) / TOKENIZER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return saved == json.loads(byte_tokenizer().to_str())

@@ -25,6 +25,7 @@ from jaxrlhf import backend
 from jaxrlhf.algorithms import registry
 from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.checkpoint import CHECKPOINT_DIR, ResumeMode, check_resume, shape_mismatches
+from jaxrlhf.data.byte_hf import is_byte_tokenizer
 from jaxrlhf.data.rewards import NEEDS_ANSWER, resolve_reward
 from jaxrlhf.data.sources import Data, read_data, read_pairs
 from jaxrlhf.data.tokenizer import TOKENIZER_FILE, Tokenizer, check_vocab, load_tokenizer
@@ -181,7 +182,8 @@ def _check_tokenizer_follows(spec: RunSpec) -> None:
     if spec.tokenizer != "byte":
         return
     for role, model in {Role.ACTOR: spec.base, **spec.models}.items():
-        if model.path and (pathlib.Path(model.path) / TOKENIZER_FILE).is_file():
+        if (model.path and (pathlib.Path(model.path) / TOKENIZER_FILE).is_file()
+                and not is_byte_tokenizer(model.path)):  # an export of a byte-tokenizer run
             raise ConfigError(
                 f"tokenizer='byte': models.{role.value}.path={model.path!r} has a tokenizer of "
                 f"its own ({TOKENIZER_FILE}); set tokenizer={model.path!r} to train with it "
