@@ -37,8 +37,9 @@ RUNS = {
                       "actor/moe_min_load"),
 }
 # The benchmark's config is the longest smoke run, and the MoE one compiles programs no other
-# config shares (its learning run: tests/test_entry_algorithms.py): -m slow.
-SLOW_RUNS = ("grpo_bench_cpu", "grpo_moe_tiny")
+# config shares (its learning run: tests/test_entry_algorithms.py): -m slow. So is the
+# calculator's (46 s in CI): multiturn_tiny's smoke run takes the same multi-turn path here.
+SLOW_RUNS = ("grpo_bench_cpu", "grpo_moe_tiny", "tool_math_tiny")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RUNS

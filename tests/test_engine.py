@@ -64,11 +64,13 @@ CASES = {  # name: (GenerateConfig overrides)
 }
 
 
-# Every case on one device; the per-device (d2) and GSPMD (t2) paths on one case each in the
-# default suite, every pair with -m slow.
-PAIRS = [pytest.param(spec, case, marks=() if spec == "0:d1" or pick else pytest.mark.slow)
-         for spec in ("0:d1", "0-1:d2", "0-1:t2") for case in CASES
-         for pick in [(spec, case) in {("0-1:d2", "eos-sampled"), ("0-1:t2", "eos-top-k")}]]
+# In the default suite: forced and sampled lengths on one device, the per-device (d2) path
+# sampled and the GSPMD (t2) path with top-k (greedy is every other engine test's case);
+# every pair with -m slow.
+DEFAULT_PAIRS = {("0:d1", "forced-sampled"), ("0:d1", "eos-sampled"), ("0-1:d2", "eos-sampled"),
+                 ("0-1:t2", "eos-top-k")}
+PAIRS = [pytest.param(spec, case, marks=() if (spec, case) in DEFAULT_PAIRS else pytest.mark.slow)
+         for spec in ("0:d1", "0-1:d2", "0-1:t2") for case in CASES]
 
 
 @pytest.mark.parametrize("spec,case", PAIRS)

@@ -66,7 +66,7 @@ def _reference(params, batch):
 
 @pytest.mark.devices(8)
 @pytest.mark.parametrize("spec,micro", [
-    ("0-0:d1", None),
+    pytest.param("0-0:d1", None, marks=pytest.mark.slow),  # ~19 s; tests/unit/test_moe.py: the block
     pytest.param("0-3:d2t2", 2, marks=pytest.mark.slow),  # ~20 s: micro-batches, sharded
 ])
 def test_train_step_adds_router_losses(spec, micro):
