@@ -53,24 +53,15 @@ class SyncPrice:
                 f"{self.host_bandwidth / 1e9:.0f} GB/s per host")
 
 
-def _hosts(choice: CallChoice, cluster: Cluster) -> int:
-    first = choice.devices.first // cluster.devices_per_host
-    last = choice.devices.last // cluster.devices_per_host
-    return last - first + 1
-
-
-def _overlap(a: CallChoice, b: CallChoice) -> bool:
-    return a.devices.first <= b.devices.last and b.devices.first <= a.devices.last
-
-
 def sync_price(model_bytes: int, train: CallChoice, gen: CallChoice,
                cluster: Cluster) -> SyncPrice | None:
     """The price of syncing `model_bytes` (the generator's copy, its dtype) from the trainer's
     devices to the generator's; None when they share devices (colocated: the plan's parameter
     reallocation prices that move)."""
-    if _overlap(train, gen):
+    if train.overlaps(gen):
         return None
-    gen_hosts, train_hosts = _hosts(gen, cluster), _hosts(train, cluster)
+    gen_hosts = len(cluster.hosts_of(gen.devices))
+    train_hosts = len(cluster.hosts_of(train.devices))
     per_host_devices = min(gen.devices.size, cluster.devices_per_host)
     split = gen.fsdp * gen.tensor * gen.pipeline
     bytes_per_host = model_bytes * min(split, per_host_devices) // split
