@@ -79,7 +79,7 @@ def test_strategy_grammar_has_a_pipeline_axis():
     strategy = parse_strategy("0-7:d2p2t2")
     assert strategy == Strategy(data=2, tensor=2, pipeline=2, devices=strategy.devices)
     assert strategy.num_devices == 8 and strategy.dp_size == 2
-    assert strategy.mesh_shape == (2, 2, 1, 2)  # (pipeline, data, fsdp, tensor)
+    assert strategy.mesh_shape == (2, 2, 1, 1, 2)  # (pipeline, data, fsdp, expert, tensor)
     assert str(parse_strategy("t2p4")) == "p4t2" and str(strategy) == "0-7:d2p2t2"
     with pytest.raises(ValueError, match="pipeline=8 does not divide the model's num_layers=4"):
         parse_strategy("p8").check_model(MODEL)

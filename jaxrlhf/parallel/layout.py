@@ -1,7 +1,7 @@
 """A layout: devices + mesh shape + logical axis rules, and sharded parameter init.
 
 `make_layout("0-3:d2t2", model=cfg)` builds a `Layout` whose mesh has axes
-("pipeline", "data", "fsdp", "tensor") over devices 0..3. Everything that shards an array (parameters,
+("pipeline", "data", "fsdp", "expert", "tensor") over devices 0..3. Everything that shards an array (parameters,
 batches, activations inside jit) asks the layout, so one object answers "where does this live".
 
 Divisibility: a logical dimension is only sharded over mesh axes whose total size divides it;
@@ -62,7 +62,7 @@ class Layout:
 
     @property
     def dp_size(self) -> int:
-        """Ways the batch dimension is split (data × fsdp)."""
+        """Ways the batch dimension is split (data × fsdp × expert)."""
         return self.strategy.dp_size
 
     @property
@@ -120,7 +120,7 @@ class Layout:
         return jax.tree_util.tree_map(one, boxed_params, is_leaf=is_box)
 
     def batch_sharding(self, ndim: int) -> NamedSharding:
-        """Dim 0 split over ("data", "fsdp"), the rest replicated."""
+        """Dim 0 split over ("data", "fsdp", "expert"), the rest replicated."""
         return self.sharding(("batch",) + (None,) * (ndim - 1))
 
     def replicated(self, memory_kind: str | None = None) -> NamedSharding:
@@ -148,6 +148,8 @@ def _rules_for_model(rules: rule_presets.Rules, mesh: Mesh, model: ModelConfig
         "mlp": model.intermediate_size, "act_mlp": model.intermediate_size,
         "head_dim": model.head_dim, "layers": model.num_layers,
     }
+    if model.moe is not None:
+        dims["experts"] = model.moe.num_experts
     fixed = []
     for name, target in rules:
         ways = math.prod(mesh.shape[a] for a in rule_presets.mesh_axes_of(target))
@@ -193,10 +195,11 @@ def make_layout(
 
 
 def check_batch_divisible(layout: Layout, batch: int, what: str) -> None:
-    """Raises unless `batch` (e.g. "train micro-batch") splits evenly over data × fsdp."""
+    """Raises unless `batch` (e.g. "train micro-batch") splits evenly over data × fsdp ×
+    expert."""
     if batch % layout.dp_size:
         raise ValueError(
-            f"{what} size {batch} is not divisible by data×fsdp={layout.dp_size} "
+            f"{what} size {batch} is not divisible by data×fsdp×expert={layout.dp_size} "
             f"of layout {layout}"
         )
 

@@ -4,12 +4,14 @@ A rule maps one logical axis name (see `jaxrlhf.models.transformer.LOGICAL_AXES`
 name, a tuple of mesh axis names (sharded over their product), or None (replicated). Flax reads
 them through `nn.logical_axis_rules`; the first rule for a name wins.
 
-Mesh axes are ("pipeline", "data", "fsdp", "tensor"):
+Mesh axes are ("pipeline", "data", "fsdp", "expert", "tensor"):
   * "pipeline" splits the stacked layers into stages (and a pipelined call's per-stage
     activations, logical name "stages"; see parallel/pipeline.py);
   * "data" replicates parameters and splits the batch;
   * "fsdp" splits the batch *and* the parameters' embed dimension (ZeRO-3 style, gathered per
     layer by XLA);
+  * "expert" splits the batch *and* each sparse layer's experts (expert parallelism: tokens
+    reach their experts by all-to-all, see models/expert_parallel.py);
   * "tensor" splits heads, MLP and vocabulary (Megatron style).
 """
 
@@ -20,7 +22,7 @@ Rules = tuple[Rule, ...]
 
 DEFAULT: Rules = (
     # activations
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("length", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
@@ -36,8 +38,8 @@ DEFAULT: Rules = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("layers", "pipeline"),
-    # mixture-of-experts blocks (models/moe.py): experts whole on every rank for now
-    ("experts", None),
+    # mixture-of-experts blocks (models/moe.py): 1/e of the experts on each expert rank
+    ("experts", "expert"),
     ("experts_router", None),
     ("expert_mlp", None),
 )

@@ -1,12 +1,19 @@
-"""The strategy grammar: `[range ":"] (letter size)+`, e.g. `0-7:d2f2t2`, `3:t1`, `f8`.
+"""The strategy grammar: `[range ":"] (letter size)+`, e.g. `0-7:d2f2t2`, `0-7:d2e4`, `f8`.
 
     spec    := [range ":"] axes
     range   := INT ["-" INT]              inclusive device indices, e.g. 0-7 or 3
     axes    := (LETTER INT)+              each letter at most once, any order
-    LETTER  := "d" (data) | "f" (fsdp) | "t" (tensor) | "p" (pipeline)
+    LETTER  := "d" (data) | "e" (expert) | "f" (fsdp) | "t" (tensor) | "p" (pipeline)
 
 Missing letters mean size 1. With `p` > 1 the model's layers are cut into that many stages, one
 per slice of the mesh's "pipeline" axis (see `jaxrlhf/parallel/pipeline.py`).
+
+`e` is expert parallelism for mixture-of-experts models: the ranks of the "expert" axis are
+data-parallel ranks for attention and the dense layers (the batch is split over d×e×f, as
+Megatron and MaxText do) and each holds 1/e of every sparse layer's experts; tokens travel to
+their experts by all-to-all (`jaxrlhf/models/expert_parallel.py`). A dense model with e > 1 is
+refused (`check_model`): it has no experts to split, and calling its data axis `e` would only
+make two names for one thing.
 
 The parser is a regex tokenizer plus a small recursive-descent reader, so every malformed
 string gets a one-line `ValueError` naming the problem. Checks that
@@ -29,14 +36,17 @@ class Axis(enum.Enum):
     FSDP = "fsdp"
     TENSOR = "tensor"
     PIPELINE = "pipeline"
+    EXPERT = "expert"
 
 
-LETTERS: dict[str, Axis] = {"d": Axis.DATA, "f": Axis.FSDP, "t": Axis.TENSOR, "p": Axis.PIPELINE}
+LETTERS: dict[str, Axis] = {"d": Axis.DATA, "e": Axis.EXPERT, "f": Axis.FSDP, "t": Axis.TENSOR,
+                            "p": Axis.PIPELINE}
 # Mesh axis order: pipeline outermost (stages talk least: one activation per micro-batch),
-# tensor innermost (it talks most: neighbouring devices are the best connected).
-MESH_AXES: tuple[Axis, ...] = (Axis.PIPELINE, Axis.DATA, Axis.FSDP, Axis.TENSOR)
+# tensor innermost (it talks most: neighbouring devices are the best connected); expert just
+# outside tensor, since its all-to-all moves every routed token twice per sparse layer.
+MESH_AXES: tuple[Axis, ...] = (Axis.PIPELINE, Axis.DATA, Axis.FSDP, Axis.EXPERT, Axis.TENSOR)
 # Order of the letters when a strategy is written (as ReaL writes plans, e.g. d4p16t2).
-_WRITE_ORDER: tuple[Axis, ...] = (Axis.DATA, Axis.PIPELINE, Axis.FSDP, Axis.TENSOR)
+_WRITE_ORDER: tuple[Axis, ...] = (Axis.DATA, Axis.EXPERT, Axis.PIPELINE, Axis.FSDP, Axis.TENSOR)
 MESH_AXIS_NAMES: tuple[str, ...] = tuple(axis.value for axis in MESH_AXES)
 
 
@@ -66,13 +76,15 @@ class DeviceRange:
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """data × fsdp × tensor × pipeline parallel sizes, optionally pinned to a device range."""
+    """data × fsdp × tensor × pipeline × expert parallel sizes, optionally pinned to a device
+    range."""
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
     devices: DeviceRange | None = None
-    pipeline: int = 1  # last, so positional construction without a pipeline stays valid
+    pipeline: int = 1  # after devices, so positional construction without a pipeline stays valid
+    expert: int = 1
 
     def __post_init__(self):
         for axis in MESH_AXES:
@@ -95,10 +107,12 @@ class Strategy:
                 return self.tensor
             case Axis.PIPELINE:
                 return self.pipeline
+            case Axis.EXPERT:
+                return self.expert
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipeline
+        return self.data * self.fsdp * self.tensor * self.pipeline * self.expert
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -106,8 +120,8 @@ class Strategy:
 
     @property
     def dp_size(self) -> int:
-        """How many ways the batch is split (data × fsdp)."""
-        return self.data * self.fsdp
+        """How many ways the batch is split (data × expert × fsdp)."""
+        return self.data * self.expert * self.fsdp
 
     def axes_str(self) -> str:
         letters = {axis: letter for letter, axis in LETTERS.items()}
@@ -138,7 +152,15 @@ class Strategy:
 
     def check_model(self, model: ModelConfig) -> None:
         """Tensor parallelism splits attention heads, so t must divide both head counts; a
-        pipeline gives every stage the same number of layers, so p must divide the layers."""
+        pipeline gives every stage the same number of layers, so p must divide the layers;
+        expert parallelism splits the experts, so the model must have them and e divide them."""
+        if self.expert > 1:
+            if model.moe is None:
+                raise ValueError(f"strategy {self} has expert={self.expert} but the model is "
+                                 f"dense (no experts to split); use d{self.expert} instead")
+            if model.moe.num_experts % self.expert:
+                raise ValueError(f"expert={self.expert} does not divide the model's "
+                                 f"num_experts={model.moe.num_experts}")
         for what, count in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)):
             if count % self.tensor:
                 raise ValueError(
@@ -230,13 +252,15 @@ class _Reader:
 
 def parse_strategy(spec: str) -> Strategy:
     """Parses `[range:]axes`, e.g. "0-7:d2f2t2" -> Strategy(2, 2, 2, DeviceRange(0, 7)),
-    "0-7:d2p2t2" -> Strategy(2, 1, 2, DeviceRange(0, 7), pipeline=2)."""
+    "0-7:d2p2t2" -> Strategy(2, 1, 2, DeviceRange(0, 7), pipeline=2),
+    "0-7:d2e4" -> Strategy(data=2, expert=4, devices=DeviceRange(0, 7))."""
     reader = _Reader(spec)
     devices = reader.device_range()
     sizes = reader.axes()
     strategy = Strategy(
         data=sizes.get(Axis.DATA, 1), fsdp=sizes.get(Axis.FSDP, 1),
         tensor=sizes.get(Axis.TENSOR, 1), pipeline=sizes.get(Axis.PIPELINE, 1),
+        expert=sizes.get(Axis.EXPERT, 1),
     )
     if devices is not None and devices.size != strategy.num_devices:
         raise ValueError(

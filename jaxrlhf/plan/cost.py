@@ -126,16 +126,7 @@ def mesh_order() -> tuple[Axis, ...]:
 
 
 def axis_size(choice: CallChoice, axis: Axis) -> int:
-    match axis:
-        case Axis.DATA:
-            return choice.data
-        case Axis.FSDP:
-            return choice.fsdp
-        case Axis.TENSOR:
-            return choice.tensor
-        case Axis.PIPELINE:
-            return choice.pipeline
-    raise ValueError(f"no mesh axis {axis}")
+    return choice.strategy.size(axis)
 
 
 def _stride(axis: Axis, choice: CallChoice) -> int:

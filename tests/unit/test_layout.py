@@ -17,7 +17,8 @@ TINY = get_size("tiny", dtype=jnp.float32)
 
 def test_mesh_of_strategy():
     layout = make_layout("4-7:d2t2", model=TINY)
-    assert dict(layout.mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 1, "tensor": 2}
+    assert dict(layout.mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 1, "expert": 1,
+                                       "tensor": 2}
     assert [d.id for d in layout.devices] == [4, 5, 6, 7]
     assert layout.dp_size == 2
     assert str(layout) == "4-7:d2t2"
@@ -72,7 +73,7 @@ def test_rule_presets_are_complete():
 def test_check_batch_divisible():
     layout = make_layout("0-7:d2f2t2")
     check_batch_divisible(layout, 8, "train batch")
-    with pytest.raises(ValueError, match="train batch size 6 is not divisible by data×fsdp=4"):
+    with pytest.raises(ValueError, match="train batch size 6 is not divisible by data×fsdp×expert=4"):
         check_batch_divisible(layout, 6, "train batch")
 
 

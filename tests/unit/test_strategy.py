@@ -1,5 +1,6 @@
 """Strategy grammar and sub-mesh carving."""
 
+import dataclasses
 import types
 
 import jax
@@ -23,6 +24,8 @@ from jaxrlhf.parallel.submesh import (
         ("4-7:f4", Strategy(fsdp=4, devices=DeviceRange(4, 7))),
         (" 0-1 : T2 ", Strategy(tensor=2, devices=DeviceRange(0, 1))),
         ("d2p1", Strategy(data=2)),
+        ("0-7:d2e4", Strategy(data=2, expert=4, devices=DeviceRange(0, 7))),
+        ("e2t2", Strategy(expert=2, tensor=2)),
     ],
 )
 def test_parse(spec, expected):
@@ -33,9 +36,17 @@ def test_canonical_string_round_trips():
     strategy = parse_strategy("0-7:t2f4")
     assert str(strategy) == "0-7:f4t2"
     assert parse_strategy(str(strategy)) == strategy
-    assert strategy.mesh_shape == (1, 1, 4, 2)  # (pipeline, data, fsdp, tensor)
+    assert strategy.mesh_shape == (1, 1, 4, 1, 2)  # (pipeline, data, fsdp, expert, tensor)
     assert strategy.dp_size == 4
-    assert [strategy.size(a) for a in Axis] == [1, 4, 2, 1]
+    assert [strategy.size(a) for a in Axis] == [1, 4, 2, 1, 1]
+
+
+def test_expert_axis_splits_the_batch():
+    strategy = parse_strategy("0-7:t2e2d2")
+    assert str(strategy) == "0-7:d2e2t2" and parse_strategy(str(strategy)) == strategy
+    assert strategy.mesh_shape == (1, 2, 1, 2, 2)  # (pipeline, data, fsdp, expert, tensor)
+    assert strategy.size(Axis.EXPERT) == 2 and strategy.num_devices == 8
+    assert strategy.dp_size == 4  # attention and dense layers see e as data
 
 
 @pytest.mark.parametrize(
@@ -75,12 +86,23 @@ def test_grammar_errors(spec, message):
         ("0-5:d6", None, "has 6 devices; a sub-mesh inside a host must have a power-of-two"),
         ("0-3:t4", {}, "tensor=4 does not divide the model's num_kv_heads=2"),
         ("0-7:t8", {"num_kv_heads": 4}, "tensor=8 does not divide the model's num_heads=4"),
+        ("0-1:e2", {}, "strategy 0-1:e2 has expert=2 but the model is dense (no experts to "
+                       "split); use d2 instead"),
+        ("0-7:e8", {"size": "tiny-moe", "num_experts": 4},
+         "expert=8 does not divide the model's num_experts=4"),
     ],
 )
 def test_layout_errors(spec, model_overrides, message):
-    model = None if model_overrides is None else get_size("tiny", **model_overrides)
+    model = None if model_overrides is None else _model(**model_overrides)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make_layout(spec, model=model)
+
+
+def _model(size="tiny", num_experts=None, **overrides):
+    model = get_size(size, **overrides)
+    if num_experts is not None:
+        model = dataclasses.replace(model, moe=model.moe.replace(num_experts=num_experts))
+    return model
 
 
 def _fake_devices(num_hosts, per_host):
