@@ -27,7 +27,7 @@ from jaxrlhf.parallel import rules
 
 CONFIGS = sorted(p.stem for p in (pathlib.Path(__file__).parents[1] / "configs").glob("*.py")
                  if p.stem not in ("__init__", "base"))
-BIG = ("ppo_7b", "ppo_70b", "grpo_qwen3_8b")
+BIG = ("ppo_7b", "ppo_70b", "grpo_qwen3_8b", "grpo_qwen3_30b_a3b")
 TINY = [c for c in CONFIGS if c not in BIG]
 
 

@@ -9,6 +9,7 @@ planner and the config to the runtime; `str(choice)` is the allocation grammar's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping
 
 from jaxrlhf.parallel.strategy import Axis, DeviceRange, Strategy
@@ -67,8 +68,9 @@ class CallChoice:
     def dp_size(self) -> int:
         return self.data * self.fsdp
 
-    @property
+    @functools.cached_property
     def strategy(self) -> Strategy:
+        """Cached: the cost model asks it for axis sizes (`Strategy.size`) millions of times."""
         return Strategy(self.data, self.fsdp, self.tensor, self.devices, self.pipeline)
 
     @property

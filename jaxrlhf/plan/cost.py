@@ -43,6 +43,12 @@ micro-batch to come round); `DecodeSchedule.PER_TOKEN` prices one pipeline pass 
 is a jit call per micro-batch, each streaming its rows in pieces with a fill and drain of its
 own (`inference_cost`).
 
+Mixtures of experts (`ModelConfig.moe`). A token's FLOPs are its router's and its top_k
+experts' (`ModelProfile.matmul_params`), not all E; the rules keep each expert whole on every
+tensor rank, so those FLOPs are not split t ways (`tensor_split_flops`). A decode step reads the
+weights of the experts its rows route to (`expert_read_fraction`); every other weight movement
+(fsdp gathers, reallocation, offload, the optimizer's update) moves all E experts.
+
 Parameter movements (`realloc_cost`, `offload_cost`). A layout's mesh is its device range
 reshaped to the mesh axes, and the big matrices are cut along `embed` by fsdp, along
 heads / mlp / vocab by tensor and along the layer stack by pipeline. So the device at mesh
@@ -175,13 +181,32 @@ def _forward(p: ModelProfile, cluster: Cluster, choice: CallChoice, tokens: int,
       layer_passes: passes through the layers that each do 2 tensor all-reduces of the
         activations per layer and launch the layers (plus one for embedding and head).
     """
-    t = choice.tensor
-    flops = p.forward_flops_per_token(context) * tokens * flop_passes / t
+    flops = tensor_split_flops(p, context, choice.tensor) * tokens * flop_passes
     activation = tokens * p.config.hidden_size * p.act_itemsize
-    reduces = all_reduce(activation, t, axis_link(cluster, choice, Axis.TENSOR))
+    reduces = all_reduce(activation, choice.tensor, axis_link(cluster, choice, Axis.TENSOR))
     return (CallCost(compute=flops / cluster.peak_bf16_flops)
             + reduces.times(2 * p.config.num_layers * layer_passes)
             + CallCost(launches=(p.config.num_layers + 1) * layer_passes))
+
+
+def tensor_split_flops(p: ModelProfile, context: int, tensor: int) -> float:
+    """Forward FLOPs per token one device of a tensor group does: the dense part (attention,
+    dense MLPs, head) split t ways, a sparse block's router and experts as the rules cut the
+    experts (`ModelProfile.expert_tensor_ways`: whole on every tensor rank by default, so each
+    runs them over the same tokens)."""
+    sparse = 2.0 * p.expert_matmul_params
+    dense = p.forward_flops_per_token(context) - sparse
+    return dense / tensor + sparse / p.expert_tensor_ways(tensor)
+
+
+def expert_read_fraction(p: ModelProfile, rows: int) -> float:
+    """Expected share of a sparse layer's experts that `rows` tokens route to, k each, all
+    experts equally likely: 1 - (1 - k/E)^rows. A decode step's grouped matmuls read only the
+    weights of experts that got a token (0 for a dense model)."""
+    m = p.config.moe
+    if m is None:
+        return 0.0
+    return 1.0 - (1.0 - m.top_k / m.num_experts) ** rows
 
 
 def _gather_weights(p: ModelProfile, cluster: Cluster, choice: CallChoice) -> CallCost:
@@ -291,7 +316,10 @@ def decode_step_cost(p: ModelProfile, work: Workload, choice: CallChoice,
     """One decode step of one micro-batch: every row feeds one token."""
     rows = work.rows_per_device(Call.GENERATE, choice.dp_size, choice.micro_batches)
     s = work.seq_len
-    reads = p.shard_bytes(choice.tensor, 1) + rows * s * p.kv_bytes_per_token() / choice.tensor
+    t = choice.tensor
+    experts = p.expert_shard_bytes(t, 1)
+    weights = p.shard_bytes(t, 1) - experts + experts * expert_read_fraction(p, rows)
+    reads = weights + rows * s * p.kv_bytes_per_token() / t
     return (_forward(p, cluster, choice, rows, s) + _gather_weights(p, cluster, choice)
             + CallCost(memory=reads / cluster.hbm_bandwidth))
 

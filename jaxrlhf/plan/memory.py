@@ -227,8 +227,7 @@ def layer_working_bytes(p: ModelProfile, tokens: int, context: int, tensor: int)
     """One decoder layer's forward live set for `tokens` local tokens over `context` slots."""
     c, a = p.config, p.act_itemsize
     per_token = a * (6 * c.hidden_size + 2 * _sharded(p.attn_dim, tensor)
-                     + 2 * _sharded(p.kv_dim, tensor)
-                     + 4 * _sharded(c.intermediate_size, tensor))
+                     + 2 * _sharded(p.kv_dim, tensor)) + _mlp_bytes(p, tensor, 4, 2, 3)
     norms = 2 * 4 * c.hidden_size  # fp32 RMSNorm intermediates
     # fp32 scores, their fp32 softmax and the probabilities cast to the compute dtype.
     scores = _sharded(c.num_heads, tensor) * context * (4 + 4 + a)
@@ -242,9 +241,9 @@ def saved_activation_bytes(p: ModelProfile, tokens: int, context: int, tensor: i
         case RematPolicy.NONE:
             per_layer = layer_working_bytes(p, tokens, context, tensor)
         case RematPolicy.DOTS:  # matmul outputs without batch dims, plus the layer input
-            per_layer = tokens * a * (3 * c.hidden_size + _sharded(p.attn_dim, tensor)
-                                      + 2 * _sharded(p.kv_dim, tensor)
-                                      + 2 * _sharded(c.intermediate_size, tensor))
+            per_layer = tokens * (a * (3 * c.hidden_size + _sharded(p.attn_dim, tensor)
+                                       + 2 * _sharded(p.kv_dim, tensor))
+                                  + _mlp_bytes(p, tensor, 2, 1, 1))
         case RematPolicy.FULL:
             per_layer = tokens * a * c.hidden_size
     return c.num_layers * per_layer
@@ -259,8 +258,25 @@ def forward_peak_bytes(p: ModelProfile, tokens: int, context: int, tensor: int) 
     attention = (norms + a * (2 * c.hidden_size + 2 * _sharded(p.attn_dim, tensor)
                               + 2 * _sharded(p.kv_dim, tensor))
                  + _sharded(c.num_heads, tensor) * context * (4 + 4 + a))
-    mlp = a * (c.hidden_size + 3 * _sharded(c.intermediate_size, tensor))
+    mlp = a * c.hidden_size + _mlp_bytes(p, tensor, 3, 1, 2)
     return tokens * max(attention, mlp)
+
+
+def _mlp_bytes(p: ModelProfile, tensor: int, widths: int, rows: int, router: int) -> float:
+    """Bytes per token of `widths` hidden-width arrays of the feed-forward block: a dense MLP's
+    [tokens, I/t]; a sparse block's [T*k, F] rows of its grouped matmuls (F as the rules cut
+    the experts, `ModelProfile.expert_tensor_ways`), beside `rows` arrays of the T*k rows at
+    model width (the tokens gathered in expert order, the experts' outputs) and `router` fp32
+    [T, E] arrays (the router's logits, its softmax). A mixed model's layers hold either block:
+    the larger counts."""
+    c, a = p.config, p.act_itemsize
+    dense = widths * _sharded(c.intermediate_size, tensor) * a
+    m = c.moe
+    if m is None:
+        return dense
+    width = m.expert_intermediate_size / p.expert_tensor_ways(tensor)
+    sparse = m.top_k * a * (widths * width + rows * c.hidden_size) + router * 4 * m.num_experts
+    return max(sparse, dense) if m.mixed else sparse
 
 
 def _logit_bytes(p: ModelProfile, tokens: int, tensor: int, copies: int) -> float:
@@ -293,11 +309,15 @@ def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float
     A layer's weight matrix is copied out of the scanned layer stack (`scanned`: XLA
     materialises the dynamic slice) or all-gathered over fsdp just before its matmul and freed
     after it, so at the peak one matrix is live: the largest, an MLP projection (and its cast
-    to the compute dtype). With fsdp the LM head's table is gathered too, early, and held
-    through the layers.
+    to the compute dtype); in a sparse block, one projection of all its experts [E, D, F].
+    With fsdp the LM head's table is gathered too, early, and held through the layers.
     """
     c = p.config
     matrix = c.hidden_size * _sharded(c.intermediate_size, choice.tensor)
+    if c.moe is not None:  # a sparse block's projection holds all E experts [E, D, F]
+        experts = c.moe.num_experts * c.hidden_size * c.moe.expert_intermediate_size
+        experts //= p.expert_tensor_ways(choice.tensor)
+        matrix = max(matrix, experts) if c.moe.mixed else experts
     live = matrix * p.param_itemsize if (scanned or choice.fsdp > 1) else 0
     cast = matrix * p.act_itemsize if p.act_itemsize != p.param_itemsize else 0
     head = 0

@@ -1,5 +1,10 @@
 """A model in numbers: parameter counts, per-device shard sizes, FLOPs and KV bytes per token.
 
+A mixture-of-experts model (`ModelConfig.moe`) holds all E experts of every sparse layer (its
+parameters, and so its optimizer state and gradients, count them all), but a token runs through
+its router and top_k of them: its FLOPs and the rows of the experts' grouped matmuls follow k,
+not E (`active_params`, `expert_matmul_params`).
+
 Shard sizes come from the real parameter tree (`models.sizes.abstract_params`, evaluated
 abstractly) and the real logical -> mesh rules (`jaxrlhf.parallel.rules.DEFAULT`), with the same
 divisibility fallback as `parallel.layout.Layout.spec`: a dimension that the mesh axes do not
@@ -75,6 +80,49 @@ class ModelProfile:
         """Parameters that take part in a matmul per token: all but the embedding lookup table
         (a gather) and the norm scales; the tied LM head counts once as a matmul."""
         return matmul_params(self.config)
+
+    @functools.cached_property
+    def active_params(self) -> int:
+        """Parameters one token uses: all of them but the experts its router does not choose,
+        (E - top_k) per sparse layer (Qwen3-30B-A3B: 3.35B of 30.5B; Mixtral 8x7B: 12.9B of
+        46.7B)."""
+        m = self.config.moe
+        if m is None:
+            return self.num_params
+        sparse = len(m.sparse_layers(self.config.num_layers))
+        return self.num_params - sparse * (m.num_experts - m.top_k) * self._expert_size
+
+    @property
+    def _expert_size(self) -> int:
+        """Elements of one expert: gate and up [D, F], down [F, D]."""
+        return 3 * self.config.hidden_size * self.config.moe.expert_intermediate_size
+
+    @functools.cached_property
+    def expert_matmul_params(self) -> int:
+        """Of `matmul_params`, those of the sparse blocks a token runs: the router [D, E] and
+        its top_k experts, over the sparse layers; 0 for a dense model."""
+        m = self.config.moe
+        if m is None:
+            return 0
+        sparse = len(m.sparse_layers(self.config.num_layers))
+        return sparse * (self.config.hidden_size * m.num_experts + m.top_k * self._expert_size)
+
+    def expert_tensor_ways(self, tensor: int) -> int:
+        """How many ways the tensor axis cuts each expert's weights (the "experts",
+        "expert_mlp" rules; 1 where they keep experts whole on every tensor rank, which then
+        each run the sparse blocks of the same tokens in full); 1 for a dense model."""
+        experts = [leaf for leaf in self.leaves if _is_expert(leaf)]
+        if not experts:
+            return 1
+        return self._ways(experts[0], {"tensor": tensor})
+
+    def expert_shard_bytes(self, tensor: int, fsdp: int, pipeline: int = 1) -> int:
+        """Of `shard_bytes`, the experts' weights (gate, up and down of every sparse layer)."""
+        key = ("experts", tensor, fsdp, pipeline)
+        if key not in self._shards:
+            experts = [leaf for leaf in self.leaves if _is_expert(leaf)]
+            self._shards[key] = self._count_shard(tensor, fsdp, pipeline, experts)
+        return self._shards[key][1]
 
     @property
     def attn_dim(self) -> int:
@@ -183,6 +231,11 @@ class ModelProfile:
 
 
 _ADAPTER_PATHS = tuple(f"['{name}']" for name in lora.ADAPTER_NAMES)  # Leaf.path endings
+
+
+def _is_expert(leaf: Leaf) -> bool:
+    """An experts' projection stack of a sparse block (logical axes ..., "experts", ...)."""
+    return "experts" in leaf.names
 
 
 def _is_layer(leaf: Leaf) -> bool:

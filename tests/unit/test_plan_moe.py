@@ -1,0 +1,124 @@
+"""The planner's figures for mixture-of-experts models against hand-computed counts: all E
+experts held (parameters, optimizer state), top_k of them and the router run (FLOPs, the grouped
+matmuls' rows), and configs/grpo_qwen3_30b_a3b.py planned on its two clusters."""
+
+import jax.numpy as jnp
+import pytest
+
+from jaxrlhf.configs import grpo_qwen3_30b_a3b
+from jaxrlhf.mfc import Call
+from jaxrlhf.models.config import RematPolicy
+from jaxrlhf.models.sizes import get_size
+from jaxrlhf.parallel.layout import Platform
+from jaxrlhf.parallel.strategy import DeviceRange
+from jaxrlhf.plan import cost, memory
+from jaxrlhf.plan.choice import CallChoice
+from jaxrlhf.plan.cluster import load_cluster
+from jaxrlhf.plan.experiment import Workload
+from jaxrlhf.plan.profile import profile_of
+from jaxrlhf.plan.search import search
+from jaxrlhf.spec import run_spec
+
+
+def _qwen3_30b_counts():
+    """(total, active, active matmul) parameters of Qwen3-30B-A3B from its shapes."""
+    d, layers, vocab, e, k, f = 2048, 48, 151936, 128, 8, 768
+    q, kv, head_dim = 32, 4, 128
+    attention = d * q * head_dim * 2 + d * kv * head_dim * 2  # q, o; k, v
+    qk_norms, layer_norms = 2 * head_dim, 2 * d
+    router, expert = d * e, 3 * d * f
+    per_layer = attention + qk_norms + layer_norms + router
+    embedding = head = vocab * d
+    total = layers * (per_layer + e * expert) + embedding + head + d  # + final norm
+    active = layers * (per_layer + k * expert) + embedding + head + d
+    matmul = layers * (attention + router + k * expert) + head
+    return total, active, matmul
+
+
+def test_qwen3_30b_a3b_holds_all_experts_and_runs_top_k():
+    p = profile_of(get_size("qwen3-30b-a3b"))
+    total, active, matmul = _qwen3_30b_counts()
+    assert (p.num_params, p.active_params, p.matmul_params) == (total, active, matmul)
+    assert (total, active) == (30_532_122_624, 3_353_032_704)  # the published 30.5B and 3.3B
+    assert p.expert_matmul_params == 48 * (2048 * 128 + 8 * 3 * 2048 * 768)
+
+
+def test_mixtral_counts_are_the_published_ones():
+    p = profile_of(get_size("mixtral-8x7b"))
+    assert round(p.num_params / 1e9, 1) == 46.7 and round(p.active_params / 1e9, 1) == 12.9
+    # 32 layers of 6 experts a token does not run, 3 x 4096 x 14336 each
+    assert p.num_params - p.active_params == 32 * 6 * 3 * 4096 * 14336
+
+
+def test_forward_flops_follow_top_k_and_experts_stay_whole_over_tensor():
+    p = profile_of(get_size("qwen3-30b-a3b"))
+    context = 1024
+    _, _, matmul = _qwen3_30b_counts()
+    attention = 4 * 48 * 32 * 128 * context
+    assert p.forward_flops_per_token(context) == 2 * matmul + attention
+    # The rules keep experts and the router whole on every tensor rank: those FLOPs are not
+    # split, the rest is split 4 ways.
+    sparse = 2 * 48 * (2048 * 128 + 8 * 3 * 2048 * 768)
+    dense = 2 * matmul + attention - sparse
+    assert p.expert_tensor_ways(4) == 1
+    assert cost.tensor_split_flops(p, context, 4) == pytest.approx(dense / 4 + sparse, rel=1e-12)
+    dense_p = profile_of(get_size("qwen3-8b"))
+    assert cost.tensor_split_flops(dense_p, context, 4) == pytest.approx(
+        dense_p.forward_flops_per_token(context) / 4, rel=1e-12)
+
+
+def test_decode_reads_only_the_experts_its_rows_route_to():
+    p = profile_of(get_size("qwen3-30b-a3b"))
+    assert cost.expert_read_fraction(p, 1) == pytest.approx(8 / 128)
+    assert cost.expert_read_fraction(p, 2) == pytest.approx(1 - (120 / 128) ** 2)
+    assert cost.expert_read_fraction(p, 512) > 0.999
+    assert cost.expert_read_fraction(profile_of(get_size("qwen3-8b")), 64) == 0.0
+    expert_bytes = 48 * 128 * 3 * 2048 * 768 * 4  # fp32 parameters (the size's default)
+    assert p.expert_shard_bytes(1, 1) == expert_bytes
+    assert p.expert_shard_bytes(1, 2) == expert_bytes // 2  # fsdp cuts their embed dimension
+
+
+def test_sparse_block_activations_follow_t_times_k_rows():
+    """tiny-moe (D 64, E 8, k 2, F 128; `intermediate_size` 256 unused), fp32 parameters and
+    bf16 compute (a = 2 bytes), 10 tokens."""
+    p = profile_of(get_size("tiny-moe", remat=RematPolicy.DOTS))
+    d, e, k, f, a, tokens = 64, 8, 2, 128, 2, 10
+    assert p.attn_dim == 64 and p.kv_dim == 32  # 4 query heads of 16, 2 key/value heads
+    # The MLP half of a forward: the layer input, [T*k] rows of the gathered tokens, gate, up
+    # and their product, two fp32 [T, E] router arrays.
+    mlp = a * d + k * a * (3 * f + d) + 2 * 4 * e
+    attention_half = 4 * d + a * (2 * d + 2 * 64 + 2 * 32)  # no scores over 0 slots
+    assert mlp > attention_half
+    assert memory.forward_peak_bytes(p, tokens, 0, 1) == tokens * max(mlp, attention_half)
+    # DOTS keeps the grouped matmuls' outputs (gate, up at F, down at D, T*k rows) and the
+    # router's fp32 logits beside the attention projections and the layer input.
+    per_token = a * (3 * d + 64 + 2 * 32) + k * a * (2 * f + d) + 4 * e
+    assert memory.saved_activation_bytes(p, tokens, 0, 1) == 2 * tokens * per_token
+    # One projection of all E experts is sliced out of the scanned stack (fp32) and cast.
+    one = CallChoice(DeviceRange(0, 0))
+    assert memory._gathered_bytes(p, one, scanned=True) == e * d * f * (4 + a)
+
+
+def test_train_state_counts_every_expert():
+    p = profile_of(get_size("qwen3-30b-a3b", param_dtype=jnp.bfloat16))
+    f8 = CallChoice(DeviceRange(0, 7), fsdp=8)
+    params, optimizer = memory.train_state_bytes(p, f8, fp32_master=True)
+    # Every leaf's embed dimension is cut 8 ways, but the q/k norm scales [L, head_dim].
+    qk_norms = 48 * 2 * 128
+    sharded = p.num_params - qk_norms
+    assert params == 2 * (sharded // 8 + qk_norms)
+    assert optimizer == 12 * (sharded // 8 + qk_norms)  # ZeRO-1 over d = 1
+    work = Workload(batch_size=64, prompt_len=1024, new_tokens=2048, mini_batches=1)
+    f8_k8 = CallChoice(DeviceRange(0, 7), fsdp=8, micro_batches=8)
+    mem = memory.call_memory(p, Call.TRAIN_STEP, work, f8_k8, True, platform=Platform.GPU)
+    assert mem.arguments == params + optimizer
+
+
+@pytest.mark.parametrize("variant,cluster", [(None, "tpu_v5p_64"), ("h100", "h100_8")])
+def test_grpo_qwen3_30b_a3b_plans_on_its_clusters(variant, cluster):
+    config = grpo_qwen3_30b_a3b.get_config(variant)
+    assert config.placement.cluster == f"meshes/{cluster}.py"
+    spec = run_spec(config)
+    report = search(spec.experiment(), load_cluster(config.placement.cluster))
+    assert report.searched.plan is not None, report.searched.reason
+    assert report.searched.step_seconds > 0
