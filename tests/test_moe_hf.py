@@ -163,6 +163,9 @@ PROMPT = "w5 w17 w42 w9"
     # ~10 s each: the mixed model (both blocks, dense and sparse layers) in the default suite
     pytest.param("qwen3_moe", "0-1:d2", marks=pytest.mark.slow),
     ("qwen3_moe_mixed", "0-3:d2t2"),
+    # expert parallelism: the rollout engine's SPMD decode, tokens to experts by all-to-all
+    # (~20 s; tests/test_expert_parallel.py's block test is its default-suite sibling)
+    pytest.param("qwen3_moe", "0-3:d2e2", marks=pytest.mark.slow),
     pytest.param("mixtral", "0-1:t2", marks=pytest.mark.slow),
 ])
 def test_generate_greedy_matches_hf(tmp_path, case, layout):

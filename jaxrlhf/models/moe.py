@@ -255,11 +255,15 @@ class MoeBlock(nn.Module):
         logits_te = jnp.dot(x_td.astype(jnp.float32), router_de.astype(jnp.float32))
         given_tk = None if experts_btk is None else experts_btk.reshape(b * t, -1)
         routing = route(logits_te, moe.top_k, moe.norm_topk_prob, given_tk)
-        y_td = experts_swiglu(x_td, routing, gate_edf.astype(cfg.dtype),
-                              up_edf.astype(cfg.dtype), down_efd.astype(cfg.dtype))
+        from jaxrlhf.models import expert_parallel  # builds on this module: imported late
+
+        routing_btk = Routing(*(a.reshape(b, t, -1) for a in routing))
+        y_btd = expert_parallel.expert_swiglu(
+            x_btd.astype(cfg.dtype), routing_btk, gate_edf.astype(cfg.dtype),
+            up_edf.astype(cfg.dtype), down_efd.astype(cfg.dtype))
         stats = router_stats(logits_te, routing.experts_tk, valid_bt.reshape(-1))
         changed_bt = None if given_tk is None else routes_differ(logits_te, given_tk).reshape(b, t)
-        return (y_td.reshape(b, t, d).astype(cfg.dtype), stats,
+        return (y_btd.astype(cfg.dtype), stats,
                 routing.experts_tk.reshape(b, t, moe.top_k), changed_bt)
 
 

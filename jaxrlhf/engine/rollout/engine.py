@@ -67,9 +67,11 @@ class Rollout:
         self._scalar = layout.replicated()
         self._scalars: dict[int, jax.Array] = {}
         # Each data-parallel device can decode its own slots alone when it holds all weights
-        # (then each stops a chunk on its own: see `advance`'s stop_busy).
+        # (then each stops a chunk on its own: see `advance`'s stop_busy). An expert rank
+        # holds 1/e of the experts and its tokens meet them by all-to-all, every device in
+        # every step (models/expert_parallel.py): SPMD.
         strategy = layout.strategy
-        self.per_device = strategy.fsdp == 1 and strategy.tensor == 1
+        self.per_device = strategy.fsdp == 1 and strategy.tensor == 1 and strategy.expert == 1
         self._rows = jax.jit(functools.partial(read_rows, gen_config))
         self._poll = jax.jit(read_poll)
         self._collect = jax.jit(lambda s: (read_poll(s), read_rows(gen_config, s)))

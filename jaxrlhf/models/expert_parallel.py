@@ -1,0 +1,141 @@
+"""Expert parallelism: a sparse block's experts split over the mesh's "expert" axis, tokens
+sent to their experts' devices by all-to-all and back (strategy letter `e`,
+docs/ARCHITECTURE.md's parallel layer).
+
+On a layout with e > 1 each expert rank holds E/e experts (rule `experts -> expert`, the
+weights' E dim) and its own share of the batch (rule `batch -> (data, fsdp, expert)`: for
+attention and the dense layers an expert rank is a data-parallel rank, as in Megatron and
+MaxText). `expert_swiglu` then runs, per device (`jax.shard_map` over the whole mesh):
+
+  1. its T tokens' A = T*k (token, slot) assignments, sorted by expert (stable), are written
+     into a send buffer [e, A, D]: row (g, j) is the j-th assignment bound for expert rank g
+     (whose experts are g*E/e .. (g+1)*E/e - 1), with each row's local expert id [e, A]
+     (E/e marks an empty row);
+  2. `all_to_all` over "expert" swaps dim 0: row (s, j) is now source s's j-th row for me;
+  3. the e*A received rows are sorted by local expert and run through the grouped matmuls
+     of the local experts (`moe.grouped_matmul`), empty rows counted in the last group (they
+     are zeros and come out zeros);
+  4. a second `all_to_all` returns every row to its source, which reads each assignment back
+     from (rank, row) and sums its k rows weighed by the router, as `moe.experts_swiglu` does.
+
+Dropless with a static worst-case buffer per device pair, not `ragged_all_to_all`: any one
+rank may route all A of its assignments to one expert rank, and all e ranks may route to the
+same one, so without dropping a buffer holds A rows per peer: send, receive and return
+buffers of e*A*D elements each per device (e.g. 4096 tokens, k=8, D=2048, e=8, bf16:
+1 GiB each), the local experts' gate/up intermediates e*A*F, and all-to-all traffic of
+(e-1)*A*D elements each way where a ragged exchange moves only the A*D that are real. The
+grouped matmuls run over the e*A buffer rows (on XLA:CPU's blocked form the work follows the
+buffer, not the load). What it buys: plain `all_to_all` lowers on every backend (XLA:CPU
+included, where the test suite runs; `ragged_all_to_all` is GPU/TPU only), its shapes are
+static, and every layout computes exactly the assignments a one-device run computes, so the
+results agree to rounding. A capacity factor would cut the buffers to a fraction and drop
+tokens past it; ragged all-to-all on GPU/TPU would cut the traffic: both are left for later.
+
+Where the expert axis is absent, of size 1, or already manual (inside the rollout engine's
+per-device `shard_map`, where the weights arrive whole), the block computes its experts
+locally (`moe.experts_swiglu`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxrlhf.models import moe
+from jaxrlhf.parallel.strategy import Axis
+
+EXPERT_AXIS = Axis.EXPERT.value
+
+
+def expert_ways() -> int:
+    """Size of the context mesh's expert axis that a block may split experts over: 1 without
+    a mesh in scope, without an expert axis, or where that axis is already manual."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names or EXPERT_AXIS in mesh.manual_axes:
+        return 1
+    return mesh.shape[EXPERT_AXIS]
+
+
+def _batch_axes(rows: int) -> tuple[str, ...]:
+    """The mesh axes the batch dim of `rows` rows is split over under the logical rules in
+    scope (replicated where their product does not divide it, as `Layout.spec` decides)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    (target,) = nn.logical_to_mesh_axes(("batch",))
+    axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    return axes if rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
+def _local_experts_swiglu(x_rd: jax.Array, local_r: jax.Array, gate_edf: jax.Array,
+                          up_edf: jax.Array, down_efd: jax.Array) -> jax.Array:
+    """Rows x [R, D] through the SwiGLU of their local expert `local_r` int32 [R] in 0..E_l
+    (E_l = the local experts, weights [E_l, ...]; E_l marks an empty row, a zero row): [R, D].
+
+    Rows are sorted by expert (empty rows last, counted in the last group: their zeros give
+    zeros), grouped-multiplied and put back in place."""
+    local_experts = gate_edf.shape[0]
+    order_r = jnp.argsort(local_r, stable=True)
+    sizes_e = jnp.bincount(local_r, length=local_experts + 1).astype(jnp.int32)
+    sizes_e = sizes_e[:local_experts].at[-1].add(sizes_e[local_experts])
+    xs_rd = jnp.take(x_rd, order_r, axis=0)
+    h_rf = (nn.silu(moe.grouped_matmul(xs_rd, gate_edf, sizes_e))
+            * moe.grouped_matmul(xs_rd, up_edf, sizes_e))
+    ys_rd = moe.grouped_matmul(h_rf, down_efd, sizes_e)
+    return jnp.zeros_like(ys_rd).at[order_r].set(ys_rd, unique_indices=True)
+
+
+def _dispatch_compute_combine(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array,
+                              gate_edf: jax.Array, up_edf: jax.Array, down_efd: jax.Array
+                              ) -> jax.Array:
+    """One device's part (under shard_map): its tokens x [b, t, D] and routing [b, t, k],
+    its E/e experts' weights; returns its tokens' outputs [b, t, D] (module docstring)."""
+    b, t, d = x_btd.shape
+    top_k = experts_btk.shape[-1]
+    ways = jax.lax.axis_size(EXPERT_AXIS)
+    local_experts = gate_edf.shape[0]
+    assignments = b * t * top_k
+    x_td = x_btd.reshape(b * t, d)
+    experts_a = experts_btk.reshape(-1)  # a = token * k + slot
+    order_a = jnp.argsort(experts_a, stable=True)
+    expert_s = experts_a[order_a]  # s: the assignments in expert order
+    rank_s = expert_s // local_experts
+    count_g = jnp.bincount(rank_s, length=ways)
+    row_s = jnp.arange(assignments) - (jnp.cumsum(count_g) - count_g)[rank_s]
+    send_gad = jnp.zeros((ways, assignments, d), x_td.dtype).at[rank_s, row_s].set(
+        jnp.take(x_td, order_a // top_k, axis=0), unique_indices=True)
+    local_ga = jnp.full((ways, assignments), local_experts, jnp.int32).at[rank_s, row_s].set(
+        expert_s % local_experts, unique_indices=True)
+    exchange = lambda a: jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True)
+    recv_gad, recv_local_ga = exchange(send_gad), exchange(local_ga)
+    y_rd = _local_experts_swiglu(recv_gad.reshape(ways * assignments, d),
+                                 recv_local_ga.reshape(-1), gate_edf, up_edf, down_efd)
+    back_gad = exchange(y_rd.reshape(ways, assignments, d))
+    y_sd = back_gad[rank_s, row_s]
+    y_tkd = jnp.zeros_like(y_sd).at[order_a].set(y_sd, unique_indices=True).reshape(
+        b * t, top_k, d)
+    y_td = jnp.einsum("tkd,tk->td", y_tkd, weights_btk.reshape(b * t, top_k).astype(y_tkd.dtype))
+    return y_td.reshape(b, t, d)
+
+
+def expert_swiglu(x_btd: jax.Array, routing_btk: moe.Routing, gate_edf: jax.Array,
+                  up_edf: jax.Array, down_efd: jax.Array) -> jax.Array:
+    """sum_j w_j * expert_{e_j}(x) for x [b, t, D] and a routing of [b, t, k]: [b, t, D].
+
+    Split over the context mesh's expert axis where it has one (module docstring), else
+    computed locally by `moe.experts_swiglu`. Weights [E, in, out] in x's dtype."""
+    b, t, d = x_btd.shape
+    if expert_ways() == 1:
+        routing_tk = moe.Routing(*(a.reshape(b * t, -1) for a in routing_btk))
+        return moe.experts_swiglu(x_btd.reshape(b * t, d), routing_tk, gate_edf, up_edf,
+                                  down_efd).reshape(b, t, d)
+    rows = PartitionSpec(_batch_axes(b) or None)
+    experts = PartitionSpec(EXPERT_AXIS)
+    local = jax.shard_map(
+        _dispatch_compute_combine,
+        in_specs=(rows, rows, rows, experts, experts, experts), out_specs=rows)
+    return local(x_btd, routing_btk.experts_tk, routing_btk.weights_tk, gate_edf, up_edf,
+                 down_efd)

@@ -1,0 +1,174 @@
+"""Expert parallelism (strategy letter `e`, models/expert_parallel.py): layouts with e give
+the one-device block, train step and log-probs within 1e-5 in float32; each device holds 1/e
+of the experts; the compiled program moves tokens by all-to-all and builds no
+[tokens, experts, hidden] array; parameters move bitwise between e and non-e layouts."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf.engine import microbatch as mb
+from jaxrlhf.engine import optimizer as opt
+from jaxrlhf.engine import train_step as ts
+from jaxrlhf.engine.inference import (
+    InferenceBatch, InferenceConfig, InferenceKind, make_inference_fn,
+)
+from jaxrlhf.models import expert_parallel
+from jaxrlhf.models.moe import MoeBlock, MoeConfig
+from jaxrlhf.models.sizes import abstract_params, get_size
+from jaxrlhf.parallel.layout import make_layout
+from jaxrlhf.parallel.reshard import reshard
+from test_train_step import make_batch, token_ce
+
+MODEL = get_size("tiny", num_kv_heads=4, dtype=jnp.float32, num_layers=2,
+                 moe=MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=32,
+                               aux_loss_coef=0.5, z_loss_coef=0.1))
+OPT = opt.OptimizerConfig(lr=1e-2, warmup_steps=0, total_steps=2, eps=1e-3, max_grad_norm=1e9)
+# 12 rows of 10 tokens: no token count of a device (120, 60, 30, and twice that: the k=2
+# assignments) or row count (12, 6, 3) equals an expert count (8, 4 local on e2), the hidden
+# size (64) or expert width (32), so a [tokens, experts, hidden] shape is told apart in HLO.
+ROWS, LENGTH = 12, 10
+
+
+def _host_params():
+    rng = np.random.default_rng(0)  # random values on the abstract tree: no init to compile
+    return jax.tree.map(lambda a: (0.2 * rng.standard_normal(a.shape)).astype(np.float32),
+                        nn.meta.unbox(abstract_params(MODEL)))
+
+
+def _assert_close_to_scale(actual, desired):
+    """Within 1e-5 of the array's largest entry: a gradient of sum(sin(y)) over 120 tokens
+    reaches ~50, and an entry near zero is a sum of such terms in another order (fp32)."""
+    desired = np.asarray(desired)
+    np.testing.assert_allclose(actual, desired, rtol=0, atol=1e-5 * np.max(np.abs(desired)))
+
+
+def _devices(spec: str) -> str:
+    sizes = [int(n) for n in re.findall(r"\d+", spec)]
+    return f"0-{int(np.prod(sizes)) - 1}:{spec}"
+
+
+def _block_loss_and_grads(spec: str | None):
+    """A sparse block's (loss, grads wrt its weights and input) on `spec` (None: no mesh in
+    scope, the local path), with the compiled program's HLO."""
+    block = MoeBlock(MODEL)
+    rng = np.random.default_rng(1)
+    x_btd = rng.standard_normal((ROWS, LENGTH, MODEL.hidden_size)).astype(np.float32)
+    valid_bt = np.ones((ROWS, LENGTH), bool)
+    params = jax.tree.map(
+        lambda a: (0.2 * rng.standard_normal(a.shape)).astype(np.float32),
+        nn.meta.unbox(jax.eval_shape(block.init, jax.random.key(0), x_btd, valid_bt)))
+
+    def loss(p, x):
+        y_btd = block.apply(p, x, valid_bt)[0]
+        return jnp.sum(jnp.sin(y_btd))  # a non-linear readout: every output entry matters
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    if spec is None:
+        return fn(params, x_btd), None, params
+    layout = make_layout(_devices(spec), model=MODEL)
+    boxed = jax.eval_shape(block.init, jax.random.key(0), x_btd, valid_bt)
+    params = jax.device_put(params, layout.param_shardings(boxed))
+    x_btd = jax.device_put(x_btd, layout.batch_sharding(3))
+    with layout.activation_context():
+        compiled = fn.lower(params, x_btd).compile()
+    return compiled(params, x_btd), compiled.as_text(), params
+
+
+def _token_expert_hidden_shapes(hlo: str, ways: int) -> list[str]:
+    """HLO array shapes with a token dim, an expert dim (all E or the E/e local ones) and the
+    hidden size: what a dense dispatch ([T, E, D] one-hot products) would build."""
+    experts = {MODEL.moe.num_experts, MODEL.moe.num_experts // ways}
+    tokens = {ROWS * LENGTH // n * k for n in (1, 2, 4) for k in (1, MODEL.moe.top_k)}
+    found = []
+    for dims in re.findall(r"f32\[([\d,]+)\]", hlo):
+        shape = [int(n) for n in dims.split(",")]
+        if (MODEL.hidden_size in shape and tokens & set(shape) and experts & set(shape)
+                and len(shape) >= 3):
+            found.append(dims)
+    return found
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("spec", ["e2", "d2e2"])
+def test_block_splits_experts_and_moves_tokens_by_all_to_all(spec):
+    (ref_loss, ref_grads), _, _ = _block_loss_and_grads(None)
+    (loss, grads), hlo, params = _block_loss_and_grads(spec)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    jax.tree.map(_assert_close_to_scale, grads, ref_grads)
+    ways = make_layout(_devices(spec)).strategy.expert
+    gate = params["params"]["gate_proj"]
+    assert gate.sharding.shard_shape(gate.shape)[0] == MODEL.moe.num_experts // ways
+    assert "all-to-all" in hlo
+    assert _token_expert_hidden_shapes(hlo, ways) == []
+
+
+def test_hlo_shape_check_finds_a_dense_dispatch():
+    """The shape check of the test above can fail: a one-hot dispatch [T, E, D] is found."""
+    def dense_dispatch(x_td, experts_t):
+        onehot_te = jax.nn.one_hot(experts_t, MODEL.moe.num_experts)
+        return jnp.sum(jnp.sin(onehot_te[:, :, None] * x_td[:, None, :]), axis=1)
+
+    tokens = ROWS * LENGTH
+    hlo = jax.jit(dense_dispatch).lower(
+        jnp.zeros((tokens, MODEL.hidden_size)), jnp.zeros(tokens, jnp.int32)).compile().as_text()
+    assert f"{tokens},8,64" in _token_expert_hidden_shapes(hlo, 1)
+    assert expert_parallel.expert_ways() == 1  # no mesh in scope: the local path
+
+
+def _train_and_logprobs(spec: str):
+    params = _host_params()
+    batch = make_batch(3, batch=ROWS, length=16)
+    layout = make_layout(_devices(spec), model=MODEL)
+    state = ts.create_train_state(params, MODEL, layout, OPT)
+    infer = make_inference_fn(MODEL, InferenceConfig(InferenceKind.LOGPROBS), layout,
+                              length_buckets=(16,))
+    out = infer(state.params, InferenceBatch.padded(batch["tokens_bt"],
+                                                    batch["segment_ids_bt"].astype(bool)))
+    logprobs = np.asarray(out.logprobs_bt)
+    down = state.params["layers"]["moe"]["down_proj"]  # [L, E, F, D]
+    expert_shard = down.sharding.shard_shape(down.shape)[1]
+    step = ts.make_train_step(MODEL, layout, token_ce, OPT, mb.MicrobatchConfig())
+    new_state, metrics = step(state, batch)  # (the step may donate the state)
+    return (jax.device_get(new_state.params), jax.device_get(metrics), logprobs,
+            expert_shard)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _train_and_logprobs("d1")
+
+
+@pytest.mark.devices(8)
+@pytest.mark.slow  # ~14 s each and the one-device fixture's 12 s; the block test above is
+@pytest.mark.parametrize("spec", ["e2", "e4", "d2e2", "e2t2"])  # their sibling
+def test_train_step_and_logprobs_equal_one_device(one_device, spec):
+    ref_params, ref_metrics, ref_logprobs, _ = one_device
+    new_params, metrics, logprobs, expert_shard = _train_and_logprobs(spec)
+    for name in ("loss", "moe_balance_loss", "moe_z_loss", "moe_min_load"):
+        np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=1e-5, err_msg=name)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0),
+                 new_params, ref_params)
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-5, rtol=0)
+    assert expert_shard == MODEL.moe.num_experts // int(spec[1])
+
+
+@pytest.mark.devices(8)
+def test_reallocation_between_expert_layouts_is_bitwise():
+    params = _host_params()
+    abstract = abstract_params(MODEL)
+    train = make_layout("0-7:d2e4", model=MODEL).param_shardings(abstract)
+    on_train = jax.device_put(params, train)
+    gate = on_train["layers"]["moe"]["gate_proj"]
+    assert gate.sharding.shard_shape(gate.shape)[1] == MODEL.moe.num_experts // 4
+    for spec in ("0-3:d2t2", "4-7:e2t2", "0-0:d1", "0-7:f2e4"):
+        there, _ = reshard(on_train, make_layout(spec, model=MODEL).param_shardings(abstract))
+        back, _ = reshard(there, train)
+        for moved in (there, back):
+            jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),
+                         moved, params)
+        assert jax.tree.leaves(back)[0].sharding == jax.tree.leaves(on_train)[0].sharding
