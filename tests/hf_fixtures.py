@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral models built in-process
-(nothing is downloaded).
+"""Tiny random Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral / Mistral / Gemma 3 models
+built in-process (nothing is downloaded).
 
 Reusable by any HF comparison test:
 
@@ -55,10 +55,32 @@ _MIXTRAL = dict(
     rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False, num_local_experts=4,
     num_experts_per_tok=2,
 )
+# Mistral: Llama's block with a sliding window (3 slots) shorter than the test sequences.
+_MISTRAL = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=3,
+)
+# Gemma 3 (text): local layers 0 and 2 with a 3-slot window and their own RoPE base, global
+# layer 1 with linear RoPE scaling; head_dim 24 apart from hidden/heads, query_pre_attn_scalar
+# apart from head_dim, the final softcap low enough to bite (transformers' Gemma 3 applies no
+# attention softcap: attn_logit_softcapping stays null). Untied: random tied embeddings make
+# greedy decoding repeat the last token (the tied head is tested with Qwen2).
+_GEMMA3 = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=100.0,
+    rope_scaling=dict(rope_type="linear", factor=4.0), sliding_window=3,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    query_pre_attn_scalar=16, final_logit_softcapping=4.0,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=False,
+)
 FAMILIES = {"llama": (transformers.LlamaConfig, _LLAMA), "qwen2": (transformers.Qwen2Config, _QWEN2),
             "qwen3": (transformers.Qwen3Config, _QWEN3),
             "qwen3_moe": (transformers.Qwen3MoeConfig, _QWEN3_MOE),
-            "mixtral": (transformers.MixtralConfig, _MIXTRAL)}
+            "mixtral": (transformers.MixtralConfig, _MIXTRAL),
+            "mistral": (transformers.MistralConfig, _MISTRAL),
+            "gemma3": (transformers.Gemma3TextConfig, _GEMMA3)}
 
 
 def tiny_hf_config(family: str, *, num_labels: int | None = None, **overrides):
@@ -76,7 +98,10 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") and isinstance(model.config,
+                                                           transformers.Gemma3TextConfig):
+                p.copy_(0.2 * noise)  # Gemma's norms scale by (1 + w)
+            elif name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.5 * noise)

@@ -100,10 +100,10 @@ def test_llama3_rope_both_spellings():
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "unsupported model_type"),
+    (dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"]), "unsupported model_type"),
     (dict(architectures=["LlamaForTokenClassification"]), "unsupported architecture"),
     (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "unsupported RoPE type"),
-    (dict(rope_scaling=dict(type="linear", factor=2.0)), "unsupported RoPE type"),
+    (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "unsupported RoPE type"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
     (dict(attention_bias=True), "o_proj"),
     (dict(mlp_bias=True), "mlp_bias"),

@@ -13,6 +13,12 @@ with no visible key (a padding query) gets a finite, meaningless output, never N
 The backend is chosen by `AttentionImpl`: plain XLA einsums here; cuDNN through
 `jax.nn.dot_product_attention`; the Pallas kernels in the top-level `kernels/` package (on a
 TPU, JAX's splash attention through `kernels/tpu_attention.py`).
+
+Sliding windows and score softcapping (Mistral, Gemma 3) run on XLA's path whatever the
+implementation: a call given a `window` or a `softcap` computes `_xla_attention` (or, decoding,
+`cached_query_attention`'s XLA products); the CPU decode kernel, the Pallas kernels and cuDNN
+take neither. A window masks the keys more than `window - 1` slots before the query (HF's
+`kv > q - window`); a windowed model's global layers get a window past every slot.
 """
 
 from __future__ import annotations
@@ -44,11 +50,19 @@ class AttentionImpl(enum.Enum):
     PALLAS = "pallas"  # kernels/: flash + ragged decode (GPU; CPU interprets), splash (TPU)
 
 
-def attention_mask(q_slot_bt, q_seg_bt, k_slot_bs, k_seg_bs) -> jax.Array:
-    """Boolean [batch, 1, 1, q_len, k_len]: causal over slots, same non-zero segment."""
+def attention_mask(q_slot_bt, q_seg_bt, k_slot_bs, k_seg_bs, window=None) -> jax.Array:
+    """Boolean [batch, 1, 1, q_len, k_len]: causal over slots, same non-zero segment, and with
+    a `window` (int, or a traced int scalar) no more than window - 1 slots back."""
     causal = k_slot_bs[:, None, :] <= q_slot_bt[:, :, None]
+    if window is not None:
+        causal &= k_slot_bs[:, None, :] > q_slot_bt[:, :, None] - window
     same_seg = (q_seg_bt[:, :, None] == k_seg_bs[:, None, :]) & (k_seg_bs[:, None, :] != 0)
     return (causal & same_seg)[:, None, None, :, :]
+
+
+def _softcapped(scores, softcap: float | None):
+    """Gemma's score capping, c * tanh(scores / c), or the scores as they are."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
 def _query_slots(q_offset, batch: int, q_len: int) -> jax.Array:
@@ -66,6 +80,8 @@ def dot_product_attention(
     kv_segment_ids_bs: jax.Array,
     q_offset: jax.Array | int = 0,
     impl: AttentionImpl = AttentionImpl.XLA,
+    window: jax.Array | int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal, segment-masked grouped-query attention.
 
@@ -79,10 +95,15 @@ def dot_product_attention(
       q_offset: scalar (traced or static) key slot of query 0: 0 without a cache or for
         prefill, the cache index when decoding; or int [batch], each row's own (decode).
       impl: the implementation; AUTO resolves by the default backend.
+      window: sliding window in slots (`attention_mask`), or None; with `softcap` (scores
+        capped, `_softcapped`), it runs XLA's path (module docstring).
 
     Returns:
       [batch, q_len, heads, head_dim] in q's dtype.
     """
+    if window is not None or softcap is not None:
+        return _xla_attention(q_bthd, k_bskd, v_bskd, q_segment_ids_bt, kv_segment_ids_bs,
+                              q_offset, window, softcap)
     match resolve_impl(impl):
         case AttentionImpl.XLA:
             return _xla_attention(q_bthd, k_bskd, v_bskd, q_segment_ids_bt, kv_segment_ids_bs,
@@ -117,7 +138,8 @@ def unavailable_reason(impl: AttentionImpl, backend: str | None = None) -> str |
     return None
 
 
-def _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax.Array:
+def _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset, window=None,
+                   softcap=None) -> jax.Array:
     """Reference implementation: materialises the [b, kv, groups, t, s] score tensor in fp32.
 
     The heads are moved ahead of the positions first, each keeping the head dim minor
@@ -133,7 +155,7 @@ def _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax
     dtype = q_bthd.dtype
     q_slot_bt = _query_slots(q_offset, batch, q_len)
     k_slot_bs = jnp.broadcast_to(jnp.arange(k_len), (batch, k_len))
-    mask = attention_mask(q_slot_bt, q_seg_bt, k_slot_bs, kv_seg_bs)
+    mask = attention_mask(q_slot_bt, q_seg_bt, k_slot_bs, kv_seg_bs, window)
 
     groups = heads // kv_heads
     q_bkgtd = q_bthd.reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
@@ -142,14 +164,15 @@ def _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset) -> jax
     scores_bkgts = jnp.einsum(
         "bkgtd,bksd->bkgts", q_bkgtd, k_bksd, preferred_element_type=jnp.float32,
     ) / math.sqrt(head_dim)
-    scores_bkgts = jnp.where(mask, scores_bkgts, _NEG_INF)
+    scores_bkgts = jnp.where(mask, _softcapped(scores_bkgts, softcap), _NEG_INF)
     probs = jax.nn.softmax(scores_bkgts, axis=-1).astype(dtype)
     out_bkgtd = jnp.einsum("bkgts,bksd->bkgtd", probs, v_bksd)
     return out_bkgtd.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, heads, head_dim)
 
 
 def cached_query_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offset,
-                           impl: AttentionImpl = AttentionImpl.XLA) -> jax.Array:
+                           impl: AttentionImpl = AttentionImpl.XLA, window=None,
+                           softcap: float | None = None) -> jax.Array:
     """`dot_product_attention` of one query per row (a decode step) against a layer's own cache
     laid out as `models.decode_kv.DecodeKV`: keys in tiles [b, k, c, d, i], values [b, k, S, d].
 
@@ -173,14 +196,17 @@ def cached_query_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offse
       k_bkcdi, v_bksd: the cache, written up to each row's query slot.
       q_seg_b1, kv_seg_bs, q_offset: as `dot_product_attention`.
       impl: the implementation.
+      window, softcap: as `dot_product_attention`; either runs the XLA products below.
 
     Returns:
       [b, 1, heads, head_dim] in q's dtype.
     """
-    if impl is AttentionImpl.AUTO and cpu_decode_attention.takes(q_b1hd, k_bkcdi, v_bksd):
+    plain = window is None and softcap is None
+    if (plain and impl is AttentionImpl.AUTO
+            and cpu_decode_attention.takes(q_b1hd, k_bkcdi, v_bksd)):
         return cpu_decode_attention.decode_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1,
                                                      kv_seg_bs, q_offset)
-    if resolve_impl(impl) not in (AttentionImpl.XLA, AttentionImpl.CUDNN):
+    if plain and resolve_impl(impl) not in (AttentionImpl.XLA, AttentionImpl.CUDNN):
         k_bskd, v_bskd = DecodeKV(k_bkcdi, v_bksd).stacked()
         return dot_product_attention(q_b1hd, k_bskd, v_bskd, q_seg_b1, kv_seg_bs, q_offset, impl)
     batch, _, heads, head_dim = q_b1hd.shape
@@ -189,7 +215,7 @@ def cached_query_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offse
     dtype = q_b1hd.dtype
     q_slot_b1 = _query_slots(q_offset, batch, 1)
     k_slot_bs = jnp.broadcast_to(jnp.arange(k_len), (batch, k_len))
-    mask_b11s = attention_mask(q_slot_b1, q_seg_b1, k_slot_bs, kv_seg_bs)[:, 0, 0]
+    mask_b11s = attention_mask(q_slot_b1, q_seg_b1, k_slot_bs, kv_seg_bs, window)[:, 0, 0]
     groups = heads // kv_heads
     q_bkcgd = jnp.broadcast_to(q_b1hd.reshape(batch, kv_heads, 1, groups, head_dim),
                                (batch, kv_heads, tiles, groups, head_dim))
@@ -197,7 +223,7 @@ def cached_query_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offse
                               preferred_element_type=jnp.float32)
     scores_bkgs = jnp.swapaxes(scores_bkcgi, 2, 3).reshape(batch, kv_heads, groups, tiles * tile)
     scores_bkgs = scores_bkgs[..., :k_len] / math.sqrt(head_dim)
-    scores_bkgs = jnp.where(mask_b11s[:, None], scores_bkgs, _NEG_INF)
+    scores_bkgs = jnp.where(mask_b11s[:, None], _softcapped(scores_bkgs, softcap), _NEG_INF)
     # The softmax's division after the product, on the [b, k, g, d] output: one pass over the
     # scores fewer. (Rounded to q's dtype are then the unnormalised weights, in (0, 1].)
     weights_bkgs = jnp.exp(scores_bkgs - jnp.max(scores_bkgs, axis=-1, keepdims=True))

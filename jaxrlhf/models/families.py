@@ -4,7 +4,9 @@
 
 A family says what its attention block is (q/k/v bias, per-head q/k norms), its HF defaults,
 the options it refuses, how its config.json spells a mixture of experts (`read_moe`,
-`write_moe`) and where its checkpoints keep the expert tensors (`ExpertNames`).
+`write_moe`) and where its checkpoints keep the expert tensors (`ExpertNames`), and how it
+spells what only some families have (`read_layers`, `write_layers`: sliding windows, Gemma's
+block, RoPE per layer type, softcapping).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import enum
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxrlhf.models.config import Activation, ModelConfig, RopeKind
 from jaxrlhf.models.moe import MoeConfig
 
 
@@ -25,6 +28,8 @@ class HfFamily(enum.Enum):
     QWEN3 = "qwen3"
     QWEN3_MOE = "qwen3_moe"
     MIXTRAL = "mixtral"
+    MISTRAL = "mistral"
+    GEMMA3 = "gemma3_text"  # Gemma3ForCausalLM (the text model; "gemma3" is the multimodal one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +107,141 @@ def _check_mixtral(moe: MoeConfig | None) -> str | None:
     return None
 
 
+def _no_layers(cfg: Config) -> dict[str, Any]:
+    del cfg
+    return {}
+
+
+def _write_no_layers(config: ModelConfig) -> dict[str, Any]:
+    del config
+    return {}
+
+
+def _mistral_layers(cfg: Config) -> dict[str, Any]:
+    """Mistral: every layer sliding when `sliding_window` is set (null: none)."""
+    window = cfg.get("sliding_window")
+    if window is None:
+        return {}
+    return dict(sliding_window=int(window),
+                sliding_layers=tuple(range(int(cfg["num_hidden_layers"]))))
+
+
+def _write_mistral_layers(config: ModelConfig) -> dict[str, Any]:
+    return dict(sliding_window=config.sliding_window)
+
+
+GEMMA3_GLOBAL_THETA, GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0  # transformers' defaults
+
+
+def _gemma3_layer_types(cfg: Config) -> list[str]:
+    """`layer_types`, or from `sliding_window_pattern` (older configs; default 6): layer i is
+    global iff (i + 1) % pattern == 0 (transformers' Gemma3TextConfig)."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    pattern = int(cfg.get("sliding_window_pattern", 6))
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(int(cfg["num_hidden_layers"]))]
+
+
+def gemma3_rope(cfg: Config) -> tuple[Config, float]:
+    """(the global layers' RoPE keys in the one-type spelling `hf_config` reads, the local
+    layers' base) from either spelling: transformers 5's `rope_parameters` per layer type, or
+    `rope_theta` + `rope_scaling` (global) and `rope_local_base_freq` (local)."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"Gemma 3 local-layer RoPE {local} is not supported (only default)")
+        full = dict(params.get("full_attention") or {})
+        full.setdefault("rope_theta", GEMMA3_GLOBAL_THETA)
+        return ({"rope_parameters": full},
+                float(local.get("rope_theta", GEMMA3_LOCAL_THETA)))
+    scaling = dict(cfg.get("rope_scaling") or {})
+    scaling["rope_theta"] = cfg.get("rope_theta", GEMMA3_GLOBAL_THETA)
+    return ({"rope_parameters": scaling},
+            float(cfg.get("rope_local_base_freq", GEMMA3_LOCAL_THETA)))
+
+
+def _gemma3_layers(cfg: Config) -> dict[str, Any]:
+    """Gemma 3: local (sliding) and global layers, the local ones' RoPE base, Gemma's block,
+    the attention scale and the softcaps."""
+    types = _gemma3_layer_types(cfg)
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown or len(types) != int(cfg["num_hidden_layers"]):
+        raise ValueError(f"Gemma 3 layer_types {types} are not one of sliding_attention, "
+                         f"full_attention per layer")
+    window = cfg.get("sliding_window", 4096)
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    cap = lambda key: None if cfg.get(key) is None else float(cfg[key])
+    _, local_theta = gemma3_rope(cfg)
+    return dict(
+        gemma_block=True,
+        sliding_window=None if window is None or not sliding else int(window),
+        sliding_layers=() if window is None else sliding,
+        rope_local_theta=local_theta,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        final_softcap=cap("final_logit_softcapping"),
+    )
+
+
+def _int_if_whole(x: float) -> float | int:
+    """transformers' Gemma3TextConfig types query_pre_attn_scalar int (strictly checked)."""
+    return int(x) if float(x).is_integer() else x
+
+
+def _write_gemma3_layers(config: ModelConfig) -> dict[str, Any]:
+    """Both RoPE spellings (they agree), `layer_types`, and the Gemma-only keys."""
+    types = ["sliding_attention" if i in config.sliding_layers else "full_attention"
+             for i in range(config.num_layers)]
+    local_theta = config.rope_local_theta or config.rope_theta
+    full = {"rope_type": "default", "rope_theta": config.rope_theta}
+    s = config.rope_scaling
+    if s is not None:
+        full.update(rope_type=s.kind.value, factor=s.factor)
+    return dict(
+        hidden_activation=config.activation.value, layer_types=types,
+        sliding_window=config.sliding_window, rope_local_base_freq=local_theta,
+        rope_scaling=None if s is None else {k: v for k, v in full.items() if k != "rope_theta"},
+        rope_parameters={"full_attention": full,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+        query_pre_attn_scalar=_int_if_whole(config.query_pre_attn_scalar or config.head_dim),
+        attn_logit_softcapping=None,
+        final_logit_softcapping=config.final_softcap,
+        attention_bias=False, use_bidirectional_attention=False,
+    )
+
+
+def _check_gemma3(config: ModelConfig) -> str | None:
+    if not config.gemma_block:
+        return "Gemma 3 has Gemma's block (gemma_block)"
+    if config.attn_softcap is not None:
+        return "transformers' Gemma 3 applies no attention softcapping"
+    if config.rope_scaling is not None and config.rope_scaling.kind is not RopeKind.LINEAR:
+        return "Gemma 3's global layers take linear RoPE scaling only"
+    return None
+
+
+def _check_plain(config: ModelConfig) -> str | None:
+    """What only Gemma 3 writes: its block, a local RoPE base, an attention scale, softcaps."""
+    if (config.gemma_block or config.rope_local_theta is not None
+            or config.query_pre_attn_scalar is not None or config.attn_softcap is not None
+            or config.final_softcap is not None):
+        return "it has no Gemma block, local RoPE base, query_pre_attn_scalar or softcapping"
+    return None
+
+
+def _check_mistral(config: ModelConfig) -> str | None:
+    if config.sliding_window is not None and config.layers_differ:
+        return "Mistral's window applies to every layer or none"
+    return _check_plain(config)
+
+
+def _check_windowless(config: ModelConfig) -> str | None:
+    if config.sliding_window is not None:
+        return "it has no sliding-window attention"
+    return _check_plain(config)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """What the rest of models/ asks about one HF family."""
@@ -119,10 +259,24 @@ class Family:
     # config.json keys whose truthy value the model does not implement -> why.
     refused: tuple[tuple[str, str], ...] = ()
     sliding_window_keys: tuple[str, ...] = ()  # keys whose truthy value means sliding windows
+    # ModelConfig fields beyond the common ones, from config.json (windows, Gemma's block).
+    read_layers: Callable[[Config], dict[str, Any]] = _no_layers
+    write_layers: Callable[[ModelConfig], dict[str, Any]] = _write_no_layers
+    # Why a ModelConfig this family cannot write (windows, block, RoPE) is refused (None: it can).
+    layers_problem: Callable[[ModelConfig], str | None] = _check_windowless
+    activation: Activation = Activation.SILU
+    activation_keys: tuple[str, ...] = ("hidden_act",)  # config.json keys naming it, in order
+    default_tied: bool = False  # transformers' tie_word_embeddings where config.json omits it
+    scalar_arch: str | None = None  # the ForSequenceClassification name, where not the prefix's
 
     @property
     def sparse(self) -> bool:
         return self.experts is not None
+
+    @property
+    def has_windows(self) -> bool:
+        """Its config.json's sliding windows are read (`read_layers`), not refused."""
+        return self.read_layers is not _no_layers
 
 
 _O_PROJ_BIAS = "attention_bias=True adds a bias to o_proj too, which the model lacks"
@@ -151,4 +305,21 @@ FAMILIES: dict[HfFamily, Family] = {
         moe_problem=_check_mixtral,
         refused=(("router_jitter_noise", "Mixtral router_jitter_noise > 0 is not supported"),),
         sliding_window_keys=("sliding_window",)),
+    HfFamily.MISTRAL: Family(
+        HfFamily.MISTRAL, "Mistral", 32768, qkv_bias=False, qk_norm=False,
+        read_layers=_mistral_layers, write_layers=_write_mistral_layers,
+        layers_problem=_check_mistral),
+    HfFamily.GEMMA3: Family(
+        HfFamily.GEMMA3, "Gemma3", 131072, qkv_bias=False, qk_norm=True,
+        refused=(("attention_bias", "Gemma 3 attention_bias=True is not supported"),
+                 ("use_bidirectional_attention",
+                  "Gemma 3 use_bidirectional_attention=True is not supported (causal only)"),
+                 # transformers' Gemma3Attention never passes it on (Gemma 2's does): the
+                 # readers would disagree on what the checkpoint computes.
+                 ("attn_logit_softcapping", "Gemma 3 attn_logit_softcapping is not applied by "
+                  "transformers' Gemma3ForCausalLM; a checkpoint setting it is refused")),
+        read_layers=_gemma3_layers, write_layers=_write_gemma3_layers,
+        layers_problem=_check_gemma3, activation=Activation.GELU_TANH,
+        activation_keys=("hidden_activation", "hidden_act"), default_tied=True,
+        scalar_arch="Gemma3TextForSequenceClassification"),
 }

@@ -1,10 +1,11 @@
-"""Hugging Face `config.json` <-> `ModelConfig`, for the Llama, Qwen2, Qwen3, Qwen3-MoE and
-Mixtral families (each one entry of models/families.py, which says what differs).
+"""Hugging Face `config.json` <-> `ModelConfig`, for the Llama, Qwen2, Qwen3, Qwen3-MoE,
+Mixtral, Mistral and Gemma 3 (text) families (each one entry of models/families.py, which says
+what differs).
 
 Supported architectures (`config.json` "architectures"/"model_type"):
 
   * `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`,
-    `MixtralForCausalLM` -> `HeadKind.LM`;
+    `MixtralForCausalLM`, `MistralForCausalLM`, `Gemma3ForCausalLM` -> `HeadKind.LM`;
   * `{Llama,Qwen2,Qwen3,...}ForSequenceClassification` with `num_labels == 1` ->
     `HeadKind.SCALAR` (critic / reward / cost models: `score.weight` [1, hidden]).
 
@@ -12,15 +13,19 @@ The families differ in the attention block: Llama has no q/k/v bias, Qwen2 alway
 Qwen3 has none but RMS-normalises each query and key head over head_dim before RoPE (`qk_norm`);
 Qwen3-MoE is Qwen3's attention with mixture-of-experts feed-forward blocks (`ModelConfig.moe`,
 its dense layers from `decoder_sparse_step` and `mlp_only_layers`), Mixtral Llama's attention
-with top-2 experts in every layer.
+with top-2 experts in every layer. Mistral is Llama's block with a sliding window in every
+layer (`sliding_window`, null for none); Gemma 3 alternates sliding (local) and global layers
+as `layer_types` (or the older `sliding_window_pattern`) lays them out, each type with its own
+RoPE, and has Gemma's block (GeGLU, (1 + w) norms before and after attention and MLP, a scaled
+embedding, q/k norms, `query_pre_attn_scalar`, softcapping; families.py `_gemma3_layers`).
 
 Both RoPE spellings are read: the transformers<5 one (top-level `rope_theta` plus
 `rope_scaling: {rope_type|type: ...}`) and the transformers>=5 one (`rope_parameters:
-{rope_theta, rope_type, ...}`). Only `default` and Llama-3 (`llama3`) RoPE exist in the model;
-anything else (linear, dynamic, yarn, longrope, partial rotary, per-layer RoPE), sliding-window
-attention, Llama's and Qwen3's `attention_bias` (which also biases o_proj) and `mlp_bias` are
-rejected
-with an error rather than silently loaded into a different network.
+{rope_theta, rope_type, ...}`; Gemma 3's per layer type). Only `default`, Llama-3 (`llama3`)
+and `linear` RoPE exist in the model; anything else (dynamic, yarn, longrope, partial rotary),
+sliding windows outside Mistral and Gemma 3, activations other than the family's, Llama's and
+Qwen3's `attention_bias` (which also biases o_proj) and `mlp_bias` are rejected with an error
+rather than silently loaded into a different network.
 
 Export writes both RoPE spellings (they agree), and both `torch_dtype` and `dtype`, so readers
 on either side of transformers 5 (and vLLM/SGLang, which read the older keys) see one model.
@@ -34,7 +39,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.models.config import HeadKind, ModelConfig, RopeScaling
+from jaxrlhf.models.config import HeadKind, ModelConfig, RopeKind, RopeScaling
+from jaxrlhf.models import families
 from jaxrlhf.models.families import FAMILIES, Family, HfFamily
 
 __all__ = ["HfFamily", "architecture_name", "default_family", "family_of", "hf_config_to_model_config",
@@ -48,7 +54,10 @@ _DEFAULT_ROPE_THETA = 10000.0
 
 def architecture_name(family: HfFamily, head: HeadKind) -> str:
     """E.g. (QWEN2, SCALAR) -> "Qwen2ForSequenceClassification"."""
-    return FAMILIES[family].arch_prefix + _HEAD_SUFFIX[head]
+    traits = FAMILIES[family]
+    if head is HeadKind.SCALAR and traits.scalar_arch is not None:
+        return traits.scalar_arch
+    return traits.arch_prefix + _HEAD_SUFFIX[head]
 
 
 def family_of(cfg: Mapping[str, Any]) -> HfFamily:
@@ -100,6 +109,8 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     match rope_type:
         case "default":
             return theta, None
+        case "linear":
+            return theta, RopeScaling(factor=float(params["factor"]), kind=RopeKind.LINEAR)
         case "llama3":
             return theta, RopeScaling(
                 factor=float(params["factor"]),
@@ -112,20 +123,23 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
             )
         case _:
             raise ValueError(
-                f"unsupported RoPE type {rope_type!r}; supported: 'default', 'llama3'"
+                f"unsupported RoPE type {rope_type!r}; supported: 'default', 'llama3', 'linear'"
             )
 
 
 def _check_family_features(cfg: Mapping[str, Any], family: Family) -> None:
     """Rejects HF options the model does not implement."""
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
+    key = next((k for k in family.activation_keys if cfg.get(k)), None)
+    if key is not None and cfg[key] != family.activation.value:
+        raise ValueError(f"{key}={cfg[key]!r} is not supported (only "
+                         f"{family.activation.value!r} for {family.arch_prefix})")
     for key, why in family.refused:
         if cfg.get(key):
             raise ValueError(why)
     layer_types = cfg.get("layer_types") or []
-    if any(cfg.get(key) for key in family.sliding_window_keys) or any(
-        t != "full_attention" for t in layer_types
+    if not family.has_windows and (
+        any(cfg.get(key) for key in family.sliding_window_keys)
+        or any(t != "full_attention" for t in layer_types)
     ):
         raise ValueError(f"{family.arch_prefix} sliding-window attention is not supported")
 
@@ -156,7 +170,12 @@ def hf_config_to_model_config(
     if inferred_head is HeadKind.SCALAR and _num_labels(cfg) != 1:
         raise ValueError(f"a scalar head needs num_labels=1, got {_num_labels(cfg)}")
     _check_family_features(cfg, traits)
-    rope_theta, rope_scaling = _rope(cfg)
+    layers = traits.read_layers(cfg)
+    if family is HfFamily.GEMMA3:  # its global layers' RoPE, in the one-type spelling
+        global_rope, _ = families.gemma3_rope(cfg)
+        rope_theta, rope_scaling = _rope({**cfg, **global_rope, "rope_scaling": None})
+    else:
+        rope_theta, rope_scaling = _rope(cfg)
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -174,22 +193,28 @@ def hf_config_to_model_config(
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_RMS_EPS)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", traits.default_tied)),
         qkv_bias=traits.qkv_bias,
         qk_norm=traits.qk_norm,
         moe=traits.read_moe(cfg),
         head=inferred_head if head is None else head,
         dtype=dtype,
         param_dtype=param_dtype,
+        activation=traits.activation,
+        **layers,
     )
 
 
 def default_family(config: ModelConfig) -> HfFamily:
-    """The HF family that can express `config`: with experts, Qwen3-MoE for q/k norms and
-    Mixtral without; else q/k/v bias without o_proj bias is Qwen2, q/k norms are Qwen3,
-    neither is Llama."""
+    """The HF family that can express `config`: Gemma's block is Gemma 3; with experts,
+    Qwen3-MoE for q/k norms and Mixtral without; else a sliding window is Mistral, q/k/v bias
+    without o_proj bias is Qwen2, q/k norms are Qwen3, neither is Llama."""
+    if config.gemma_block:
+        return HfFamily.GEMMA3
     if config.moe is not None:
         return HfFamily.QWEN3_MOE if config.qk_norm else HfFamily.MIXTRAL
+    if config.sliding_window is not None:
+        return HfFamily.MISTRAL
     if config.qk_norm:
         return HfFamily.QWEN3
     return HfFamily.QWEN2 if config.qkv_bias else HfFamily.LLAMA
@@ -209,6 +234,10 @@ def _check_expressible(config: ModelConfig, family: HfFamily) -> None:
         raise ValueError(f"{family.value} cannot express moe={config.moe}")
     if (why := traits.moe_problem(config.moe)) is not None:
         raise ValueError(f"{family.value} cannot express moe={config.moe}: {why}")
+    if config.activation is not traits.activation:
+        raise ValueError(f"{family.value} cannot express activation={config.activation.value}")
+    if (why := traits.layers_problem(config)) is not None:
+        raise ValueError(f"{family.value} cannot express this model: {why}")
 
 
 def _rope_dicts(config: ModelConfig) -> tuple[dict | None, dict]:
@@ -216,6 +245,9 @@ def _rope_dicts(config: ModelConfig) -> tuple[dict | None, dict]:
     if config.rope_scaling is None:
         return None, {"rope_type": "default", "rope_theta": config.rope_theta}
     s = config.rope_scaling
+    if s.kind is RopeKind.LINEAR:
+        scaling = {"rope_type": "linear", "factor": s.factor}
+        return scaling, {**scaling, "rope_theta": config.rope_theta}
     scaling = {
         "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
         "high_freq_factor": s.high_freq_factor,
@@ -251,7 +283,7 @@ def model_config_to_hf_config(
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": config.activation.value,
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
@@ -270,6 +302,7 @@ def model_config_to_hf_config(
             hf.update(attention_bias=False, use_sliding_window=False)
         case HfFamily.MIXTRAL:
             hf.update(sliding_window=None)
+    hf.update(FAMILIES[family].write_layers(config))
     if config.moe is not None:
         hf.update(FAMILIES[family].write_moe(config.moe))
     if config.head is HeadKind.SCALAR:

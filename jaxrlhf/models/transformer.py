@@ -1,4 +1,5 @@
-"""Decoder-only transformer of the Llama-2/Llama-3/Qwen2/Qwen3(-MoE)/Mixtral family, in Flax linen.
+"""Decoder-only transformer of the Llama-2/Llama-3/Qwen2/Qwen3(-MoE)/Mixtral/Mistral/Gemma-3
+family, in Flax linen.
 
 Every parameter carries logical axis names (see `LOGICAL_AXES` below) and the main activations
 carry logical sharding constraints; the model never sees a mesh. Layer parameters are stacked on
@@ -10,6 +11,8 @@ The same `__call__` serves three uses:
   * one-or-more-token decode against the cache (`cache_index>0`).
 Attention is causal over *slots* (token index within the row, or cache slot) and restricted to
 equal non-zero segment ids, so padding (segment 0) and packed neighbours never see each other.
+A sliding layer (Mistral, Gemma 3's local layers) sees only its window's latest slots; a layer
+knows whether it is one from its index in the model (`ModelConfig.sliding_layers`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.models import attention, lora, moe
-from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy, RopeScaling
+from jaxrlhf.models.config import (
+    Activation, HeadKind, ModelConfig, RematPolicy, RopeKind, RopeScaling,
+)
 from jaxrlhf.models.decode_kv import DecodeKV
 
 # Logical axis names used by parameters and activations. Rules in meshes/ map them to mesh axes.
@@ -72,10 +77,12 @@ def flat_matmul(x: jax.Array, kernel: jax.Array, contract: int, **dot_kwargs) ->
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
-    """Inverse frequencies [head_dim/2], with Llama-3 scaling when given (as in HF)."""
+    """Inverse frequencies [head_dim/2], with Llama-3 or linear scaling when given (as in HF)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.kind is RopeKind.LINEAR:
+        return inv_freq / scaling.factor
     old_ctx = scaling.original_max_position_embeddings
     low_wavelen = old_ctx / scaling.low_freq_factor
     high_wavelen = old_ctx / scaling.high_freq_factor
@@ -126,20 +133,64 @@ def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) 
 
 
 class RMSNorm(nn.Module):
+    """x [..., n] -> x / rms(x) * w, the mean over the last axis in fp32; `offset` (Gemma):
+    times (1 + w) instead, the product in fp32 before the cast (w then starts at zero)."""
+
     eps: float
     dtype: type
     param_dtype: type
     axis: str = "embed"  # logical name of the normalised axis (q/k norms: "head_dim")
+    offset: bool = False
 
     @nn.compact
     def __call__(self, x):
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
         scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
+            "scale", nn.with_logical_partitioning(init, (self.axis,)),
             (x.shape[-1],), self.param_dtype,
         )
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (normed * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
         return normed.astype(self.dtype) * scale.astype(self.dtype)
+
+
+def _norm(cfg: ModelConfig, name: str | None = None, axis: str = "embed") -> RMSNorm:
+    """The model's RMSNorm over logical axis `axis` (Gemma's (1 + w) one for `gemma_block`)."""
+    return RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, axis=axis,
+                   offset=cfg.gemma_block, name=name)
+
+
+_NO_WINDOW = 2**30  # a global layer's window in a model whose layers differ: past every slot
+
+
+def layer_window(cfg: ModelConfig, layer_id) -> jax.Array | int | None:
+    """The sliding window of model layer `layer_id` (an int, or traced in a layer scan): None
+    where no layer has one; a static int where every layer has the same; else an int32
+    scalar, `_NO_WINDOW` for a global layer."""
+    if cfg.sliding_window is None:
+        return None
+    if not cfg.layers_differ:
+        return cfg.sliding_window
+    if isinstance(layer_id, int):
+        return cfg.sliding_window if layer_id in cfg.sliding_layers else None
+    sliding = jnp.any(jnp.asarray(cfg.sliding_layers, jnp.int32) == layer_id)
+    return jnp.where(sliding, jnp.int32(cfg.sliding_window), jnp.int32(_NO_WINDOW))
+
+
+def layer_inv_freq(cfg: ModelConfig, layer_id) -> jax.Array:
+    """RoPE inverse frequencies [head_dim/2] of model layer `layer_id` (int or traced): a
+    sliding layer's from `rope_local_theta` unscaled where the config sets one (Gemma 3)."""
+    global_f = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.rope_local_theta is None or not cfg.sliding_layers:
+        return global_f
+    local_f = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None)
+    if isinstance(layer_id, int) or not cfg.layers_differ:
+        sliding = not cfg.layers_differ or layer_id in cfg.sliding_layers
+        return local_f if sliding else global_f
+    sliding = jnp.any(jnp.asarray(cfg.sliding_layers, jnp.int32) == layer_id)
+    return jnp.where(sliding, local_f, global_f)
 
 
 def _adapted(module: nn.Module, kernel: jax.Array, axes: tuple[str, ...], x: jax.Array,
@@ -206,21 +257,27 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x_btd, positions_bt, segment_ids_bt, layer_cache, cache_index,
-                 kv_segment_ids_bs):
+                 kv_segment_ids_bs, layer_id=0):
+        """`layer_id`: the layer's index in the model (int, or traced in a scan), for its
+        window and RoPE base where the layers differ (`layer_window`, `layer_inv_freq`)."""
         cfg = self.config
         q = self._proj("q_proj", cfg.num_heads, "heads", x_btd)
         k = self._proj("k_proj", cfg.num_kv_heads, "kv_heads", x_btd)
         v = self._proj("v_proj", cfg.num_kv_heads, "kv_heads", x_btd)
-        if cfg.qk_norm:  # Qwen3: one RMSNorm over head_dim shared by all heads, before RoPE
-            head_norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype,
-                                             axis="head_dim", name=name)
-            q, k = head_norm("q_norm")(q), head_norm("k_norm")(k)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: one RMSNorm over head_dim shared by all heads
+            q = _norm(cfg, "q_norm", "head_dim")(q)
+            k = _norm(cfg, "k_norm", "head_dim")(k)
         q = nn.with_logical_constraint(q, ("batch", "length", "act_heads", "head_dim"))
         k = nn.with_logical_constraint(k, ("batch", "length", "act_kv_heads", "head_dim"))
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos_bt1d, sin_bt1d = rope_tables(positions_bt, inv_freq, q.dtype,
+        cos_bt1d, sin_bt1d = rope_tables(positions_bt, layer_inv_freq(cfg, layer_id), q.dtype,
                                          _positions_below(layer_cache, q.shape[1]))
         q, k = rotate(q, cos_bt1d, sin_bt1d), rotate(k, cos_bt1d, sin_bt1d)
+        if cfg.query_pre_attn_scalar is not None:
+            # Every implementation scales the scores by head_dim ** -1/2: the queries carry the
+            # rest of Gemma's query_pre_attn_scalar ** -1/2 (multiplied in fp32).
+            extra = cfg.attention_scale * math.sqrt(cfg.head_dim)
+            q = (q.astype(jnp.float32) * extra).astype(q.dtype)
+        window = layer_window(cfg, layer_id)
 
         if layer_cache is None:
             k_all, v_all, new_cache = k, v, None
@@ -230,11 +287,11 @@ class Attention(nn.Module):
         if isinstance(new_cache, DecodeKV):  # one token against this layer's own cache
             out_bthd = attention.cached_query_attention(
                 q, new_cache.k_bkcdi, new_cache.v_bksd, segment_ids_bt, kv_segment_ids_bs,
-                cache_index, impl=cfg.attention)
+                cache_index, impl=cfg.attention, window=window, softcap=cfg.attn_softcap)
         else:
             out_bthd = attention.dot_product_attention(
                 q, k_all, v_all, segment_ids_bt, kv_segment_ids_bs, q_offset=cache_index,
-                impl=cfg.attention,
+                impl=cfg.attention, window=window, softcap=cfg.attn_softcap,
             )
         out_bthd = nn.with_logical_constraint(out_bthd, ("batch", "length", "act_heads", "head_dim"))
         out = OutProjection(cfg, name="o_proj")(out_bthd)
@@ -324,6 +381,12 @@ class Dense(nn.Module):
                 + _adapted(self, kernel, self.axes, x, 1))
 
 
+_ACTIVATIONS = {
+    Activation.SILU: nn.silu,
+    Activation.GELU_TANH: functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
 class MLP(nn.Module):
     config: ModelConfig
 
@@ -336,12 +399,14 @@ class MLP(nn.Module):
 
         gate = dense("gate_proj", cfg.intermediate_size, ("embed", "mlp"))(x_btd)
         up = dense("up_proj", cfg.intermediate_size, ("embed", "mlp"))(x_btd)
-        h_btf = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+        act = _ACTIVATIONS[cfg.activation]
+        h_btf = nn.with_logical_constraint(act(gate) * up, ("batch", "length", "act_mlp"))
         return dense("down_proj", cfg.hidden_size, ("mlp", "embed"))(h_btf)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU block (a mixture of experts where `config.moe` says).
+    """Pre-norm attention + gated MLP block (a mixture of experts where `config.moe` says);
+    with `config.gemma_block`, each block's output normed again before the residual add.
 
     Scanned: (carry=(x, whole KVCache or None), xs=(layer index, routes or None)) ->
     ((x, updated cache), None). `layer_id`: the layer's index in the model where `layer` is
@@ -360,18 +425,24 @@ class DecoderLayer(nn.Module):
                  kv_segment_ids_bs, routes_btk=None, layer_id=None):
         cfg = self.config
         x_btd, cache = carry
-        norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, name=name)
+        norm = functools.partial(_norm, cfg)
+        model_layer = layer if layer_id is None else layer_id
         attn_out, new_cache = Attention(cfg, name="self_attn")(
             norm("input_layernorm")(x_btd), positions_bt, segment_ids_bt,
             None if cache is None else (cache, layer), cache_index, kv_segment_ids_bs,
+            model_layer,
         )
-        x_btd = x_btd + attn_out
-        h_btd = norm("post_attention_layernorm")(x_btd)
+        if cfg.gemma_block:  # Gemma: post_attention_layernorm norms the attention's output
+            x_btd = x_btd + norm("post_attention_layernorm")(attn_out)
+            h_btd = norm("pre_feedforward_layernorm")(x_btd)
+        else:  # Llama: post_attention_layernorm is the MLP's input norm
+            x_btd = x_btd + attn_out
+            h_btd = norm("post_attention_layernorm")(x_btd)
         if cfg.moe is None:
-            x_btd = x_btd + MLP(cfg, name="mlp")(h_btd)
+            y_btd = MLP(cfg, name="mlp")(h_btd)
         else:
-            x_btd = x_btd + self._sparse(h_btd, segment_ids_bt, routes_btk,
-                                         layer if layer_id is None else layer_id)
+            y_btd = self._sparse(h_btd, segment_ids_bt, routes_btk, model_layer)
+        x_btd = x_btd + (norm("post_feedforward_layernorm")(y_btd) if cfg.gemma_block else y_btd)
         x_btd = nn.with_logical_constraint(x_btd, ("batch", "length", "act_embed"))
         return (x_btd, new_cache), None
 
@@ -522,7 +593,10 @@ class Transformer(nn.Module):
             embedding_init=nn.with_logical_partitioning(_init(), ("vocab", "embed")),
             name="embed_tokens",
         )
-        x_btd = nn.with_logical_constraint(embed(tokens_bt), ("batch", "length", "act_embed"))
+        x_btd = embed(tokens_bt)
+        if cfg.gemma_block:  # Gemma: the embedding times sqrt(hidden), in the compute dtype
+            x_btd = x_btd * jnp.asarray(math.sqrt(cfg.hidden_size), cfg.dtype)
+        x_btd = nn.with_logical_constraint(x_btd, ("batch", "length", "act_embed"))
         if self.layer_stack is None or self.is_initializing():
             layers_l = jnp.arange(cfg.num_layers, dtype=jnp.int32)
             (x_btd, new_cache), _ = _layer_stack(cfg)(cfg, name="layers")(
@@ -532,6 +606,10 @@ class Transformer(nn.Module):
         else:
             if routes_lbtk is not None:
                 raise ValueError("routing replay runs on the plain layer scan, not a LayerStack")
+            if cfg.layers_differ and getattr(self.layer_stack, "stages", 1) > 1:
+                # A pipeline's stages index their own layers: a layer's window would be wrong.
+                raise ValueError("a model whose layers differ in their sliding window "
+                                 "(Gemma 3) does not run as a pipeline")
             x_btd, new_cache = self.layer_stack(
                 functools.partial(apply_layer, cfg), self.variables["params"]["layers"], x_btd,
                 cache, LayerInputs(positions_bt, segment_ids_bt, kv_segment_ids_bs),
@@ -541,7 +619,7 @@ class Transformer(nn.Module):
             # Before the final norm: the caller normalises its row chunks one at a time, so
             # no normed copy of the whole batch (nor, training, its gradient) lives beside it.
             return x_btd, new_cache
-        x_btd = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, name="norm")(x_btd)
+        x_btd = _norm(cfg, "norm")(x_btd)
         if last_only:
             x_btd = x_btd[:, -1:]
         return head_out(cfg, self._head_kernel(embed), x_btd), new_cache
@@ -580,14 +658,16 @@ def final_norm(cfg: ModelConfig, scale_d: jax.Array, x_btd: jax.Array) -> jax.Ar
     """The model's final RMSNorm on the last layer's output x_btd [b, t, embed] with its scale
     `scale_d` [embed] (`params["norm"]["scale"]`, of any float dtype: it is cast to the
     compute dtype), as `Transformer` applies it before its head: x_btd [b, t, embed]."""
-    return RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype).apply(
-        {"params": {"scale": scale_d}}, x_btd)
+    return _norm(cfg).apply({"params": {"scale": scale_d}}, x_btd)
 
 
 def head_out(cfg: ModelConfig, kernel_dv: jax.Array, x_btd: jax.Array) -> jax.Array:
     """The head on final-norm outputs x_btd [b, t, embed] with its weight `kernel_dv`
-    (`head_kernel`): logits_btv float32 (LM) or values_bt float32 (scalar)."""
+    (`head_kernel`): logits_btv float32 (LM; softcapped where `final_softcap` says) or
+    values_bt float32 (scalar)."""
     out = flat_matmul(x_btd, kernel_dv.astype(cfg.dtype), 1, preferred_element_type=jnp.float32)
     if cfg.head is HeadKind.SCALAR:
         return out[..., 0]
+    if cfg.final_softcap is not None:
+        out = cfg.final_softcap * jnp.tanh(out / cfg.final_softcap)
     return nn.with_logical_constraint(out, ("batch", "length", "act_vocab"))
