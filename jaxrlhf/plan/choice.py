@@ -21,7 +21,9 @@ class CallChoice:
 
     Attributes:
       devices: its sub-mesh (a legal ReaL sub-mesh of the cluster).
-      data, fsdp, tensor, pipeline: parallel degrees; their product is the number of devices.
+      data, fsdp, tensor, pipeline, expert: parallel degrees; their product is the number of
+        devices. Expert ranks (a mixture of experts' `e`) are data-parallel ranks for attention
+        and dense layers, and each holds 1/e of every sparse layer's experts.
       micro_batches: slices of the MFC's batch (of one optimizer update when training). Without
         a pipeline they run one after the other; with one (pipeline > 1) the pipeline streams
         them through its stages, so more of them shrink the bubble, (p-1)/(M+p-1) of the time.
@@ -32,16 +34,17 @@ class CallChoice:
     fsdp: int = 1
     tensor: int = 1
     micro_batches: int = 1
-    pipeline: int = 1  # last, so positional construction without a pipeline stays valid
+    pipeline: int = 1  # after micro_batches, so positional construction stays valid
+    expert: int = 1
 
     def __post_init__(self):
-        if self.data * self.fsdp * self.tensor * self.pipeline != self.devices.size:
+        if self.stage_size * self.pipeline != self.devices.size:
             raise ValueError(f"{self.axes_str()} needs {self.stage_size * self.pipeline} "
                              f"devices but range {self.devices} has {self.devices.size}")
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         key = (self.devices.first, self.devices.last, self.data, self.fsdp, self.tensor,
-               self.micro_batches, self.pipeline)
+               self.micro_batches, self.pipeline, self.expert)
         object.__setattr__(self, "_hash", hash(key))
 
     def __hash__(self) -> int:  # choices key every cache of the search: hash once
@@ -53,7 +56,7 @@ class CallChoice:
         if strategy.devices is None:
             raise ValueError(f"strategy {strategy} has no device range")
         return cls(strategy.devices, strategy.data, strategy.fsdp, strategy.tensor, micro_batches,
-                   strategy.size(Axis.PIPELINE))
+                   strategy.size(Axis.PIPELINE), strategy.size(Axis.EXPERT))
 
     @property
     def num_devices(self) -> int:
@@ -62,25 +65,28 @@ class CallChoice:
     @property
     def stage_size(self) -> int:
         """Devices of one pipeline stage (all of them without a pipeline)."""
-        return self.data * self.fsdp * self.tensor
+        return self.data * self.fsdp * self.tensor * self.expert
 
     @property
     def dp_size(self) -> int:
-        return self.data * self.fsdp
+        """How many ways the batch is split: data × expert × fsdp."""
+        return self.data * self.expert * self.fsdp
 
     @functools.cached_property
     def strategy(self) -> Strategy:
         """Cached: the cost model asks it for axis sizes (`Strategy.size`) millions of times."""
-        return Strategy(self.data, self.fsdp, self.tensor, self.devices, self.pipeline)
+        return Strategy(self.data, self.fsdp, self.tensor, self.devices, self.pipeline,
+                        self.expert)
 
     @property
-    def param_layout(self) -> tuple[DeviceRange, int, int, int]:
+    def param_layout(self) -> tuple[DeviceRange, int, int, int, int]:
         """What decides where parameter shards sit: equal keys need no reallocation."""
-        return (self.devices, self.fsdp, self.tensor, self.pipeline)
+        return (self.devices, self.fsdp, self.tensor, self.pipeline, self.expert)
 
     def axes_str(self) -> str:
         """Degrees in the strategy grammar, e.g. `d4p16t2` (sizes of 1 left out)."""
-        return Strategy(self.data, self.fsdp, self.tensor, None, self.pipeline).axes_str()
+        return Strategy(self.data, self.fsdp, self.tensor, None, self.pipeline,
+                        self.expert).axes_str()
 
     def spec(self) -> str:
         """`RANGE:STRATEGY`, as `parallel.strategy.parse_strategy` reads it."""

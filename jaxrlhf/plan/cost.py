@@ -47,7 +47,10 @@ Mixtures of experts (`ModelConfig.moe`). A token's FLOPs are its router's and it
 experts' (`ModelProfile.matmul_params`), not all E; the rules keep each expert whole on every
 tensor rank, so those FLOPs are not split t ways (`tensor_split_flops`). A decode step reads the
 weights of the experts its rows route to (`expert_read_fraction`); every other weight movement
-(fsdp gathers, reallocation, offload, the optimizer's update) moves all E experts.
+(fsdp gathers, reallocation, offload, the optimizer's update) moves all E experts. With
+expert parallelism (e > 1: the batch split d·e·f ways, 1/e of the experts on each expert rank)
+the sparse layers exchange tokens by all-to-all (`expert_all_to_all`), the experts' gradients
+are reduced over d ranks and the rest over d·e (`_reduce_gradients`).
 
 Parameter movements (`realloc_cost`, `offload_cost`). A layout's mesh is its device range
 reshaped to the mesh axes, and the big matrices are cut along `embed` by fsdp, along
@@ -181,22 +184,51 @@ def _forward(p: ModelProfile, cluster: Cluster, choice: CallChoice, tokens: int,
       layer_passes: passes through the layers that each do 2 tensor all-reduces of the
         activations per layer and launch the layers (plus one for embedding and head).
     """
-    flops = tensor_split_flops(p, context, choice.tensor) * tokens * flop_passes
+    flops = tensor_split_flops(p, context, choice.tensor, choice.expert) * tokens * flop_passes
     activation = tokens * p.config.hidden_size * p.act_itemsize
     reduces = all_reduce(activation, choice.tensor, axis_link(cluster, choice, Axis.TENSOR))
     return (CallCost(compute=flops / cluster.peak_bf16_flops)
             + reduces.times(2 * p.config.num_layers * layer_passes)
+            + expert_all_to_all(p, cluster, choice, tokens).times(layer_passes)
             + CallCost(launches=(p.config.num_layers + 1) * layer_passes))
 
 
-def tensor_split_flops(p: ModelProfile, context: int, tensor: int) -> float:
-    """Forward FLOPs per token one device of a tensor group does: the dense part (attention,
-    dense MLPs, head) split t ways, a sparse block's router and experts as the rules cut the
-    experts (`ModelProfile.expert_tensor_ways`: whole on every tensor rank by default, so each
-    runs them over the same tokens)."""
-    sparse = 2.0 * p.expert_matmul_params
-    dense = p.forward_flops_per_token(context) - sparse
-    return dense / tensor + sparse / p.expert_tensor_ways(tensor)
+def tensor_split_flops(p: ModelProfile, context: int, tensor: int, expert: int = 1) -> float:
+    """Forward FLOPs per local token one device of a tensor group does: the dense part
+    (attention, dense MLPs, head) split t ways, a sparse block's router and experts as the
+    rules cut the experts (`ModelProfile.expert_tensor_ways`: whole on every tensor rank by
+    default, so each runs them over the same tokens). With e > 1 expert ranks the local
+    experts' grouped matmuls run over the e·T·k rows of the static all-to-all buffers
+    (`models.expert_parallel`: dropless, a worst-case buffer per peer), e times the rows."""
+    router = 2.0 * p.router_params
+    experts = 2.0 * p.expert_matmul_params - router
+    dense = p.forward_flops_per_token(context) - router - experts
+    return dense / tensor + (router + experts * expert) / p.expert_tensor_ways(tensor)
+
+
+def expert_all_to_all(p: ModelProfile, cluster: Cluster, choice: CallChoice,
+                      tokens: float) -> CallCost:
+    """One pass of the sparse layers' all-to-alls over `tokens` local tokens (0 without expert
+    parallelism): per sparse layer the dispatch and the return, each exchanging a buffer of
+    e·T·k rows of the model width (`models.expert_parallel`) of which (e-1)/e leaves the
+    device; a backward pass runs the same two exchanges transposed."""
+    e, m = choice.expert, p.config.moe
+    if e == 1 or m is None:
+        return ZERO
+    bandwidth, latency = axis_link(cluster, choice, Axis.EXPERT)
+    buffer = e * tokens * m.top_k * p.config.hidden_size * p.act_itemsize
+    one = CallCost(comm=(e - 1) / e * buffer / bandwidth, fixed=(e - 1) * latency)
+    return one.times(2 * len(m.sparse_layers(p.config.num_layers)))
+
+
+def _reduce_gradients(p: ModelProfile, cluster: Cluster, choice: CallChoice) -> CallCost:
+    """The data-parallel all-reduce of a device's gradients: the experts' (1/e of them held)
+    over the d data ranks, every other parameter's over the d·e ranks that replicate it."""
+    shard = p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline, choice.expert)
+    experts = p.expert_shard_bytes(choice.tensor, choice.fsdp, choice.pipeline, choice.expert)
+    link = axis_link(cluster, choice, Axis.DATA if choice.data > 1 else Axis.EXPERT)
+    return (all_reduce(shard - experts, choice.data * choice.expert, link)
+            + all_reduce(experts, choice.data, link))
 
 
 def expert_read_fraction(p: ModelProfile, rows: int) -> float:
@@ -212,7 +244,7 @@ def expert_read_fraction(p: ModelProfile, rows: int) -> float:
 def _gather_weights(p: ModelProfile, cluster: Cluster, choice: CallChoice) -> CallCost:
     """One fsdp all-gather of every layer's weights (tensor-sharded result per device)."""
     link = axis_link(cluster, choice, Axis.FSDP)
-    return all_gather(p.shard_bytes(choice.tensor, 1), choice.fsdp, link)
+    return all_gather(p.shard_bytes(choice.tensor, 1, 1, choice.expert), choice.fsdp, link)
 
 
 def _remat_passes(p: ModelProfile, context: int) -> float:
@@ -277,12 +309,10 @@ def train_cost(p: ModelProfile, work: Workload, choice: CallChoice, cluster: Clu
     micro = _forward(p, cluster, choice, tokens, s,
                      flop_passes=3 + again + _remat_passes(p, s), layer_passes=2 + full + again)
     micro = micro + _gather_weights(p, cluster, choice).times(2 + full + again + 1)  # + scatter
-    d_link = axis_link(cluster, choice, Axis.DATA)
-    grads = all_reduce(p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline), choice.data,
-                       d_link)
+    grads = _reduce_gradients(p, cluster, choice)
     # Activations forward, their gradients back.
     send = stage_send(p, cluster, choice, tokens).times(2)
-    update_bytes = (p.shard_elements(choice.tensor, choice.fsdp, choice.pipeline)
+    update_bytes = (p.shard_elements(choice.tensor, choice.fsdp, choice.pipeline, choice.expert)
                     * optimizer_bytes_per_param(p, fp32_master))
     # One jit call per update, whose optimizer runs a few kernels per parameter array.
     update = CallCost(memory=update_bytes / cluster.hbm_bandwidth, calls=1, arrays=len(p.leaves))
@@ -317,8 +347,10 @@ def decode_step_cost(p: ModelProfile, work: Workload, choice: CallChoice,
     rows = work.rows_per_device(Call.GENERATE, choice.dp_size, choice.micro_batches)
     s = work.seq_len
     t = choice.tensor
-    experts = p.expert_shard_bytes(t, 1)
-    weights = p.shard_bytes(t, 1) - experts + experts * expert_read_fraction(p, rows)
+    experts = p.expert_shard_bytes(t, 1, 1, choice.expert)
+    # An expert rank's experts take the assignments of all e ranks' rows.
+    weights = (p.shard_bytes(t, 1, 1, choice.expert) - experts
+               + experts * expert_read_fraction(p, rows * choice.expert))
     reads = weights + rows * s * p.kv_bytes_per_token() / t
     return (_forward(p, cluster, choice, rows, s) + _gather_weights(p, cluster, choice)
             + CallCost(memory=reads / cluster.hbm_bandwidth))
@@ -431,15 +463,20 @@ def choose_route(src: CallChoice, dst: CallChoice, cluster: Cluster) -> Route:
         return Route.DIRECT
     hosts = set(cluster.hosts_of(src.devices)) | set(cluster.hosts_of(dst.devices))
     same_shards = (src.num_devices == dst.num_devices and src.tensor == dst.tensor
-                   and src.fsdp == dst.fsdp and src.pipeline == dst.pipeline)
+                   and src.fsdp == dst.fsdp and src.pipeline == dst.pipeline
+                   and src.expert == dst.expert)
     return Route.DIRECT if len(hosts) == 1 or same_shards else Route.STAGED
 
 
+_CUTS = (Axis.PIPELINE, Axis.FSDP, Axis.EXPERT, Axis.TENSOR)  # the axes that cut parameters
+
+
 def _blocks(choice: CallChoice, devices: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(stage, fsdp index, tensor index) of each device's block under `choice`."""
+    """(stage, fsdp, expert, tensor index) of each device's block under `choice`. The expert
+    axis cuts only the experts, but they are nearly all of a mixture's bytes (Qwen3-30B-A3B:
+    95%), so it is counted as cutting every matrix."""
     i = devices - choice.devices.first
-    return tuple((i // _stride(axis, choice)) % axis_size(choice, axis)
-                 for axis in (Axis.PIPELINE, Axis.FSDP, Axis.TENSOR))
+    return tuple((i // _stride(axis, choice)) % axis_size(choice, axis) for axis in _CUTS)
 
 
 def _overlap(i: np.ndarray, n: int, j: np.ndarray, m: int) -> np.ndarray:
@@ -451,19 +488,17 @@ def _incoming(p: ModelProfile, src: CallChoice, dst: CallChoice, cluster: Cluste
               ) -> tuple[np.ndarray, np.ndarray]:
     """Per destination device: bytes it must receive, and the share of them found on its host."""
     devices = np.arange(dst.devices.first, dst.devices.last + 1)
-    p_dst, f_dst, t_dst = _blocks(dst, devices)
-    p_src, f_src, t_src = _blocks(src, devices)
     held = (devices >= src.devices.first) & (devices <= src.devices.last)
-    kept = np.where(held, _overlap(p_dst, dst.pipeline, p_src, src.pipeline)
-                    * _overlap(f_dst, dst.fsdp, f_src, src.fsdp)
-                    * _overlap(t_dst, dst.tensor, t_src, src.tensor), 0.0)
-    shard = p.shard_bytes(dst.tensor, dst.fsdp, dst.pipeline)
-    needed = shard * (1.0 - kept * dst.fsdp * dst.tensor * dst.pipeline)
+    kept = held.astype(np.float64)
+    for axis, i_dst, i_src in zip(_CUTS, _blocks(dst, devices), _blocks(src, devices)):
+        kept *= _overlap(i_dst, axis_size(dst, axis), i_src, axis_size(src, axis))
+    shard = p.shard_bytes(dst.tensor, dst.fsdp, dst.pipeline, dst.expert)
+    needed = shard * (1.0 - kept * dst.fsdp * dst.tensor * dst.pipeline * dst.expert)
     per_host = cluster.devices_per_host
     host_first = (devices // per_host) * per_host
     on_host = np.clip(np.minimum(host_first + per_host, src.devices.last + 1)
                       - np.maximum(host_first, src.devices.first), 0, None)
-    local_share = np.minimum(on_host / (src.fsdp * src.tensor * src.pipeline), 1.0)
+    local_share = np.minimum(on_host / (src.fsdp * src.tensor * src.pipeline * src.expert), 1.0)
     return needed, local_share
 
 
@@ -475,7 +510,7 @@ def host_transfer_cost(nbytes: float, arrays: int, cluster: Cluster) -> CallCost
 
 def offload_cost(p: ModelProfile, choice: CallChoice, cluster: Cluster) -> CallCost:
     """Moving one layout's parameter shards between device and host memory (either way)."""
-    nbytes = p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline)
+    nbytes = p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline, choice.expert)
     return host_transfer_cost(nbytes, len(p.leaves), cluster)
 
 

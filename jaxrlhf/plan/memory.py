@@ -130,10 +130,10 @@ def train_state_bytes(p: ModelProfile, choice: CallChoice, fp32_master: bool) ->
     The optimizer state is sharded over the data-parallel ranks too (ZeRO-1,
     `parallel.zero`): 1/d of it per device (exact when a dimension of every leaf divides by d,
     as in every shipped model; a leaf none of whose dimensions divides stays whole)."""
-    elements = p.trained_shard_elements(choice.tensor, choice.fsdp, choice.pipeline)
+    elements = p.trained_shard_elements(choice.tensor, choice.fsdp, choice.pipeline, choice.expert)
     moment = 4 if (fp32_master or p.param_itemsize == 4) else p.param_itemsize
     optimizer = -(-elements * (2 * moment + (4 if fp32_master else 0)) // choice.data)
-    return p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline), optimizer
+    return p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline, choice.expert), optimizer
 
 
 def holds_home_shards(home: CallChoice, other: CallChoice) -> bool:
@@ -150,8 +150,9 @@ def holds_home_shards(home: CallChoice, other: CallChoice) -> bool:
         return False
 
     def strides(c: CallChoice) -> dict[str, tuple[int, int]]:
-        return {"pipeline": (c.data * c.fsdp * c.tensor, c.pipeline),
-                "fsdp": (c.tensor, c.fsdp), "tensor": (1, c.tensor)}
+        return {"pipeline": (c.stage_size, c.pipeline),
+                "fsdp": (c.expert * c.tensor, c.fsdp), "expert": (c.tensor, c.expert),
+                "tensor": (1, c.tensor)}
 
     mine, theirs = strides(home), strides(other)
     for axis, (w_home, n_home) in mine.items():
@@ -184,7 +185,7 @@ def gradient_bytes(p: ModelProfile, choice: CallChoice, tensor: int, stages: int
     the fp32 tree could shrink to each rank's 1/d ZeRO-1 slice if the norm read the bf16
     gradients through a fused cast and the update cast its slice only (not done: ZeRO-1's
     bitwise equality keeps the gradients whole through the norm, `parallel.zero`)."""
-    elements = p.trained_shard_elements(tensor, choice.fsdp, stages)
+    elements = p.trained_shard_elements(tensor, choice.fsdp, stages, choice.expert)
     loop = stages == 1 and choice.micro_batches > 1
     own_dtype = p.param_itemsize if p.param_itemsize != 4 else 0
     return elements * (4 + own_dtype + (4 if loop else 0) + 2)
@@ -209,7 +210,7 @@ def gradient_phases(p: ModelProfile, choice: CallChoice, tensor: int, stages: in
     a v5p-8 within 9% (`tests/test_plan_compile.py`)."""
     if platform is Platform.CPU:
         return gradient_bytes(p, choice, tensor, stages), 0
-    elements = p.trained_shard_elements(tensor, choice.fsdp, stages)
+    elements = p.trained_shard_elements(tensor, choice.fsdp, stages, choice.expert)
     own = p.param_itemsize if p.param_itemsize != 4 else 0
     loop = stages == 1 and choice.micro_batches > 1
     # The step's second tree: a loop's sum divided into a new fp32 tree, else XLA:TPU's
@@ -223,33 +224,37 @@ def _sharded(dim: int, ways: int) -> float:
     return dim / ways if dim % ways == 0 else dim
 
 
-def layer_working_bytes(p: ModelProfile, tokens: int, context: int, tensor: int) -> float:
-    """One decoder layer's forward live set for `tokens` local tokens over `context` slots."""
+def layer_working_bytes(p: ModelProfile, tokens: int, context: int, tensor: int,
+                        expert: int = 1) -> float:
+    """One decoder layer's forward live set for `tokens` local tokens over `context` slots
+    (`expert`: the expert-parallel degree, `_mlp_bytes`)."""
     c, a = p.config, p.act_itemsize
     per_token = a * (6 * c.hidden_size + 2 * _sharded(p.attn_dim, tensor)
-                     + 2 * _sharded(p.kv_dim, tensor)) + _mlp_bytes(p, tensor, 4, 2, 3)
+                     + 2 * _sharded(p.kv_dim, tensor)) + _mlp_bytes(p, tensor, 4, 2, 3, expert)
     norms = 2 * 4 * c.hidden_size  # fp32 RMSNorm intermediates
     # fp32 scores, their fp32 softmax and the probabilities cast to the compute dtype.
     scores = _sharded(c.num_heads, tensor) * context * (4 + 4 + a)
     return tokens * (per_token + norms + scores)
 
 
-def saved_activation_bytes(p: ModelProfile, tokens: int, context: int, tensor: int) -> float:
+def saved_activation_bytes(p: ModelProfile, tokens: int, context: int, tensor: int,
+                           expert: int = 1) -> float:
     """What all layers keep for the backward pass under the model's remat policy."""
     c, a = p.config, p.act_itemsize
     match c.remat:
         case RematPolicy.NONE:
-            per_layer = layer_working_bytes(p, tokens, context, tensor)
+            per_layer = layer_working_bytes(p, tokens, context, tensor, expert)
         case RematPolicy.DOTS:  # matmul outputs without batch dims, plus the layer input
             per_layer = tokens * (a * (3 * c.hidden_size + _sharded(p.attn_dim, tensor)
                                        + 2 * _sharded(p.kv_dim, tensor))
-                                  + _mlp_bytes(p, tensor, 2, 1, 1))
+                                  + _mlp_bytes(p, tensor, 2, 1, 1, expert))
         case RematPolicy.FULL:
             per_layer = tokens * a * c.hidden_size
     return c.num_layers * per_layer
 
 
-def forward_peak_bytes(p: ModelProfile, tokens: int, context: int, tensor: int) -> float:
+def forward_peak_bytes(p: ModelProfile, tokens: int, context: int, tensor: int,
+                       expert: int = 1) -> float:
     """Peak live bytes of one layer's forward pass when nothing is kept for a backward pass:
     the attention half or the MLP half, whichever is bigger (XLA frees each as it goes). The MLP
     peaks while the gate·up product is written: the residual, gate, up and their product."""
@@ -258,24 +263,29 @@ def forward_peak_bytes(p: ModelProfile, tokens: int, context: int, tensor: int) 
     attention = (norms + a * (2 * c.hidden_size + 2 * _sharded(p.attn_dim, tensor)
                               + 2 * _sharded(p.kv_dim, tensor))
                  + _sharded(c.num_heads, tensor) * context * (4 + 4 + a))
-    mlp = a * c.hidden_size + _mlp_bytes(p, tensor, 3, 1, 2)
+    mlp = a * c.hidden_size + _mlp_bytes(p, tensor, 3, 1, 2, expert)
     return tokens * max(attention, mlp)
 
 
-def _mlp_bytes(p: ModelProfile, tensor: int, widths: int, rows: int, router: int) -> float:
+def _mlp_bytes(p: ModelProfile, tensor: int, widths: int, rows: int, router: int,
+               expert: int = 1) -> float:
     """Bytes per token of `widths` hidden-width arrays of the feed-forward block: a dense MLP's
     [tokens, I/t]; a sparse block's [T*k, F] rows of its grouped matmuls (F as the rules cut
     the experts, `ModelProfile.expert_tensor_ways`), beside `rows` arrays of the T*k rows at
     model width (the tokens gathered in expert order, the experts' outputs) and `router` fp32
-    [T, E] arrays (the router's logits, its softmax). A mixed model's layers hold either block:
-    the larger counts."""
+    [T, E] arrays (the router's logits, its softmax). With e > 1 expert ranks the grouped
+    matmuls run over the e·T·k rows of the static all-to-all buffers, and the send, receive
+    and return buffers hold e·T·k rows at model width (`models.expert_parallel`). A mixed
+    model's layers hold either block: the larger counts."""
     c, a = p.config, p.act_itemsize
     dense = widths * _sharded(c.intermediate_size, tensor) * a
     m = c.moe
     if m is None:
         return dense
     width = m.expert_intermediate_size / p.expert_tensor_ways(tensor)
-    sparse = m.top_k * a * (widths * width + rows * c.hidden_size) + router * 4 * m.num_experts
+    buffers = 3 if expert > 1 else 0
+    sparse = (expert * m.top_k * a * (widths * width + (rows + buffers) * c.hidden_size)
+              + router * 4 * m.num_experts)
     return max(sparse, dense) if m.mixed else sparse
 
 
@@ -316,7 +326,7 @@ def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float
     matrix = c.hidden_size * _sharded(c.intermediate_size, choice.tensor)
     if c.moe is not None:  # a sparse block's projection holds all E experts [E, D, F]
         experts = c.moe.num_experts * c.hidden_size * c.moe.expert_intermediate_size
-        experts //= p.expert_tensor_ways(choice.tensor)
+        experts //= p.expert_tensor_ways(choice.tensor) * choice.expert
         matrix = max(matrix, experts) if c.moe.mixed else experts
     live = matrix * p.param_itemsize if (scanned or choice.fsdp > 1) else 0
     cast = matrix * p.act_itemsize if p.act_itemsize != p.param_itemsize else 0
@@ -374,7 +384,7 @@ def pipelined_saved_bytes(p: ModelProfile, choice: CallChoice, tokens: int, cont
     with `remat_stages` (`parallel.pipeline.Pipeline.remat_stages`) only every iteration's
     stage input, plus one stage's saved activations while it recomputes one micro-batch."""
     stages = choice.pipeline
-    per_stage = saved_activation_bytes(p, tokens, context, choice.tensor) / stages
+    per_stage = saved_activation_bytes(p, tokens, context, choice.tensor, choice.expert) / stages
     if stages == 1:
         return per_stage
     iterations = choice.micro_batches + stages - 1
@@ -412,7 +422,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
     # The slots whose attention scores a layer holds: all of them where attention writes its
     # [heads, query, slot] scores, none under a kernel that streams them (`scores_live`).
     span = (lambda n: n) if scores_live(p.config, platform, stages > 1) else (lambda n: 0)
-    params = p.shard_bytes(t, choice.fsdp, stages)
+    params = p.shard_bytes(t, choice.fsdp, stages, choice.expert)
     # Generation decodes with a stack of its own whatever the config says
     # (`engine.decoding.decode_model`): layer by layer where `decodes_layer_by_layer` says so,
     # on the layer weights sliced out of their stacks once per call (a copy held through the
@@ -436,7 +446,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             if stages > 1:
                 gathered += _head_copy_bytes(p, choice)
             activations = (pipelined_saved_bytes(p, choice, tokens, span(s), remat_stages)
-                           + layer_working_bytes(p, tokens, span(s), t)
+                           + layer_working_bytes(p, tokens, span(s), t, choice.expert)
                            + _stage_buffers(p, choice, tokens * choice.micro_batches))
             grads, step = gradient_phases(p, choice, t, stages, platform)
             return MemoryBreakdown(
@@ -454,7 +464,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             if stages == 1 and platform is not Platform.CPU and p.config.head is HeadKind.LM:
                 vocab = int(_sharded(p.out_dim, t))
                 head_piece = piece / head_row_chunks(max(1, round(piece / s)), s, vocab)
-            peak = max(forward_peak_bytes(p, piece, span(s), t),
+            peak = max(forward_peak_bytes(p, piece, span(s), t, choice.expert),
                        _logit_bytes(p, head_piece, t, 2))
             return MemoryBreakdown(params=params, gathered=gathered,
                                    activations=int(peak + _stage_buffers(p, choice, tokens)))
@@ -544,7 +554,7 @@ def _resident(experiment: Experiment, plan: ExecutionPlan, role: Role,
         return home, sum(train_state_bytes(p, home, experiment.master(role)))
     if experiment.offload_frozen:
         return home, 0
-    return home, p.shard_bytes(home.tensor, home.fsdp, home.pipeline)
+    return home, p.shard_bytes(home.tensor, home.fsdp, home.pipeline, home.expert)
 
 
 def _copy_lifetimes(experiment: Experiment, plan: ExecutionPlan, order: list[str]):
@@ -569,10 +579,10 @@ def _copy_bytes(experiment: Experiment, plan: ExecutionPlan, role: Role, copy: C
     less the home parameters where it holds their shards (the runtime then drops them,
     `dataflow.runtime.ModelRuntime.params_on`) and they sit on the devices (`home_bytes`)."""
     p = experiment.profile(role)
-    nbytes = p.shard_bytes(copy.tensor, copy.fsdp, copy.pipeline)
+    nbytes = p.shard_bytes(copy.tensor, copy.fsdp, copy.pipeline, copy.expert)
     home = plan[experiment.home_mfc(role)]
     if home_bytes and holds_home_shards(home, copy):
-        nbytes -= p.shard_bytes(home.tensor, home.fsdp, home.pipeline)
+        nbytes -= p.shard_bytes(home.tensor, home.fsdp, home.pipeline, home.expert)
     return nbytes
 
 
@@ -618,7 +628,7 @@ def plan_memory(experiment: Experiment, plan: ExecutionPlan, cluster: Cluster,
             nbytes = _copy_bytes(experiment, plan, role, copy, resident[role][1])
             if role is mfc.role and copy.param_layout == choice.param_layout:
                 others[copy.devices.first:copy.devices.last + 1] -= (
-                    experiment.profile(role).shard_bytes(copy.tensor, copy.fsdp, copy.pipeline)
+                    experiment.profile(role).shard_bytes(copy.tensor, copy.fsdp, copy.pipeline, copy.expert)
                     - nbytes)  # the MFC's own params are in `extra`
             else:
                 others[copy.devices.first:copy.devices.last + 1] += nbytes

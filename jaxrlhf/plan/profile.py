@@ -107,6 +107,15 @@ class ModelProfile:
         sparse = len(m.sparse_layers(self.config.num_layers))
         return sparse * (self.config.hidden_size * m.num_experts + m.top_k * self._expert_size)
 
+    @functools.cached_property
+    def router_params(self) -> int:
+        """Of `expert_matmul_params`, the routers' [D, E] of the sparse layers."""
+        m = self.config.moe
+        if m is None:
+            return 0
+        return len(m.sparse_layers(self.config.num_layers)) * self.config.hidden_size * (
+            m.num_experts)
+
     def expert_tensor_ways(self, tensor: int) -> int:
         """How many ways the tensor axis cuts each expert's weights (the "experts",
         "expert_mlp" rules; 1 where they keep experts whole on every tensor rank, which then
@@ -116,12 +125,13 @@ class ModelProfile:
             return 1
         return self._ways(experts[0], {"tensor": tensor})
 
-    def expert_shard_bytes(self, tensor: int, fsdp: int, pipeline: int = 1) -> int:
+    def expert_shard_bytes(self, tensor: int, fsdp: int, pipeline: int = 1,
+                           expert: int = 1) -> int:
         """Of `shard_bytes`, the experts' weights (gate, up and down of every sparse layer)."""
-        key = ("experts", tensor, fsdp, pipeline)
+        key = ("experts", tensor, fsdp, pipeline, expert)
         if key not in self._shards:
             experts = [leaf for leaf in self.leaves if _is_expert(leaf)]
-            self._shards[key] = self._count_shard(tensor, fsdp, pipeline, experts)
+            self._shards[key] = self._count_shard(tensor, fsdp, pipeline, expert, experts)
         return self._shards[key][1]
 
     @property
@@ -150,24 +160,26 @@ class ModelProfile:
         """Keys and values of one token, all layers (cache dtype = compute dtype)."""
         return 2 * self.config.num_layers * self.kv_dim * self.act_itemsize
 
-    def shard_elements(self, tensor: int, fsdp: int, pipeline: int = 1) -> int:
-        """Parameter elements one device holds under tensor × fsdp (× pipeline) sharding (data
-        replicates)."""
-        return self._shard(tensor, fsdp, pipeline)[0]
+    def shard_elements(self, tensor: int, fsdp: int, pipeline: int = 1, expert: int = 1) -> int:
+        """Parameter elements one device holds under tensor × fsdp (× pipeline × expert: the
+        experts' E dimension) sharding (data replicates)."""
+        return self._shard(tensor, fsdp, pipeline, expert)[0]
 
-    def shard_bytes(self, tensor: int, fsdp: int, pipeline: int = 1) -> int:
-        """Parameter bytes one device holds under tensor × fsdp (× pipeline) sharding."""
-        return self._shard(tensor, fsdp, pipeline)[1]
+    def shard_bytes(self, tensor: int, fsdp: int, pipeline: int = 1, expert: int = 1) -> int:
+        """Parameter bytes one device holds under tensor × fsdp (× pipeline × expert)
+        sharding."""
+        return self._shard(tensor, fsdp, pipeline, expert)[1]
 
-    def trained_shard_elements(self, tensor: int, fsdp: int, pipeline: int = 1) -> int:
+    def trained_shard_elements(self, tensor: int, fsdp: int, pipeline: int = 1,
+                               expert: int = 1) -> int:
         """Elements per device of the parameters a train step updates, which alone have
         gradients and optimizer state: every parameter, or with LoRA the adapters."""
         if self.config.lora is None:
-            return self.shard_elements(tensor, fsdp, pipeline)
-        key = ("trained", tensor, fsdp, pipeline)
+            return self.shard_elements(tensor, fsdp, pipeline, expert)
+        key = ("trained", tensor, fsdp, pipeline, expert)
         if key not in self._shards:
             adapters = [leaf for leaf in self.leaves if leaf.path.endswith(_ADAPTER_PATHS)]
-            self._shards[key] = self._count_shard(tensor, fsdp, pipeline, adapters)
+            self._shards[key] = self._count_shard(tensor, fsdp, pipeline, expert, adapters)
         return self._shards[key][0]
 
     def layer_shard_bytes(self, tensor: int) -> int:
@@ -175,7 +187,7 @@ class ModelProfile:
         key = ("layer", tensor)
         if key not in self._shards:
             layers = [leaf for leaf in self.leaves if _is_layer(leaf)]
-            sizes = {"data": 1, "fsdp": 1, "tensor": tensor, "pipeline": 1}
+            sizes = {"data": 1, "fsdp": 1, "tensor": tensor, "pipeline": 1, "expert": 1}
             total = sum(leaf.size * leaf.itemsize // self._ways(leaf, sizes) for leaf in layers)
             self._shards[key] = (0, total // self.config.num_layers)
         return self._shards[key][1]
@@ -184,20 +196,21 @@ class ModelProfile:
     def _shards(self) -> dict[tuple[int, ...], tuple[int, int]]:
         return {}
 
-    def _shard(self, tensor: int, fsdp: int, pipeline: int) -> tuple[int, int]:
+    def _shard(self, tensor: int, fsdp: int, pipeline: int, expert: int) -> tuple[int, int]:
         """(elements, bytes) per device; memoised per instance (the search asks millions)."""
-        key = (tensor, fsdp, pipeline)
+        key = (tensor, fsdp, pipeline, expert)
         if key not in self._shards:
-            self._shards[key] = self._count_shard(tensor, fsdp, pipeline)
+            self._shards[key] = self._count_shard(tensor, fsdp, pipeline, expert)
         return self._shards[key]
 
-    def _count_shard(self, tensor: int, fsdp: int, pipeline: int,
+    def _count_shard(self, tensor: int, fsdp: int, pipeline: int, expert: int = 1,
                      leaves: list[Leaf] | None = None) -> tuple[int, int]:
         """Of `leaves` (default: all). A pipeline stage holds its share of the stacked layers; the embedding, final norm
         and head stay whole on every stage (the SPMD pipeline replicates what is not stacked),
         which is the worst device of ReaL's layout too (stage 0 holds the embedding, the last
         the head)."""
-        sizes = {"data": 1, "fsdp": fsdp, "tensor": tensor, "pipeline": pipeline}
+        sizes = {"data": 1, "fsdp": fsdp, "tensor": tensor, "pipeline": pipeline,
+                 "expert": expert}
         elements = nbytes = 0
         for leaf in self.leaves if leaves is None else leaves:
             ways = self._ways(leaf, sizes)

@@ -2,18 +2,19 @@
 
 A choice is a device range the cluster allows (`Cluster.device_ranges`: ReaL's legal
 sub-meshes, `parallel.submesh.legal_submeshes`; one device or all on a `whole_slice` cluster),
-degrees d × f × t × p equal to its size, and a micro-batch count, such that
+degrees d × f × t × p × e equal to its size, and a micro-batch count, such that
   * t divides the devices per host (tensor groups never leave a host) and both head counts;
+  * e (expert parallelism) is 1 for a dense model and divides a mixture's expert count;
   * p (pipeline stages) divides the number of layers (stages hold equal slices of the stack);
   * the rows of one jit call (the batch, or one PPO mini-batch when training) split evenly into
-    micro-batches and each micro-batch over d × f;
+    micro-batches and each micro-batch over d × e × f;
   * the MFC alone fits in device memory (its own parameters, state and activations).
 
 `Menu` holds, per sub-mesh size, the configurations worth trying. A configuration's time and
 memory do not depend on where its sub-mesh sits (sub-meshes are host-aligned), only its
-reallocation costs do, and those depend only on (devices, f, t, p). So among configurations
-with the same size, f, t and p, one that is no faster and no smaller than another is never
-needed: `Menu` keeps the Pareto front of (seconds, bytes) in each (size, f, t, p) group. The pruning is
+reallocation costs do, and those depend only on (devices, f, t, p, e). So among configurations
+with the same size, f, t, p and e, one that is no faster and no smaller than another is never
+needed: `Menu` keeps the Pareto front of (seconds, bytes) in each (size, f, t, p, e) group. The pruning is
 exact, since a plan's step time never grows when one MFC gets faster at equal memory.
 """
 
@@ -50,14 +51,15 @@ class Config:
     tensor: int
     micro_batches: int
     pipeline: int = 1
+    expert: int = 1
 
     def at(self, devices: DeviceRange) -> CallChoice:
         return CallChoice(devices, self.data, self.fsdp, self.tensor, self.micro_batches,
-                          self.pipeline)
+                          self.pipeline, self.expert)
 
     @property
-    def degrees(self) -> tuple[int, int, int, int]:
-        return self.data, self.fsdp, self.tensor, self.pipeline
+    def degrees(self) -> tuple[int, int, int, int, int]:
+        return self.data, self.fsdp, self.tensor, self.pipeline, self.expert
 
 
 def _divisors(n: int) -> list[int]:
@@ -66,25 +68,30 @@ def _divisors(n: int) -> list[int]:
 
 def degrees(num_devices: int, cluster: Cluster, model: ModelConfig,
             max_pipeline: int = 1) -> Iterator[tuple[int, ...]]:
-    """(d, f, t, p) with d·f·t·p = num_devices, a tensor degree the runtime accepts and a
-    pipeline degree that divides the layers."""
+    """(d, f, t, p, e) with d·f·t·p·e = num_devices, a tensor degree the runtime accepts, a
+    pipeline degree that divides the layers and an expert degree that divides the experts (1
+    for a dense model)."""
+    experts = model.moe.num_experts if model.moe is not None else 1
     for p in _divisors(num_devices):
         if p > max_pipeline or model.num_layers % p:
             continue
         for t in _divisors(num_devices // p):
             if (cluster.devices_per_host % t or model.num_heads % t or model.num_kv_heads % t):
                 continue
-            for f in _divisors(num_devices // (t * p)):
-                yield num_devices // (t * f * p), f, t, p
+            for e in _divisors(num_devices // (t * p)):
+                if experts % e:
+                    continue
+                for f in _divisors(num_devices // (t * p * e)):
+                    yield num_devices // (t * f * p * e), f, t, p, e
 
 
 def configs(mfc: MFC, rows: int, num_devices: int, cluster: Cluster, model: ModelConfig,
             options: SpaceOptions) -> Iterator[Config]:
     """Degrees × micro-batches that split `rows` evenly."""
-    for d, f, t, p in degrees(num_devices, cluster, model, options.max_pipeline):
+    for d, f, t, p, e in degrees(num_devices, cluster, model, options.max_pipeline):
         for k in options.micro_batches:
-            if rows % k == 0 and (rows // k) % (d * f) == 0:
-                yield Config(d, f, t, k, p)
+            if rows % k == 0 and (rows // k) % (d * e * f) == 0:
+                yield Config(d, f, t, k, p, e)
 
 
 def _pareto(entries: list[tuple[float, int, Config]]) -> list[Config]:
@@ -125,7 +132,7 @@ class Menu:
                 if nbytes > cluster.usable_hbm_bytes:
                     continue
                 seconds = self.evaluator.mfc_seconds(mfc.name, choice)
-                groups.setdefault((config.fsdp, config.tensor, config.pipeline), []).append(
+                groups.setdefault(config.degrees[1:], []).append(
                     (seconds, nbytes, config))
             kept = [c for entries in groups.values()
                     for c in (_pareto(entries) if options.prune else [e[2] for e in entries])]

@@ -10,8 +10,8 @@ from jaxrlhf.mfc import Call
 from jaxrlhf.models.config import RematPolicy
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.parallel.layout import Platform
-from jaxrlhf.parallel.strategy import DeviceRange
-from jaxrlhf.plan import cost, memory
+from jaxrlhf.parallel.strategy import DeviceRange, parse_strategy
+from jaxrlhf.plan import cost, memory, space
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import load_cluster
 from jaxrlhf.plan.experiment import Workload
@@ -116,9 +116,70 @@ def test_train_state_counts_every_expert():
 
 @pytest.mark.parametrize("variant,cluster", [(None, "tpu_v5p_64"), ("h100", "h100_8")])
 def test_grpo_qwen3_30b_a3b_plans_on_its_clusters(variant, cluster):
+    """Both clusters get a plan; on the v5p-64 its generation is expert-parallel (fewer weight
+    bytes a chip, and a decode step reads 1/e of the experts)."""
     config = grpo_qwen3_30b_a3b.get_config(variant)
     assert config.placement.cluster == f"meshes/{cluster}.py"
     spec = run_spec(config)
     report = search(spec.experiment(), load_cluster(config.placement.cluster))
-    assert report.searched.plan is not None, report.searched.reason
+    plan = report.searched.plan
+    assert plan is not None, report.searched.reason
     assert report.searched.step_seconds > 0
+    assert all(128 % choice.expert == 0 for _, choice in plan.items())
+    if variant is None:
+        assert plan["actor_gen"].expert > 1
+
+
+# --- expert parallelism (strategy letter e) ------------------------------------------------
+
+
+def test_the_space_offers_e_to_mixtures_only_and_e_divides_the_experts():
+    cluster = load_cluster("meshes/h100_8.py")
+    moe = {e for *_, e in space.degrees(8, cluster, get_size("tiny-moe"))}
+    assert moe == {1, 2, 4, 8}  # 8 experts
+    assert {e for *_, e in space.degrees(8, cluster, get_size("tiny"))} == {1}
+    six = get_size("tiny-moe").replace(moe=get_size("tiny-moe").moe.replace(num_experts=6))
+    assert {e for *_, e in space.degrees(8, cluster, six)} == {1, 2}
+
+
+def test_an_expert_rank_is_a_data_rank_holding_one_eth_of_the_experts():
+    choice = CallChoice.of(parse_strategy("0-7:d2e4"), 2)
+    assert (choice.dp_size, choice.expert, str(choice)) == (8, 4, "0-7:d2e4@2")
+    assert choice.param_layout != CallChoice.of(parse_strategy("0-7:d8"), 2).param_layout
+    p = profile_of(get_size("qwen3-30b-a3b", param_dtype=jnp.bfloat16))
+    experts = 2 * 48 * 128 * 3 * 2048 * 768
+    assert p.expert_shard_bytes(1, 1, 1, 4) == experts // 4
+    assert p.shard_bytes(1, 1, 1, 4) == p.shard_bytes(1, 1) - experts + experts // 4
+
+
+def test_all_to_all_and_gradient_reduction_follow_the_hand_count():
+    p = profile_of(get_size("qwen3-30b-a3b", param_dtype=jnp.bfloat16))
+    cluster = load_cluster("meshes/h100_8.py")
+    d2e4 = CallChoice.of(parse_strategy("0-7:d2e4"))
+    tokens = 4096
+    # Per sparse layer, dispatch and return: a buffer of e*T*k rows of D bf16, 3/4 of it sent.
+    buffer = 4 * tokens * 8 * 2048 * 2
+    one = 3 / 4 * buffer / cluster.intra_host_bandwidth
+    a2a = cost.expert_all_to_all(p, cluster, d2e4, tokens)
+    assert a2a.comm == pytest.approx(2 * 48 * one, rel=1e-12)
+    assert a2a.fixed == pytest.approx(2 * 48 * 3 * cluster.intra_host_latency, rel=1e-12)
+    assert cost.expert_all_to_all(p, cluster, CallChoice.of(parse_strategy("0-7:d8")),
+                                  tokens) == cost.ZERO
+    # Gradients: the experts' quarter over the 2 data ranks, the rest over all 8.
+    experts = 2 * 48 * 128 * 3 * 2048 * 768 // 4
+    rest = p.shard_bytes(1, 1, 1, 4) - experts
+    grads = cost._reduce_gradients(p, cluster, d2e4)
+    ring = lambda nbytes, n: 2 * (n - 1) / n * nbytes / cluster.intra_host_bandwidth
+    assert grads.comm == pytest.approx(ring(rest, 8) + ring(experts, 2), rel=1e-12)
+
+
+def test_expert_parallel_buffers_hold_e_times_the_rows():
+    """tiny-moe's sparse block on e = 4: the grouped matmuls' rows and the send, receive and
+    return buffers are e*T*k rows (`models.expert_parallel`'s static dropless buffers)."""
+    p = profile_of(get_size("tiny-moe"))
+    d, e, k, f, a, tokens = 64, 8, 2, 128, 2, 10
+    mlp = a * d + 4 * k * a * (3 * f + (1 + 3) * d) + 2 * 4 * e
+    assert memory.forward_peak_bytes(p, tokens, 0, 1, expert=4) == tokens * mlp
+    d2e4 = CallChoice.of(parse_strategy("0-7:d2e4"))
+    assert memory._gathered_bytes(p, d2e4, scanned=True) == e * d * f * (4 + a) // 4
+
