@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.models.config import HeadKind, ModelConfig, RopeScaling
+from jaxrlhf.models.config import Activation, HeadKind, ModelConfig, RopeKind, RopeScaling
 from jaxrlhf.models.moe import MoeConfig
 
 _LLAMA3 = dict(
@@ -37,6 +37,21 @@ _QWEN3_MOE = dict(_QWEN3, head_dim_override=128)
 # Mixtral: Llama attention with a 32000-row vocabulary, 8 experts, 2 a token, in every layer.
 _MIXTRAL = dict(vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,
                 rms_norm_eps=1e-5)
+# Mistral-7B-v0.1: Llama's block, a 4096-slot sliding window in every layer, theta 1e4.
+_MISTRAL = dict(vocab_size=32000, max_position_embeddings=32768, rope_theta=10000.0,
+                rms_norm_eps=1e-5, sliding_window=4096)
+# Gemma 3 (google/gemma-3-*): GeGLU, Gemma's block, q/k norms, head_dim 256 (= its
+# query_pre_attn_scalar), tied embeddings; every sixth layer global (5, 11, ...), the others
+# local with a base of 1e4, the global ones 1e6 (linear x8 from 4B up).
+_GEMMA3 = dict(head_dim_override=256, rope_theta=1000000.0, rope_local_theta=10000.0,
+               rms_norm_eps=1e-6, qk_norm=True, tie_word_embeddings=True,
+               activation=Activation.GELU_TANH, gemma_block=True, query_pre_attn_scalar=256.0)
+
+
+def _gemma3_local(num_layers: int) -> tuple[int, ...]:
+    """Gemma 3's local layers: all but every sixth (sliding_window_pattern 6)."""
+    return tuple(i for i in range(num_layers) if (i + 1) % 6)
+
 
 SIZES: dict[str, ModelConfig] = {
     # ~0.2M parameters, byte vocabulary: the CPU default that learns in minutes.
@@ -114,6 +129,22 @@ SIZES: dict[str, ModelConfig] = {
     "llama-3.1-8b": ModelConfig(
         hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
         **_LLAMA31,
+    ),
+    "mistral-7b": ModelConfig(
+        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        sliding_layers=tuple(range(32)), **_MISTRAL,
+    ),
+    "gemma3-1b": ModelConfig(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+        num_heads=4, num_kv_heads=1, max_position_embeddings=32768, sliding_window=512,
+        sliding_layers=_gemma3_local(26), **_GEMMA3,
+    ),
+    # The language model of the 4B (its vision tower is not ours).
+    "gemma3-4b": ModelConfig(
+        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_layers=34,
+        num_heads=8, num_kv_heads=4, max_position_embeddings=131072, sliding_window=1024,
+        sliding_layers=_gemma3_local(34), rope_scaling=RopeScaling(8.0, kind=RopeKind.LINEAR),
+        **_GEMMA3,
     ),
     # Mixtures of experts: all experts count in the parameters, the top-k in `matmul_params`.
     "qwen3-30b-a3b": ModelConfig(

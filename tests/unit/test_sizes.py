@@ -15,6 +15,8 @@ PUBLISHED = {
     "llama-3.2-3b": 3_212_749_824,
     "llama-3.1-8b": 8_030_261_248,
     "qwen3-0.6b": 596_049_920,
+    "gemma3-1b": 999_885_952,
+    "mistral-7b": 7_241_732_096,
 }
 
 # The architecture keys of the released Qwen3 config.json files (Qwen/Qwen3-*).
@@ -64,3 +66,49 @@ def test_qwen3_sizes_are_the_released_configs(name):
     embedding = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     assert _printed(hf_count, total) == total
     assert _printed(hf_count - embedding, non_embedding) == non_embedding
+
+
+# The architecture keys of released config.json files: google/gemma-3-1b-it, the text_config of
+# google/gemma-3-4b-it (older spelling: sliding_window_pattern, rope_local_base_freq), and
+# mistralai/Mistral-7B-v0.1.
+_GEMMA3_COMMON = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", attention_bias=False,
+    attn_logit_softcapping=None, final_logit_softcapping=None, head_dim=256,
+    hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, rms_norm_eps=1e-06,
+    rope_local_base_freq=10000, rope_theta=1000000, sliding_window_pattern=6,
+)
+RELEASED_CONFIGS = {
+    "gemma3-1b": dict(_GEMMA3_COMMON, hidden_size=1152, intermediate_size=6912,
+                      num_attention_heads=4, num_hidden_layers=26, num_key_value_heads=1,
+                      max_position_embeddings=32768, rope_scaling=None, sliding_window=512,
+                      vocab_size=262144),
+    "gemma3-4b": dict(_GEMMA3_COMMON, hidden_size=2560, intermediate_size=10240,
+                      num_attention_heads=8, num_hidden_layers=34, num_key_value_heads=4,
+                      max_position_embeddings=131072, sliding_window=1024, vocab_size=262208,
+                      rope_scaling={"factor": 8.0, "rope_type": "linear"}),
+    "mistral-7b": dict(architectures=["MistralForCausalLM"], model_type="mistral",
+                       hidden_act="silu", hidden_size=4096, intermediate_size=14336,
+                       max_position_embeddings=32768, num_attention_heads=32,
+                       num_hidden_layers=32, num_key_value_heads=8, rms_norm_eps=1e-05,
+                       rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False,
+                       vocab_size=32000),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED_CONFIGS))
+def test_window_sizes_are_the_released_configs(name):
+    """Our Gemma 3 and Mistral sizes equal the import of the released config.json, and have
+    exactly as many parameters as transformers' model of that config (built without memory)."""
+    hf = RELEASED_CONFIGS[name]
+    config = get_size(name)
+    assert hf_config_to_model_config(hf) == config
+    cls, config_cls = {"gemma3_text": (transformers.Gemma3ForCausalLM,
+                                       transformers.Gemma3TextConfig),
+                       "mistral": (transformers.MistralForCausalLM,
+                                   transformers.MistralConfig)}[hf["model_type"]]
+    with torch.device("meta"):
+        model = cls(config_cls(**{k: v for k, v in hf.items() if k != "architectures"}))
+    assert param_count(config) == sum(p.numel() for p in model.parameters())
+    if hf["model_type"] == "gemma3_text":  # every sixth layer global
+        assert [i for i in range(config.num_layers) if i not in config.sliding_layers] == [
+            i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
