@@ -158,6 +158,20 @@ def test_train_step_and_logprobs_equal_one_device(one_device, spec):
 
 
 @pytest.mark.devices(8)
+@pytest.mark.slow  # ~15 s
+def test_pipelined_logprobs_equal_one_device(one_device):
+    """Inference on d2e2p2: the block's shard_map inside the pipeline's stage vmap."""
+    params, batch = _host_params(), make_batch(3, batch=ROWS, length=16)
+    layout = make_layout("0-7:d2e2p2", model=MODEL)
+    params = jax.device_put(params, layout.param_shardings(abstract_params(MODEL)))
+    infer = make_inference_fn(MODEL, InferenceConfig(InferenceKind.LOGPROBS), layout,
+                              length_buckets=(16,))
+    out = infer(params, InferenceBatch.padded(batch["tokens_bt"],
+                                              batch["segment_ids_bt"].astype(bool)))
+    np.testing.assert_allclose(np.asarray(out.logprobs_bt), one_device[2], atol=1e-5, rtol=0)
+
+
+@pytest.mark.devices(8)
 def test_reallocation_between_expert_layouts_is_bitwise():
     params = _host_params()
     abstract = abstract_params(MODEL)

@@ -31,6 +31,9 @@ static, and every layout computes exactly the assignments a one-device run compu
 results agree to rounding. A capacity factor would cut the buffers to a fraction and drop
 tokens past it; ragged all-to-all on GPU/TPU would cut the traffic: both are left for later.
 
+Composes with d, f, t (the rows of a tensor group are the same, each rank computes them) and p
+(inference and generation: a pipeline's stages are a vmap over the "pipeline" axis, which the
+shard_map is batched over; a model with experts trains without a pipeline, engine/train_step).
 Where the expert axis is absent, of size 1, or already manual (inside the rollout engine's
 per-device `shard_map`, where the weights arrive whole), the block computes its experts
 locally (`moe.experts_swiglu`).
@@ -134,8 +137,12 @@ def expert_swiglu(x_btd: jax.Array, routing_btk: moe.Routing, gate_edf: jax.Arra
                                   down_efd).reshape(b, t, d)
     rows = PartitionSpec(_batch_axes(b) or None)
     experts = PartitionSpec(EXPERT_AXIS)
+    # check_vma off: inside a pipeline's stage vmap (parallel/pipeline.py, spmd_axis_name
+    # "pipeline") the checker takes the output for varying over "pipeline" too, where the
+    # batching rule splits it there; on the other axes (tensor, ...) it is replicated indeed:
+    # every rank of them computes the same rows.
     local = jax.shard_map(
         _dispatch_compute_combine,
-        in_specs=(rows, rows, rows, experts, experts, experts), out_specs=rows)
+        in_specs=(rows, rows, rows, experts, experts, experts), out_specs=rows, check_vma=False)
     return local(x_btd, routing_btk.experts_tk, routing_btk.weights_tk, gate_edf, up_edf,
                  down_efd)
