@@ -287,7 +287,7 @@ def _train(*args, tmp_path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("args,expected", [
     (["--config.placement.strategy=d2x4"],
      "error: placement.strategy: MFC 'actor_gen' (0-7:d2x4): unknown axis letter 'x' in "
-     "strategy '0-7:d2x4'; known: d, f, t, p"),
+     "strategy '0-7:d2x4'; known: d, e, f, t, p"),
     (["--config.rollout.batchsize=4"],
      "error: --config.rollout.batchsize: unknown config key (did you mean rollout.batch_size?); "
      "every key is in jaxrlhf/schema.py"),
