@@ -33,13 +33,16 @@ RUNS = {
     "tool_math_tiny": ("actor/loss", "actor/turns", "actor/tool_error_rate"),
     "multiturn_tiny": ("actor/loss", "actor/turns", "actor/tool_error_rate"),
     "grpo_bench_cpu": ("actor/loss", "actor/kl"),
+    "grpo_gemma_tiny": ("actor/loss", "actor/kl"),
     "grpo_moe_tiny": ("actor/loss", "actor/moe_balance_loss", "actor/moe_z_loss",
                       "actor/moe_min_load"),
 }
 # The benchmark's config is the longest smoke run, and the MoE one compiles programs no other
 # config shares (its learning run: tests/test_entry_algorithms.py): -m slow. So is the
 # calculator's (46 s in CI): multiturn_tiny's smoke run takes the same multi-turn path here.
-SLOW_RUNS = ("grpo_bench_cpu", "grpo_moe_tiny", "tool_math_tiny")
+# Gemma's (46 s on loaded cores) too: its model is checked against transformers in
+# tests/test_gemma_mistral_hf.py (logits, and greedy tokens through the rollout engine).
+SLOW_RUNS = ("grpo_bench_cpu", "grpo_moe_tiny", "tool_math_tiny", "grpo_gemma_tiny")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RUNS

@@ -76,6 +76,14 @@ SIZES: dict[str, ModelConfig] = {
         moe=MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=128, norm_topk_prob=True,
                       aux_loss_coef=0.01, z_loss_coef=0.001),
     ),
+    # `tiny` in Gemma 3's shape (configs/grpo_gemma_tiny.py): layer 0 local with a 4-slot
+    # window, layer 1 global; Gemma's block, GeGLU, q/k norms; untied (see the config).
+    "tiny-gemma3": ModelConfig(
+        vocab_size=272, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
+        num_kv_heads=2, max_position_embeddings=512, sliding_window=4, sliding_layers=(0,),
+        **dict(_GEMMA3, head_dim_override=None, query_pre_attn_scalar=16.0,
+               tie_word_embeddings=False),
+    ),
     "llama3-7b": ModelConfig(
         hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
         **_LLAMA3,
