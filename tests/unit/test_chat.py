@@ -37,6 +37,35 @@ QWEN3_TEMPLATE = """{%- set ns = namespace(n=0) -%}
 {%- if add_generation_prompt -%}
   {{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' -}}
 {%- endif -%}"""
+# Gemma-3-like (written here in its shape): BOS from the template, a system message folded into
+# the first user turn, assistant turns as "model", alternation enforced, text parts of list
+# content joined, trimmed turns.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+  {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+  {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+  {%- set first_user_prefix = '' -%}
+  {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+  {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+    {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+  {%- endif -%}
+  {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+  {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}
+  {%- if message['content'] is string -%}
+    {{ message['content'] | trim }}
+  {%- else -%}
+    {%- for item in message['content'] if item['type'] == 'text' -%}
+      {{ item['text'] | trim }}
+    {%- endfor -%}
+  {%- endif -%}
+  {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{ '<start_of_turn>model\n' }}
+{%- endif -%}"""
 
 
 def _write(directory, *, specials, post_bos, tok_config, config, gen_config=None):
@@ -85,9 +114,23 @@ def qwen_dir(directory, template=CHATML_TEMPLATE, jinja_file=False):
     return vocab
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3"])
+def gemma3_dir(directory):
+    """Gemma 3's conventions: <bos> from the post-processor for plain text and from the template
+    in chats, <eos> and <end_of_turn> both stop ids."""
+    specials = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+    return _write(directory, specials=specials, post_bos="<bos>",
+                  tok_config={"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+                              "chat_template": GEMMA3_TEMPLATE},
+                  # No model_type: as qwen_dir, transformers would swap in Gemma's own tokenizer.
+                  config={"bos_token_id": 2, "eos_token_id": [1, 4], "pad_token_id": 0},
+                  gen_config={"bos_token_id": 2, "eos_token_id": [1, 4]})
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "gemma3"])
 def test_prompt_ids_and_chat_ids_match_transformers(tmp_path, kind):
     match kind:
+        case "gemma3":
+            gemma3_dir(tmp_path)
         case "llama3":
             llama3_dir(tmp_path)
         case "qwen2":
