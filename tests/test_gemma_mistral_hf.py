@@ -17,7 +17,7 @@ import transformers
 
 from hf_fixtures import hf_logits, make_tiny_hf_model, padded_batch, positions_from_mask
 from jaxrlhf.models import hf_io
-from jaxrlhf.models.config import Activation, RopeKind
+from jaxrlhf.models.config import Activation, HeadKind, RopeKind
 from jaxrlhf.models.hf_config import hf_config_to_model_config, model_config_to_hf_config
 from jaxrlhf.models.transformer import Transformer
 from tests.test_generate_cli import _write_word_tokenizer
@@ -114,6 +114,26 @@ def test_export_round_trips_through_transformers(tmp_path, family):
     np.testing.assert_array_equal(hf_logits(reloaded, tokens_bt, mask_bt),
                                   hf_logits(hf_model, tokens_bt, mask_bt))
     assert hf_io.load_hf_config(out, dtype=jnp.float32) == config
+
+
+def test_gemma3_scalar_head_exports_as_text_classifier(tmp_path):
+    """A critic or reward model on a Gemma 3 trunk exports as Gemma3TextForSequenceClassification
+    (the text model's; Gemma3ForSequenceClassification is the multimodal one), whose per-token
+    scores are ours."""
+    from hf_fixtures import hf_token_scores
+
+    path, _ = make_tiny_hf_model(tmp_path, "gemma3")
+    config, params = hf_io.load_hf(path, dtype=jnp.float32, head=HeadKind.SCALAR,
+                                   init_missing_score=True)
+    params = {**params, "score": 0.1 * jax.random.normal(jax.random.key(1),
+                                                          params["score"].shape)}
+    hf_io.save_hf(tmp_path / "rm", config, params)
+    hf_model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "rm", attn_implementation="eager", dtype=torch.float32).eval()
+    assert type(hf_model).__name__ == "Gemma3TextForSequenceClassification"
+    tokens_bt, mask_bt = _batch(config)
+    assert _max_diff(_ours(config, params, tokens_bt, mask_bt),
+                     hf_token_scores(hf_model, tokens_bt, mask_bt), mask_bt) < ATOL
 
 
 N_NEW = 16
