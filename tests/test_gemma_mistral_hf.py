@@ -116,6 +116,33 @@ def test_export_round_trips_through_transformers(tmp_path, family):
     assert hf_io.load_hf_config(out, dtype=jnp.float32) == config
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inference_logprobs_padded_and_packed(tmp_path, family):
+    """The inference call's log-probs (head read out as the engine reads it) on padded rows and
+    on two sequences packed per row, each longer than the window: as transformers gives them on
+    each sequence alone (a packed neighbour never enters a window)."""
+    from jaxrlhf.engine.inference import InferenceConfig, InferenceKind, make_inference_fn
+    from jaxrlhf.parallel import make_layout
+    from tests.test_inference import (
+        LENGTHS as SEQ_LENGTHS, TEMPERATURE, WIDTH, _packed, _padded, _reference_logprobs,
+    )
+
+    path, hf_model = make_tiny_hf_model(tmp_path, family)
+    config, params = hf_io.load_hf(path, dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(1, config.vocab_size, n).astype(np.int32) for n in SEQ_LENGTHS]
+    fn = make_inference_fn(config, InferenceConfig(InferenceKind.LOGPROBS, TEMPERATURE),
+                           make_layout("0:d1", model=config), length_buckets=(WIDTH,))
+    (padded_batch, mask), (packed_batch, segments) = _padded(sequences), _packed(sequences)
+    padded, packed = fn(params, padded_batch), fn(params, packed_batch)
+    for i, seq in enumerate(sequences):
+        want, _ = _reference_logprobs(hf_model, seq)
+        row, seg = divmod(i, 2)
+        for got, r, valid in ((padded, i, mask[i]), (packed, row, segments[row] == seg + 1)):
+            np.testing.assert_allclose(np.asarray(got.logprobs_bt)[r][valid], want,
+                                       atol=1e-5, rtol=0)
+
+
 def test_gemma3_scalar_head_exports_as_text_classifier(tmp_path):
     """A critic or reward model on a Gemma 3 trunk exports as Gemma3TextForSequenceClassification
     (the text model's; Gemma3ForSequenceClassification is the multimodal one), whose per-token
