@@ -12,7 +12,9 @@ One MFC on its own (`call_memory`), per device:
     activations and the optimizer step's trees after them (`step`, `gradient_phases`);
     whole over data parallelism (ZeRO-1 slices the optimizer state only);
   * activations: what the backward pass keeps under the remat policy plus one layer's working
-    set (train); without a backward pass (inference, generation's prefill) the layers and then
+    set (train; a mixture of experts' sparse block works on T*k rows of its grouped matmuls
+    and fp32 [T, E] router arrays, and with expert parallelism on e*T*k-row all-to-all
+    buffers, `_mlp_bytes`); without a backward pass (inference, generation's prefill) the layers and then
     the head run one after the other, so the larger of one layer's forward peak and the logits
     phase (generation adds the second cache copy its layer scan writes); the runtime's
     attention materialises fp32 scores [heads, query, slot], which dominate at long context;
@@ -418,7 +420,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
     if remat_stages is None:
         remat_stages = remats_stages(p.config.remat)
     rows = work.rows_per_device(call, choice.dp_size, choice.micro_batches)
-    s, t, stages = work.seq_len, choice.tensor, choice.pipeline
+    s, t, stages, e = work.seq_len, choice.tensor, choice.pipeline, choice.expert
     # The slots whose attention scores a layer holds: all of them where attention writes its
     # [heads, query, slot] scores, none under a kernel that streams them (`scores_live`).
     span = (lambda n: n) if scores_live(p.config, platform, stages > 1) else (lambda n: 0)
@@ -446,7 +448,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             if stages > 1:
                 gathered += _head_copy_bytes(p, choice)
             activations = (pipelined_saved_bytes(p, choice, tokens, span(s), remat_stages)
-                           + layer_working_bytes(p, tokens, span(s), t, choice.expert)
+                           + layer_working_bytes(p, tokens, span(s), t, e)
                            + _stage_buffers(p, choice, tokens * choice.micro_batches))
             grads, step = gradient_phases(p, choice, t, stages, platform)
             return MemoryBreakdown(
@@ -464,7 +466,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             if stages == 1 and platform is not Platform.CPU and p.config.head is HeadKind.LM:
                 vocab = int(_sharded(p.out_dim, t))
                 head_piece = piece / head_row_chunks(max(1, round(piece / s)), s, vocab)
-            peak = max(forward_peak_bytes(p, piece, span(s), t, choice.expert),
+            peak = max(forward_peak_bytes(p, piece, span(s), t, e),
                        _logit_bytes(p, head_piece, t, 2))
             return MemoryBreakdown(params=params, gathered=gathered,
                                    activations=int(peak + _stage_buffers(p, choice, tokens)))
@@ -476,10 +478,10 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             # into the rows' slots) on the scanned stack, one layer's weights sliced at a time;
             # an advance runs the token loop on the weights held `gathered`. The larger
             # executable is the peak.
-            fill = (max(forward_peak_bytes(p, tokens, span(work.prompt_len), t),
+            fill = (max(forward_peak_bytes(p, tokens, span(work.prompt_len), t, e),
                         _logit_bytes(p, prompts, t, 1)) + tokens * kv_per_token
                     + _gathered_bytes(p, choice, scanned=True))
-            advance = (forward_peak_bytes(p, rows, span(s), t) + _logit_bytes(p, rows, t, 2)
+            advance = (forward_peak_bytes(p, rows, span(s), t, e) + _logit_bytes(p, rows, t, 2)
                        + gathered)
             state = int(rows * s * kv_per_token)
             if runs_at_once(choice.micro_batches, work.new_tokens):
@@ -497,7 +499,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             kv = rows * s * p.kv_bytes_per_token() / (t * stages)
             tokens = rows * work.prompt_len
             piece = tokens / streamed_micro_batches(work, call, choice)
-            peak = (max(forward_peak_bytes(p, piece, span(s), t), _logit_bytes(p, rows, t, 1))
+            peak = (max(forward_peak_bytes(p, piece, span(s), t, e), _logit_bytes(p, rows, t, 1))
                     + _stage_buffers(p, choice, tokens))
             # The layer scan reads the cache as its input and writes the new cache as its
             # output: a second copy lives through every pass.
