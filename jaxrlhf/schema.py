@@ -95,6 +95,13 @@ def model(size: str = "tiny") -> ConfigDict:
         # LoRA (actor only; jaxrlhf/models/lora.py): rank > 0 freezes the model and trains
         # rank-r adapters on the `targets` projections of every layer, scaled by alpha / rank
         "lora": {"rank": 0, "alpha": 16.0, "targets": "q_proj,k_proj,v_proj,o_proj"},
+        # A model with experts (actor only; jaxrlhf/algorithms/routing.py): auto | on | off.
+        # on: the log-prob calls and the train step use the experts the rollout chose for
+        # each token (routing replay); off: they route afresh; either way the rollout's
+        # choice travels with the rows and actor/routing_mismatch is logged. auto: on for
+        # synchronous RL runs, off where the rows reach the trainer another way (async RL,
+        # multi-turn, offline batches)
+        "moe": {"replay_routing": "auto"},
     })
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from ml_collections import ConfigDict
 
 from jaxrlhf.algorithms import decoupled, registry
+from jaxrlhf.algorithms.routing import Routing, with_recorded_routes
 from jaxrlhf.algorithms.registry import Capability
 from jaxrlhf.algorithms.registry import from_section as _of
 from jaxrlhf.algorithms.reward_norm import RewardNormConfig, with_reward_norm
@@ -238,6 +239,7 @@ class RunSpec:
     wandb: WandbSpec | None = None
     env: EnvSpec | None = None  # multi-turn rollouts' environment; None: single turns
     oversample: int = 1  # generated rows per trained row (DAPO's dynamic sampling keeps 1/k)
+    routing: Routing = Routing.NONE  # the rollout's experts: replayed, recorded, or neither
 
     @property
     def train_rows(self) -> int:
@@ -384,6 +386,39 @@ def _models(config: ConfigDict, graph: DataflowGraph) -> tuple[dict[Role, ModelS
     return models, base
 
 
+class ReplayRouting(enum.Enum):
+    """`models.actor.moe.replay_routing` (schema.py)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+def _routing(config: ConfigDict, algorithm: Algorithm, base: ModelSpec, async_rl: AsyncRLSpec,
+             multiturn: bool) -> Routing:
+    """What the run does with the experts its rollout chose (`algorithms.routing`): the
+    actor's `moe.replay_routing` checked against the run, one ConfigError line naming it."""
+    where = "models.actor.moe.replay_routing"
+    for role, model in config.models.items():
+        if role != Role.ACTOR.value and model.moe.replay_routing != "auto":
+            raise ConfigError(f"models.{role}.moe.replay_routing={model.moe.replay_routing!r}: "
+                              "only the actor's is read (the reference replays its routes)")
+    mode = enum_value(ReplayRouting, config.models.actor.moe.replay_routing, where)
+    why_not = (
+        "the actor has no experts" if base.config.moe is None
+        else "asynchronous RL (async_rl.max_staleness > 0) does not carry the routes from its "
+             "rollout workers yet" if async_rl.max_staleness
+        else "multi-turn trajectories do not carry the routes yet" if multiturn
+        else f"{algorithm.name} trains on offline batches, not rollouts" if algorithm.offline
+        else f"{algorithm.name} trains on other rows than it generates"
+        if algorithm.oversample > 1 else None)
+    if why_not is not None:
+        if mode is ReplayRouting.ON:
+            raise ConfigError(f"{where}='on': {why_not}")
+        return Routing.NONE
+    return Routing.RECORD if mode is ReplayRouting.OFF else Routing.REPLAY
+
+
 def _wandb(w: ConfigDict) -> WandbSpec | None:
     """`logging.wandb` as a spec; None when no project is set."""
     mode = enum_value(WandbMode, w.mode, "logging.wandb.mode")
@@ -425,6 +460,10 @@ def run_spec(config: ConfigDict) -> RunSpec:
         algorithm = with_reward_norm(algorithm, _of(RewardNormConfig, config.reward))
     rewards = {m.role: _of(RewardSpec, config[m.role.value]) for m in graph.mfcs if m.host}
     models, base = _models(config, graph)
+    routing = _routing(config, algorithm, base, async_rl, env is not None)
+    if routing is not Routing.NONE:
+        algorithm = with_recorded_routes(algorithm)
+        graph = build_graph(algorithm.mfcs, roles=set(Role))
     train = algorithm.train[algorithm.trained_role]  # offline algorithms: 1 x 1 updates
     updates = config.steps * train.epochs * train.mini_batches
     optimizer = lambda c: _of(OptimizerConfig, c, total_steps=max(updates, c.warmup_steps + 1))
@@ -455,4 +494,4 @@ def run_spec(config: ConfigDict) -> RunSpec:
         require_model_paths=config.require_model_paths, evaluation=_of(EvalSpec, config.eval),
         compile_cache_dir=_cache_dir(config.compile.cache_dir),
         wandb=_wandb(config.logging.wandb), env=env,
-        oversample=algorithm.oversample)
+        oversample=algorithm.oversample, routing=routing)

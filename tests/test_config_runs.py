@@ -35,7 +35,7 @@ RUNS = {
     "grpo_bench_cpu": ("actor/loss", "actor/kl"),
     "grpo_gemma_tiny": ("actor/loss", "actor/kl"),
     "grpo_moe_tiny": ("actor/loss", "actor/moe_balance_loss", "actor/moe_z_loss",
-                      "actor/moe_min_load"),
+                      "actor/moe_min_load", "actor/routing_mismatch"),
 }
 # The benchmark's config is the longest smoke run, and the MoE one compiles programs no other
 # config shares (its learning run: tests/test_entry_algorithms.py): -m slow. So is the

@@ -86,6 +86,8 @@ def test_compaction_takes_the_kept_slots_exactly(spec):
                 np.testing.assert_array_equal(new, old[keep], err_msg=name)
         elif name in ("steps_b", "tokens_b"):
             np.testing.assert_array_equal(getattr(after, name), 0, err_msg=name)
+        elif getattr(before, name) is None:  # routes_bslk of a model without experts
+            assert getattr(after, name) is None, name
         else:
             np.testing.assert_array_equal(getattr(after, name), getattr(before, name)[keep],
                                           err_msg=name)

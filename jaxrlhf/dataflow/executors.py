@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.algorithms.routing import is_routes_key
 from jaxrlhf.algorithms.spec import TrainSpec, response_values
 from jaxrlhf.data.rewards import RewardBatch, RewardPool
 from jaxrlhf.data.tokenizer import Tokenizer, decode_response
@@ -26,7 +27,7 @@ from jaxrlhf.engine.generate import Generator
 from jaxrlhf.engine.inference import InferenceBatch, InferenceFn
 from jaxrlhf.engine import buckets, microbatch
 from jaxrlhf.engine.microbatch import minibatches
-from jaxrlhf.engine.train_step import TrainStep
+from jaxrlhf.engine.train_step import ROUTES_KEY, TrainStep
 from jaxrlhf.mfc import MFC
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.reshard import fetch, transfer
@@ -69,17 +70,18 @@ def _merge(outputs: list):
 
 def cut_responses(arrays, max_new_tokens: int):
     """Generated (sequences [b, P + N], sequence mask [b, P + N], response mask [b, N],
-    log-probs [b, N]), host or device arrays, cut to the first of `buckets.response_widths`
-    their longest response fits (a sync point on one scalar): the columns after it are padding
-    in every row."""
-    seq_bs, seq_mask_bs, response_mask_bn, logp_bn = arrays
+    log-probs [b, N], and where recorded the routes [b, P + N, L, k]), host or device arrays,
+    cut to the first of `buckets.response_widths` their longest response fits (a sync point
+    on one scalar): the columns after it are padding in every row."""
+    seq_bs, seq_mask_bs, response_mask_bn, logp_bn, *routes = arrays
     xp = np if isinstance(response_mask_bn, np.ndarray) else jnp
     longest = int(fetch(xp.max(xp.sum(response_mask_bn, axis=1, dtype=xp.int32))))
     width = buckets.bucket_length(longest, buckets.response_widths(max_new_tokens))
     if width == response_mask_bn.shape[1]:
         return arrays
     end = seq_bs.shape[1] - response_mask_bn.shape[1] + width
-    return seq_bs[:, :end], seq_mask_bs[:, :end], response_mask_bn[:, :width], logp_bn[:, :width]
+    return (seq_bs[:, :end], seq_mask_bs[:, :end], response_mask_bn[:, :width],
+            logp_bn[:, :width], *(r[:, :end] for r in routes))
 
 
 def in_micro_batches(call: Callable, arrays, k: int):
@@ -104,8 +106,15 @@ def generate_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator: 
     in one call (a slot whose row finished takes the next), else the micro-batches run one
     after the other."""
     prompt_keys = mfc.inputs[:2]
-    outputs = lambda out: (out.sequences_bs, out.sequence_mask_bs, out.response_mask_bn,
-                           out.logprobs_bn)
+    routed = any(is_routes_key(k) for k in mfc.outputs)  # routing replay's recorded experts
+
+    def outputs(out):
+        if routed and out.routes_bslk is None:
+            raise ValueError(f"MFC {mfc.name}: its layout ({layout}) records no expert routes "
+                             "(a pipeline); set models.actor.moe.replay_routing=off and give it "
+                             "a layout without pipeline stages")
+        return (out.sequences_bs, out.sequence_mask_bs, out.response_mask_bn, out.logprobs_bn,
+                *((out.routes_bslk,) if routed else ()))
 
     def run(buf: Buffer):
         inputs = _inputs(mfc, buf, layout, prompt_keys)
@@ -134,7 +143,8 @@ def inference_executor(mfc: MFC, model: ModelRuntime, layout: Layout, infer: Inf
     [b, n] (further inputs are only dependencies); its one output gets the result.
     """
     (out_key,) = mfc.outputs
-    keys = mfc.inputs[:3]
+    routes = [k for k in mfc.inputs if is_routes_key(k)]  # routing replay's recorded experts
+    keys = mfc.inputs[:3] + tuple(routes)
 
     def run(buf: Buffer):
         inputs = _inputs(mfc, buf, layout, keys)
@@ -142,7 +152,8 @@ def inference_executor(mfc: MFC, model: ModelRuntime, layout: Layout, infer: Inf
         params = model.params_on(layout)
 
         def call(part, _):
-            return _response_part(infer(params, padded_batch(part[keys[0]], part[keys[1]])), n)
+            batch = padded_batch(part[keys[0]], part[keys[1]])
+            return _response_part(infer(params, batch, *(part[k] for k in routes)), n)
 
         out = in_micro_batches(call, inputs, micro_batches)
         model.after_call()
@@ -208,16 +219,30 @@ def host_reward_executor(mfc: MFC, tokenizer: Tokenizer, host: HostFunction,
     return run
 
 
+def _train_routes(mfc: MFC, routes_bslk, batch) -> jax.Array:
+    """The recorded routes of a train batch's rows: the generated rows' own, which the
+    algorithms that record them (`algorithms.routing`) train on as generated."""
+    if np.shape(routes_bslk)[:2] != np.shape(batch["tokens_bt"]):
+        raise ValueError(f"MFC {mfc.name}: routing replay needs the train batch's rows as "
+                         f"generated, got {np.shape(batch['tokens_bt'])} tokens against routes "
+                         f"{np.shape(routes_bslk)}")
+    return routes_bslk
+
+
 def train_executor(mfc: MFC, model: ModelRuntime, layout: Layout, spec: TrainSpec,
                    train_step: TrainStep, controller: Callable[[], Mapping[str, float]]):
     """The algorithm's prepare, then epochs × mini-batches optimizer updates."""
     prepare = jax.jit(spec.prepare)
     (out_key,) = mfc.outputs
 
+    routes = [k for k in mfc.inputs if is_routes_key(k)]  # routing replay's recorded experts
+
     def run(buf: Buffer):
         inputs = _inputs(mfc, buf, layout)
         scalars = {k: np.float32(v) for k, v in controller().items()}
         batch, stats = prepare(inputs, jax.device_put(scalars, layout.replicated()))
+        if routes:
+            batch = {**batch, ROUTES_KEY: _train_routes(mfc, inputs[routes[0]], batch)}
         state, metrics = model.state, []
         for _ in range(spec.epochs):
             for mini in minibatches(batch, spec.mini_batches):

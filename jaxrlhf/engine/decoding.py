@@ -13,6 +13,7 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxrlhf.engine import replay
 from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.sampling import SamplingParams, sample, token_logprobs
 from jaxrlhf.models.config import ModelConfig
@@ -89,19 +90,26 @@ def constrain_cache(cache: KVCache | tuple[DecodeKV, ...]):
                             for x, axes in zip(c, DECODE_AXES))) for c in cache)
 
 
-def prefill(apply, config: ModelConfig, prompt_tokens_bp, prompt_mask_bp, kv_segment_ids_bs):
+def prefill(apply, config: ModelConfig, prompt_tokens_bp, prompt_mask_bp, kv_segment_ids_bs,
+            record_routes: bool = False):
     """Runs left-padded prompts [b, P] through the model, filling a stacked cache as long as
     `kv_segment_ids_bs` [b, S]; returns (logits_bv float32 [b, vocab]: every row's prediction
-    of its first response token, the cache)."""
+    of its first response token, the cache, and with `record_routes` (a model with experts on
+    the plain layer scan) the experts every prompt token chose, [b, P, L, k] in
+    `replay.route_dtype` (NO_ROUTE on padding), else None)."""
     batch, _ = prompt_tokens_bp.shape
     positions_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=1, dtype=jnp.int32) - 1, 0)
     cache = constrain_cache(KVCache.zeros(config, batch, kv_segment_ids_bs.shape[1]))
-    logits_b1v, cache = apply(
-        prompt_tokens_bp, positions_bp, prompt_mask_bp.astype(jnp.int32), cache, 0,
-        kv_segment_ids_bs, last_only=True,
-    )
+    out = apply(prompt_tokens_bp, positions_bp, prompt_mask_bp.astype(jnp.int32), cache, 0,
+                kv_segment_ids_bs, last_only=True,
+                **({"mutable": ["intermediates"]} if record_routes else {}))
+    (logits_b1v, cache), routes_bplk = out if record_routes else (out, None)
+    if record_routes:
+        routes_bplk = jnp.where(prompt_mask_bp[:, :, None, None],
+                                replay.sown_routes(routes_bplk, replay.route_dtype(
+                                    config.moe.num_experts)), replay.NO_ROUTE)
     # Left padding: every row's last prompt token is at the last position.
-    return logits_b1v[:, 0], constrain_cache(cache)
+    return logits_b1v[:, 0], constrain_cache(cache), routes_bplk
 
 
 def decodes_layer_by_layer(platform: Platform, pipelined: bool, fsdp: int) -> bool:
@@ -120,13 +128,22 @@ def decodes_layer_by_layer(platform: Platform, pipelined: bool, fsdp: int) -> bo
     return platform in (Platform.CPU, Platform.GPU) and not pipelined and fsdp == 1
 
 
+def config_records_routes(model_config: ModelConfig) -> bool:
+    """Whether generation records each token's experts (`engine.replay`): a model with
+    experts."""
+    return model_config.moe is not None
+
+
 def decode_model(model_config: ModelConfig, layout: Layout) -> Transformer:
     """The model a generate call runs on `layout`: its layout's layer stack (a pipeline keeps
     stages apart); `decode_layers.LayerByLayer` where `decodes_layer_by_layer` says so, else
     the scanned stack (on XLA:CPU whatever `scan_layers` says; the parameter tree is the
     same)."""
     stack = layer_stack(layout)
-    if decodes_layer_by_layer(layout.platform, stack is not None, layout.strategy.fsdp):
+    # A model with experts records each token's experts as its layers sow them (routing
+    # replay, `engine.replay`), which the plain layer scan keeps and a LayerStack does not.
+    by_layer = decodes_layer_by_layer(layout.platform, stack is not None, layout.strategy.fsdp)
+    if by_layer and not config_records_routes(model_config):
         return Transformer(model_config, LayerByLayer())
     if stack is None and layout.platform is Platform.CPU:  # both stacks copy there: the scan
         model_config = model_config.replace(scan_layers=True)  # keeps one gathered layer live

@@ -60,6 +60,9 @@ class GenerateOutput(NamedTuple):
       logprobs_bn: float32 [b, N], log-prob of each sampled token under softmax(logits / T)
         (T = 1 for greedy), untruncated; 0 where the mask is False.
       response_lengths_b: int32 [b], number of True entries of response_mask_bn.
+      routes_bslk: [b, P + N, L, k] the experts each token used in each layer when it was
+        generated (`engine.replay`: NO_ROUTE where none was recorded), on the rollout engine
+        of a model with experts; else None.
     """
 
     sequences_bs: jax.Array
@@ -68,6 +71,7 @@ class GenerateOutput(NamedTuple):
     response_mask_bn: jax.Array
     logprobs_bn: jax.Array
     response_lengths_b: jax.Array
+    routes_bslk: jax.Array | None = None
 
     @property
     def sequence_mask_bs(self) -> jax.Array:
@@ -147,7 +151,7 @@ def generate(
     )
     # Layer by layer, the caches grow segment by segment (`decode_layers.segment_ends`).
     ends = decode_layers.segment_ends(n_new) if layer_by_layer else (n_new,)
-    logits_bv, cache = prefill(apply, model.config, prompt_tokens_bp, prompt_mask_bp,
+    logits_bv, cache, _ = prefill(apply, model.config, prompt_tokens_bp, prompt_mask_bp,
                                kv_segment_ids_bs[:, :prompt_len + ends[0]])
     state = _DecodeState(
         step=jnp.zeros((), jnp.int32), logits_bv=logits_bv,
@@ -221,6 +225,8 @@ def decode_rows(engine: Rollout, params, prompt_tokens_bp: np.ndarray,
     for finished in scheduler.run(params):
         at = [request.tag for request in finished.requests]
         for name, x in finished.rows._asdict().items():
+            if x is None:
+                continue
             out.setdefault(name, np.zeros((batch, *x.shape[1:]), x.dtype))[at] = x
     return out, scheduler.occupancy
 
@@ -233,7 +239,8 @@ def engine_output(pad_token_id: int, s: SlotState) -> GenerateOutput:
         sequences_bs=jnp.concatenate([prompt_bp, s.response_bn], axis=1),
         prompt_mask_bp=s.prompt_mask_bp, response_bn=s.response_bn, response_mask_bn=s.mask_bn,
         logprobs_bn=s.logprobs_bn,
-        response_lengths_b=jnp.sum(s.mask_bn, axis=1, dtype=jnp.int32))
+        response_lengths_b=jnp.sum(s.mask_bn, axis=1, dtype=jnp.int32),
+        routes_bslk=s.routes_bslk)
 
 
 # Engine calls whose decode work may wait on the device before `Generator.occupancy` adds it
@@ -267,8 +274,10 @@ class Generator(BucketedCall):
         self._engines: dict[int, Rollout] = {}
         row, rows = layout.batch_sharding(1), layout.batch_sharding(2)
         self._rows, self._rng_sharding = rows, layout.replicated()
-        self._out_shardings = GenerateOutput(rows, rows, rows, rows, rows, row)
         self._static = isinstance(layer_stack(layout), Pipeline)
+        # A pipeline's stages do not keep what the layers sow: no routes recorded there.
+        routes = None if model_config.moe is None or self._static else layout.batch_sharding(4)
+        self._out_shardings = GenerateOutput(rows, rows, rows, rows, rows, row, routes)
         if self._static:
             self._jitted = jax.jit(
                 functools.partial(generate, decode_model(model_config, layout), gen_config),
@@ -400,7 +409,8 @@ class Generator(BucketedCall):
             sequences_bs=out["sequences_bs"], prompt_mask_bp=mask_bp,
             response_bn=out["sequences_bs"][:, bucket:], response_mask_bn=response_mask_bn,
             logprobs_bn=out["logprobs_bn"],
-            response_lengths_b=response_mask_bn.sum(axis=1, dtype=np.int32))
+            response_lengths_b=response_mask_bn.sum(axis=1, dtype=np.int32),
+            routes_bslk=out.get("routes_bslk"))
         return GenerateOutput(*transfer(tuple(host), tuple(self._out_shardings)))
 
 

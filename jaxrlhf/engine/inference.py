@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrlhf.engine import buckets, packing, sampling
+from jaxrlhf.engine import buckets, packing, replay, sampling
 from jaxrlhf.engine.call import BucketedCall, abstract
 from jaxrlhf.models import moe
 from jaxrlhf.models.config import HeadKind, ModelConfig
@@ -57,6 +57,9 @@ class InferenceConfig:
       max_segments: SCORES only: sequences per row (1 for padded batches).
       with_router: a model with experts also returns its router's losses
         (`InferenceOutput.router`; a train step's readout, for the auxiliary losses).
+      replay_routing: given the experts the rollout recorded (`engine.replay`), the forward
+        uses them (routing replay); else it only compares its own choice with them
+        (`InferenceOutput.routes_changed` either way).
     """
 
     kind: InferenceKind
@@ -64,6 +67,7 @@ class InferenceConfig:
     with_entropy: bool = False
     max_segments: int = 1
     with_router: bool = False
+    replay_routing: bool = False
 
     @property
     def head(self) -> HeadKind:
@@ -118,6 +122,8 @@ class InferenceOutput(NamedTuple):
       scores_bk: float32 [b, max_segments], the scalar head at the last token of segment k+1
         (0 where the row has no such segment).
       router: `moe.RouterLosses` of the forward (scalars, not per token; `with_router`).
+      routes_changed: float32 [2] (tokens whose fresh experts differ from the recorded ones
+        in some layer, tokens with recorded ones), given recorded routes (`engine.replay`).
     """
 
     logprobs_bt: jax.Array | None = None
@@ -125,10 +131,12 @@ class InferenceOutput(NamedTuple):
     values_bt: jax.Array | None = None
     scores_bk: jax.Array | None = None
     router: moe.RouterLosses | None = None
+    routes_changed: jax.Array | None = None
 
     def per_token(self, fn) -> "InferenceOutput":
         """`fn` applied to each per-token field present (the router's scalars kept)."""
-        return InferenceOutput(*(None if x is None else fn(x) for x in self[:4]), self.router)
+        return InferenceOutput(*(None if x is None else fn(x) for x in self[:4]), self.router,
+                               self.routes_changed)
 
 
 def positions_from_segments(segment_ids_bt: jax.Array) -> jax.Array:
@@ -214,7 +222,7 @@ def readout(cfg: InferenceConfig, model_out: jax.Array, batch: InferenceBatch) -
 
 
 def infer(model: Transformer, cfg: InferenceConfig, params, batch: InferenceBatch,
-          chunks: int = 1, head_rows: int = 1):
+          chunks: int = 1, head_rows: int = 1, routes_btlk: jax.Array | None = None):
     """The body of every inference call kind on rows as given (traceable). Returns an
     InferenceOutput.
 
@@ -226,20 +234,31 @@ def infer(model: Transformer, cfg: InferenceConfig, params, batch: InferenceBatc
     hands back the whole batch's hidden states, whose [b, t, vocab] logits at once would be
     the largest array of the call (and of a train step's backward pass). `head_rows` > 1
     reads the layers' output out in that many row chunks likewise (`head_row_chunks`: an
-    accelerator's log-probs of long rows)."""
+    accelerator's log-probs of long rows). `routes_btlk`: the experts the rollout recorded
+    for each token [b, t, L, k] (`engine.replay`), replayed where `cfg.replay_routing` says,
+    and compared with the router's own choice (`InferenceOutput.routes_changed`)."""
     if chunks > 1:
-        return _in_row_chunks(lambda part: infer(model, cfg, params, part), batch, chunks)
+        return _in_row_chunks(
+            lambda part, routes: infer(model, cfg, params, part, routes_btlk=routes), batch,
+            chunks, routes_btlk)
     head = max(head_chunks(model, batch.tokens_bt.shape[0]), head_rows)
     router = cfg.with_router and model.config.moe is not None
+    routed = routes_btlk is not None
+    recorded_lbtk = replay.model_routes(routes_btlk) if routed else None
+    replayed = {"routes_lbtk": recorded_lbtk} if routed and cfg.replay_routing else {}
+    sows = router or routed
     apply = functools.partial(model.apply, {"params": params}, *batch,
-                              mutable=["intermediates"] if router else False)
+                              mutable=["intermediates"] if sows else False, **replayed)
     if head == 1:
-        (model_out, _), sown = _with_sown(apply(), router)
+        (model_out, _), sown = _with_sown(apply(), sows)
         out = readout(cfg, model_out, batch)
     else:
-        (x_btd, _), sown = _with_sown(apply(with_head=False), router)
+        (x_btd, _), sown = _with_sown(apply(with_head=False), sows)
         out = readout_in_chunks(model.config, cfg, params["norm"]["scale"],
                                 head_kernel(model.config, params), x_btd, batch, head)
+    if routed:
+        out = out._replace(routes_changed=replay.changed_counts(
+            sown, recorded_lbtk, batch.segment_ids_bt != 0, bool(replayed)))
     return out._replace(router=moe.sown_router_losses(sown)) if router else out
 
 
@@ -248,17 +267,22 @@ def _with_sown(applied, mutable: bool):
     return applied if mutable else (applied, None)
 
 
-def _in_row_chunks(fn, batch: InferenceBatch, chunks: int) -> InferenceOutput:
-    """`fn(rows) -> InferenceOutput` on `chunks` strided row chunks of `batch` [b, t], one
-    after another (a loop: one chunk's activations live at a time), outputs merged back."""
+def _in_row_chunks(fn, batch: InferenceBatch, chunks: int,
+                   routes_btlk: jax.Array | None = None) -> InferenceOutput:
+    """`fn(rows, their routes) -> InferenceOutput` on `chunks` strided row chunks of `batch`
+    [b, t] (and of `routes_btlk` [b, t, L, k] or None), one after another (a loop: one
+    chunk's activations live at a time), outputs merged back."""
     batch_c = InferenceBatch(*(nn.with_logical_constraint(split_rows(a, chunks),
                                                           (None, "batch", "length"))
                                for a in batch))
-    _, out_c = jax.lax.scan(lambda _, part: (None, fn(InferenceBatch(*part))), None, batch_c)
+    routes_c = None if routes_btlk is None else split_rows(routes_btlk, chunks)
+    _, out_c = jax.lax.scan(lambda _, part: (None, fn(InferenceBatch(*part[0]), part[1])),
+                            None, (batch_c, routes_c))
     router = None if out_c.router is None else moe.RouterLosses(
         jnp.mean(out_c.router.balance_loss), jnp.mean(out_c.router.z_loss),
         jnp.min(out_c.router.min_load))
-    return out_c.per_token(merge_rows)._replace(router=router)
+    changed = None if out_c.routes_changed is None else jnp.sum(out_c.routes_changed, axis=0)
+    return out_c.per_token(merge_rows)._replace(router=router, routes_changed=changed)
 
 
 # Tokens of one row chunk of an inference call on each device, on XLA:CPU (`row_chunks`).
@@ -388,7 +412,7 @@ def readout_in_chunks(model_config: ModelConfig, cfg: InferenceConfig, scale_d: 
 
 def infer_packed(model: Transformer, cfg: InferenceConfig, shards: int, params,
                  batch: InferenceBatch, plan: packing.PackPlan, chunks: int = 1,
-                 head_rows: int = 1) -> InferenceOutput:
+                 head_rows: int = 1, routes_btlk: jax.Array | None = None) -> InferenceOutput:
     """`infer` of a padded batch computed on its packed rows (traceable, differentiable).
 
     Args:
@@ -397,6 +421,7 @@ def infer_packed(model: Transformer, cfg: InferenceConfig, shards: int, params,
       plan: one micro-batch's plan (gather_mrt [1, R, t], ..., scatter_mbt [1, b, t]).
       chunks: row chunks of the packed rows the forward runs in (`infer`, `row_chunks`).
       head_rows: row chunks of the packed rows the head reads out in (`head_row_chunks`).
+      routes_btlk: the rows' recorded experts [b, t, L, k] (`infer`), or None.
 
     Returns:
       The InferenceOutput `infer(batch)` gives (per-token fields [b, t] on the padded rows),
@@ -407,7 +432,9 @@ def infer_packed(model: Transformer, cfg: InferenceConfig, shards: int, params,
                             packing.pack(batch.positions_bt, gather_rt, shards), segment_ids_rt)
     per_token = cfg if cfg.kind is not InferenceKind.SCORES else dataclasses.replace(
         cfg, kind=InferenceKind.VALUES)
-    out = infer(model, per_token, params, packed, chunks, head_rows)
+    routes_rtlk = None if routes_btlk is None else replay.pack_routes(
+        routes_btlk, gather_rt, shards)
+    out = infer(model, per_token, params, packed, chunks, head_rows, routes_rtlk)
     real_bt = batch.segment_ids_bt != 0
     out = out.per_token(lambda x: packing.unpack(x, scatter_bt, real_bt, shards))
     if cfg.kind is InferenceKind.SCORES:
@@ -448,6 +475,9 @@ class InferenceFn(BucketedCall):
             values_bt=rows_sharding if cfg.kind is InferenceKind.VALUES else None,
             scores_bk=rows_sharding if cfg.kind is InferenceKind.SCORES else None,
         )
+        self._stack = stack
+        self._routes = layout.batch_sharding(4)
+        routed_shardings = out_shardings._replace(routes_changed=layout.replicated())
         self._chunk_tokens = chunk_tokens(layout)
         # Log-probs on an accelerator read the head out in row chunks (`head_row_chunks`);
         # XLA:CPU chunks the whole forward instead, a pipeline in its micro-batches.
@@ -456,20 +486,25 @@ class InferenceFn(BucketedCall):
             and stack is None) else 0
         # Per plan kind: each shard's own rows (pack within each shard's block), or spread
         # (`packing.fewest_rows`: indices across the whole batch, shards=1).
-        self._jitted = {spread: jax.jit(
+        # Per (spread, routed): with the rows' recorded experts as a last argument
+        # (`engine.replay`) or without.
+        in_shardings = (layout.param_shardings(abstract_params(model_config)),
+                        InferenceBatch(rows_sharding, rows_sharding, rows_sharding),
+                        self._plan_shardings)
+        self._jitted = {(spread, routed): jax.jit(
             functools.partial(infer_packed, Transformer(model_config, stack), cfg,
                               1 if spread else layout.dp_size),
-            in_shardings=(layout.param_shardings(abstract_params(model_config)),
-                          InferenceBatch(rows_sharding, rows_sharding, rows_sharding),
-                          self._plan_shardings),
-            out_shardings=out_shardings, static_argnums=(3, 4),  # chunks, head_rows
-        ) for spread in (False, True)}
+            in_shardings=in_shardings + ((self._routes,) if routed else ()),
+            out_shardings=routed_shardings if routed else out_shardings,
+            static_argnums=(3, 4),  # chunks, head_rows
+        ) for spread in (False, True) for routed in (False, True)}
 
-    def _jit_for(self, params, batch, plan, spread: bool = False) -> jax.stages.Wrapped:
-        return self._jitted[spread]
+    def _jit_for(self, params, batch, plan, spread: bool = False, routes=None
+                 ) -> jax.stages.Wrapped:
+        return self._jitted[spread, routes is not None]
 
-    def _lower(self, params, batch: InferenceBatch, plan=None, spread: bool = False
-               ) -> jax.stages.Lowered:
+    def _lower(self, params, batch: InferenceBatch, plan=None, spread: bool = False,
+               routes=None) -> jax.stages.Lowered:
         """The lowered call on a batch of a bucket's length (its plan made if not given)."""
         if plan is None:
             plan, spread = self._plan(batch.segment_ids_bt)
@@ -478,9 +513,10 @@ class InferenceFn(BucketedCall):
         head_rows = 1
         if self._head_vocab and chunks == 1:
             head_rows = head_row_chunks(rows, length, self._head_vocab)
+        routed = () if routes is None else (routes,)
         with self.layout.activation_context():
-            return self._jit_for(params, batch, plan, spread).lower(params, batch, plan, chunks,
-                                                                    head_rows)
+            return self._jit_for(params, batch, plan, spread, routes).lower(
+                params, batch, plan, chunks, head_rows, *routed)
 
     def _host_plan(self, segment_ids_bt) -> tuple[packing.PackPlan, bool]:
         """(the batch's packed rows on the host; whether they are spread over the shards): a
@@ -512,26 +548,35 @@ class InferenceFn(BucketedCall):
         return self._lower(params, abstract(padded, rows),
                            abstract(plan, self._plan_shardings), spread)
 
-    def __call__(self, params, batch: InferenceBatch) -> InferenceOutput:
+    def __call__(self, params, batch: InferenceBatch,
+                 routes_btlk: jax.Array | None = None) -> InferenceOutput:
         """Runs the call kind.
 
         Args:
           params: unboxed parameters, sharded as `layout.param_shardings` says.
           batch: int [b, t] arrays (numpy or jax), one sequence per row; b must split over
             the data-parallel size.
+          routes_btlk: the experts the rollout recorded for each token [b, t, L, k]
+            (`engine.replay`; replayed where the config says), or None.
 
         Returns:
           InferenceOutput with per-token fields of length t.
         """
         batch_size, length = np.shape(batch.tokens_bt)
         check_batch_divisible(self.layout, batch_size, "inference batch")
+        if routes_btlk is not None and self._stack is not None:
+            raise ValueError(f"{self.cfg.kind.value}: recorded expert routes (routing replay) need a "
+                             f"layout without a LayerStack (pipeline), got {self.layout}")
         bucket, padded = self._padded(batch)
         plan, spread = self._plan(buckets.pad_axis(np.asarray(fetch(batch.segment_ids_bt)),
                                                    bucket, axis=1))
         padded = jax.device_put(padded, self._rows)
-        compiled = self.compile_cache.get((bucket, batch_size, plan.rows, spread),
-                                          lambda: self._lower(params, padded, plan, spread))
-        out = compiled(params, padded, plan)
+        routed = () if routes_btlk is None else (jax.device_put(buckets.pad_axis(
+            routes_btlk, bucket, axis=1, value=replay.NO_ROUTE), self._routes),)
+        compiled = self.compile_cache.get(
+            (bucket, batch_size, plan.rows, spread, bool(routed)),
+            lambda: self._lower(params, padded, plan, spread, *routed))
+        out = compiled(params, padded, plan, *routed)
         per_token = {
             name: x[:, :length] for name, x in out._asdict().items()
             if x is not None and name.endswith("_bt")

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrlhf.engine import microbatch, packing
+from jaxrlhf.engine import microbatch, packing, replay
 from jaxrlhf.engine.call import BucketedCall, abstract
 from jaxrlhf.engine.buckets import CompileCache, shape_key
 from jaxrlhf.engine.inference import (
@@ -58,6 +58,10 @@ Batch = dict[str, jax.Array]
 LossFn = Callable[[jax.Array, Batch], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
 
 MODEL_INPUT_KEYS = ("tokens_bt", "positions_bt", "segment_ids_bt")
+# A batch's recorded experts [b, t, L, k] (`engine.replay`), where the rollout's travel with it:
+# replayed where the readout says (`InferenceConfig.replay_routing`), compared with the
+# forward's own choice either way (stat routing_mismatch).
+ROUTES_KEY = "routes_btlk"
 
 
 @flax.struct.dataclass
@@ -179,10 +183,14 @@ def _grad_fn(model: Transformer, loss_fn: LossFn, readout: InferenceConfig, shar
         params = lora.combine(trained, frozen)
         inputs = InferenceBatch(*(micro[k] for k in MODEL_INPUT_KEYS))
         plan_1 = jax.tree.map(lambda x: x[None], plan)
-        out = infer_packed(model, readout, shards, params, inputs, plan_1)
+        out = infer_packed(model, readout, shards, params, inputs, plan_1,
+                           routes_btlk=micro.get(ROUTES_KEY))
         loss_sum, weight, stats = loss_fn(out, micro)
         if moe_cfg is not None:
             loss_sum, stats = _with_router(moe_cfg, out.router, loss_sum, weight, stats)
+        if out.routes_changed is not None:  # the batch carries the rollout's experts
+            stats = {**stats, "routing_mismatch": jax.lax.stop_gradient(
+                weight * replay.mismatch(out.routes_changed))}
         num_tokens = jnp.sum(micro["segment_ids_bt"] != 0, dtype=jnp.float32)
         aux = dict(loss_sum=loss_sum, weight=jax.lax.stop_gradient(weight),
                    num_tokens=num_tokens, stats=stats)

@@ -106,12 +106,15 @@ def route(logits_te: jax.Array, top_k: int, norm_topk_prob: bool,
           experts_tk: jax.Array | None = None) -> Routing:
     """Top-k of the softmax of router logits [T, E] (float32), or the probabilities of the
     given experts `experts_tk` int [T, k] (routing replay: the choice is fixed, the weights
-    still follow the router, so it still learns)."""
+    still follow the router, so it still learns). A token whose given ids are negative (none
+    recorded: a rollout's last token, never fed back) takes the router's own top-k."""
     probs_te = jax.nn.softmax(logits_te.astype(jnp.float32), axis=-1)
+    weights_tk, fresh_tk = jax.lax.top_k(probs_te, top_k)
     if experts_tk is None:
-        weights_tk, experts_tk = jax.lax.top_k(probs_te, top_k)
+        experts_tk = fresh_tk
     else:
-        experts_tk = experts_tk.astype(jnp.int32)
+        given_t = experts_tk[:, 0] >= 0
+        experts_tk = jnp.where(given_t[:, None], experts_tk.astype(jnp.int32), fresh_tk)
         weights_tk = jnp.take_along_axis(probs_te, experts_tk, axis=-1)
     if norm_topk_prob:
         weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
@@ -120,9 +123,11 @@ def route(logits_te: jax.Array, top_k: int, norm_topk_prob: bool,
 
 def routes_differ(logits_te: jax.Array, experts_tk: jax.Array) -> jax.Array:
     """bool [T]: the router's own top-k of `logits_te` [T, E] is not the set `experts_tk`
-    [T, k] (routing replay's given experts; order within a token's k does not count)."""
+    [T, k] (routing replay's given experts; order within a token's k does not count; False
+    where none is given, ids negative)."""
     fresh_tk = jax.lax.top_k(logits_te.astype(jnp.float32), experts_tk.shape[-1])[1]
-    return jnp.any(jnp.sort(fresh_tk, axis=-1) != jnp.sort(experts_tk, axis=-1), axis=-1)
+    differ_t = jnp.any(jnp.sort(fresh_tk, axis=-1) != jnp.sort(experts_tk, axis=-1), axis=-1)
+    return differ_t & (experts_tk[:, 0] >= 0)
 
 
 def routing_mismatch(changed_lbt: jax.Array, valid_bt: jax.Array) -> jax.Array:

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.algorithms.routing import Routing
 from jaxrlhf.algorithms.spec import Algorithm
 from jaxrlhf.checkpoint import Checkpointer, HostState, abstract_state
 from jaxrlhf.data.datasets import EpochIterator
@@ -25,7 +26,9 @@ from jaxrlhf.engine.generate import make_generate_fn
 from jaxrlhf.engine.inference import InferenceConfig, InferenceKind, make_inference_fn
 from jaxrlhf.engine.microbatch import MicrobatchConfig, MicrobatchMode
 from jaxrlhf.engine.optimizer import OptimizerConfig
-from jaxrlhf.engine.train_step import TrainState, create_train_state, make_train_step
+from jaxrlhf.engine.train_step import (
+    TrainState, create_train_state, default_readout, make_train_step,
+)
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models import hf_io, lora
 from jaxrlhf.models.config import HeadKind, ModelConfig
@@ -45,9 +48,10 @@ from jaxrlhf.spec import ModelSpec, RolloutSpec, RunSpec
 
 def engine_call(mfc: MFC, model: ModelConfig, layout: Layout, micro: MicrobatchConfig,
                 rollout: RolloutSpec, tokenizer, algorithm: Algorithm,
-                opt: OptimizerConfig | None):
+                opt: OptimizerConfig | None, replay_routing: bool = False):
     """The compiled-on-first-use engine object of one MFC (`micro`: a train step's
-    micro-batching)."""
+    micro-batching; `replay_routing`: its forward uses the experts the rollout recorded,
+    where its batch carries them, `algorithms.routing`)."""
     match mfc.call:
         case Call.GENERATE:
             return make_generate_fn(model, rollout.generate(tokenizer, greedy=mfc.greedy),
@@ -56,13 +60,16 @@ def engine_call(mfc: MFC, model: ModelConfig, layout: Layout, micro: MicrobatchC
             kind = (InferenceKind.LOGPROBS if model.head is HeadKind.LM
                     else InferenceKind.VALUES if mfc.role in (Role.CRITIC, Role.COST_CRITIC)
                     else InferenceKind.SCORES)
-            cfg = InferenceConfig(kind, temperature=algorithm.temperature)
+            cfg = InferenceConfig(kind, temperature=algorithm.temperature,
+                                  replay_routing=replay_routing)
             # The generated batches' lengths, cut after their longest response.
             lengths = [rollout.max_prompt_len + n for n in response_widths(rollout.max_new_tokens)]
             return make_inference_fn(model, cfg, layout, length_buckets=lengths)
         case Call.TRAIN_STEP:
             train = algorithm.train[mfc.role]
-            return make_train_step(model, layout, train.loss_fn, opt, micro, train.readout)
+            readout = dataclasses.replace(train.readout or default_readout(model),
+                                          replay_routing=replay_routing)
+            return make_train_step(model, layout, train.loss_fn, opt, micro, readout)
 
 
 # --- model states --------------------------------------------------------------------------
@@ -225,7 +232,8 @@ def runner(job: Job, states: dict, pools) -> Runner:
     spec, plan = job.spec, job.plan
     calls = {m.name: engine_call(m, spec.models[m.role].config, plan.layouts[m.name],
                                  train_micro(spec, plan.micro_batches(m.name)), spec.rollout,
-                                 job.tokenizer, spec.algorithm, spec.optimizers.get(m.role))
+                                 job.tokenizer, spec.algorithm, spec.optimizers.get(m.role),
+                                 spec.routing is Routing.REPLAY)
              for m in spec.algorithm.mfcs if not m.host}
     limits = None if spec.env is None else TrajectoryLimits(
         spec.env.max_turns, spec.rollout.max_prompt_len, spec.rollout.max_new_tokens,

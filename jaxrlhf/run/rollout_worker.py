@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxrlhf.dataflow.executors import cut_responses
 from jaxrlhf.dataflow.trajectories import Environment, Trajectories, TurnRequests
-from jaxrlhf.engine.rollout import NO_VERSION, Rollout
+from jaxrlhf.engine.rollout import NO_VERSION, Rollout, Rows
 from jaxrlhf.engine.rollout.scheduler import Finished, OnNewVersion, Request, Scheduler
 from jaxrlhf.mfc import MFC
 from jaxrlhf.models.sizes import abstract_params
@@ -187,7 +187,7 @@ class RolloutWorker:
             self._scheduler.submit(
                 Request(tokens_bp[row], mask_bp[row], key, r, tag=(index, row))
                 for r, row in enumerate(range(j, len(tokens_bp), k)))
-        outputs = [None] * 5  # Rows fields, allocated from the first finished row
+        outputs = [None] * len(Rows._fields)  # allocated from the first finished row
         self._batches[index] = _Batch(batch, iterator_before, now, outputs, len(tokens_bp))
 
     def step(self, now, stop: Callable[[], bool] | None = None) -> list[Generated]:
@@ -215,6 +215,8 @@ class RolloutWorker:
             if out.turns is not None:  # a turn: its continuation took it
                 continue
             for field, x in enumerate(finished.rows):
+                if x is None:  # routes of a model without experts
+                    continue
                 if out.outputs[field] is None:
                     rows_b = len(out.batch["prompt_tokens_bp"])
                     out.outputs[field] = np.zeros((rows_b, *x.shape[1:]), x.dtype)
@@ -235,7 +237,10 @@ class RolloutWorker:
     def _finish(self, index: int, out: _Batch, now, idle: float) -> Generated:
         if out.turns is not None:
             return self._finish_turns(index, out, now, idle)
-        sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn, versions_bn = out.outputs
+        # A model's experts (routes, last) stay here: the run refuses routing replay under
+        # asynchronous RL (`spec._routing`), its MFCs read none.
+        sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn, versions_bn = (
+            out.outputs[:5])
         # Cut after the longest response, as the synchronous generate executor does.
         arrays = cut_responses((sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn),
                                response_mask_bn.shape[1])

@@ -101,8 +101,9 @@ class Rollout:
                                                  c.head_dim))
             cache = KVCache(stacked, stacked)
         rows1, rows2 = lay.batch_sharding(1), lay.batch_sharding(2)
+        routes = None if c.moe is None else lay.batch_sharding(4)
         return SlotState(rows1, rows2, rows1, rows1, cache, rows2, rows2, rows2,
-                         rows2, rows2, rows2, rows1, rows1, rows1, rows1, rows1)
+                         rows2, rows2, rows2, rows1, rows1, rows1, rows1, rows1, routes)
 
     def _run(self, key: tuple, build, *args, donate: tuple[int, ...] = ()):
         """Runs the executable of `key`, compiled on its first use from `build()` -> (fn, its
@@ -242,7 +243,7 @@ class Rollout:
         return self._routed_writes
 
     def _routed_writes(self, s: SlotState, ints, tokens_up, mask_up, logits_uv, new: KVCache,
-                       keys) -> SlotState:
+                       keys, routes_uplk=None) -> SlotState:
         """`programs.write_targets` of an SPMD fill on each device (shard_map): its own
         targets, from its own prompts' rows and those the other devices sent it (`ints`: the
         targets and the routes' send_dq, as `targets.spmd` made them).
@@ -261,16 +262,18 @@ class Rollout:
         vocab = lambda x: lay.spec(("batch", "act_vocab"), x.shape)
         state_specs = self._state_specs(*self.size(s))._replace(logits_bv=vocab(s.logits_bv))
 
-        def local(s, ints, tokens_up, mask_up, logits_uv, new, keys):
+        def local(s, ints, tokens_up, mask_up, logits_uv, new, keys, *routes_uplk):
             ints_k5, send_1q = ints
             take = functools.partial(routes.take, send_q=send_1q[0], axes=axes)
             return programs.write_targets(self.cfg, s, ints_k5, tokens_up, mask_up, logits_uv,
-                                          new, keys, take)
+                                          new, keys, *(routes_uplk or (None,)), take=take)
 
+        recorded = () if routes_uplk is None else (routes_uplk,)  # a model with experts
         in_specs = (state_specs, tuple(map(rows, ints)), rows(tokens_up), rows(mask_up),
-                    vocab(logits_uv), KVCache(cache, cache), _REPLICATED)
+                    vocab(logits_uv), KVCache(cache, cache), _REPLICATED,
+                    *map(rows, recorded))
         return self._on_each_device(local, in_specs, state_specs)(
-            s, ints, tokens_up, mask_up, logits_uv, new, keys)
+            s, ints, tokens_up, mask_up, logits_uv, new, keys, *recorded)
 
     def decode_at_once(self, params, version: int, prompt_tokens_kp, prompt_mask_kp, keys,
                        rows_k, limits_k, finish):
@@ -529,9 +532,9 @@ class Rollout:
 
     def rows(self, state: SlotState) -> Rows:
         """Every slot's sequence so far, on the host."""
-        return Rows(*(np.asarray(x) for x in fetch(self._rows(state))))
+        return Rows(*fetch(self._rows(state))).map(np.asarray)
 
     def collect(self, state: SlotState) -> tuple[np.ndarray, np.ndarray, Rows]:
         """`poll` and `rows` in one fetch (where the caller expects every row done)."""
         (done_b, counts), rows = fetch(self._collect(state))
-        return np.asarray(done_b), np.asarray(counts), Rows(*(np.asarray(x) for x in rows))
+        return np.asarray(done_b), np.asarray(counts), Rows(*rows).map(np.asarray)

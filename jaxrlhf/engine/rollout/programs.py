@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.engine import decode_layers, routes
+from jaxrlhf.engine import decode_layers, replay, routes
 from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.decoding import GenerateConfig, constrain_cache, draw, prefill
 from jaxrlhf.engine.rollout.state import (
@@ -70,7 +70,8 @@ def fill(model: Transformer, cfg: GenerateConfig, vacant, write, params, s, ints
         ignored and the state built here, saving an executable and a round of dispatch.
       write: `write_targets` (less `cfg`) where the fill runs on each device alone, else
         `Rollout._routed_writes`: it takes the state, `ints`, the prompts' tokens and masks
-        [u, P], logits [u, vocab] and prefilled cache, and `keys`.
+        [u, P], logits [u, vocab] and prefilled cache, `keys`, and the prompts' routes
+        [u, P, L, k] (a model with experts; else None).
       ints: the targets (`write_targets`'s ints_k5; with `Rollout._routed_writes`, also the
         routes of the prompts' rows to their targets' devices).
       prompts_u2p: int32 [u, 2, P] each distinct prompt's tokens and mask (left-padded).
@@ -82,8 +83,9 @@ def fill(model: Transformer, cfg: GenerateConfig, vacant, write, params, s, ints
     apply = functools.partial(model.apply, {"params": params})
     # The prompt part of the cache only: later slots keep the old row's keys, hidden by
     # causality until this row's tokens overwrite them.
-    logits_uv, new = prefill(apply, model.config, tokens_up, mask_up, kv_segments(mask_up, 0))
-    filled = write(s, ints, tokens_up, mask_up, logits_uv, new, keys)
+    logits_uv, new, routes_uplk = prefill(apply, model.config, tokens_up, mask_up,
+                                          kv_segments(mask_up, 0), s.routes_bslk is not None)
+    filled = write(s, ints, tokens_up, mask_up, logits_uv, new, keys, routes_uplk)
     fresh_b = ~filled.done_b
     chosen = choose(filled, cfg, version)
     return chosen._replace(done_b=jnp.where(fresh_b, chosen.done_b, s.done_b),
@@ -91,7 +93,7 @@ def fill(model: Transformer, cfg: GenerateConfig, vacant, write, params, s, ints
 
 
 def write_targets(cfg: GenerateConfig, s: SlotState, ints_k5, tokens_up, mask_up, logits_uv,
-                   new: KVCache, keys, take=jnp.take) -> SlotState:
+                   new: KVCache, keys, routes_uplk=None, take=jnp.take) -> SlotState:
     """The state with each target's prompt (its tokens, mask, logits and prefilled cache:
     [u, ...] each) and key written into its slot, ready to sample; the other slots are marked
     done (`fill` restores them).
@@ -99,6 +101,7 @@ def write_targets(cfg: GenerateConfig, s: SlotState, ints_k5, tokens_up, mask_up
     Args:
       ints_k5: int32 [k, 5] per target, columns as `FillInts` names them.
       keys: a tuple of PRNG keys (the key table).
+      routes_uplk: the prompts' experts [u, P, L, k] (`engine.replay`), or None (no experts).
       take: `take(x, src_k, axis=...)`: the targets' prompts' rows of x (`routes.take` where
         some come from other devices).
     """
@@ -119,7 +122,16 @@ def write_targets(cfg: GenerateConfig, s: SlotState, ints_k5, tokens_up, mask_up
         prompt_tokens_bp=put(s.prompt_tokens_bp, rows(tokens_up)),
         prompt_mask_bp=put(s.prompt_mask_bp, rows(mask_up)),
         keys_b=s.keys_b.at[slots_k].set(keys_k, mode="drop"), row_b=put(s.row_b, rows_k),
-        limit_b=put(s.limit_b, limits_k))
+        limit_b=put(s.limit_b, limits_k),
+        routes_bslk=None if routes_uplk is None else put(s.routes_bslk, _prompt_routes(
+            rows(routes_uplk), s.routes_bslk.shape[1])))
+
+
+def _prompt_routes(routes_kplk, length: int):
+    """A filled row's routes [k, P + N, L, k]: its prompt's, then NO_ROUTE (none fed yet)."""
+    k, prompt_len, *rest = routes_kplk.shape
+    none = jnp.full((k, length - prompt_len, *rest), replay.NO_ROUTE, routes_kplk.dtype)
+    return jnp.concatenate([routes_kplk, none], axis=1)
 
 
 def without_state(fill, params, *args) -> SlotState:
@@ -154,10 +166,17 @@ def advance(model: Transformer, cfg: GenerateConfig, lockstep: bool, params, s: 
         fed_b = r.step_b - 1  # each row's response token being fed (free slots: harmless)
         at = None if first is None else first + t
         slot = prompt_len + (fed_b if at is None else at - 1)
-        logits_b1v, cache = apply(
-            r.last_token_b[:, None], (prompt_lengths_b + fed_b)[:, None],
-            jnp.ones((slots, 1), jnp.int32), r.cache, slot, segments_bs)
+        record = r.routes_bslk is not None
+        out = apply(r.last_token_b[:, None], (prompt_lengths_b + fed_b)[:, None],
+                    jnp.ones((slots, 1), jnp.int32), r.cache, slot, segments_bs,
+                    **({"mutable": ["intermediates"]} if record else {}))
+        (logits_b1v, cache), sown = out if record else (out, None)
         r = r._replace(logits_bv=logits_b1v[:, 0], cache=constrain_cache(cache))
+        if record:  # the fed token's experts, at its own slot (a finished row's: dropped)
+            at_b = jnp.where(r.done_b, r.routes_bslk.shape[1], prompt_len + fed_b)
+            routes_blk = replay.sown_routes(sown, r.routes_bslk.dtype)[:, 0]
+            r = r._replace(routes_bslk=r.routes_bslk.at[jnp.arange(slots), at_b].set(
+                routes_blk, mode="drop"))
         return choose(r, cfg, version, at), t + 1
 
     def cond(carry: tuple[SlotState, jax.Array]) -> jax.Array:
@@ -209,7 +228,8 @@ def compact(axes: tuple[str, ...], s: SlotState, send_1q, at_m) -> SlotState:
         cache = KVCache(*(jax.lax.map(move, c) for c in s.cache))
     else:
         cache = tuple(DecodeKV(*map(move, c)) for c in s.cache)
-    fields = {name: move(x) for name, x in s._asdict().items() if name != "cache"}
+    fields = {name: None if x is None else move(x) for name, x in s._asdict().items()
+              if name != "cache"}
     zeros = jnp.zeros(at_m.shape, jnp.int32)
     return SlotState(**{**fields, "steps_b": zeros, "tokens_b": zeros}, cache=cache)
 

@@ -162,7 +162,7 @@ class Finished(NamedTuple):
     rows: Rows
 
     def turns(self) -> list[Turn]:
-        return [Turn(r, Rows(*(x[i] for x in self.rows))) for i, r in enumerate(self.requests)]
+        return [Turn(r, self.rows.map(lambda x, i=i: x[i])) for i, r in enumerate(self.requests)]
 
 
 class Stepped(NamedTuple):
@@ -202,8 +202,8 @@ def _joined(a: Finished | None, b: Finished | None) -> Finished | None:
     """Two read-outs as one (either may be None)."""
     if a is None or b is None:
         return b if a is None else a
-    return Finished(a.requests + b.requests,
-                    Rows(*(np.concatenate([x, y]) for x, y in zip(a.rows, b.rows))))
+    return Finished(a.requests + b.requests, Rows(*(
+        None if x is None else np.concatenate([x, y]) for x, y in zip(a.rows, b.rows))))
 
 
 class Scheduler:
@@ -447,7 +447,7 @@ class Scheduler:
             return None
         rows = self.engine.rows(self._state) if rows is None else rows
         requests = [self._in[s] for s in slot_list]
-        out = Finished(requests, Rows(*(x[slot_list] for x in rows)))
+        out = Finished(requests, rows.map(lambda x: x[slot_list]))
         for s in slot_list:
             self._in[s], self._done[s] = None, False
         if any(r.then is not None for r in requests):

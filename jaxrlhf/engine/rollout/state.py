@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.engine import replay
 from jaxrlhf.engine.buckets import bucket_length
 from jaxrlhf.engine.decoding import GenerateConfig, constrain_cache
 from jaxrlhf.models.config import ModelConfig
@@ -62,6 +63,9 @@ class SlotState(NamedTuple):
       steps_b: int32 [S] decode steps run over each slot, busy or not; tokens_b: int32 [S]
         tokens each slot sampled in them (the slots' occupancy; per slot, so a step needs no
         reduction across devices, and each device may stop when its own slots are done).
+      routes_bslk: int8/int16 [S, P + N, L, k] the experts each prompt and response token
+        used in each layer when it was generated (`engine.replay`; NO_ROUTE where none was
+        recorded); None for a model without experts.
     """
 
     step_b: jax.Array
@@ -80,6 +84,7 @@ class SlotState(NamedTuple):
     limit_b: jax.Array
     steps_b: jax.Array
     tokens_b: jax.Array
+    routes_bslk: jax.Array | None = None
 
 
 class Rows(NamedTuple):
@@ -87,7 +92,8 @@ class Rows(NamedTuple):
 
     sequences_bs int32 [S, P + N] (prompt padding and response end as pad_token_id),
     sequence_mask_bs bool [S, P + N], response_mask_bn bool [S, N], logprobs_bn float32
-    [S, N], versions_bn int32 [S, N].
+    [S, N], versions_bn int32 [S, N], routes_bslk [S, P + N, L, k] (a model with experts:
+    `SlotState.routes_bslk`; else None).
     """
 
     sequences_bs: np.ndarray
@@ -95,6 +101,11 @@ class Rows(NamedTuple):
     response_mask_bn: np.ndarray
     logprobs_bn: np.ndarray
     versions_bn: np.ndarray
+    routes_bslk: np.ndarray | None = None
+
+    def map(self, fn) -> "Rows":
+        """`fn` applied to each field present (a None field stays None)."""
+        return Rows(*(None if x is None else fn(x) for x in self))
 
 
 class Vacant(NamedTuple):
@@ -148,6 +159,8 @@ def empty_state(config: ModelConfig, by_layer: bool, cfg: GenerateConfig, slots:
         limit_b=jnp.full((slots,), n_new, jnp.int32),
         steps_b=jnp.zeros((slots,), jnp.int32),
         tokens_b=jnp.zeros((slots,), jnp.int32),
+        routes_bslk=(None if config.moe is None
+                     else replay.empty_routes(config, slots, prompt_len + n_new)),
     )
 
 
@@ -177,7 +190,7 @@ def read_rows(cfg: GenerateConfig, s: SlotState) -> Rows:
     prompt_bp = jnp.where(s.prompt_mask_bp, s.prompt_tokens_bp, cfg.pad_token_id)
     return Rows(jnp.concatenate([prompt_bp.astype(jnp.int32), s.response_bn], axis=1),
                 jnp.concatenate([s.prompt_mask_bp, s.mask_bn], axis=1), s.mask_bn,
-                s.logprobs_bn, s.versions_bn)
+                s.logprobs_bn, s.versions_bn, s.routes_bslk)
 
 
 def read_poll(s: SlotState) -> tuple[jax.Array, jax.Array]:
