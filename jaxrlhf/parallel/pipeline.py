@@ -100,7 +100,7 @@ class Pipeline:
       remat_stages: checkpoint each stage's forward per iteration, so the backward pass keeps
         only every iteration's stage input [b, t, d] (what a 1F1B schedule saves over GPipe)
         and recomputes one stage's forward at a time from it; results equal GPipe's.
-      shards: the data-parallel devices (data × fsdp) a batch's rows are split over: a
+      shards: the data-parallel devices (data × fsdp × expert) a batch's rows are split over: a
         micro-batch holds at least one row on each (`num_micro`).
     """
 

@@ -156,8 +156,10 @@ class Strategy:
         expert parallelism splits the experts, so the model must have them and e divide them."""
         if self.expert > 1:
             if model.moe is None:
+                as_data = dataclasses.replace(self, data=self.data * self.expert, expert=1)
                 raise ValueError(f"strategy {self} has expert={self.expert} but the model is "
-                                 f"dense (no experts to split); use d{self.expert} instead")
+                                 f"dense (no experts to split); use {as_data.axes_str()} "
+                                 f"instead")
             if model.moe.num_experts % self.expert:
                 raise ValueError(f"expert={self.expert} does not divide the model's "
                                  f"num_experts={model.moe.num_experts}")

@@ -88,6 +88,8 @@ def test_grammar_errors(spec, message):
         ("0-7:t8", {"num_kv_heads": 4}, "tensor=8 does not divide the model's num_heads=4"),
         ("0-1:e2", {}, "strategy 0-1:e2 has expert=2 but the model is dense (no experts to "
                        "split); use d2 instead"),
+        ("0-7:d2e2t2", {"num_kv_heads": 4}, "0-7:d2e2t2 has expert=2 but the model is dense "
+                                            "(no experts to split); use d4t2 instead"),
         ("0-7:e8", {"size": "tiny-moe", "num_experts": 4},
          "expert=8 does not divide the model's num_experts=4"),
     ],
