@@ -81,6 +81,30 @@ def test_mistral_null_window_is_full_attention():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_omitted_keys_read_as_transformers_defaults(family):
+    """A config.json that omits what transformers defaults (head_dim, kv heads, window, tied
+    embeddings, query_pre_attn_scalar, layer pattern) reads as transformers reads it."""
+    from hf_fixtures import FAMILIES as HF_CLASSES
+
+    keys = dict(model_type=HF_CLASSES[family][0].model_type, hidden_size=256,
+                intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,
+                vocab_size=100)
+    ours = hf_config_to_model_config(keys)
+    hf = HF_CLASSES[family][0](**{k: v for k, v in keys.items() if k != "model_type"})
+    assert ours.num_kv_heads == hf.num_key_value_heads
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or 256 // 8)
+    assert ours.sliding_window == hf.sliding_window == 4096
+    assert ours.tie_word_embeddings == hf.tie_word_embeddings
+    assert ours.max_position_embeddings == hf.max_position_embeddings
+    assert ours.rms_norm_eps == hf.rms_norm_eps
+    types = getattr(hf, "layer_types", None) or ["sliding_attention"] * 6
+    assert ours.sliding_layers == tuple(i for i, t in enumerate(types)
+                                        if t == "sliding_attention")
+    if family == "gemma3":
+        assert ours.query_pre_attn_scalar == hf.query_pre_attn_scalar
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_hf(tmp_path, family):
     """Within 1e-4 of transformers (fp32) on padded rows longer than the window; without the
     window the same weights give other logits (so the window is what matches)."""

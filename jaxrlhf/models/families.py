@@ -170,7 +170,7 @@ def _gemma3_layers(cfg: Config) -> dict[str, Any]:
     if unknown or len(types) != int(cfg["num_hidden_layers"]):
         raise ValueError(f"Gemma 3 layer_types {types} are not one of sliding_attention, "
                          f"full_attention per layer")
-    window = cfg.get("sliding_window", 4096)
+    window = cfg.get("sliding_window")
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     cap = lambda key: None if cfg.get(key) is None else float(cfg[key])
     _, local_theta = gemma3_rope(cfg)
@@ -179,7 +179,7 @@ def _gemma3_layers(cfg: Config) -> dict[str, Any]:
         sliding_window=None if window is None or not sliding else int(window),
         sliding_layers=() if window is None else sliding,
         rope_local_theta=local_theta,
-        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
         final_softcap=cap("final_logit_softcapping"),
     )
 
@@ -266,7 +266,8 @@ class Family:
     layers_problem: Callable[[ModelConfig], str | None] = _check_windowless
     activation: Activation = Activation.SILU
     activation_keys: tuple[str, ...] = ("hidden_act",)  # config.json keys naming it, in order
-    default_tied: bool = False  # transformers' tie_word_embeddings where config.json omits it
+    # transformers' values of keys a config.json may omit, where our readers' defaults differ.
+    hf_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     scalar_arch: str | None = None  # the ForSequenceClassification name, where not the prefix's
 
     @property
@@ -306,9 +307,10 @@ FAMILIES: dict[HfFamily, Family] = {
         refused=(("router_jitter_noise", "Mixtral router_jitter_noise > 0 is not supported"),),
         sliding_window_keys=("sliding_window",)),
     HfFamily.MISTRAL: Family(
-        HfFamily.MISTRAL, "Mistral", 32768, qkv_bias=False, qk_norm=False,
+        HfFamily.MISTRAL, "Mistral", 131072, qkv_bias=False, qk_norm=False,
         read_layers=_mistral_layers, write_layers=_write_mistral_layers,
-        layers_problem=_check_mistral),
+        layers_problem=_check_mistral,
+        hf_defaults=dict(sliding_window=4096, num_key_value_heads=8)),
     HfFamily.GEMMA3: Family(
         HfFamily.GEMMA3, "Gemma3", 131072, qkv_bias=False, qk_norm=True,
         refused=(("attention_bias", "Gemma 3 attention_bias=True is not supported"),
@@ -320,6 +322,8 @@ FAMILIES: dict[HfFamily, Family] = {
                   "transformers' Gemma3ForCausalLM; a checkpoint setting it is refused")),
         read_layers=_gemma3_layers, write_layers=_write_gemma3_layers,
         layers_problem=_check_gemma3, activation=Activation.GELU_TANH,
-        activation_keys=("hidden_activation", "hidden_act"), default_tied=True,
+        activation_keys=("hidden_activation", "hidden_act"),
+        hf_defaults=dict(tie_word_embeddings=True, head_dim=256, num_key_value_heads=4,
+                         sliding_window=4096, query_pre_attn_scalar=256),
         scalar_arch="Gemma3TextForSequenceClassification"),
 }

@@ -166,6 +166,7 @@ def hf_config_to_model_config(
     """
     family = family_of(cfg)
     traits = FAMILIES[family]
+    cfg = {**traits.hf_defaults, **cfg}  # an explicit null stays null
     inferred_head = _head_of(cfg, family)
     if inferred_head is HeadKind.SCALAR and _num_labels(cfg) != 1:
         raise ValueError(f"a scalar head needs num_labels=1, got {_num_labels(cfg)}")
@@ -193,7 +194,7 @@ def hf_config_to_model_config(
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_RMS_EPS)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", traits.default_tied)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=traits.qkv_bias,
         qk_norm=traits.qk_norm,
         moe=traits.read_moe(cfg),
