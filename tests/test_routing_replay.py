@@ -30,18 +30,21 @@ def _params(cfg):
     return nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), ones, ones, ones)["params"])
 
 
-def _rollout(cfg, rows: int, prompt: int, new: int):
-    """(params, host prompts' mask, the generate call's output) of `rows` random prompts, the
-    first left-padded by 3."""
-    layout = make_layout("0-0:d1", model=cfg)
+def _rollout(cfg, rows: int, prompt: int, new: int, micro_batches: int = 1, spec="0-0:d1"):
+    """(layout, params, host prompts' mask, the generate call's output) of `rows` random
+    prompts, the first left-padded by 3; `micro_batches` > 1: rows queue for rows/k slots,
+    looked at every 4 tokens (the scheduler's fills into busy states)."""
+    layout = make_layout(spec, model=cfg)
     params = _params(cfg)
     gen = make_generate_fn(cfg, GenerateConfig(max_new_tokens=new, eos_token_id=1,
-                                               pad_token_id=0), layout, prompt_buckets=[prompt])
+                                               pad_token_id=0), layout, prompt_buckets=[prompt],
+                           chunk_tokens=4 if micro_batches > 1 else 32)
     rng = np.random.default_rng(0)
     tokens_bp = rng.integers(2, cfg.vocab_size, (rows, prompt)).astype(np.int32)
     mask_bp = np.ones((rows, prompt), bool)
     mask_bp[0, :3] = False
-    return layout, params, mask_bp, gen(params, tokens_bp, mask_bp, jax.random.key(1))
+    return layout, params, mask_bp, gen(params, tokens_bp, mask_bp, jax.random.key(1),
+                                        micro_batches=micro_batches)
 
 
 def _sequences(mask_bp, out):
@@ -64,20 +67,31 @@ def fp32_rollout():
     return cfg, *_rollout(cfg, 4, PROMPT, NEW)
 
 
-@pytest.mark.slow  # ~30 s: an MoE model's generation compile (cheaper sibling: the next tests)
-def test_engine_records_each_tokens_experts(fp32_rollout):
+@pytest.mark.slow  # ~30 s each: an MoE model's generation compiles (cheaper sibling: below)
+@pytest.mark.devices(4)
+@pytest.mark.parametrize("how", ["at_once", "scheduled"])
+def test_engine_records_each_tokens_experts(fp32_rollout, how):
     """Prompt tokens' experts from the prefill, each response token's from the step that fed
     it; in fp32 what a full forward over the rows chooses. NO_ROUTE on prompt padding and on
-    each row's last token (never fed back) and after it."""
-    cfg, _, params, mask_bp, out = fp32_rollout
+    each row's last token (never fed back) and after it. In one executable, or scheduled:
+    12 rows through 4 slots on d2t2 (the prompts' routes written by the routed SPMD fill),
+    each slot refilled as its row finishes (a fill into a busy state)."""
+    if how == "at_once":
+        cfg, _, params, mask_bp, out = fp32_rollout
+    else:
+        cfg = fp32_rollout[0]
+        _, params, mask_bp, out = _rollout(cfg, 12, PROMPT, NEW, micro_batches=3,
+                                           spec="0-3:d2t2")
+    rows = len(mask_bp)
     routes_bslk = np.asarray(out.routes_bslk)
-    assert routes_bslk.dtype == np.int8 and routes_bslk.shape == (4, PROMPT + NEW, 2, 2)
+    assert routes_bslk.dtype == np.int8 and routes_bslk.shape == (rows, PROMPT + NEW, 2, 2)
     seq_bs, seq_mask_bs = _sequences(mask_bp, out)
     lengths_b = np.asarray(out.response_mask_bn).sum(1)
     fed_bs = seq_mask_bs.copy()
-    fed_bs[np.arange(4), PROMPT + lengths_b - 1] = False  # each row's last token
+    fed_bs[np.arange(rows), PROMPT + lengths_b - 1] = False  # each row's last token
     recorded_bsl = routes_bslk[..., 0] >= 0
-    np.testing.assert_array_equal(recorded_bsl, np.broadcast_to(fed_bs[..., None], (4, 16, 2)))
+    np.testing.assert_array_equal(recorded_bsl, np.broadcast_to(fed_bs[..., None],
+                                                                recorded_bsl.shape))
     fresh_bslk = np.asarray(_fresh_routes(cfg, params, seq_bs, seq_mask_bs)[1])
     same_bsl = np.all(np.sort(fresh_bslk, -1) == np.sort(routes_bslk, -1), axis=-1)
     assert same_bsl[fed_bs].all()
