@@ -112,7 +112,8 @@ def prefill(apply, config: ModelConfig, prompt_tokens_bp, prompt_mask_bp, kv_seg
     return logits_b1v[:, 0], constrain_cache(cache), routes_bplk
 
 
-def decodes_layer_by_layer(platform: Platform, pipelined: bool, fsdp: int) -> bool:
+def decodes_layer_by_layer(platform: Platform, pipelined: bool, fsdp: int,
+                           records_routes: bool = False) -> bool:
     """Whether a generate call on such a layout decodes with `decode_layers.LayerByLayer`
     (`decode_model`); `plan.memory` counts the weight copy it holds by the same rule.
 
@@ -124,8 +125,12 @@ def decodes_layer_by_layer(platform: Platform, pipelined: bool, fsdp: int) -> bo
     step at batch 64 against the scanned stack's 3.68, 4.44 ms at batch 256 against 7.91;
     `benchmarks/gpu_kernels.py --stack=scan,layers`). On TPU not measured: it stays scanned
     there. With fsdp every token all-gathers each layer's weights anyway, and unrolled the
-    gathered layers would all be live at once; a pipeline keeps its stages apart."""
-    return platform in (Platform.CPU, Platform.GPU) and not pipelined and fsdp == 1
+    gathered layers would all be live at once; a pipeline keeps its stages apart. A model
+    with experts (`records_routes`, `config_records_routes`) decodes on the plain layer scan:
+    it records each token's experts as its layers sow them (routing replay, `engine.replay`),
+    which the scan keeps and a LayerStack does not."""
+    return (platform in (Platform.CPU, Platform.GPU) and not pipelined and fsdp == 1
+            and not records_routes)
 
 
 def config_records_routes(model_config: ModelConfig) -> bool:
@@ -140,10 +145,8 @@ def decode_model(model_config: ModelConfig, layout: Layout) -> Transformer:
     the scanned stack (on XLA:CPU whatever `scan_layers` says; the parameter tree is the
     same)."""
     stack = layer_stack(layout)
-    # A model with experts records each token's experts as its layers sow them (routing
-    # replay, `engine.replay`), which the plain layer scan keeps and a LayerStack does not.
-    by_layer = decodes_layer_by_layer(layout.platform, stack is not None, layout.strategy.fsdp)
-    if by_layer and not config_records_routes(model_config):
+    if decodes_layer_by_layer(layout.platform, stack is not None, layout.strategy.fsdp,
+                              config_records_routes(model_config)):
         return Transformer(model_config, LayerByLayer())
     if stack is None and layout.platform is Platform.CPU:  # both stacks copy there: the scan
         model_config = model_config.replace(scan_layers=True)  # keeps one gathered layer live

@@ -70,7 +70,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxrlhf.engine.decoding import decodes_layer_by_layer
+from jaxrlhf.engine.decoding import config_records_routes, decodes_layer_by_layer
 from jaxrlhf.engine.generate import runs_at_once
 from jaxrlhf.engine.inference import head_row_chunks
 from jaxrlhf.mfc import MFC, Call, Role
@@ -429,8 +429,8 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
     # (`engine.decoding.decode_model`): layer by layer where `decodes_layer_by_layer` says so,
     # on the layer weights sliced out of their stacks once per call (a copy held through the
     # call, no per-layer slice copy), else scanned.
-    by_layer = call is Call.GENERATE and decodes_layer_by_layer(platform, stages > 1,
-                                                                choice.fsdp)
+    by_layer = call is Call.GENERATE and decodes_layer_by_layer(
+        platform, stages > 1, choice.fsdp, config_records_routes(p.config))
     scanned = (p.config.scan_layers or call is Call.GENERATE) and not by_layer
     gathered = int(_gathered_bytes(p, choice, scanned)) + stage_weight_copy_bytes(
         p, call, choice, platform is Platform.CPU)
