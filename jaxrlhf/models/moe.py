@@ -39,6 +39,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.kernels import target
+
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
@@ -198,8 +200,11 @@ def blocked_grouped_matmul(x_ad: jax.Array, w_eio: jax.Array,
 
 def grouped_matmul(x_ad: jax.Array, w_eio: jax.Array, group_sizes_e: jax.Array) -> jax.Array:
     """x [A, in] (rows sorted by group) times each group's weight of w [E, in, out]: [A, out].
-    `ragged_dot` where the backend has a grouped matmul (GPU, TPU), else blocked."""
-    if jax.default_backend() in ("gpu", "tpu"):
+    `ragged_dot` where the program's devices have a grouped matmul (GPU, TPU), else blocked.
+    The devices are the mesh's (`kernels.target.platform`), not the default backend: a call
+    compiled for a TPU slice on a CPU host (`plan --compile`) took the blocked form, whose
+    per-block weight copies put Qwen3-30B-A3B's inference on f32 of a v5p-64 at 81.6 GiB."""
+    if target.platform() in ("gpu", "tpu"):
         return jax.lax.ragged_dot(x_ad, w_eio, group_sizes_e)
     return blocked_grouped_matmul(x_ad, w_eio, group_sizes_e)
 

@@ -5,7 +5,8 @@ sub-meshes, `parallel.submesh.legal_submeshes`; one device or all on a `whole_sl
 degrees d × f × t × p × e equal to its size, and a micro-batch count, such that
   * t divides the devices per host (tensor groups never leave a host) and both head counts;
   * e (expert parallelism) is 1 for a dense model and divides a mixture's expert count;
-  * p (pipeline stages) divides the number of layers (stages hold equal slices of the stack);
+  * p (pipeline stages) divides the number of layers (stages hold equal slices of the stack),
+    and is 1 for a mixture of experts' train step;
   * the rows of one jit call (the batch, or one PPO mini-batch when training) split evenly into
     micro-batches and each micro-batch over d × e × f;
   * the MFC alone fits in device memory (its own parameters, state and activations).
@@ -23,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from jaxrlhf.mfc import MFC
+from jaxrlhf.mfc import MFC, Call
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.parallel.strategy import DeviceRange
 from jaxrlhf.plan.choice import CallChoice
@@ -87,8 +88,10 @@ def degrees(num_devices: int, cluster: Cluster, model: ModelConfig,
 
 def configs(mfc: MFC, rows: int, num_devices: int, cluster: Cluster, model: ModelConfig,
             options: SpaceOptions) -> Iterator[Config]:
-    """Degrees × micro-batches that split `rows` evenly."""
-    for d, f, t, p, e in degrees(num_devices, cluster, model, options.max_pipeline):
+    """Degrees × micro-batches that split `rows` evenly. A mixture of experts trains without
+    a pipeline (`engine.train_step`: its stages would not collect the router's losses)."""
+    stages = 1 if mfc.call is Call.TRAIN_STEP and model.moe is not None else options.max_pipeline
+    for d, f, t, p, e in degrees(num_devices, cluster, model, stages):
         for k in options.micro_batches:
             if rows % k == 0 and (rows // k) % (d * e * f) == 0:
                 yield Config(d, f, t, k, p, e)
