@@ -43,7 +43,7 @@ def test_grpo_learns(tmp_path):  # PPO's run is tests/test_entry_train.py
     assert len(reward) == 30 and reward[-8:].mean() > reward[:8].mean() + 0.1, reward
 
 
-@pytest.mark.slow  # ~10 minutes on loaded cores: the config as shipped
+@pytest.mark.slow  # ~3 minutes on loaded cores (170 s, e8): the config as shipped
 @pytest.mark.entry
 def test_grpo_moe_learns(tmp_path):
     """configs/grpo_moe_tiny.py (8 experts, top-2): held-out +0.3 and >= 0.85, the router's
