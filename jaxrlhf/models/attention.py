@@ -33,6 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.models import decode_kv
 from jaxrlhf.models.decode_kv import DecodeKV
 from jaxrlhf.kernels import (
     cpu_decode_attention, decode_attention, flash_attention, target, tpu_attention,
@@ -193,7 +194,8 @@ def cached_query_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offse
 
     Args:
       q_b1hd: [b, 1, heads, head_dim] one query per row.
-      k_bkcdi, v_bksd: the cache, written up to each row's query slot.
+      k_bkcdi, v_bksd: the cache, written up to each row's query slot; a windowed layer's
+        may be a ring of fewer slots than kv_seg_bs has (`decode_kv`; XLA's path only).
       q_seg_b1, kv_seg_bs, q_offset: as `dot_product_attention`.
       impl: the implementation.
       window, softcap: as `dot_product_attention`; either runs the XLA products below.
@@ -214,7 +216,12 @@ def cached_query_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offse
     k_len = v_bksd.shape[2]
     dtype = q_b1hd.dtype
     q_slot_b1 = _query_slots(q_offset, batch, 1)
-    k_slot_bs = jnp.broadcast_to(jnp.arange(k_len), (batch, k_len))
+    if k_len < kv_seg_bs.shape[1]:  # a window's ring (`decode_kv`): position j holds slot s
+        k_slot_bs = decode_kv.ring_slots(q_slot_b1[:, 0], k_len)
+        kv_seg_bs = jnp.where(k_slot_bs >= 0, jnp.take_along_axis(
+            kv_seg_bs, jnp.maximum(k_slot_bs, 0), axis=1), 0)  # no slot yet: padding
+    else:
+        k_slot_bs = jnp.broadcast_to(jnp.arange(k_len), (batch, k_len))
     mask_b11s = attention_mask(q_slot_b1, q_seg_b1, k_slot_bs, kv_seg_bs, window)[:, 0, 0]
     groups = heads // kv_heads
     q_bkcgd = jnp.broadcast_to(q_b1hd.reshape(batch, kv_heads, 1, groups, head_dim),

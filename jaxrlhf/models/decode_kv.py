@@ -19,6 +19,11 @@ fixes, so every cache of one length has one tile size.
 
 Values stay [b, k, S, d]: p [g, S] x V [S, d] already reads V in place, near the memory
 bandwidth.
+
+A sliding-window layer's cache may hold fewer slots than the sequence, R < S (a ring): slot s
+lies at position s % R, so its R positions hold the latest R slots written, and a query at slot
+q reads position j as slot q - ((q - j) mod R) (`ring_slots`; `attention.cached_query_attention`).
+A cache of R >= S slots is the same ring that has not wrapped: slot s at position s.
 """
 
 from __future__ import annotations
@@ -56,6 +61,14 @@ def _tiled(k_bkds: jax.Array) -> jax.Array:
     tile, tiles = tile_size(length), _tiles(length)
     k_bkds = jnp.pad(k_bkds, ((0, 0), (0, 0), (0, 0), (0, tiles * tile - length)))
     return jnp.swapaxes(k_bkds.reshape(batch, kv_heads, head_dim, tiles, tile), 2, 3)
+
+
+def ring_slots(q_slot_b: jax.Array, length: int) -> jax.Array:
+    """int32 [b, R]: the slot each position of a ring of R = `length` positions holds for a
+    query at slot q_slot_b [b] (negative: no slot yet)."""
+    j_r = jnp.arange(length, dtype=jnp.int32)
+    q_b1 = q_slot_b.astype(jnp.int32)[:, None]
+    return q_b1 - jnp.mod(q_b1 - j_r, length)
 
 
 class DecodeKV(NamedTuple):
@@ -112,13 +125,29 @@ class DecodeKV(NamedTuple):
         """Rows `rows_m` [m] only, in that order."""
         return DecodeKV(*(jnp.take(x, rows_m, axis=0) for x in self))
 
+    def write_window(self, rows_u: jax.Array, k_uskd: jax.Array, v_uskd: jax.Array,
+                     last_u: jax.Array) -> "DecodeKV":
+        """A ring shorter than the L slots given (module docstring): each row's R positions set
+        to its latest R slots up to `last_u` [u] (int), gathered from keys and values
+        [u, L, k, d]; positions of slots before 0 get zeros. Rows as `write_prefix`."""
+        ring = self.length
+        slots_ur = ring_slots(last_u, ring)
+        take = lambda x_uskd: jnp.where(
+            (slots_ur >= 0)[:, :, None, None],
+            jnp.take_along_axis(x_uskd, jnp.maximum(slots_ur, 0)[:, :, None, None], axis=1), 0)
+        return self.write_prefix(rows_u, take(k_uskd), take(v_uskd))
+
     def write_prefix(self, rows_u: jax.Array, k_uskd: jax.Array, v_uskd: jax.Array
                      ) -> "DecodeKV":
         """The first L slots of rows `rows_u` [u] (an index >= b is padding, dropped) set to
         keys and values [u, L, k, d]. Later slots keep what they held, except that slots up to
         the end of slot L - 1's key tile read zero keys (never attended before this row's own
-        tokens overwrite them: causality hides them)."""
+        tokens overwrite them: causality hides them). A ring shorter than L keeps the last
+        R slots, each at its position (`write_window`)."""
         prefix = k_uskd.shape[1]
+        if prefix > self.length:
+            last_u = jnp.full(k_uskd.shape[:1], prefix - 1, jnp.int32)
+            return self.write_window(rows_u, k_uskd, v_uskd, last_u)
         tile = self.k_bkcdi.shape[-1]
         tiles = -(-prefix // tile)
         k_ukds = jnp.pad(jnp.transpose(k_uskd, (0, 2, 3, 1)),
@@ -133,8 +162,10 @@ class DecodeKV(NamedTuple):
     def write_token(self, k_bkd: jax.Array, v_bkd: jax.Array, slot) -> "DecodeKV":
         """One new token's keys and values [b, k, d] per row, in place: at `slot` (a scalar:
         a dynamic update of one slot) or row r's at `slot[r]` (int [b]: a scatter, which
-        writes only the rows' slots where a select would rewrite the whole cache)."""
+        writes only the rows' slots where a select would rewrite the whole cache); in a ring,
+        at the slot's position (slot % R)."""
         tile = self.k_bkcdi.shape[-1]
+        slot = slot % self.length
         k_bkd, v_bkd = k_bkd.astype(self.k_bkcdi.dtype), v_bkd.astype(self.v_bksd.dtype)
         if jnp.ndim(slot):
             rows_b = jnp.arange(k_bkd.shape[0])

@@ -179,6 +179,18 @@ def layer_window(cfg: ModelConfig, layer_id) -> jax.Array | int | None:
     return jnp.where(sliding, jnp.int32(cfg.sliding_window), jnp.int32(_NO_WINDOW))
 
 
+def decode_lengths(cfg: ModelConfig, length: int) -> tuple[int, ...]:
+    """Each layer's slots in a token loop's caches of `length` slots (`DecodeKV` per layer):
+    where the layers differ (Gemma 3) a sliding layer keeps only its window (a ring,
+    `models.decode_kv`), the others every slot. Where every layer slides (Mistral) each keeps
+    every slot: the engine reads the cache's length off its longest layer
+    (`engine.rollout.state.cache_len`)."""
+    if not cfg.layers_differ:
+        return (length,) * cfg.num_layers
+    return tuple(min(length, cfg.sliding_window) if i in cfg.sliding_layers else length
+                 for i in range(cfg.num_layers))
+
+
 def layer_inv_freq(cfg: ModelConfig, layer_id) -> jax.Array:
     """RoPE inverse frequencies [head_dim/2] of model layer `layer_id` (int or traced): a
     sliding layer's from `rope_local_theta` unscaled where the config sets one (Gemma 3)."""
@@ -270,7 +282,8 @@ class Attention(nn.Module):
         q = nn.with_logical_constraint(q, ("batch", "length", "act_heads", "head_dim"))
         k = nn.with_logical_constraint(k, ("batch", "length", "act_kv_heads", "head_dim"))
         cos_bt1d, sin_bt1d = rope_tables(positions_bt, layer_inv_freq(cfg, layer_id), q.dtype,
-                                         _positions_below(layer_cache, q.shape[1]))
+                                         _positions_below(layer_cache, q.shape[1],
+                                                          kv_segment_ids_bs))
         q, k = rotate(q, cos_bt1d, sin_bt1d), rotate(k, cos_bt1d, sin_bt1d)
         if cfg.query_pre_attn_scalar is not None:
             # Every implementation scales the scores by head_dim ** -1/2: the queries carry the
@@ -298,15 +311,16 @@ class Attention(nn.Module):
         return out, new_cache
 
 
-def _positions_below(layer_cache, q_len: int) -> int | None:
+def _positions_below(layer_cache, q_len: int, kv_segment_ids_bs) -> int | None:
     """A bound on the positions of a layer's queries, for `rope_tables`: the queries' own length
-    without a cache, a `DecodeKV`'s length (a token's position is at most its cache slot), else
+    without a cache, with a `DecodeKV` its slots' count (a token's position is at most its cache
+    slot; the segment ids' length, which a windowed layer's ring may be shorter than), else
     none. Why a bound for a `DecodeKV`: its attention broadcasts the rotated query over the key
     tiles, and XLA fused the rotation's sines and cosines into that broadcast (once per tile:
     a fifth of a decode step at 1,056 slots); gathered from a table, they are not recomputed."""
     if layer_cache is None:
         return q_len
-    return layer_cache[0].length if isinstance(layer_cache[0], DecodeKV) else None
+    return kv_segment_ids_bs.shape[1] if isinstance(layer_cache[0], DecodeKV) else None
 
 
 def _write_cache(layer_cache, k_btkd, v_btkd, cache_index):

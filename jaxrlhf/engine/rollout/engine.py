@@ -24,7 +24,7 @@ from jaxrlhf.engine.rollout.state import (
     INTS, Rows, SlotState, Vacant, cache_len, capacity_for, empty_state, read_poll, read_rows,
 )
 from jaxrlhf.models.config import HeadKind, ModelConfig
-from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer
+from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer, decode_lengths
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
 from jaxrlhf.parallel.pipeline import Pipeline
 from jaxrlhf.parallel.reshard import fetch, transfer
@@ -92,10 +92,10 @@ class Rollout:
         lay, c = self.layout, self.model.config
         length = self.prompt_len + capacity
         if self.by_layer:
-            shapes = DecodeKV.shapes(slots, c.num_kv_heads, c.head_dim, length)
-            layer = DecodeKV(*(lay.sharding(axes, shape)
-                               for axes, shape in zip(DECODE_AXES, shapes)))
-            cache = (layer,) * c.num_layers
+            cache = tuple(
+                DecodeKV(*(lay.sharding(axes, shape) for axes, shape in zip(
+                    DECODE_AXES, DecodeKV.shapes(slots, c.num_kv_heads, c.head_dim, n))))
+                for n in decode_lengths(c, length))
         else:
             stacked = lay.sharding(CACHE_AXES, (c.num_layers, slots, length, c.num_kv_heads,
                                                  c.head_dim))
@@ -380,7 +380,8 @@ class Rollout:
         want = self._fitted(capacity, needed)
         if want == capacity:
             return state
-        fn = functools.partial(programs.resize, length=self.prompt_len + want)
+        fn = functools.partial(programs.resize, self.model.config,
+                               length=self.prompt_len + want)
         return self._run(("resize", slots, capacity, want), self._state_out(fn, slots, want),
                          state)
 

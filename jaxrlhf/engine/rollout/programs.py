@@ -23,8 +23,9 @@ from jaxrlhf.engine.decoding import GenerateConfig, constrain_cache, draw, prefi
 from jaxrlhf.engine.rollout.state import (
     INTS, NO_VERSION, SlotState, cache_len, kv_segments, write_prompts,
 )
+from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.decode_kv import fit_length
-from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer
+from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer, decode_lengths
 
 
 def choose(s: SlotState, cfg: GenerateConfig, version, at=None) -> SlotState:
@@ -195,13 +196,14 @@ def fill_and_decode(fill, advance, finish, params, ints, prompts, table, version
     return finish(s), jnp.stack([s.steps_b, s.tokens_b], axis=1)
 
 
-def resize(s: SlotState, length: int) -> SlotState:
+def resize(config: ModelConfig, s: SlotState, length: int) -> SlotState:
     """The state with a cache of `length` slots: zero-padded, or cut (the caller knows no busy
-    row reaches past the cut)."""
+    row reaches past the cut); a windowed layer's ring to at most its window (a ring that has
+    not wrapped holds slot s at position s, so padding or cutting keeps every slot)."""
     if isinstance(s.cache, KVCache):
         cache = KVCache(*(fit_length(c, length, 2) for c in s.cache))
     else:
-        cache = tuple(c.resized(length) for c in s.cache)
+        cache = tuple(c.resized(n) for c, n in zip(s.cache, decode_lengths(config, length)))
     return s._replace(cache=constrain_cache(cache))
 
 
@@ -263,7 +265,9 @@ def recompute_cache(model: Transformer, n_new: int, params, s: SlotState) -> Slo
     fresh = constrain_cache(KVCache.zeros(model.config, slots, prompt_len + n_new))
     _, fresh = apply(tokens_bs, positions_bs, segments_bs, fresh, 0, segments_bs, last_only=True)
     everyone = jnp.arange(slots)
+    # A windowed layer's ring takes each row's latest slots: up to its last sampled token's.
+    last_b = prompt_len - 1 + jnp.clip(s.step_b, 0, n_new)
     return s._replace(cache=constrain_cache(
-        write_prompts(s.cache, fresh, everyone, prompt_len + n_new)))
+        write_prompts(s.cache, fresh, everyone, prompt_len + n_new, last_b)))
 
 

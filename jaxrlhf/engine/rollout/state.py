@@ -19,7 +19,7 @@ from jaxrlhf.engine import replay
 from jaxrlhf.engine.buckets import bucket_length
 from jaxrlhf.engine.decoding import GenerateConfig, constrain_cache
 from jaxrlhf.models.config import ModelConfig
-from jaxrlhf.models.transformer import DecodeKV, KVCache
+from jaxrlhf.models.transformer import DecodeKV, KVCache, decode_lengths
 
 NO_VERSION = -1  # versions_bn where no token was sampled
 _MIN_CAPACITY = 16
@@ -117,7 +117,9 @@ class Vacant(NamedTuple):
 
 
 def cache_len(cache) -> int:
-    return cache.k_lbskd.shape[2] if isinstance(cache, KVCache) else cache[0].length
+    """The slots P + C of a state's cache (a windowed layer's ring may hold fewer)."""
+    return (cache.k_lbskd.shape[2] if isinstance(cache, KVCache)
+            else max(c.length for c in cache))
 
 
 def kv_segments(prompt_mask_bp, n_new: int) -> jax.Array:
@@ -133,8 +135,8 @@ def _zeros_cache(config: ModelConfig, by_layer: bool, slots: int, length: int):
     if not by_layer:
         return constrain_cache(stacked)
     return constrain_cache(tuple(
-        DecodeKV.zeros(slots, config.num_kv_heads, config.head_dim, length, config.dtype)
-        for _ in range(config.num_layers)))
+        DecodeKV.zeros(slots, config.num_kv_heads, config.head_dim, n, config.dtype)
+        for n in decode_lengths(config, length)))
 
 
 def empty_state(config: ModelConfig, by_layer: bool, cfg: GenerateConfig, slots: int,
@@ -164,13 +166,17 @@ def empty_state(config: ModelConfig, by_layer: bool, cfg: GenerateConfig, slots:
     )
 
 
-def write_prompts(cache, new: KVCache, slots_k, length: int):
+def write_prompts(cache, new: KVCache, slots_k, length: int, last_k=None):
     """`new`'s rows [k] written into the first `length` cache slots of rows `slots_k` (an
-    index >= S is padding, dropped); `new` is stacked [L, k, length, kv, d]."""
+    index >= S is padding, dropped); `new` is stacked [L, k, length, kv, d]. A windowed layer's
+    ring shorter than `length` takes each row's latest slots up to `last_k` [k] (default: the
+    last, `length` - 1; `DecodeKV.write_window`)."""
     if isinstance(cache, KVCache):
         return KVCache(*(c.at[:, slots_k, :length].set(v.astype(c.dtype), mode="drop")
                          for c, v in zip(cache, new)))
-    return tuple(c.write_prefix(slots_k, k, v) for c, k, v in zip(cache, new.k_lbskd, new.v_lbskd))
+    return tuple(c.write_window(slots_k, k, v, last_k)
+                 if last_k is not None and c.length < length else c.write_prefix(slots_k, k, v)
+                 for c, k, v in zip(cache, new.k_lbskd, new.v_lbskd))
 
 
 class FillInts(NamedTuple):

@@ -1,0 +1,81 @@
+"""A sliding-window layer's decode cache holds only its window (a ring, `models.decode_kv`) in
+the rollout engine's layer-by-layer state: the bytes it allocates, and rows whose prompts and
+responses run past the window decoded, recomputed under new weights and decoded on, with the
+log-probs of a full forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf.engine.generate import GenerateConfig
+from jaxrlhf.engine.rollout import Rollout
+from jaxrlhf.models.sizes import get_size
+from jaxrlhf.parallel.layout import init_params, make_layout
+from tests.test_rollout import LENGTHS, N, P, _full_forward_logp
+
+WINDOW = 4  # tiny-gemma3's: layer 0 local, layer 1 global; shorter than the longest prompt
+
+
+def _gen_config(**kw):
+    return GenerateConfig(**{"max_new_tokens": N, "eos_token_id": 1, "pad_token_id": 0,
+                             "temperature": 1.0, **kw})
+
+
+def _cache_bytes(state) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(state.cache))
+
+
+def test_sliding_layers_allocate_only_their_window():
+    """Gemma-3-shaped, 6 layers (5 local with a 32-slot window, 1 global) at 256 slots: the
+    engine's cache is 5 x 32 + 256 slots of a layer's keys and values, 27% of every slot."""
+    config = get_size("tiny-gemma3", dtype=jnp.float32, num_layers=6, sliding_window=32,
+                      sliding_layers=(0, 1, 2, 3, 4))
+    layout = make_layout("0:d1", model=config)
+    cfg = GenerateConfig(max_new_tokens=224, eos_token_id=1, pad_token_id=0)
+    rollout = Rollout(config, cfg, layout, 32, 2)
+    if not rollout.by_layer:
+        pytest.skip("the stacked cache (accelerators) keeps every slot of every layer")
+    state = rollout.empty(capacity=224)
+    assert [c.length for c in state.cache] == [32] * 5 + [256]
+    per_slot = 2 * 2 * config.num_kv_heads * config.head_dim * 4  # 2 rows, keys and values
+    assert _cache_bytes(state) == (5 * 32 + 256) * per_slot  # 32 is a whole key tile
+    full = Rollout(config.replace(sliding_window=None, sliding_layers=()), cfg, layout, 32, 2)
+    assert _cache_bytes(state) / _cache_bytes(full.empty(capacity=224)) == 416 / 1536
+
+
+def test_ring_cache_decodes_recomputes_and_decodes_on():
+    """Prompts of up to 6 tokens and 10 sampled ones against the 4-slot ring: 4 tokens under
+    one policy, the cache recomputed under another (each row's latest slots into the ring),
+    the rest under it; each token's log-prob is its policy's full forward's (window masked)."""
+    config = get_size("tiny-gemma3", dtype=jnp.float32)
+    assert config.sliding_window == WINDOW and config.sliding_layers == (0,)
+    layout = make_layout("0-1:d2" if jax.device_count() >= 2 else "0:d1", model=config)
+    params_a = init_params(config, layout, jax.random.key(1))
+    params_b = init_params(config, layout, jax.random.key(2))
+    rng = np.random.default_rng(0)
+    tokens, mask = np.zeros((len(LENGTHS), P), np.int32), np.zeros((len(LENGTHS), P), bool)
+    for r, length in enumerate(LENGTHS):
+        tokens[r, P - length:] = rng.integers(3, config.vocab_size, length)
+        mask[r, P - length:] = True
+    rollout = Rollout(config, _gen_config(force_max_length=True), layout, P, len(LENGTHS))
+    state = rollout.fill(rollout.empty(), params_a, 0, np.arange(len(LENGTHS)), tokens, mask,
+                         [jax.random.key(3)] * len(LENGTHS), np.arange(len(LENGTHS)))
+    if rollout.by_layer:
+        assert state.cache[0].length == WINDOW < state.cache[1].length
+    state = rollout.advance(state, params_a, 0, 3, longest=1)
+    _, counts = rollout.poll(state)
+    state = rollout.reload(state, params_b, counts[2])
+    state = rollout.advance(state, params_b, 1, N)
+    assert rollout.poll(state)[0].all()
+    out = rollout.rows(state)
+    logp_a = _full_forward_logp(config, params_a, out.sequences_bs, out.sequence_mask_bs)
+    logp_b = _full_forward_logp(config, params_b, out.sequences_bs, out.sequence_mask_bs)
+    expected = np.where(out.versions_bn == 0, logp_a, logp_b)
+    np.testing.assert_allclose(out.logprobs_bn, expected, rtol=1e-5, atol=1e-5)
+    assert (out.versions_bn[:, -1] == 1).all() and np.abs(logp_a - logp_b).max() > 1e-2
+    # The window matters: without it the same tokens' log-probs differ.
+    unwindowed = config.replace(sliding_window=None, sliding_layers=())
+    logp_full = _full_forward_logp(unwindowed, params_b, out.sequences_bs,
+                                   out.sequence_mask_bs)
+    assert np.abs(np.where(out.versions_bn == 1, logp_full - logp_b, 0)).max() > 1e-3
