@@ -186,3 +186,23 @@ def test_reallocation_between_expert_layouts_is_bitwise():
             jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),
                          moved, params)
         assert jax.tree.leaves(back)[0].sharding == jax.tree.leaves(on_train)[0].sharding
+
+
+@pytest.mark.slow  # ~70 s: an RL job's programs on three layouts
+def test_rl_job_moves_weights_between_expert_and_tensor_layouts(tmp_path):
+    """configs/grpo_moe_tiny.py:smoke with generation on d4t2, training on d2e4 and the
+    reference on e8: the actor's weights move between the e and non-e layouts every step."""
+    import json
+
+    from jaxrlhf.configs import grpo_moe_tiny
+    from jaxrlhf.run import rl
+    from jaxrlhf.run.check import check_config
+
+    config = grpo_moe_tiny.get_config("smoke")
+    config.placement.kind, config.placement.strategy = "manual", ""
+    config.placement.allocation = "actor_gen=0-7:d4t2,actor_train=0-7:d2e4,ref_inf=0-7:e8"
+    summary = rl.run(check_config(config, str(tmp_path)))
+    assert summary["steps"] == 2 and not summary["interrupted"], summary
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    moved = [r["actor/realloc_bytes"] for r in records if "actor/realloc_bytes" in r]
+    assert len(moved) == 2 and min(moved) > 0, moved
