@@ -26,7 +26,8 @@ buffers of e*A*D elements each per device (e.g. 4096 tokens, k=8, D=2048, e=8, b
 (e-1)*A*D elements each way where a ragged exchange moves only the A*D that are real. The
 grouped matmuls run over the e*A buffer rows (on XLA:CPU's blocked form the work follows the
 buffer, not the load). What it buys: plain `all_to_all` lowers on every backend (XLA:CPU
-included, where the test suite runs; `ragged_all_to_all` is GPU/TPU only), its shapes are
+included, where the test suite runs; XLA:CPU rejects `ragged_all_to_all`: "HLO opcode
+`ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter", jax 0.10.2), its shapes are
 static, and every layout computes exactly the assignments a one-device run computes, so the
 results agree to rounding. A capacity factor would cut the buffers to a fraction and drop
 tokens past it; ragged all-to-all on GPU/TPU would cut the traffic: both are left for later.
