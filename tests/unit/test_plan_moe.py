@@ -183,3 +183,26 @@ def test_expert_parallel_buffers_hold_e_times_the_rows():
     d2e4 = CallChoice.of(parse_strategy("0-7:d2e4"))
     assert memory._gathered_bytes(p, d2e4, scanned=True) == e * d * f * (4 + a) // 4
 
+
+
+def test_accelerator_train_and_inference_of_experts_are_expert_parallel_or_one_rank():
+    """XLA's partitioner does not split a grouped matmul's rows over the batch axes, so on a
+    TPU or GPU a mixture's train step and inference are searched with e > 1 or no data
+    parallelism (`space._experts_partitioned`); generation (its own shard_map) and a CPU
+    cluster keep every layout."""
+    config = grpo_qwen3_30b_a3b.get_config()
+    experiment = run_spec(config).experiment()
+    model = experiment.model(experiment.graph.mfc("ref_inf").role)
+    tpu, cpu = load_cluster("meshes/tpu_v5p_64.py"), load_cluster("meshes/cpu_8.py")
+    options = space.SpaceOptions(micro_batches=(1,))
+    for name in ("ref_inf", "actor_train", "actor_gen"):
+        mfc = experiment.graph.mfc(name)
+        on_tpu = {c.degrees for c in space.configs(mfc, 512, 32, tpu, model, options)}
+        assert (1, 16, 1, 1, 2) in on_tpu  # e2f16
+        if name == "actor_gen":
+            assert (1, 32, 1, 1, 1) in on_tpu  # f32
+        else:
+            assert (1, 32, 1, 1, 1) not in on_tpu
+            assert all(e > 1 or d * f == 1 for d, f, _, _, e in on_tpu)
+        on_cpu = {c.degrees for c in space.configs(mfc, 512, 8, cpu, model, options)}
+        assert (1, 8, 1, 1, 1) in on_cpu
