@@ -205,10 +205,12 @@ def test_replay_routing_config():
         run_spec(config)
 
 
-@pytest.mark.slow  # ~25 s: an MoE train step's compile
-def test_train_step_replays_the_batchs_routes(fp32_rollout):
+@pytest.mark.slow  # ~25 s each: an MoE train step's compile
+@pytest.mark.parametrize("on", [True, False])
+def test_train_step_replays_the_batchs_routes(fp32_rollout, on):
     """The train step's loss is the cross-entropy of a forward on the batch's recorded
-    experts (shifted ids here), and routing_mismatch counts every token as changed."""
+    experts (shifted ids here) when replaying, else on the router's own; routing_mismatch
+    counts every token as changed either way."""
     cfg, layout, params, mask_bp, out = fp32_rollout
     cfg = cfg.replace(moe=cfg.moe.replace(aux_loss_coef=0.0, z_loss_coef=0.0))
     seq_bs, seq_mask_bs = _sequences(mask_bp, out)
@@ -225,9 +227,10 @@ def test_train_step_replays_the_batchs_routes(fp32_rollout):
         mask_bt = batch["loss_mask_bt"].astype(jnp.float32)
         return -jnp.sum(next_logp_bt * mask_bt), jnp.sum(mask_bt), {}
 
-    logits, _ = _fresh_routes(cfg, params, seq_bs, seq_mask_bs, replay.model_routes(routes_bslk))
+    logits, _ = _fresh_routes(cfg, params, seq_bs, seq_mask_bs,
+                              replay.model_routes(routes_bslk) if on else None)
     optimizer = opt.OptimizerConfig(lr=0.0, warmup_steps=0, total_steps=2)
-    readout = InferenceConfig(InferenceKind.LOGPROBS, replay_routing=True)
+    readout = InferenceConfig(InferenceKind.LOGPROBS, replay_routing=on)
     step = ts.make_train_step(cfg, layout, token_ce, optimizer, readout=readout)
     own = jax.tree.map(jnp.copy, params)  # the step donates its state's
     _, metrics = step(ts.create_train_state(own, cfg, layout, optimizer), batch)
