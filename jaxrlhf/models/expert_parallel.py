@@ -13,10 +13,10 @@ MaxText). `expert_swiglu` then runs, per device (`jax.shard_map` over the whole 
      (E/e marks an empty row);
   2. `all_to_all` over "expert" swaps dim 0: row (s, j) is now source s's j-th row for me;
   3. the e*A received rows are sorted by local expert and run through the grouped matmuls
-     of the local experts (`moe.grouped_matmul`), empty rows counted in the last group (they
+     of the local experts (`grouped_experts.grouped_matmul`), empty rows counted in the last group (they
      are zeros and come out zeros);
   4. a second `all_to_all` returns every row to its source, which reads each assignment back
-     from (rank, row) and sums its k rows weighed by the router, as `moe.experts_swiglu` does.
+     from (rank, row) and sums its k rows weighed by the router, as `grouped_experts.experts_swiglu` does.
 
 Dropless with a static worst-case buffer per device pair, not `ragged_all_to_all`: any one
 rank may route all A of its assignments to one expert rank, and all e ranks may route to the
@@ -37,11 +37,12 @@ Composes with d, f, t (the rows of a tensor group are the same, each rank comput
 shard_map is batched over; a model with experts trains without a pipeline, engine/train_step).
 Where the expert axis is absent, of size 1, or already manual (inside the rollout engine's
 per-device `shard_map`, where the weights arrive whole), the block computes its experts
-locally (`moe.experts_swiglu`).
+locally (`grouped_experts.experts_swiglu`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -49,19 +50,28 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxrlhf.models import moe
-from jaxrlhf.parallel.strategy import Axis
+from jaxrlhf.models.grouped_experts import Routing, experts_swiglu, grouped_matmul
 
-EXPERT_AXIS = Axis.EXPERT.value
+
+def expert_axis() -> str | None:
+    """The mesh axis the experts' E dim is split over under the logical rules in scope
+    (parallel/rules.py maps "experts" to the strategy's expert axis), where the context mesh
+    has it with size > 1 and not already manual; else None (the block computes locally).
+    Asked of the rules, not named here: the model layer does not know the strategy's axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    (axis,) = nn.logical_to_mesh_axes(("experts",))
+    if not isinstance(axis, str) or axis not in mesh.axis_names or axis in mesh.manual_axes:
+        return None
+    return axis if mesh.shape[axis] > 1 else None
 
 
 def expert_ways() -> int:
     """Size of the context mesh's expert axis that a block may split experts over: 1 without
     a mesh in scope, without an expert axis, or where that axis is already manual."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or EXPERT_AXIS not in mesh.axis_names or EXPERT_AXIS in mesh.manual_axes:
-        return 1
-    return mesh.shape[EXPERT_AXIS]
+    axis = expert_axis()
+    return 1 if axis is None else jax.sharding.get_abstract_mesh().shape[axis]
 
 
 def _batch_axes(rows: int) -> tuple[str, ...]:
@@ -86,20 +96,21 @@ def _local_experts_swiglu(x_rd: jax.Array, local_r: jax.Array, gate_edf: jax.Arr
     sizes_e = jnp.bincount(local_r, length=local_experts + 1).astype(jnp.int32)
     sizes_e = sizes_e[:local_experts].at[-1].add(sizes_e[local_experts])
     xs_rd = jnp.take(x_rd, order_r, axis=0)
-    h_rf = (nn.silu(moe.grouped_matmul(xs_rd, gate_edf, sizes_e))
-            * moe.grouped_matmul(xs_rd, up_edf, sizes_e))
-    ys_rd = moe.grouped_matmul(h_rf, down_efd, sizes_e)
+    h_rf = (nn.silu(grouped_matmul(xs_rd, gate_edf, sizes_e))
+            * grouped_matmul(xs_rd, up_edf, sizes_e))
+    ys_rd = grouped_matmul(h_rf, down_efd, sizes_e)
     return jnp.zeros_like(ys_rd).at[order_r].set(ys_rd, unique_indices=True)
 
 
-def _dispatch_compute_combine(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array,
-                              gate_edf: jax.Array, up_edf: jax.Array, down_efd: jax.Array
-                              ) -> jax.Array:
-    """One device's part (under shard_map): its tokens x [b, t, D] and routing [b, t, k],
-    its E/e experts' weights; returns its tokens' outputs [b, t, D] (module docstring)."""
+def _dispatch_compute_combine(axis: str, x_btd: jax.Array, experts_btk: jax.Array,
+                              weights_btk: jax.Array, gate_edf: jax.Array, up_edf: jax.Array,
+                              down_efd: jax.Array) -> jax.Array:
+    """One device's part (under shard_map over the expert mesh axis `axis`): its tokens
+    x [b, t, D] and routing [b, t, k], its E/e experts' weights; returns its tokens' outputs
+    [b, t, D] (module docstring)."""
     b, t, d = x_btd.shape
     top_k = experts_btk.shape[-1]
-    ways = jax.lax.axis_size(EXPERT_AXIS)
+    ways = jax.lax.axis_size(axis)
     local_experts = gate_edf.shape[0]
     assignments = b * t * top_k
     x_td = x_btd.reshape(b * t, d)
@@ -113,7 +124,7 @@ def _dispatch_compute_combine(x_btd: jax.Array, experts_btk: jax.Array, weights_
         jnp.take(x_td, order_a // top_k, axis=0), unique_indices=True)
     local_ga = jnp.full((ways, assignments), local_experts, jnp.int32).at[rank_s, row_s].set(
         expert_s % local_experts, unique_indices=True)
-    exchange = lambda a: jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True)
+    exchange = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)
     recv_gad, recv_local_ga = exchange(send_gad), exchange(local_ga)
     y_rd = _local_experts_swiglu(recv_gad.reshape(ways * assignments, d),
                                  recv_local_ga.reshape(-1), gate_edf, up_edf, down_efd)
@@ -125,25 +136,26 @@ def _dispatch_compute_combine(x_btd: jax.Array, experts_btk: jax.Array, weights_
     return y_td.reshape(b, t, d)
 
 
-def expert_swiglu(x_btd: jax.Array, routing_btk: moe.Routing, gate_edf: jax.Array,
+def expert_swiglu(x_btd: jax.Array, routing_btk: Routing, gate_edf: jax.Array,
                   up_edf: jax.Array, down_efd: jax.Array) -> jax.Array:
     """sum_j w_j * expert_{e_j}(x) for x [b, t, D] and a routing of [b, t, k]: [b, t, D].
 
     Split over the context mesh's expert axis where it has one (module docstring), else
-    computed locally by `moe.experts_swiglu`. Weights [E, in, out] in x's dtype."""
+    computed locally by `grouped_experts.experts_swiglu`. Weights [E, in, out] in x's dtype."""
     b, t, d = x_btd.shape
-    if expert_ways() == 1:
-        routing_tk = moe.Routing(*(a.reshape(b * t, -1) for a in routing_btk))
-        return moe.experts_swiglu(x_btd.reshape(b * t, d), routing_tk, gate_edf, up_edf,
-                                  down_efd).reshape(b, t, d)
+    axis = expert_axis()
+    if axis is None:
+        routing_tk = Routing(*(a.reshape(b * t, -1) for a in routing_btk))
+        return experts_swiglu(x_btd.reshape(b * t, d), routing_tk, gate_edf, up_edf,
+                              down_efd).reshape(b, t, d)
     rows = PartitionSpec(_batch_axes(b) or None)
-    experts = PartitionSpec(EXPERT_AXIS)
+    experts = PartitionSpec(axis)
     # check_vma off: inside a pipeline's stage vmap (parallel/pipeline.py, spmd_axis_name
     # "pipeline") the checker takes the output for varying over "pipeline" too, where the
     # batching rule splits it there; on the other axes (tensor, ...) it is replicated indeed:
     # every rank of them computes the same rows.
     local = jax.shard_map(
-        _dispatch_compute_combine,
+        functools.partial(_dispatch_compute_combine, axis),
         in_specs=(rows, rows, rows, experts, experts, experts), out_specs=rows, check_vma=False)
     return local(x_btd, routing_btk.experts_tk, routing_btk.weights_tk, gate_edf, up_edf,
                  down_efd)

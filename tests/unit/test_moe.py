@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.engine.decode_layers import LayerByLayer
-from jaxrlhf.models import moe
+from jaxrlhf.models import grouped_experts, moe
 from jaxrlhf.models.sizes import (
     abstract_params, get_size, matmul_params, param_count, stored_param_count,
 )
@@ -44,7 +44,7 @@ def _reference(x_td, routing, gate, up, down):
 def test_grouped_dispatch_equals_per_token_reference():
     x_td, gate, up, down, logits = _weights()
     routing = moe.route(logits, K, norm_topk_prob=True)
-    np.testing.assert_allclose(jax.jit(moe.experts_swiglu)(x_td, routing, gate, up, down),
+    np.testing.assert_allclose(jax.jit(grouped_experts.experts_swiglu)(x_td, routing, gate, up, down),
                                jax.jit(_reference)(x_td, routing, gate, up, down), atol=1e-5,
                                rtol=0)
 
@@ -53,7 +53,7 @@ def test_grouped_dispatch_equals_per_token_reference():
         return jnp.sum(jnp.sin(fn(x_td, r, gate, up, down)))
 
     args = (x_td, gate, up, down, logits)
-    ours = jax.jit(jax.grad(lambda *a: loss(moe.experts_swiglu, *a), argnums=range(5)))(*args)
+    ours = jax.jit(jax.grad(lambda *a: loss(grouped_experts.experts_swiglu, *a), argnums=range(5)))(*args)
     ref = jax.jit(jax.grad(lambda *a: loss(_reference, *a), argnums=range(5)))(*args)
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
@@ -101,10 +101,10 @@ def test_blocked_grouped_matmul_equals_ragged_dot():
     sizes = jnp.array([0, 37, 1, 0, 9, 17], jnp.int32)
     x = jnp.asarray(rng.standard_normal((int(sizes.sum()), D)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((len(sizes), D, F)), jnp.float32)
-    ours = jax.jit(moe.blocked_grouped_matmul)(x, w, sizes)
+    ours = jax.jit(grouped_experts.blocked_grouped_matmul)(x, w, sizes)
     np.testing.assert_allclose(ours, jax.lax.ragged_dot(x, w, sizes), atol=1e-5, rtol=0)
     loss = lambda fn: lambda x, w: jnp.sum(jnp.sin(fn(x, w, sizes)))
-    for a, b in zip(jax.jit(jax.grad(loss(moe.blocked_grouped_matmul), argnums=(0, 1)))(x, w),
+    for a, b in zip(jax.jit(jax.grad(loss(grouped_experts.blocked_grouped_matmul), argnums=(0, 1)))(x, w),
                     jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(x, w)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
@@ -116,7 +116,7 @@ def test_no_tokens_by_experts_intermediate():
     x_td, gate, up, down, logits = _weights()
 
     def block(x_td, gate, up, down, logits):
-        return moe.experts_swiglu(x_td, moe.route(logits, K, True), gate, up, down)
+        return grouped_experts.experts_swiglu(x_td, moe.route(logits, K, True), gate, up, down)
 
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(block(*a)), argnums=(0, 1)))
     hlo = grad.lower(x_td, gate, up, down, logits).compile().as_text()
