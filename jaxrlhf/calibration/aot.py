@@ -34,9 +34,11 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from jaxrlhf.algorithms import routing
 from jaxrlhf.checkpoint import abstract_state
 from jaxrlhf.calibration import hlo_counts, peaks, validate
 from jaxrlhf.dataflow.executors import padded_batch
+from jaxrlhf.engine import replay
 from jaxrlhf.engine.inference import InferenceBatch
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.config import HeadKind
@@ -207,7 +209,13 @@ def step_buffer(spec: RunSpec) -> dict[str, np.ndarray]:
             buf.setdefault(mask, np.ones((rows, p), bool))
             arrays = (np.ones((rows, p + n), np.int32), np.ones((rows, p + n), bool),
                       np.ones((rows, n), bool), np.zeros((rows, n), np.float32))
-            buf.update(zip(mfc.outputs, arrays, strict=True))
+            outputs = [k for k in mfc.outputs if not routing.is_routes_key(k)]
+            buf.update(zip(outputs, arrays, strict=True))
+            # Routing replay: the experts the rollout recorded, [rows, s, L, k].
+            config = spec.models[mfc.role].config
+            for key in mfc.outputs[len(outputs):]:
+                buf[key] = np.zeros((rows, p + n, config.num_layers, config.moe.top_k),
+                                    replay.route_dtype(config.moe.num_experts))
         elif mfc.call is Call.INFERENCE:
             # a reward (or cost) model's score, or a host function's, per row (`engine_call`)
             per_row = mfc.host or (spec.models[mfc.role].config.head is not HeadKind.LM
