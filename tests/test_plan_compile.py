@@ -21,10 +21,12 @@ import pytest
 
 from jaxrlhf.calibration import aot, targets
 from jaxrlhf.mfc import Role
+from jaxrlhf.parallel.strategy import parse_strategy
+from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import load_cluster
-from jaxrlhf.run.layouts import execution_plan
+from jaxrlhf.run.layouts import execution_plan, searched_plan
 from jaxrlhf.spec import run_spec
-from jaxrlhf.configs import grpo_tiny, ppo_tiny
+from jaxrlhf.configs import grpo_qwen3_30b_a3b, grpo_tiny, ppo_tiny
 
 pytestmark = pytest.mark.tpu_compile
 
@@ -426,3 +428,40 @@ def test_cluster_files_usable_hbm_is_below_libtpus(libtpu, name):
     cluster = load_cluster(f"meshes/{name}.py")
     reported = targets.reported_hbm_bytes(targets.topology_devices(cluster))
     assert 0.8 * reported < cluster.usable_hbm_bytes < reported
+
+
+
+# grpo_qwen3_30b_a3b's calls on a v5p-64 (v5p:2x4x4) as measured, strict xfails that fail once
+# fixed. Generation: with the experts' ragged_dot (what a TPU runs) libtpu's Mosaic lowering
+# fails ("Bad lhs type", a bf16 tpu.matmul at fp32 contract precision); with the blocked CPU
+# form it compiled at 24.15 GiB, model 22.44 (-7.1%). Expert-parallel inference and training
+# miss by more than 15% (the model prices the all-to-all's static buffers as e*T*k rows beside
+# the grouped matmuls': XLA keeps fewer at inference's peak, more at the train step's).
+_QWEN3_30B_CALLS = [
+    pytest.param("actor_gen", "0-31:d8e4@1", marks=pytest.mark.xfail(
+        strict=True, reason="libtpu's Mosaic lowering of the experts' ragged_dot in decoding")),
+    pytest.param("ref_inf", "0-31:e2f16@1", marks=pytest.mark.xfail(
+        strict=True, reason="model +50.2% of XLA (18.24 against 12.15 GiB)")),
+    pytest.param("ref_inf", "0-31:d4e4f2@1", marks=pytest.mark.xfail(
+        strict=True, reason="model +64.9% of XLA (39.84 against 24.16 GiB)")),
+    pytest.param("actor_train", "0-31:d4e8@4", marks=pytest.mark.xfail(
+        strict=True, reason="model -20.6% of XLA (75.41 against 94.91 GiB), XLA's does not fit")),
+]
+
+
+@pytest.mark.slow  # a 30B mixture of experts: 3 to 5 minutes a call on 2 loaded cores
+@pytest.mark.parametrize("call,layout", _QWEN3_30B_CALLS)
+def test_qwen3_30b_a3b_calls_compile_for_v5p_64_within_15_percent(libtpu, call, layout):
+    """configs/grpo_qwen3_30b_a3b.py's calls on a v5p-64 (32 chips): each compiles, fits, and
+    the memory model is within 15% of XLA's peak (see `_QWEN3_30B_CALLS`)."""
+    config = grpo_qwen3_30b_a3b.get_config()
+    cluster = load_cluster(config.placement.cluster)
+    spec = run_spec(config)
+    strategy, micro = layout.split("@")
+    plan = searched_plan(spec).replace(**{call: CallChoice.of(parse_strategy(strategy),
+                                                              int(micro))})
+    (report,) = aot.compile_plan(spec, cluster, plan, targets.topology_devices(cluster),
+                                 cluster.usable_hbm_bytes, calls={call})
+    assert report.compiled, report.error
+    assert report.fits, (report.xla_bytes, report.limit_bytes)
+    assert abs(report.memory_error) < 0.15, (call, report.model_bytes, report.xla_bytes)
