@@ -26,7 +26,7 @@ from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import load_cluster
 from jaxrlhf.run.layouts import execution_plan, searched_plan
 from jaxrlhf.spec import run_spec
-from jaxrlhf.configs import grpo_qwen3_30b_a3b, grpo_tiny, ppo_tiny
+from jaxrlhf.configs import grpo_moe_tiny, grpo_qwen3_30b_a3b, grpo_tiny, ppo_tiny
 
 pytestmark = pytest.mark.tpu_compile
 
@@ -429,6 +429,25 @@ def test_cluster_files_usable_hbm_is_below_libtpus(libtpu, name):
     reported = targets.reported_hbm_bytes(targets.topology_devices(cluster))
     assert 0.8 * reported < cluster.usable_hbm_bytes < reported
 
+
+
+def test_a_mixture_of_experts_compiles_for_tpu_expert_parallel(v5p_8):
+    """grpo_moe_tiny's calls on d2e2 of a v5p-8: generation, inference and the train step
+    compile with the experts' ragged_dot (libtpu's grouped matmul) and the all-to-all, under
+    the suite's "highest" matmul precision, which libtpu's kernel refused for bf16 operands
+    ("Bad lhs type")."""
+    cluster, devices = v5p_8
+    config = grpo_moe_tiny.get_config()
+    config.placement.strategy = "d2e2"
+    for role in ("actor", "ref"):
+        config.models[role].dtype = "bfloat16"  # as a TPU run computes
+    spec = run_spec(config)
+    plan = execution_plan(spec, cluster.num_devices)
+    reports = aot.compile_plan(spec, cluster, plan, devices, cluster.usable_hbm_bytes)
+    assert {r.name for r in reports} == {"actor_gen", "ref_inf", "actor_train"}
+    for r in reports:
+        assert r.compiled, r.error
+        assert r.fits and r.model_bytes > 0
 
 
 # grpo_qwen3_30b_a3b's calls on a v5p-64 (v5p:2x4x4) as measured, strict xfails that fail once
