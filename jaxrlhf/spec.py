@@ -406,8 +406,6 @@ def _routing(config: ConfigDict, algorithm: Algorithm, base: ModelSpec, async_rl
     mode = enum_value(ReplayRouting, config.models.actor.moe.replay_routing, where)
     why_not = (
         "the actor has no experts" if base.config.moe is None
-        else "asynchronous RL (async_rl.max_staleness > 0) does not carry the routes from its "
-             "rollout workers yet" if async_rl.max_staleness
         else "multi-turn trajectories do not carry the routes yet" if multiturn
         else f"{algorithm.name} trains on offline batches, not rollouts" if algorithm.offline
         else f"{algorithm.name} trains on other rows than it generates"

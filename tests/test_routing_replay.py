@@ -173,8 +173,8 @@ def test_routes_pack_as_every_per_token_array():
 
 
 def test_replay_routing_config():
-    """auto: replay for a synchronous RL run of a model with experts, nothing for a dense
-    one; off: recorded only; on where impossible, and bad values: one line naming the key."""
+    """auto: replay for an RL run of a model with experts, synchronous or asynchronous,
+    nothing for a dense one; off: recorded only; on where impossible, and bad values: one line naming the key."""
     from jaxrlhf.configs import grpo_moe_tiny, grpo_tiny
 
     spec = run_spec(grpo_moe_tiny.get_config("smoke"))
@@ -193,12 +193,14 @@ def test_replay_routing_config():
         config.models[role].moe.replay_routing = value
         with pytest.raises(ConfigError, match=message):
             run_spec(config)
-    config = grpo_moe_tiny.get_config("smoke")
-    config.models.actor.moe.replay_routing, config.async_rl.max_staleness = "on", 1
-    with pytest.raises(ConfigError, match="asynchronous RL"):
-        run_spec(config)
-    config.models.actor.moe.replay_routing = "auto"
-    assert run_spec(config).routing is Routing.NONE
+    config = grpo_moe_tiny.get_config("smoke")  # asynchronous RL: its worker's rows carry them
+    config.async_rl.max_staleness = 1
+    for mode in ("auto", "on"):
+        config.models.actor.moe.replay_routing = mode
+        spec = run_spec(config)
+        assert spec.routing is Routing.REPLAY
+        (gen,) = (m for m in spec.algorithm.mfcs if m.name == "actor_gen")
+        assert gen.outputs[-1] == key
     config = grpo_tiny.get_config("smoke")
     config.models.actor.moe.replay_routing = "on"
     with pytest.raises(ConfigError, match="the actor has no experts"):
@@ -280,3 +282,117 @@ def test_replay_keeps_an_moe_models_logprob_gap_within_a_dense_ones():
     assert gap["moe", True].mean() <= gap["dense"].mean()
     assert gap["moe", False].max() > gap["dense"].max()  # what replay avoided
     assert gap["moe", True].max() < gap["moe", False].max() / 2
+
+
+@pytest.mark.slow  # ~40 s: an MoE model's rollout engine and its recompute compile
+def test_async_worker_rows_carry_each_tokens_experts_across_versions():
+    """Asynchronous RL's rollout worker (run/rollout_worker.py) hands its rows' routes to the
+    trainer as the generate call does. A row that goes on under new weights
+    (on_new_version=continue, its cache recomputed) keeps every token's experts from when it
+    was fed, under the weights that sampled the next token: in fp32 a full forward under
+    version 0's weights gives those of the tokens fed before the switch, one under version 1's
+    (whose keys the recompute made) those fed after; NO_ROUTE on padding and each row's last
+    token."""
+    from jaxrlhf.engine.rollout import Rollout
+    from jaxrlhf.engine.rollout.scheduler import OnNewVersion
+    from jaxrlhf.mfc import MFC, Call, Role
+    from jaxrlhf.run.rollout_worker import RolloutWorker
+
+    cfg = get_size("tiny-moe", dtype=jnp.float32)
+    layout = make_layout("0-1:d2", model=cfg)
+    params_a, params_b = _params(cfg), jax.tree.map(lambda x: x * 1.5, _params(cfg))
+    rows, first = 4, 4  # tokens each row has at the switch: its fill's, then a chunk of 3
+    gen = GenerateConfig(max_new_tokens=NEW, eos_token_id=1, pad_token_id=0,
+                         force_max_length=True)
+    outputs = ("seq_tokens_bs", "seq_mask_bs", "response_mask_bn", "behav_logp_bn")
+    mfc = MFC("actor_gen", Role.ACTOR, Call.GENERATE, ("prompt_tokens_bp", "prompt_mask_bp"),
+              (*outputs, routes_key(outputs[0])))
+    worker = RolloutWorker(mfc, Rollout(cfg, gen, layout, PROMPT, rows), layout, cfg, seed=5,
+                           chunk_tokens=first - 1, on_new_version=OnNewVersion.CONTINUE)
+    rng = np.random.default_rng(0)
+    tokens_bp = rng.integers(2, cfg.vocab_size, (rows, PROMPT)).astype(np.int32)
+    mask_bp = np.ones((rows, PROMPT), bool)
+    mask_bp[0, :3] = False
+    worker.install(params_a, 0)
+    worker.start(0, {"prompt_tokens_bp": tokens_bp, "prompt_mask_bp": mask_bp}, None, 0.0)
+    assert not worker.step(lambda: 1.0)
+    worker.install(params_b, 1)
+    done = []
+    while worker.busy:
+        done += worker.step(lambda: 1.0)
+    (got,) = done
+    assert got.interruptions == 1
+    np.testing.assert_array_equal(got.versions_bn[:, :first], 0)
+    np.testing.assert_array_equal(got.versions_bn[:, first:], 1)
+    seq_bs, seq_mask_bs = got.buffer["seq_tokens_bs"], got.buffer["seq_mask_bs"]
+    routes_bslk = got.buffer[routes_key(outputs[0])]
+    assert routes_bslk.dtype == np.int8 and routes_bslk.shape == (rows, PROMPT + NEW, 2, 2)
+    fresh = {v: np.sort(np.asarray(_fresh_routes(cfg, p, seq_bs, seq_mask_bs)[1]), -1)
+             for v, p in ((0, params_a), (1, params_b))}
+    # Position s feeds the token that samples s + 1: the prompt's and the first first - 1
+    # responses' under version 0, the rest under version 1 (the last token is never fed).
+    fed_bs = seq_mask_bs.copy()
+    fed_bs[:, -1] = False
+    under_a_s = np.arange(PROMPT + NEW) < PROMPT + first - 1
+    recorded_bsl = routes_bslk[..., 0] >= 0
+    np.testing.assert_array_equal(recorded_bsl, np.broadcast_to(fed_bs[..., None],
+                                                                recorded_bsl.shape))
+    want_bslk = np.where(under_a_s[None, :, None, None], fresh[0], fresh[1])
+    same_bsl = np.all(np.sort(routes_bslk, -1) == want_bslk, axis=-1)
+    assert same_bsl[fed_bs].all()
+    assert not np.all(fresh[0] == fresh[1], axis=-1)[fed_bs & ~under_a_s].all()  # they differ
+
+
+@pytest.mark.slow  # ~60 s: an asynchronous GRPO job of the tiny MoE compiles every call
+def test_async_run_trains_on_the_routes_its_rollout_recorded(tmp_path, monkeypatch):
+    """configs/grpo_moe_tiny.py:smoke with async_rl.max_staleness=1 (replay on by default) in
+    one process: every update's train step replays exactly the routes the rollout worker
+    recorded for the batch it trains (batch k, update k), some batch was generated under
+    weights a version old, and actor/routing_mismatch is logged every step."""
+    from jaxrlhf import checkpoint
+    from jaxrlhf.configs import grpo_moe_tiny
+    from jaxrlhf.data import datasets, tasks
+    from jaxrlhf.dataflow import executors
+    from jaxrlhf.run import async_loop, build
+    from jaxrlhf.run.check import check_config
+    from jaxrlhf.run.rollout_worker import RolloutWorker
+
+    config = grpo_moe_tiny.get_config("smoke")
+    config.update(steps=3)
+    config.rollout.update(batch_size=4, group_size=2, max_new_tokens=6)
+    config.async_rl.update(max_staleness=1, chunk_tokens=2)
+    config.checkpoint.update(every=0, async_save=False)
+    job = check_config(config, str(tmp_path))
+    assert job.spec.routing is Routing.REPLAY
+    generated, trained = {}, []
+    finish, train_routes = RolloutWorker._finish, executors._train_routes
+
+    def spy_finish(worker, index, *args):
+        done = finish(worker, index, *args)
+        generated[index] = np.asarray(done.buffer[routes_key("seq_tokens_bs")])
+        return done
+
+    def spy_train_routes(mfc, routes_bslk, batch):
+        trained.append(np.asarray(jax.device_get(routes_bslk)))
+        return train_routes(mfc, routes_bslk, batch)
+
+    monkeypatch.setattr(RolloutWorker, "_finish", spy_finish)
+    monkeypatch.setattr(executors, "_train_routes", spy_train_routes)
+    rows = tasks.make_reverse_task(tasks.ReverseTask(num_train=32, num_eval=4, num_sft=4)).train
+    prompts = datasets.EpochIterator(rows, job.spec.rollout.batch_size, seed=job.spec.seed)
+    metrics = {}
+    sink = type("Sink", (), {"write": lambda self, step, m: metrics.update({step: dict(m)})})()
+    checkpoints = checkpoint.Checkpointer(tmp_path / "ckpt", job.spec.checkpoint)
+    with build.host_pools(job.spec) as pools:
+        runner = build.fresh_runner(job, pools)
+        result = async_loop.rl_loop(job, runner, prompts, sink, checkpoints, {})
+        runner.close()
+    checkpoints.close()
+    assert not result.interrupted and sorted(metrics) == [0, 1, 2]
+    assert max(metrics[s]["async/staleness_max"] for s in metrics) == 1
+    assert len(trained) == 3
+    for k, routes_bslk in enumerate(trained):
+        assert (routes_bslk >= 0).any()
+        np.testing.assert_array_equal(routes_bslk, generated[k])
+    for s in metrics:
+        assert 0.0 <= metrics[s]["actor/routing_mismatch"] <= 1.0

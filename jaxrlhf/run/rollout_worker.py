@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.algorithms.routing import is_routes_key
 from jaxrlhf.dataflow.executors import cut_responses
 from jaxrlhf.dataflow.trajectories import Environment, Trajectories, TurnRequests
 from jaxrlhf.engine.rollout import NO_VERSION, Rollout, Rows
@@ -237,13 +238,19 @@ class RolloutWorker:
     def _finish(self, index: int, out: _Batch, now, idle: float) -> Generated:
         if out.turns is not None:
             return self._finish_turns(index, out, now, idle)
-        # A model's experts (routes, last) stay here: the run refuses routing replay under
-        # asynchronous RL (`spec._routing`), its MFCs read none.
-        sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn, versions_bn = (
-            out.outputs[:5])
+        sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn, versions_bn, routes = (
+            out.outputs)
+        # A model's experts go on with the rows where the graph reads them (routing replay,
+        # `algorithms.routing`: the generate MFC then outputs them, last); each token's were
+        # recorded when it was fed, under the weights whose logits sampled the next one.
+        recorded = (routes,) if any(is_routes_key(k) for k in self.mfc.outputs) else ()
+        if recorded and routes is None:
+            raise ValueError(f"MFC {self.mfc.name}: its layout ({self.layout}) records no "
+                             "expert routes (a pipeline); set models.actor.moe.replay_routing"
+                             "=off and give it a layout without pipeline stages")
         # Cut after the longest response, as the synchronous generate executor does.
-        arrays = cut_responses((sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn),
-                               response_mask_bn.shape[1])
+        arrays = cut_responses((sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn,
+                                *recorded), response_mask_bn.shape[1])
         buffer = {**out.batch, **dict(zip(self.mfc.outputs, arrays, strict=True))}
         return Generated(index, buffer, versions_bn[:, :arrays[2].shape[1]], out.interruptions,
                          out.iterator_before, (out.started, now()), idle, out.restarts)
