@@ -11,6 +11,7 @@ import pytest
 from jaxrlhf.engine.generate import GenerateConfig
 from jaxrlhf.engine.rollout import Rollout
 from jaxrlhf.models.sizes import get_size
+from jaxrlhf.models.transformer import KVCache
 from jaxrlhf.parallel.layout import init_params, make_layout
 from tests.test_rollout import LENGTHS, N, P, _full_forward_logp
 
@@ -24,6 +25,13 @@ def _gen_config(**kw):
 
 def _cache_bytes(state) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(state.cache))
+
+
+def _layer_slots(cache) -> list[int]:
+    """Each layer's cache slots: of the stacked [L, S, slots, k, d] KVCache or per layer."""
+    if isinstance(cache, KVCache):
+        return [cache.k_lbskd.shape[2]] * cache.k_lbskd.shape[0]
+    return [c.length for c in cache]
 
 
 def test_sliding_layers_allocate_only_their_window():
@@ -75,6 +83,70 @@ def test_ring_cache_decodes_recomputes_and_decodes_on():
     np.testing.assert_allclose(out.logprobs_bn, expected, rtol=1e-5, atol=1e-5)
     assert (out.versions_bn[:, -1] == 1).all() and np.abs(logp_a - logp_b).max() > 1e-2
     # The window matters: without it the same tokens' log-probs differ.
+    unwindowed = config.replace(sliding_window=None, sliding_layers=())
+    logp_full = _full_forward_logp(unwindowed, params_b, out.sequences_bs,
+                                   out.sequence_mask_bs)
+    assert np.abs(np.where(out.versions_bn == 1, logp_full - logp_b, 0)).max() > 1e-3
+
+
+def _mistral(window: int):
+    """Mistral-shaped: every layer slides through one window."""
+    config = get_size("tiny", dtype=jnp.float32)
+    return config.replace(sliding_window=window, sliding_layers=tuple(range(config.num_layers)))
+
+
+def test_mistral_cache_is_one_window():
+    """Every layer slides (Mistral), a 64-slot window at 32 + 224 slots: each layer's cache is
+    the 64-slot ring, a quarter of every slot's bytes, and the state's capacity is still N
+    (the ring holds any slot); cut to 16 response slots (48 < 64) it holds those 48."""
+    config = _mistral(64)
+    layout = make_layout("0:d1", model=config)
+    cfg = GenerateConfig(max_new_tokens=224, eos_token_id=1, pad_token_id=0)
+    rollout = Rollout(config, cfg, layout, 32, 2)
+    state = rollout.empty(capacity=224)
+    per_slot = 2 * 2 * config.num_kv_heads * config.head_dim * 4  # 2 rows, keys and values
+    assert _cache_bytes(state) == config.num_layers * 64 * per_slot
+    full = Rollout(config.replace(sliding_window=None, sliding_layers=()), cfg, layout, 32, 2)
+    assert _cache_bytes(state) / _cache_bytes(full.empty(capacity=224)) == 64 / 256
+    assert rollout.size(state) == (2, 224)
+    assert rollout.size(rollout.fit(state, 100)) == (2, 224)  # the same ring: kept
+    cut = rollout.fit(state, 16)
+    assert rollout.size(cut) == (2, 16)
+    assert _layer_slots(cut.cache) == [48] * config.num_layers
+
+
+@pytest.mark.slow  # 20 s: fill, advance, reload, compact each compile
+def test_mistral_ring_decodes_recomputes_compacts_and_decodes_on():
+    """Every layer a 4-slot ring, prompts of up to 6 tokens and 10 sampled ones: 4 tokens
+    under one policy, the cache recomputed under another, 2 more, the slots compacted (two
+    rows, swapped), the rest; each token's log-prob is its policy's full forward's."""
+    config = _mistral(WINDOW)
+    layout = make_layout("0-1:d2" if jax.device_count() >= 2 else "0:d1", model=config)
+    params_a = init_params(config, layout, jax.random.key(1))
+    params_b = init_params(config, layout, jax.random.key(2))
+    rng = np.random.default_rng(0)
+    tokens, mask = np.zeros((len(LENGTHS), P), np.int32), np.zeros((len(LENGTHS), P), bool)
+    for r, length in enumerate(LENGTHS):
+        tokens[r, P - length:] = rng.integers(3, config.vocab_size, length)
+        mask[r, P - length:] = True
+    rollout = Rollout(config, _gen_config(force_max_length=True), layout, P, len(LENGTHS))
+    state = rollout.fill(rollout.empty(), params_a, 0, np.arange(len(LENGTHS)), tokens, mask,
+                         [jax.random.key(3)] * len(LENGTHS), np.arange(len(LENGTHS)))
+    assert _layer_slots(state.cache) == [WINDOW] * config.num_layers
+    state = rollout.advance(state, params_a, 0, 3, longest=1)
+    _, counts = rollout.poll(state)
+    state = rollout.reload(state, params_b, counts[2])
+    state = rollout.advance(state, params_b, 1, 2)
+    state = rollout.compact(state, [2, 0])
+    state = rollout.advance(state, params_b, 1, N)
+    assert rollout.poll(state)[0].all()
+    out = rollout.rows(state)
+    logp_a = _full_forward_logp(config, params_a, out.sequences_bs, out.sequence_mask_bs)
+    logp_b = _full_forward_logp(config, params_b, out.sequences_bs, out.sequence_mask_bs)
+    expected = np.where(out.versions_bn == 0, logp_a, logp_b)
+    np.testing.assert_allclose(out.logprobs_bn, expected, rtol=1e-5, atol=1e-5)
+    assert (out.versions_bn[:, -1] == 1).all() and (out.versions_bn[:, 0] == 0).all()
+    np.testing.assert_array_equal(out.sequences_bs[:, :P], np.where(mask, tokens, 0)[[2, 0]])
     unwindowed = config.replace(sliding_window=None, sliding_layers=())
     logp_full = _full_forward_logp(unwindowed, params_b, out.sequences_bs,
                                    out.sequence_mask_bs)

@@ -180,14 +180,12 @@ def layer_window(cfg: ModelConfig, layer_id) -> jax.Array | int | None:
 
 
 def decode_lengths(cfg: ModelConfig, length: int) -> tuple[int, ...]:
-    """Each layer's slots in a token loop's caches of `length` slots (`DecodeKV` per layer):
-    where the layers differ (Gemma 3) a sliding layer keeps only its window (a ring,
-    `models.decode_kv`), the others every slot. Where every layer slides (Mistral) each keeps
-    every slot: the engine reads the cache's length off its longest layer
-    (`engine.rollout.state.cache_len`)."""
-    if not cfg.layers_differ:
-        return (length,) * cfg.num_layers
-    return tuple(min(length, cfg.sliding_window) if i in cfg.sliding_layers else length
+    """Each layer's slots in a token loop's caches of `length` slots (one `DecodeKV` per
+    layer, or one stacked `KVCache` where every layer's is the same): a sliding layer keeps
+    only its window (a ring, `models.decode_kv`), a global layer every slot. Where every layer
+    slides (Mistral) the whole cache is the ring (`engine.rollout.state.ring_holds_all`)."""
+    window = cfg.sliding_window
+    return tuple(min(length, window) if i in cfg.sliding_layers else length
                  for i in range(cfg.num_layers))
 
 

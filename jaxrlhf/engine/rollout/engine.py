@@ -22,6 +22,7 @@ from jaxrlhf.engine.decoding import CACHE_AXES, DECODE_AXES, GenerateConfig, dec
 from jaxrlhf.engine.rollout import programs, targets
 from jaxrlhf.engine.rollout.state import (
     INTS, Rows, SlotState, Vacant, cache_len, capacity_for, empty_state, read_poll, read_rows,
+    ring_holds_all,
 )
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer, decode_lengths
@@ -80,12 +81,12 @@ class Rollout:
     def compiles(self) -> int:
         return self.compile_cache.compiles
 
-    @staticmethod
-    def size(state: SlotState | Vacant) -> tuple[int, int]:
+    def size(self, state: SlotState | Vacant) -> tuple[int, int]:
         """(slots S, cache capacity C) of a state."""
         if isinstance(state, Vacant):
             return state.slots, state.capacity
-        return state.step_b.shape[0], cache_len(state.cache) - state.prompt_tokens_bp.shape[1]
+        return (state.step_b.shape[0],
+                cache_len(self.model.config, state) - state.prompt_tokens_bp.shape[1])
 
     def _shardings(self, slots: int, capacity: int) -> SlotState:
         """Out-shardings of a state: rows over the data axes, the cache as generate's."""
@@ -387,7 +388,10 @@ class Rollout:
 
     def _fitted(self, capacity: int, needed: int) -> int:
         """`fit`'s capacity for a state of `capacity` whose rows need `needed` slots."""
-        want = capacity_for(needed, self.cfg.max_new_tokens)
+        n_max = self.cfg.max_new_tokens
+        want = capacity_for(needed, n_max)
+        if ring_holds_all(self.model.config, self.prompt_len + want):
+            want = n_max  # the window's ring holds every slot in the same bytes
         return capacity if want <= capacity <= 2 * want else want
 
     def chunk_steps(self, state: SlotState, longest: int, num_steps: int) -> int:

@@ -156,7 +156,7 @@ def advance(model: Transformer, cfg: GenerateConfig, lockstep: bool, params, s: 
     apply = functools.partial(model.apply, {"params": params})
     slots, prompt_len = s.prompt_tokens_bp.shape
     prompt_lengths_b = jnp.sum(s.prompt_mask_bp, axis=1, dtype=jnp.int32)
-    segments_bs = kv_segments(s.prompt_mask_bp, cache_len(s.cache) - prompt_len)
+    segments_bs = kv_segments(s.prompt_mask_bp, cache_len(model.config, s) - prompt_len)
 
     # In lockstep the busy rows' step is one scalar, found once (not a reduction over the
     # rows, across devices, every token).

@@ -50,7 +50,8 @@ class SlotState(NamedTuple):
       done_b: bool [S] nothing to decode: the row stopped (EOS or N tokens) or the slot is free.
       cache: the KV cache of P + C slots: one `DecodeKV` per layer (`models.decode_kv`)
         when the model decodes layer by layer, else one stacked
-        KVCache [L, S, P + C, k, d].
+        KVCache [L, S, P + C, k, d]; a sliding layer's holds at most its window, a ring
+        (`transformer.decode_lengths`, `cache_len`).
       response_bn: int32 [S, N] sampled tokens (pad_token_id after the end).
       logprobs_bn: float32 [S, N] each token's log-prob (0 where none).
       mask_bn: bool [S, N] sampled tokens.
@@ -116,10 +117,23 @@ class Vacant(NamedTuple):
     capacity: int
 
 
-def cache_len(cache) -> int:
-    """The slots P + C of a state's cache (a windowed layer's ring may hold fewer)."""
-    return (cache.k_lbskd.shape[2] if isinstance(cache, KVCache)
-            else max(c.length for c in cache))
+def ring_holds_all(config: ModelConfig, length: int) -> bool:
+    """Whether a cache of `length` slots is, in every layer, a ring of its window (every layer
+    slides, as Mistral's, and `length` reaches the window): such a cache holds any number of
+    slots in the same bytes (`models.decode_kv`), so its state's capacity is N."""
+    return (len(config.sliding_layers) == config.num_layers
+            and length >= config.sliding_window)
+
+
+def cache_len(config: ModelConfig, s: SlotState) -> int:
+    """The slots P + C the rows of state `s` may fill: its cache's longest layer's, or P + N
+    where every layer is a window's ring (`ring_holds_all`), which may hold fewer."""
+    cache = s.cache
+    length = (cache.k_lbskd.shape[2] if isinstance(cache, KVCache)
+              else max(c.length for c in cache))
+    if ring_holds_all(config, length):
+        return s.prompt_tokens_bp.shape[1] + s.response_bn.shape[1]
+    return length
 
 
 def kv_segments(prompt_mask_bp, n_new: int) -> jax.Array:
