@@ -483,7 +483,9 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                     + _gathered_bytes(p, choice, scanned=True))
             advance = (forward_peak_bytes(p, rows, span(s), t, e) + _logit_bytes(p, rows, t, 2)
                        + gathered)
-            state = int(rows * s * kv_per_token)
+            # The slots' cache: a sliding layer's holds its window alone in the layer-by-layer
+            # state (`engine.rollout.state`); the stacked cache keeps every slot.
+            state = int(rows * p.kv_cache_bytes(s, windowed=by_layer) / t)
             if runs_at_once(choice.micro_batches, work.new_tokens):
                 # One executable fills and decodes (the main job's short calls): XLA keeps the
                 # fill's buffers beside the advance's, and the slots' cache is one of its

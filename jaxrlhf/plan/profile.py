@@ -25,6 +25,7 @@ import numpy as np
 from jaxrlhf.models import lora
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.sizes import abstract_params, matmul_params
+from jaxrlhf.models.transformer import decode_lengths
 from jaxrlhf.parallel import rules as rule_presets
 
 
@@ -159,6 +160,14 @@ class ModelProfile:
     def kv_bytes_per_token(self) -> int:
         """Keys and values of one token, all layers (cache dtype = compute dtype)."""
         return 2 * self.config.num_layers * self.kv_dim * self.act_itemsize
+
+    def kv_cache_bytes(self, slots: int, windowed: bool) -> int:
+        """Keys and values of one row's cache of `slots` slots, all layers; `windowed`: a
+        sliding layer's holds at most its window, a ring (`transformer.decode_lengths`: the
+        rollout engine's state), else every slot."""
+        layer_slots = (decode_lengths(self.config, slots) if windowed
+                       else (slots,) * self.config.num_layers)
+        return 2 * sum(layer_slots) * self.kv_dim * self.act_itemsize
 
     def shard_elements(self, tensor: int, fsdp: int, pipeline: int = 1, expert: int = 1) -> int:
         """Parameter elements one device holds under tensor × fsdp (× pipeline × expert: the

@@ -234,3 +234,17 @@ def test_gradient_buffers_against_xla(dtype):
         assert estimate.temporaries == pytest.approx(temporaries[micro], rel=0.15), micro
     accumulator = 4 * p.shard_elements(1, 1)
     assert temporaries[2] - temporaries[1] == pytest.approx(accumulator, rel=0.1)
+
+
+@pytest.mark.parametrize("platform, windowed", [(Platform.GPU, True), (Platform.TPU, False)])
+def test_rollout_state_prices_each_sliding_layer_by_its_window(platform, windowed):
+    """The rollout engine's slots' cache on d4@2 (8 rows a device, 32 + 32 slots) of a small
+    model whose layers 0 and 2 of 4 slide through 16 slots: layer by layer (GPU) those two
+    hold 16 slots each, 2 x 16 + 2 x 64 = 160 slots of 2 x 4 x 64 bf16 keys and values a row;
+    the stacked cache (TPU) holds 4 x 64."""
+    config = SMALL.replace(sliding_window=16, sliding_layers=(0, 2))
+    choice = _choice("0-3:d4", 2)
+    per_slot = 2 * SMALL.num_kv_heads * (SMALL.hidden_size // SMALL.num_heads) * 2
+    slots = 2 * 16 + 2 * 64 if windowed else 4 * 64
+    got = memory.call_memory(profile_of(config), Call.GENERATE, WORK, choice, platform=platform)
+    assert got.state == 8 * slots * per_slot
