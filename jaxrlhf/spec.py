@@ -394,8 +394,7 @@ class ReplayRouting(enum.Enum):
     OFF = "off"
 
 
-def _routing(config: ConfigDict, algorithm: Algorithm, base: ModelSpec, async_rl: AsyncRLSpec,
-             multiturn: bool) -> Routing:
+def _routing(config: ConfigDict, algorithm: Algorithm, base: ModelSpec) -> Routing:
     """What the run does with the experts its rollout chose (`algorithms.routing`): the
     actor's `moe.replay_routing` checked against the run, one ConfigError line naming it."""
     where = "models.actor.moe.replay_routing"
@@ -406,7 +405,6 @@ def _routing(config: ConfigDict, algorithm: Algorithm, base: ModelSpec, async_rl
     mode = enum_value(ReplayRouting, config.models.actor.moe.replay_routing, where)
     why_not = (
         "the actor has no experts" if base.config.moe is None
-        else "multi-turn trajectories do not carry the routes yet" if multiturn
         else f"{algorithm.name} trains on offline batches, not rollouts" if algorithm.offline
         else f"{algorithm.name} trains on other rows than it generates"
         if algorithm.oversample > 1 else None)
@@ -458,7 +456,7 @@ def run_spec(config: ConfigDict) -> RunSpec:
         algorithm = with_reward_norm(algorithm, _of(RewardNormConfig, config.reward))
     rewards = {m.role: _of(RewardSpec, config[m.role.value]) for m in graph.mfcs if m.host}
     models, base = _models(config, graph)
-    routing = _routing(config, algorithm, base, async_rl, env is not None)
+    routing = _routing(config, algorithm, base)
     if routing is not Routing.NONE:
         algorithm = with_recorded_routes(algorithm)
         graph = build_graph(algorithm.mfcs, roles=set(Role))

@@ -173,8 +173,8 @@ def test_routes_pack_as_every_per_token_array():
 
 
 def test_replay_routing_config():
-    """auto: replay for an RL run of a model with experts, synchronous or asynchronous,
-    nothing for a dense one; off: recorded only; on where impossible, and bad values: one line naming the key."""
+    """auto: replay for an RL run of a model with experts, synchronous or asynchronous, single-
+    or multi-turn, nothing for a dense one; off: recorded only; on where impossible, and bad values: one line naming the key."""
     from jaxrlhf.configs import grpo_moe_tiny, grpo_tiny
 
     spec = run_spec(grpo_moe_tiny.get_config("smoke"))
@@ -201,6 +201,12 @@ def test_replay_routing_config():
         assert spec.routing is Routing.REPLAY
         (gen,) = (m for m in spec.algorithm.mfcs if m.name == "actor_gen")
         assert gen.outputs[-1] == key
+    config = grpo_moe_tiny.get_config("smoke")  # multi-turn: its trajectories carry them
+    config.env.name = "tools"
+    spec = run_spec(config)
+    assert spec.routing is Routing.REPLAY
+    readers = sorted(m.name for m in spec.algorithm.mfcs if key in m.inputs)
+    assert readers == ["actor_train", "ref_inf"]
     config = grpo_tiny.get_config("smoke")
     config.models.actor.moe.replay_routing = "on"
     with pytest.raises(ConfigError, match="the actor has no experts"):
@@ -396,3 +402,69 @@ def test_async_run_trains_on_the_routes_its_rollout_recorded(tmp_path, monkeypat
         np.testing.assert_array_equal(routes_bslk, generated[k])
     for s in metrics:
         assert 0.0 <= metrics[s]["actor/routing_mismatch"] <= 1.0
+
+
+@pytest.mark.slow  # ~60 s: an MoE model's multi-turn rollouts, synchronous and asynchronous
+def test_multiturn_trajectories_carry_each_tokens_experts():
+    """A multi-turn trajectory's routes (dataflow/trajectories.py): the first prompt's from the
+    first turn's prefill, the policy's tokens from their decode steps, the environment's and
+    each turn's last token from the next turn's prefill. In fp32 under one policy those are a
+    full forward's over the whole trajectory on every token but its last (never fed; NO_ROUTE,
+    as padding), through the synchronous rollout and through the asynchronous worker, new
+    weights (the same ones) installed every chunk so that busy rows' caches are recomputed."""
+    import dataclasses
+    import pathlib
+
+    from jaxrlhf.algorithms import multiturn
+    from jaxrlhf.data.environments import EnvPool
+    from jaxrlhf.data.transcript import Transcript
+    from jaxrlhf.dataflow.trajectories import Environment, TrajectoryLimits, rollout
+    from jaxrlhf.run.rollout_worker import RolloutWorker
+    from tests.test_multiturn import EarlyStops
+
+    two_turns = f"{pathlib.Path(__file__).parent / 'fixtures/envs.py'}:TwoTurns"
+    p, n, seed = 8, 48, 7
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in
+            [(12, 34), (5, 6), (70, 8), (1, 99)]]
+    cfg = get_size("tiny-moe", dtype=jnp.float32)
+    layout = make_layout("0-1:d2", model=cfg)
+    tok = EarlyStops()
+    generator = make_generate_fn(cfg, GenerateConfig(max_new_tokens=n, eos_token_id=tok.stop_ids,
+                                                     pad_token_id=tok.pad_id),
+                                 layout, prompt_buckets=(p,))
+    params = _params(cfg)
+    (gen,) = [m for m in multiturn.mfcs() if m.name == "actor_gen"]
+    key = routes_key("seq_tokens_bs")
+    gen = dataclasses.replace(gen, outputs=(*gen.outputs, key))
+
+    def check(seq_bs, seq_mask_bs, routes_bslk):
+        assert routes_bslk.dtype == np.int8 and routes_bslk.shape == (*seq_bs.shape, 2, 2)
+        last_b = seq_mask_bs.shape[1] - 1 - np.argmax(seq_mask_bs[:, ::-1], axis=1)
+        fed_bs = seq_mask_bs.copy()
+        fed_bs[np.arange(len(fed_bs)), last_b] = False
+        recorded_bsl = routes_bslk[..., 0] >= 0
+        np.testing.assert_array_equal(recorded_bsl, np.broadcast_to(fed_bs[..., None],
+                                                                    recorded_bsl.shape))
+        fresh_bslk = np.asarray(_fresh_routes(cfg, params, seq_bs, seq_mask_bs)[1])
+        same_bsl = np.all(np.sort(fresh_bslk, -1) == np.sort(routes_bslk, -1), axis=-1)
+        assert same_bsl[fed_bs].all()
+
+    with EnvPool(two_turns, num_workers=2, timeout_s=5.0) as pool:
+        env = Environment(pool, Transcript(tok), tok, TrajectoryLimits(3, p, n, 0.5))
+        want = rollout(generator, params, jax.random.key(seed), pool, env.transcript, tok, rows,
+                       env.limits)
+        assert want.turns_b.min() == 2  # a reply between two policy turns
+        assert ((~want.policy_bn) & want.mask_bs[:, p:]).any()  # the environment's tokens
+        check(want.tokens_bs, want.mask_bs, want.routes_bslk)
+        worker = RolloutWorker(gen, generator.rollout_engine(p + n, len(rows)), layout, cfg,
+                               seed, chunk_tokens=2, env=env)
+        batch = {"prompt_text": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]}
+        worker.start(0, batch, None, 0.0)
+        done, version = [], 0
+        while not done:
+            worker.install(params, version)
+            version += 1
+            done = worker.step(lambda: 1.0)
+        (got,) = done
+        assert got.interruptions >= 1
+        check(got.buffer["seq_tokens_bs"], got.buffer["seq_mask_bs"], got.buffer[key])

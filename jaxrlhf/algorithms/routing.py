@@ -5,8 +5,9 @@ step (`engine.replay` says why; docs/ARCHITECTURE.md, "Routing replay").
 `models.actor.moe.replay_routing` (auto | on | off) becomes a `Routing` mode once, when the
 spec is built: RECORD (the routes travel and `actor/routing_mismatch` measures what a fresh
 forward would change; replay off), REPLAY (the calls use them), or NONE (a model without
-experts, or a run whose rows reach the trainer another way: multi-turn trajectories,
-offline batches). Asynchronous RL's rollout worker hands the routes over with its rows.
+experts, or a run that trains on other rows than it generates: offline batches,
+oversampling). Asynchronous RL's rollout worker and multi-turn trajectories hand the routes
+over with their rows.
 """
 
 from __future__ import annotations

@@ -24,6 +24,13 @@ tokens per turn; keeping the row's KV in its slot while it waits would hold the 
 The result has the layout of a generate call, so GRPO trains on it unchanged: [left-padded
 first prompt (P) | trajectory (N), right-padded], and `response_mask_bn` is True only on tokens
 the policy wrote, so environment tokens are attended to but never trained.
+
+A model with experts records which ones each token used (routing replay, `engine.replay`):
+every token keeps those of the first forward that fed it. The first prompt's come from the
+first turn's prefill, the policy's tokens from the decode steps that fed them, and the
+environment's (and each turn's last policy token, never fed in its turn) from the prefill of
+the next turn, under the weights that sampled that turn's first token from them
+(docs/ARCHITECTURE.md, "Routing replay").
 """
 
 from __future__ import annotations
@@ -34,13 +41,14 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from jaxrlhf.algorithms.routing import routes_key
 from jaxrlhf.data.environments import EnvHandle, EnvPool, EnvTurn
 from jaxrlhf.data.rewards import ErrorCounts, RewardBatch
 from jaxrlhf.data.tokenizer import Tokenizer, decode_response
 from jaxrlhf.data.transcript import Transcript, TranscriptError
 from jaxrlhf.dataflow.executors import HostFunctionError
 from jaxrlhf.dataflow.runtime import ModelRuntime
-from jaxrlhf.engine import buckets
+from jaxrlhf.engine import buckets, replay
 from jaxrlhf.engine.generate import Generator
 from jaxrlhf.engine.rollout import NO_VERSION
 from jaxrlhf.engine.rollout.scheduler import Abandoned, Later, Request, Scheduler, Turn
@@ -89,6 +97,9 @@ class _Trajectory:
     tool_errors: int = 0  # of them, those reporting a failed call ("error: ...")
     done: bool = False
     failed: bool = False
+    # The experts of every id of prompt_ids + ids [len, L, k] (a model with experts; NO_ROUTE
+    # where no forward fed it yet), from the first turn on.
+    routes: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +119,9 @@ class Trajectories:
       turns_b: int32 [b], policy turns; errors: the environment's failed calls.
       tool_error_rate: the share of the `tool` messages that report a failed call (starting
         "error:", as `data/tools.call_tool` writes them); 0 when there were none.
+      routes_bslk: [b, P + W, L, k] the experts each token used in each layer (module
+        docstring; NO_ROUTE on padding and where no forward fed the token); None for a model
+        without experts.
     """
 
     tokens_bs: np.ndarray
@@ -120,6 +134,7 @@ class Trajectories:
     turns_b: np.ndarray
     errors: ErrorCounts
     tool_error_rate: float
+    routes_bslk: np.ndarray | None = None
 
 
 def _fail(t: _Trajectory) -> None:
@@ -233,6 +248,8 @@ class TurnRequests:
         mask_n = row.response_mask_bn
         ids = row.sequences_bs[self.prompt_len:][mask_n].tolist()
         t = self.trajectories[i]
+        if row.routes_bslk is not None:  # a model with experts: before its tokens are added
+            _record_routes(t, row.routes_bslk, self.prompt_len, mask_n)
         t.ids, t.policy = t.ids + ids, t.policy + [True] * len(ids)
         t.logp = t.logp + row.logprobs_bn[mask_n].tolist()
         t.versions = t.versions + row.versions_bn[mask_n].tolist()
@@ -240,6 +257,18 @@ class TurnRequests:
         t.conversation.append({"role": "assistant",
                                "content": decode_response(self.env.tokenizer, ids)})
         return _Reply(self, i, self._call(self.env.pool.step([t.conversation], [t.row])))
+
+
+def _record_routes(t: _Trajectory, routes_slk: np.ndarray, prompt_len: int,
+                   mask_n: np.ndarray) -> None:
+    """A turn's routes [P + N, L, k] (its prompt: the conversation so far, prompt_ids + ids,
+    left-padded to `prompt_len` P) added to `t.routes` before its tokens are added to `t`:
+    the prefill's for the ids that had none yet, then those of the turn's tokens (`mask_n`
+    [N]: where the row has them) as their decode steps recorded them."""
+    prefill_clk = routes_slk[prompt_len - len(t.prompt_ids) - len(t.ids):prompt_len]
+    known_clk = prefill_clk if t.routes is None else np.where(t.routes >= 0, t.routes,
+                                                              prefill_clk)
+    t.routes = np.concatenate([known_clk, routes_slk[prompt_len:][mask_n]])
 
 
 @dataclasses.dataclass
@@ -345,6 +374,9 @@ def _take_reply(t: _Trajectory, reply: EnvTurn, transcript: Transcript, tokenize
     t.policy += [False] * len(ids)
     t.logp += [0.0] * len(ids)
     t.versions += [NO_VERSION] * len(ids)
+    if t.routes is not None:  # the next turn's prefill records them
+        t.routes = np.concatenate([t.routes, np.full((len(ids), *t.routes.shape[1:]),
+                                                     replay.NO_ROUTE, t.routes.dtype)])
     t.conversation.extend(reply.messages)
     tool = [m for m in reply.messages if m["role"] == "tool"]
     t.tool_calls += len(tool)
@@ -366,10 +398,15 @@ def _arrays(trajectories: list[_Trajectory], limits: TrajectoryLimits,
     policy_bn, logp_bn = np.zeros((b, w), bool), np.zeros((b, w), np.float32)
     versions_bn = np.full((b, w), NO_VERSION, np.int32)
     turn_rewards_bn = np.zeros((b, w), np.float32)
+    recorded = [t.routes for t in trajectories if t.routes is not None]
+    routes_bslk = None if not recorded else np.full(
+        (b, p + w, *recorded[0].shape[1:]), replay.NO_ROUTE, recorded[0].dtype)
     for i, t in enumerate(trajectories):
         n = len(t.ids)
         tokens_bs[i, p - len(t.prompt_ids):p + n] = t.prompt_ids + t.ids
         mask_bs[i, p - len(t.prompt_ids):p + n] = True
+        if t.routes is not None:  # a trajectory that had a turn
+            routes_bslk[i, p - len(t.prompt_ids):p + n] = t.routes
         policy_bn[i, :n], logp_bn[i, :n], versions_bn[i, :n] = t.policy, t.logp, t.versions
         for at, reward in t.turn_rewards.items():
             turn_rewards_bn[i, at] = reward
@@ -378,7 +415,7 @@ def _arrays(trajectories: list[_Trajectory], limits: TrajectoryLimits,
                         np.array([t.reward for t in trajectories], np.float32),
                         turn_rewards_bn, np.array([t.turns for t in trajectories], np.int32),
                         ErrorCounts(exception=failed),
-                        sum(t.tool_errors for t in trajectories) / max(calls, 1))
+                        sum(t.tool_errors for t in trajectories) / max(calls, 1), routes_bslk)
 
 
 def trajectory_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator: Generator,
@@ -389,7 +426,8 @@ def trajectory_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator
     """The generate MFC of a multi-turn run: reads the prompt rows (`prompt_text`, `answer`)
     and writes those of its outputs its MFC names: sequence tokens `seq_tokens_bs`, sequence
     mask `seq_mask_bs`, policy-token mask `response_mask_bn`, behaviour log-probs
-    `behav_logp_bn`, trajectory rewards `scores_b`, turn rewards `turn_rewards_bn`. `stop`:
+    `behav_logp_bn`, trajectory rewards `scores_b`, turn rewards `turn_rewards_bn`, and under
+    routing replay the tokens' experts `seq_routes_bslk` (`trajectory_arrays`). `stop`:
     `rollout`'s (it raises `Abandoned`)."""
     transcript = Transcript(tokenizer)
 
@@ -398,11 +436,21 @@ def trajectory_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator
         out = rollout(generator, model.params_on(layout), rng_of_step(), pool, transcript,
                       tokenizer, rows, limits, stop=stop)
         on_result(out)
-        arrays = {"seq_tokens_bs": out.tokens_bs, "seq_mask_bs": out.mask_bs,
-                  "response_mask_bn": out.policy_bn, "behav_logp_bn": out.logp_bn,
-                  "scores_b": out.rewards_b, "turn_rewards_bn": out.turn_rewards_bn}
+        arrays = trajectory_arrays(out)
         host = tuple(arrays[name] for name in mfc.outputs)
         placed = transfer(host, tuple(layout.batch_sharding(x.ndim) for x in host))
         return dict(zip(mfc.outputs, placed, strict=True))
 
     return run
+
+
+def trajectory_arrays(out: Trajectories) -> dict[str, np.ndarray]:
+    """The generate MFC's keys of `out` (those a multi-turn graph's generate call may name):
+    the recorded experts under the key `algorithms.routing` gives the sequences' where the
+    model has them."""
+    arrays = {"seq_tokens_bs": out.tokens_bs, "seq_mask_bs": out.mask_bs,
+              "response_mask_bn": out.policy_bn, "behav_logp_bn": out.logp_bn,
+              "scores_b": out.rewards_b, "turn_rewards_bn": out.turn_rewards_bn}
+    if out.routes_bslk is not None:
+        arrays[routes_key("seq_tokens_bs")] = out.routes_bslk
+    return arrays

@@ -17,7 +17,9 @@ import numpy as np
 
 from jaxrlhf.algorithms.routing import is_routes_key
 from jaxrlhf.dataflow.executors import cut_responses
-from jaxrlhf.dataflow.trajectories import Environment, Trajectories, TurnRequests
+from jaxrlhf.dataflow.trajectories import (
+    Environment, Trajectories, TurnRequests, trajectory_arrays,
+)
 from jaxrlhf.engine.rollout import NO_VERSION, Rollout, Rows
 from jaxrlhf.engine.rollout.scheduler import Finished, OnNewVersion, Request, Scheduler
 from jaxrlhf.mfc import MFC
@@ -261,9 +263,7 @@ class RolloutWorker:
         result = out.turns.result()
         if self.on_trajectories is not None:
             self.on_trajectories(result)
-        arrays = {"seq_tokens_bs": result.tokens_bs, "seq_mask_bs": result.mask_bs,
-                  "response_mask_bn": result.policy_bn, "behav_logp_bn": result.logp_bn,
-                  "scores_b": result.rewards_b, "turn_rewards_bn": result.turn_rewards_bn}
+        arrays = trajectory_arrays(result)
         buffer = {**out.batch, **{name: arrays[name] for name in self.mfc.outputs}}
         return Generated(index, buffer, result.versions_bn, out.interruptions,
                          out.iterator_before, (out.started, now()), idle, out.restarts)
