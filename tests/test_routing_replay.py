@@ -468,3 +468,38 @@ def test_multiturn_trajectories_carry_each_tokens_experts():
         (got,) = done
         assert got.interruptions >= 1
         check(got.buffer["seq_tokens_bs"], got.buffer["seq_mask_bs"], got.buffer[key])
+
+
+@pytest.mark.slow  # ~155 s: two processes compile an MoE job's calls
+@pytest.mark.entry
+def test_two_process_async_run_replays_the_routes_its_replica_sent(tmp_path):
+    """`launch/local.sh 2 python -m jaxrlhf.train --config=configs/grpo_moe_tiny.py:smoke`
+    with async_rl.max_staleness=1, disaggregated: the generation replica's batches reach the
+    trainer through run/channel.py with their routes (the train step reads them: without,
+    the job stops), staleness 1 is reached and actor/routing_mismatch is logged every step,
+    0 on the batch generated under the trainer's own weights (fp32: no flips)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    repo, workdir = pathlib.Path(__file__).parent.parent, tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", LOG_DIR=str(tmp_path / "logs"))
+    command = [str(repo / "launch/local.sh"), "2", sys.executable, "-m", "jaxrlhf.train",
+               "--config=configs/grpo_moe_tiny.py:smoke", f"--workdir={workdir}",
+               "--config.steps=3", "--config.async_rl.max_staleness=1",
+               "--config.placement.kind=disaggregate", "--config.placement.strategy=",
+               "--config.reward.workers=1", "--config.data.task.num_eval=8",
+               "--wait_timeout=300"]
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rl_rows = [r for r in rows if "async/staleness_max" in r]
+    assert [r["step"] for r in rl_rows] == [0, 1, 2]
+    assert max(r["async/staleness_max"] for r in rl_rows) == 1
+    assert {r["async/replica"] for r in rl_rows} == {1}
+    assert rl_rows[0]["actor/routing_mismatch"] == 0.0
+    assert all(0.0 <= r["actor/routing_mismatch"] <= 1.0 for r in rl_rows)
