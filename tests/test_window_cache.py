@@ -95,14 +95,22 @@ def _mistral(window: int):
     return config.replace(sliding_window=window, sliding_layers=tuple(range(config.num_layers)))
 
 
-def test_mistral_cache_is_one_window():
+# Layer by layer (one DecodeKV per layer), and the stacked cache (fsdp decodes on the layer
+# scan: `engine.decoding.decodes_layer_by_layer`).
+STACKS = [("0:d1", True), pytest.param("0-1:f2", False, marks=pytest.mark.skipif(
+    jax.device_count() < 2, reason="needs 2 devices"))]
+
+
+@pytest.mark.parametrize("spec, by_layer", STACKS)
+def test_mistral_cache_is_one_window(spec, by_layer):
     """Every layer slides (Mistral), a 64-slot window at 32 + 224 slots: each layer's cache is
     the 64-slot ring, a quarter of every slot's bytes, and the state's capacity is still N
     (the ring holds any slot); cut to 16 response slots (48 < 64) it holds those 48."""
     config = _mistral(64)
-    layout = make_layout("0:d1", model=config)
+    layout = make_layout(spec, model=config)
     cfg = GenerateConfig(max_new_tokens=224, eos_token_id=1, pad_token_id=0)
     rollout = Rollout(config, cfg, layout, 32, 2)
+    assert rollout.by_layer == by_layer
     state = rollout.empty(capacity=224)
     per_slot = 2 * 2 * config.num_kv_heads * config.head_dim * 4  # 2 rows, keys and values
     assert _cache_bytes(state) == config.num_layers * 64 * per_slot
@@ -116,12 +124,13 @@ def test_mistral_cache_is_one_window():
 
 
 @pytest.mark.slow  # 20 s: fill, advance, reload, compact each compile
-def test_mistral_ring_decodes_recomputes_compacts_and_decodes_on():
+@pytest.mark.parametrize("spec, by_layer", STACKS)
+def test_mistral_ring_decodes_recomputes_compacts_and_decodes_on(spec, by_layer):
     """Every layer a 4-slot ring, prompts of up to 6 tokens and 10 sampled ones: 4 tokens
     under one policy, the cache recomputed under another, 2 more, the slots compacted (two
     rows, swapped), the rest; each token's log-prob is its policy's full forward's."""
     config = _mistral(WINDOW)
-    layout = make_layout("0-1:d2" if jax.device_count() >= 2 else "0:d1", model=config)
+    layout = make_layout(spec, model=config)
     params_a = init_params(config, layout, jax.random.key(1))
     params_b = init_params(config, layout, jax.random.key(2))
     rng = np.random.default_rng(0)
@@ -130,6 +139,7 @@ def test_mistral_ring_decodes_recomputes_compacts_and_decodes_on():
         tokens[r, P - length:] = rng.integers(3, config.vocab_size, length)
         mask[r, P - length:] = True
     rollout = Rollout(config, _gen_config(force_max_length=True), layout, P, len(LENGTHS))
+    assert rollout.by_layer == by_layer
     state = rollout.fill(rollout.empty(), params_a, 0, np.arange(len(LENGTHS)), tokens, mask,
                          [jax.random.key(3)] * len(LENGTHS), np.arange(len(LENGTHS)))
     assert _layer_slots(state.cache) == [WINDOW] * config.num_layers

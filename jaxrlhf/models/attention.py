@@ -73,6 +73,23 @@ def _query_slots(q_offset, batch: int, q_len: int) -> jax.Array:
     return jnp.broadcast_to(slots, (batch, q_len))
 
 
+def _key_slots(q_slot_bt, k_len: int, kv_seg_bs) -> tuple[jax.Array, jax.Array]:
+    """(int [b, k_len] the slot each key position holds, the keys' segment ids [b, k_len]):
+    position j holds slot j, or in a window's ring shorter than the segment ids (one query
+    per row, `models.decode_kv`) slot q - ((q - j) mod k_len); a position with no slot yet
+    reads as padding."""
+    batch = q_slot_bt.shape[0]
+    if k_len == kv_seg_bs.shape[1]:
+        return jnp.broadcast_to(jnp.arange(k_len), (batch, k_len)), kv_seg_bs
+    if q_slot_bt.shape[1] != 1:
+        raise ValueError(f"a ring of {k_len} slots takes one query per row, "
+                         f"got {q_slot_bt.shape[1]}")
+    k_slot_bs = decode_kv.ring_slots(q_slot_bt[:, 0], k_len)
+    kv_seg_bs = jnp.where(k_slot_bs >= 0, jnp.take_along_axis(
+        kv_seg_bs, jnp.maximum(k_slot_bs, 0), axis=1), 0)
+    return k_slot_bs, kv_seg_bs
+
+
 def dot_product_attention(
     q_bthd: jax.Array,
     k_bskd: jax.Array,
@@ -89,7 +106,7 @@ def dot_product_attention(
     Args:
       q_bthd: [batch, q_len, heads, head_dim] queries (RoPE applied); sets the compute dtype.
       k_bskd, v_bskd: [batch, k_len, kv_heads, head_dim] keys and values (the KV cache when
-        decoding); heads must be a multiple of kv_heads (query head h reads kv head
+        decoding; with a window, a ring shorter than kv_segment_ids_bs: `_key_slots`); heads must be a multiple of kv_heads (query head h reads kv head
         h // (heads // kv_heads)).
       q_segment_ids_bt: int [batch, q_len] segment ids of the queries; 0 = padding.
       kv_segment_ids_bs: int [batch, k_len] segment ids of the keys; 0 = padding/unused.
@@ -155,7 +172,7 @@ def _xla_attention(q_bthd, k_bskd, v_bskd, q_seg_bt, kv_seg_bs, q_offset, window
     k_len, kv_heads = k_bskd.shape[1], k_bskd.shape[2]
     dtype = q_bthd.dtype
     q_slot_bt = _query_slots(q_offset, batch, q_len)
-    k_slot_bs = jnp.broadcast_to(jnp.arange(k_len), (batch, k_len))
+    k_slot_bs, kv_seg_bs = _key_slots(q_slot_bt, k_len, kv_seg_bs)
     mask = attention_mask(q_slot_bt, q_seg_bt, k_slot_bs, kv_seg_bs, window)
 
     groups = heads // kv_heads
@@ -216,12 +233,7 @@ def cached_query_attention(q_b1hd, k_bkcdi, v_bksd, q_seg_b1, kv_seg_bs, q_offse
     k_len = v_bksd.shape[2]
     dtype = q_b1hd.dtype
     q_slot_b1 = _query_slots(q_offset, batch, 1)
-    if k_len < kv_seg_bs.shape[1]:  # a window's ring (`decode_kv`): position j holds slot s
-        k_slot_bs = decode_kv.ring_slots(q_slot_b1[:, 0], k_len)
-        kv_seg_bs = jnp.where(k_slot_bs >= 0, jnp.take_along_axis(
-            kv_seg_bs, jnp.maximum(k_slot_bs, 0), axis=1), 0)  # no slot yet: padding
-    else:
-        k_slot_bs = jnp.broadcast_to(jnp.arange(k_len), (batch, k_len))
+    k_slot_bs, kv_seg_bs = _key_slots(q_slot_b1, k_len, kv_seg_bs)
     mask_b11s = attention_mask(q_slot_b1, q_seg_b1, k_slot_bs, kv_seg_bs, window)[:, 0, 0]
     groups = heads // kv_heads
     q_bkcgd = jnp.broadcast_to(q_b1hd.reshape(batch, kv_heads, 1, groups, head_dim),

@@ -332,7 +332,8 @@ def _write_cache(layer_cache, k_btkd, v_btkd, cache_index):
         each layer's cache apart (`engine.decode_layers`).
       k_btkd, v_btkd: [b, t, k, d] keys and values of the t new tokens.
       cache_index: slot of the first new token: a scalar, or int [b] (one token per row,
-        row r's at slot cache_index[r]; continuous batching, `engine.rollout`).
+        row r's at slot cache_index[r]; continuous batching, `engine.rollout`). One token per
+        row goes to its slot's position in a window's ring (`models.decode_kv`).
 
     Returns:
       (updated cache as given, this layer's keys [b, S, k, d], its values [b, S, k, d]; both
@@ -341,6 +342,8 @@ def _write_cache(layer_cache, k_btkd, v_btkd, cache_index):
     cache, layer = layer_cache
     if isinstance(cache, DecodeKV):
         return _write_decode(cache, k_btkd, v_btkd, cache_index), None, None
+    if k_btkd.shape[1] == 1:  # a decode step: a window's ring holds slot s at s % R
+        cache_index = cache_index % cache.k_lbskd.shape[2]
     if jnp.ndim(cache_index):  # one token per row, each at its own slot
         return _write_rows(cache, layer, k_btkd, v_btkd, cache_index)
     start = (layer, 0, cache_index, 0, 0)

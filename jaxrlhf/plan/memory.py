@@ -484,8 +484,10 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             advance = (forward_peak_bytes(p, rows, span(s), t, e) + _logit_bytes(p, rows, t, 2)
                        + gathered)
             # The slots' cache: a sliding layer's holds its window alone in the layer-by-layer
-            # state (`engine.rollout.state`); the stacked cache keeps every slot.
-            state = int(rows * p.kv_cache_bytes(s, windowed=by_layer) / t)
+            # state, and in the stacked one where every layer slides (Mistral); the stacked
+            # cache of a model whose layers differ keeps every slot (`rollout.state`).
+            every_slides = len(p.config.sliding_layers) == p.config.num_layers
+            state = int(rows * p.kv_cache_bytes(s, windowed=by_layer or every_slides) / t)
             if runs_at_once(choice.micro_batches, work.new_tokens):
                 # One executable fills and decodes (the main job's short calls): XLA keeps the
                 # fill's buffers beside the advance's, and the slots' cache is one of its

@@ -236,15 +236,16 @@ def test_gradient_buffers_against_xla(dtype):
     assert temporaries[2] - temporaries[1] == pytest.approx(accumulator, rel=0.1)
 
 
-@pytest.mark.parametrize("platform, windowed", [(Platform.GPU, True), (Platform.TPU, False)])
-def test_rollout_state_prices_each_sliding_layer_by_its_window(platform, windowed):
+@pytest.mark.parametrize("platform, sliding, layer_slots", [
+    (Platform.GPU, (0, 2), 2 * 16 + 2 * 64), (Platform.TPU, (0, 2), 4 * 64),
+    (Platform.GPU, (0, 1, 2, 3), 4 * 16), (Platform.TPU, (0, 1, 2, 3), 4 * 16)])
+def test_rollout_state_prices_each_sliding_layer_by_its_window(platform, sliding, layer_slots):
     """The rollout engine's slots' cache on d4@2 (8 rows a device, 32 + 32 slots) of a small
-    model whose layers 0 and 2 of 4 slide through 16 slots: layer by layer (GPU) those two
-    hold 16 slots each, 2 x 16 + 2 x 64 = 160 slots of 2 x 4 x 64 bf16 keys and values a row;
-    the stacked cache (TPU) holds 4 x 64."""
-    config = SMALL.replace(sliding_window=16, sliding_layers=(0, 2))
+    model whose layers `sliding` of 4 slide through 16 slots, 2 x 4 x 64 bf16 keys and values
+    a slot: layer by layer (GPU) each sliding layer holds 16 slots, the others 64; the stacked
+    cache (TPU) holds 64 in every layer, or 16 where every layer slides (Mistral)."""
+    config = SMALL.replace(sliding_window=16, sliding_layers=sliding)
     choice = _choice("0-3:d4", 2)
     per_slot = 2 * SMALL.num_kv_heads * (SMALL.hidden_size // SMALL.num_heads) * 2
-    slots = 2 * 16 + 2 * 64 if windowed else 4 * 64
     got = memory.call_memory(profile_of(config), Call.GENERATE, WORK, choice, platform=platform)
-    assert got.state == 8 * slots * per_slot
+    assert got.state == 8 * layer_slots * per_slot

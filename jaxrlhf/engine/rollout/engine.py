@@ -22,7 +22,7 @@ from jaxrlhf.engine.decoding import CACHE_AXES, DECODE_AXES, GenerateConfig, dec
 from jaxrlhf.engine.rollout import programs, targets
 from jaxrlhf.engine.rollout.state import (
     INTS, Rows, SlotState, Vacant, cache_len, capacity_for, empty_state, read_poll, read_rows,
-    ring_holds_all,
+    ring_holds_all, stacked_len,
 )
 from jaxrlhf.models.config import HeadKind, ModelConfig
 from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer, decode_lengths
@@ -98,8 +98,8 @@ class Rollout:
                     DECODE_AXES, DecodeKV.shapes(slots, c.num_kv_heads, c.head_dim, n))))
                 for n in decode_lengths(c, length))
         else:
-            stacked = lay.sharding(CACHE_AXES, (c.num_layers, slots, length, c.num_kv_heads,
-                                                 c.head_dim))
+            stacked = lay.sharding(CACHE_AXES, (c.num_layers, slots, stacked_len(c, length),
+                                                 c.num_kv_heads, c.head_dim))
             cache = KVCache(stacked, stacked)
         rows1, rows2 = lay.batch_sharding(1), lay.batch_sharding(2)
         routes = None if c.moe is None else lay.batch_sharding(4)

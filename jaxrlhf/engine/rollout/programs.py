@@ -21,7 +21,7 @@ from jaxrlhf.engine import decode_layers, replay, routes
 from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.engine.decoding import GenerateConfig, constrain_cache, draw, prefill
 from jaxrlhf.engine.rollout.state import (
-    INTS, NO_VERSION, SlotState, cache_len, kv_segments, write_prompts,
+    INTS, NO_VERSION, SlotState, cache_len, kv_segments, stacked_len, write_prompts,
 )
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.decode_kv import fit_length
@@ -201,7 +201,7 @@ def resize(config: ModelConfig, s: SlotState, length: int) -> SlotState:
     row reaches past the cut); a windowed layer's ring to at most its window (a ring that has
     not wrapped holds slot s at position s, so padding or cutting keeps every slot)."""
     if isinstance(s.cache, KVCache):
-        cache = KVCache(*(fit_length(c, length, 2) for c in s.cache))
+        cache = KVCache(*(fit_length(c, stacked_len(config, length), 2) for c in s.cache))
     else:
         cache = tuple(c.resized(n) for c, n in zip(s.cache, decode_lengths(config, length)))
     return s._replace(cache=constrain_cache(cache))

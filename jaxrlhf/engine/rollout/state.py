@@ -19,6 +19,7 @@ from jaxrlhf.engine import replay
 from jaxrlhf.engine.buckets import bucket_length
 from jaxrlhf.engine.decoding import GenerateConfig, constrain_cache
 from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.models.decode_kv import ring_slots
 from jaxrlhf.models.transformer import DecodeKV, KVCache, decode_lengths
 
 NO_VERSION = -1  # versions_bn where no token was sampled
@@ -144,10 +145,16 @@ def kv_segments(prompt_mask_bp, n_new: int) -> jax.Array:
                             jnp.ones((batch, n_new), jnp.int32)], axis=1)
 
 
+def stacked_len(config: ModelConfig, length: int) -> int:
+    """The slots of the stacked cache [L, S, slots, k, d] of `length` slots: one window's ring
+    where every layer slides (Mistral), else every slot (a model whose layers differ keeps its
+    sliding layers' too: one array holds every layer alike)."""
+    return max(decode_lengths(config, length))
+
+
 def _zeros_cache(config: ModelConfig, by_layer: bool, slots: int, length: int):
-    stacked = KVCache.zeros(config, slots, length)
     if not by_layer:
-        return constrain_cache(stacked)
+        return constrain_cache(KVCache.zeros(config, slots, stacked_len(config, length)))
     return constrain_cache(tuple(
         DecodeKV.zeros(slots, config.num_kv_heads, config.head_dim, n, config.dtype)
         for n in decode_lengths(config, length)))
@@ -186,11 +193,25 @@ def write_prompts(cache, new: KVCache, slots_k, length: int, last_k=None):
     ring shorter than `length` takes each row's latest slots up to `last_k` [k] (default: the
     last, `length` - 1; `DecodeKV.write_window`)."""
     if isinstance(cache, KVCache):
+        ring = cache.k_lbskd.shape[2]
+        if ring < length:  # a window's ring (`stacked_len`): each row's latest slots
+            last_k = jnp.full((len(slots_k),), length - 1) if last_k is None else last_k
+            new = KVCache(*(_latest_slots(x, last_k, ring) for x in new))
+            length = ring
         return KVCache(*(c.at[:, slots_k, :length].set(v.astype(c.dtype), mode="drop")
                          for c, v in zip(cache, new)))
     return tuple(c.write_window(slots_k, k, v, last_k)
                  if last_k is not None and c.length < length else c.write_prefix(slots_k, k, v)
                  for c, k, v in zip(cache, new.k_lbskd, new.v_lbskd))
+
+
+def _latest_slots(x_lkskd: jax.Array, last_k: jax.Array, ring: int) -> jax.Array:
+    """[L, k, ring, kv, d]: each row's latest `ring` slots up to `last_k` [k] of x [L, k, s,
+    kv, d], each at its ring position (`models.decode_kv`); positions of slots before 0 zero."""
+    slots_kr = ring_slots(last_k, ring)
+    index = jnp.maximum(slots_kr, 0)[None, :, :, None, None]
+    taken = jnp.take_along_axis(x_lkskd, index, axis=2)
+    return jnp.where((slots_kr >= 0)[None, :, :, None, None], taken, 0)
 
 
 class FillInts(NamedTuple):
