@@ -192,15 +192,17 @@ PROMPT = "w5 w17 w42 w9"
 
 
 @pytest.mark.entry
-@pytest.mark.parametrize("family", [  # ~15 s each: Gemma's (both layer kinds, its ring) here
-    "gemma3", pytest.param("mistral", marks=pytest.mark.slow)])
-def test_generate_greedy_matches_hf(tmp_path, family):
+@pytest.mark.parametrize("family, layout", [  # ~15 s each: Gemma's (both kinds, its ring) here
+    ("gemma3", "0-1:t2"), pytest.param("mistral", "0-1:t2", marks=pytest.mark.slow),
+    pytest.param("mistral", "0-1:f2", marks=pytest.mark.slow)])
+def test_generate_greedy_matches_hf(tmp_path, family, layout):
     """16 greedy tokens after a 5-token prompt (21 slots, a 3-slot window) through the rollout
-    engine, as transformers' `generate`."""
+    engine, as transformers' `generate`: layer by layer (t2), and on the layer scan's stacked
+    cache (f2), Mistral's a 3-slot ring in both."""
     path, hf_model = make_tiny_hf_model(tmp_path, family)
     backend = _write_word_tokenizer(path, hf_model.config.vocab_size)
     cmd = [sys.executable, "-m", "jaxrlhf.generate", f"--model={path}", f"--prompt={PROMPT}",
-           f"--max-new-tokens={N_NEW}", "--temperature=0", "--ignore_eos", "--layout=0-1:t2",
+           f"--max-new-tokens={N_NEW}", "--temperature=0", "--ignore_eos", f"--layout={layout}",
            "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"},
