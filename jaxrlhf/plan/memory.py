@@ -265,12 +265,12 @@ def forward_peak_bytes(p: ModelProfile, tokens: int, context: int, tensor: int,
     attention = (norms + a * (2 * c.hidden_size + 2 * _sharded(p.attn_dim, tensor)
                               + 2 * _sharded(p.kv_dim, tensor))
                  + _sharded(c.num_heads, tensor) * context * (4 + 4 + a))
-    mlp = a * c.hidden_size + _mlp_bytes(p, tensor, 3, 1, 2, expert)
+    mlp = a * c.hidden_size + _mlp_bytes(p, tensor, 3, 1, 2, expert, exchange_apart=True)
     return tokens * max(attention, mlp)
 
 
 def _mlp_bytes(p: ModelProfile, tensor: int, widths: int, rows: int, router: int,
-               expert: int = 1) -> float:
+               expert: int = 1, exchange_apart: bool = False) -> float:
     """Bytes per token of `widths` hidden-width arrays of the feed-forward block: a dense MLP's
     [tokens, I/t]; a sparse block's [T*k, F] rows of its grouped matmuls (F as the rules cut
     the experts, `ModelProfile.expert_tensor_ways`), beside `rows` arrays of the T*k rows at
@@ -278,7 +278,13 @@ def _mlp_bytes(p: ModelProfile, tensor: int, widths: int, rows: int, router: int
     [T, E] arrays (the router's logits, its softmax). With e > 1 expert ranks the grouped
     matmuls run over the e·T·k rows of the static all-to-all buffers, and the send, receive
     and return buffers hold e·T·k rows at model width (`models.expert_parallel`). A mixed
-    model's layers hold either block: the larger counts."""
+    model's layers hold either block: the larger counts.
+
+    `exchange_apart` (a forward pass that keeps nothing for a backward one): XLA frees each
+    buffer once it is read, so the exchange and the grouped matmuls peak apart: the larger of
+    the matmuls' arrays and an exchange's, the T·k rows in expert order beside the send and
+    receive buffers (or the return exchange's pair), (2e + 1)·T·k rows at model width: where
+    XLA's heap peaks in Qwen3-30B-A3B's inference on e2f16 and d4e4f2 of a v5p-64."""
     c, a = p.config, p.act_itemsize
     dense = widths * _sharded(c.intermediate_size, tensor) * a
     m = c.moe
@@ -286,8 +292,12 @@ def _mlp_bytes(p: ModelProfile, tensor: int, widths: int, rows: int, router: int
         return dense
     width = m.expert_intermediate_size / p.expert_tensor_ways(tensor)
     buffers = 3 if expert > 1 else 0
-    sparse = (expert * m.top_k * a * (widths * width + (rows + buffers) * c.hidden_size)
-              + router * 4 * m.num_experts)
+    matmuls = expert * m.top_k * a * (widths * width + rows * c.hidden_size)
+    if exchange_apart and expert > 1:
+        held = max(matmuls, m.top_k * a * (2 * expert + 1) * c.hidden_size)
+    else:
+        held = matmuls + expert * m.top_k * a * buffers * c.hidden_size
+    sparse = held + router * 4 * m.num_experts
     return max(sparse, dense) if m.mixed else sparse
 
 

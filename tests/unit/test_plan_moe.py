@@ -175,11 +175,18 @@ def test_all_to_all_and_gradient_reduction_follow_the_hand_count():
 
 def test_expert_parallel_buffers_hold_e_times_the_rows():
     """tiny-moe's sparse block on e = 4: the grouped matmuls' rows and the send, receive and
-    return buffers are e*T*k rows (`models.expert_parallel`'s static dropless buffers)."""
+    return buffers are e*T*k rows (`models.expert_parallel`'s static dropless buffers); a
+    train step's layer holds them all, a forward pass the larger of the matmuls' arrays and
+    an exchange's T*k rows in expert order beside its send and receive buffers."""
     p = profile_of(get_size("tiny-moe"))
     d, e, k, f, a, tokens = 64, 8, 2, 128, 2, 10
-    mlp = a * d + 4 * k * a * (3 * f + (1 + 3) * d) + 2 * 4 * e
+    router = 2 * 4 * e
+    matmuls = 4 * k * a * (3 * f + d)
+    exchange = k * a * (2 * 4 + 1) * d
+    mlp = a * d + max(matmuls, exchange) + router
     assert memory.forward_peak_bytes(p, tokens, 0, 1, expert=4) == tokens * mlp
+    working = 4 * k * a * (4 * f + (2 + 3) * d) + 3 * 4 * e
+    assert memory._mlp_bytes(p, 1, 4, 2, 3, expert=4) == working
     d2e4 = CallChoice.of(parse_strategy("0-7:d2e4"))
     assert memory._gathered_bytes(p, d2e4, scanned=True) == e * d * f * (4 + a) // 4
 
