@@ -409,8 +409,8 @@ def _routing(config: ConfigDict, algorithm: Algorithm, base: ModelSpec) -> Routi
         else f"{algorithm.name} trains on other rows than it generates"
         if algorithm.oversample > 1 else None)
     if why_not is not None:
-        if mode is ReplayRouting.ON:
-            raise ConfigError(f"{where}='on': {why_not}")
+        if mode is not ReplayRouting.AUTO:  # set, and nothing to replay or record: refused
+            raise ConfigError(f"{where}={mode.value!r}: {why_not}")
         return Routing.NONE
     return Routing.RECORD if mode is ReplayRouting.OFF else Routing.REPLAY
 

@@ -56,7 +56,8 @@ CHOICES = {
     "grpo.aggregation": "token_mean", "grpo.kl_estimator": "k1",
 }
 MODEL_CHOICES = {"size": "small", "dtype": "bfloat16", "param_dtype": "bfloat16",
-                 "remat": "full", "attention": "xla", "targets": "q_proj"}
+                 "remat": "full", "attention": "xla", "targets": "q_proj",
+                 "replay_routing": "off"}
 # Switches that turn a feature on, so its keys have a run that reads them (validity check):
 # the first whose text is part of the key applies.
 FEATURES = {
@@ -64,6 +65,7 @@ FEATURES = {
     "async_rl.": {"async_rl.max_staleness": 1},
     "warm_start.": {"warm_start.sft_steps": 2},
     "models.actor.lora.": {"models.actor.lora.rank": 4},
+    "models.actor.moe.": {"models.actor.size": "tiny-moe", "models.ref.size": "tiny-moe"},
     "logging.wandb.": {"logging.wandb.project": "p"},
     "data.task.num_operands": {"data.task.kind": "arithmetic"},
     "data.task.ops": {"data.task.kind": "arithmetic"},
@@ -95,6 +97,10 @@ READ_NOWHERE = {
                                   "roles, and their other lora keys at rank 0"
        for role in ("critic", "ref", "reward", "cost", "cost_critic")
        for k in ("rank", "alpha", "targets")},
+    **{f"models.{role}.moe.replay_routing": "the rollout's experts are replayed as the actor's "
+                                            "key says (the reference's calls included): any "
+                                            "other role's value is refused"
+       for role in ("critic", "ref", "reward", "cost", "cost_critic")},
 }
 
 
