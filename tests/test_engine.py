@@ -64,11 +64,10 @@ CASES = {  # name: (GenerateConfig overrides)
 }
 
 
-# In the default suite: forced and sampled lengths on one device, the per-device (d2) path
-# sampled and the GSPMD (t2) path with top-k (greedy is every other engine test's case);
-# every pair with -m slow.
-DEFAULT_PAIRS = {("0:d1", "forced-sampled"), ("0:d1", "eos-sampled"), ("0-1:d2", "eos-sampled"),
-                 ("0-1:t2", "eos-top-k")}
+# In the default suite: forced lengths on one device, sampled lengths on the per-device (d2)
+# path and the GSPMD (t2) path with top-k (greedy is every other engine test's case); every
+# pair with -m slow.
+DEFAULT_PAIRS = {("0:d1", "forced-sampled"), ("0-1:d2", "eos-sampled"), ("0-1:t2", "eos-top-k")}
 PAIRS = [pytest.param(spec, case, marks=() if (spec, case) in DEFAULT_PAIRS else pytest.mark.slow)
          for spec in ("0:d1", "0-1:d2", "0-1:t2") for case in CASES]
 
