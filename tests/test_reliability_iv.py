@@ -155,6 +155,24 @@ def test_a_pipelined_generation_layout_of_the_rollout_engine_is_refused_before_c
         "generates on the rollout engine" in message), message
 
 
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_routing_replay_over_a_pipelined_generation_layout_is_refused_before_compiling(
+        mode, tmp_path):
+    """A pipelined generate call records no expert routes, which replay (auto: on) and its
+    mismatch measure (off) read: refused by the checks, where the generate executor raised
+    after the warm start and advised replay_routing=off, which did not help."""
+    config = configured({**GRPO, "models.actor.size": "tiny-moe", "models.ref.size": "tiny-moe",
+                         "models.actor.moe.replay_routing": mode, "placement.kind": "manual",
+                         "placement.allocation":
+                             "actor_gen=0-7:p2d4,ref_inf=0-7:d8,actor_train=0-7:d8"})
+    message = refusal(config, tmp_path / "work")
+    assert message == (
+        "placement: actor_gen runs on 0-7:d4p2@2, a pipelined layout, which records no expert "
+        f"routes, but routing {'replay' if mode == 'auto' else 'record'} "
+        "(models.actor.moe.replay_routing) reads them: give actor_gen a layout without "
+        "pipeline stages"), message
+
+
 def test_a_workdir_that_is_a_file_is_named_as_one(tmp_path):
     (tmp_path / "run").write_text("x")
     assert refusal(base_config(), tmp_path / "run") == (

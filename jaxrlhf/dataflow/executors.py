@@ -111,8 +111,8 @@ def generate_executor(mfc: MFC, model: ModelRuntime, layout: Layout, generator: 
     def outputs(out):
         if routed and out.routes_bslk is None:
             raise ValueError(f"MFC {mfc.name}: its layout ({layout}) records no expert routes "
-                             "(a pipeline); set models.actor.moe.replay_routing=off and give it "
-                             "a layout without pipeline stages")
+                             "(a pipeline), which routing replay reads: the checks refuse this "
+                             "(run/check.py); give it a layout without pipeline stages")
         return (out.sequences_bs, out.sequence_mask_bs, out.response_mask_bn, out.logprobs_bn,
                 *((out.routes_bslk,) if routed else ()))
 

@@ -23,6 +23,7 @@ from ml_collections import ConfigDict
 
 from jaxrlhf import backend
 from jaxrlhf.algorithms import registry
+from jaxrlhf.algorithms.routing import Routing
 from jaxrlhf.algorithms.spec import BatchKind
 from jaxrlhf.checkpoint import CHECKPOINT_DIR, ResumeMode, check_resume, shape_mismatches
 from jaxrlhf.data.byte_hf import is_byte_tokenizer
@@ -128,12 +129,22 @@ def _check_rollout_layouts(spec: RunSpec, plan: RunPlan) -> None:
     at its own position; a pipelined layout's stages decode every row at one slot (only the
     synchronous static batch runs there), so such a generation layout is refused now rather
     than when the engine is built, after the warm start (engine/rollout keeps its own guard).
-    Asynchronous multi-turn generation takes one micro-batch (run/rollout_worker.py's guard)."""
+    Asynchronous multi-turn generation takes one micro-batch (run/rollout_worker.py's guard).
+    A pipelined generation layout records no expert routes, which routing replay reads (and
+    measures its mismatch by), whichever engine generates."""
+    generates = [m.name for m in spec.graph.mfcs if m.call is Call.GENERATE]
+    for name in generates:
+        if spec.routing is not Routing.NONE and plan.layouts[name].pipeline > 1:
+            raise ConfigError(
+                f"placement: {name} runs on {plan.plan[name]}, a pipelined layout, which records "
+                f"no expert routes, but routing {spec.routing.value} "
+                "(models.actor.moe.replay_routing) reads them: give "
+                f"{name} a layout without pipeline stages")
     user = ("async_rl.max_staleness" if spec.async_rl.max_staleness
             else "env.name" if spec.env is not None else None)
     if user is None:
         return
-    for name in (m.name for m in spec.graph.mfcs if m.call is Call.GENERATE):
+    for name in generates:
         if plan.layouts[name].pipeline > 1:
             raise ConfigError(
                 f"placement: {name} runs on {plan.plan[name]}, a pipelined layout, but with "

@@ -248,8 +248,9 @@ class RolloutWorker:
         recorded = (routes,) if any(is_routes_key(k) for k in self.mfc.outputs) else ()
         if recorded and routes is None:
             raise ValueError(f"MFC {self.mfc.name}: its layout ({self.layout}) records no "
-                             "expert routes (a pipeline); set models.actor.moe.replay_routing"
-                             "=off and give it a layout without pipeline stages")
+                             "expert routes (a pipeline), which routing replay reads: the "
+                             "checks refuse this (run/check.py); give it a layout without "
+                             "pipeline stages")
         # Cut after the longest response, as the synchronous generate executor does.
         arrays = cut_responses((sequences_bs, sequence_mask_bs, response_mask_bn, logprobs_bn,
                                 *recorded), response_mask_bn.shape[1])
