@@ -165,7 +165,7 @@ def test_routes_pack_as_every_per_token_array():
     segment_ids_bt = (np.arange(6)[None] < np.array([[6], [2], [3], [4]])).astype(np.int32)
     plan = packing.plan(segment_ids_bt, 1, 2, packing.Rows.PACKED)
     gather_rt = jnp.asarray(plan.gather_mrt[0])
-    got = np.asarray(replay.pack_routes(jnp.asarray(routes_btlk), gather_rt, 2))
+    got = np.asarray(packing.pack(jnp.asarray(routes_btlk), gather_rt, 2))
     for layer in range(3):
         for j in range(2):
             want = packing.pack(jnp.asarray(routes_btlk[..., layer, j]), gather_rt, 2)

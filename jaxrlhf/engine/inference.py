@@ -432,8 +432,7 @@ def infer_packed(model: Transformer, cfg: InferenceConfig, shards: int, params,
                             packing.pack(batch.positions_bt, gather_rt, shards), segment_ids_rt)
     per_token = cfg if cfg.kind is not InferenceKind.SCORES else dataclasses.replace(
         cfg, kind=InferenceKind.VALUES)
-    routes_rtlk = None if routes_btlk is None else replay.pack_routes(
-        routes_btlk, gather_rt, shards)
+    routes_rtlk = None if routes_btlk is None else packing.pack(routes_btlk, gather_rt, shards)
     out = infer(model, per_token, params, packed, chunks, head_rows, routes_rtlk)
     real_bt = batch.segment_ids_bt != 0
     out = out.per_token(lambda x: packing.unpack(x, scatter_bt, real_bt, shards))

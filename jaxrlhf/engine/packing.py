@@ -289,16 +289,19 @@ def _micro_plan(spans: Spans, row_n, offset_n, batch: int, width: int, rows: int
 
 
 def _by_shard(x_bt: jax.Array, index_rt: jax.Array, shards: int) -> jax.Array:
-    """x's entries picked by `index_rt` within each shard's block of rows: [B, t] and
-    [R, t] -> [R, t], shard d's rows of index_rt reading shard d's rows of x. A gather whose
+    """x's entries picked by `index_rt` within each shard's block of rows: [B, t, ...] and
+    [R, t] -> [R, t, ...] (trailing dims, e.g. routing replay's [L, k] per token, move with
+    their token), shard d's rows of index_rt reading shard d's rows of x. A gather whose
     leading (shard) dim is a batch dim, so XLA partitions it over the devices as it lies."""
-    x_dn = x_bt.reshape(shards, -1)
-    index_dn = index_rt.reshape(shards, -1)
-    return jnp.take_along_axis(x_dn, index_dn, axis=1).reshape(index_rt.shape)
+    trailing = x_bt.shape[2:]
+    x_dn = x_bt.reshape(shards, -1, *trailing)
+    index_dn = index_rt.reshape(shards, -1, *(1,) * len(trailing))
+    return jnp.take_along_axis(x_dn, index_dn, axis=1).reshape(*index_rt.shape, *trailing)
 
 
 def pack(x_bt: jax.Array, gather_rt: jax.Array, shards: int) -> jax.Array:
-    """[b, t] padded rows -> [R, t] packed rows (padding slots hold some token's entry)."""
+    """[b, t, ...] padded rows -> [R, t, ...] packed rows (padding slots hold some token's
+    entry)."""
     return _by_shard(x_bt, gather_rt, shards)
 
 

@@ -26,8 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.engine import packing
-
 NO_ROUTE = -1  # a token with no recorded experts
 
 
@@ -52,15 +50,6 @@ def sown_routes(sown, dtype) -> jax.Array:
 def model_routes(routes_btlk: jax.Array) -> jax.Array:
     """The model's `routes_lbtk` int32 [L, b, t, k] of recorded routes [b, t, L, k]."""
     return jnp.transpose(routes_btlk, (2, 0, 1, 3)).astype(jnp.int32)
-
-
-def pack_routes(routes_btlk: jax.Array, gather_rt: jax.Array, shards: int) -> jax.Array:
-    """Recorded routes [b, t, L, k] of padded rows -> [R, t, L, k] on packed rows, as
-    `packing.pack` moves every per-token array."""
-    b, t, layers, k = routes_btlk.shape
-    per_channel_cbt = jnp.transpose(routes_btlk.reshape(b, t, layers * k), (2, 0, 1))
-    packed_crt = jax.vmap(lambda x_bt: packing.pack(x_bt, gather_rt, shards))(per_channel_cbt)
-    return jnp.transpose(packed_crt, (1, 2, 0)).reshape(*gather_rt.shape, layers, k)
 
 
 def differ_lbt(fresh_lbtk: jax.Array, recorded_lbtk: jax.Array) -> jax.Array:
