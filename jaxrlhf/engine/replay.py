@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.models import moe
+
 NO_ROUTE = -1  # a token with no recorded experts
 
 
@@ -52,13 +54,6 @@ def model_routes(routes_btlk: jax.Array) -> jax.Array:
     return jnp.transpose(routes_btlk, (2, 0, 1, 3)).astype(jnp.int32)
 
 
-def differ_lbt(fresh_lbtk: jax.Array, recorded_lbtk: jax.Array) -> jax.Array:
-    """bool [L, b, t]: the fresh top-k set is not the recorded one (False where none is
-    recorded; order within the k does not count)."""
-    differ = jnp.any(jnp.sort(fresh_lbtk, axis=-1) != jnp.sort(recorded_lbtk, axis=-1), axis=-1)
-    return differ & (recorded_lbtk[..., 0] >= 0)
-
-
 def changed_counts(sown, recorded_lbtk: jax.Array, valid_bt: jax.Array,
                    replayed: bool) -> jax.Array:
     """float32 [2]: (tokens whose fresh top-k differs from the recorded one in some sparse
@@ -70,7 +65,7 @@ def changed_counts(sown, recorded_lbtk: jax.Array, valid_bt: jax.Array,
         (changed_lbt,) = layers["route_changed"]
     else:
         (fresh_lbtk,) = layers["routes"]
-        changed_lbt = differ_lbt(fresh_lbtk, recorded_lbtk)
+        changed_lbt = moe.choices_differ(fresh_lbtk, recorded_lbtk)
     (stats_l,) = layers["router"]
     changed_lbt = changed_lbt & (stats_l.sparse[:, None, None] > 0)  # a mixed model's dense
     recorded_bt = valid_bt & (recorded_lbtk[0, ..., 0] >= 0)

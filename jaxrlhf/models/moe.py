@@ -115,21 +115,18 @@ def route(logits_te: jax.Array, top_k: int, norm_topk_prob: bool,
     return Routing(weights_tk, experts_tk)
 
 
+def choices_differ(fresh_k: jax.Array, given_k: jax.Array) -> jax.Array:
+    """bool [...]: the expert set `fresh_k` [..., k] is not `given_k` [..., k] (order within
+    the k does not count; False where none is given: ids negative, routing replay's no-route)."""
+    differ = jnp.any(jnp.sort(fresh_k, axis=-1) != jnp.sort(given_k, axis=-1), axis=-1)
+    return differ & (given_k[..., 0] >= 0)
+
+
 def routes_differ(logits_te: jax.Array, experts_tk: jax.Array) -> jax.Array:
     """bool [T]: the router's own top-k of `logits_te` [T, E] is not the set `experts_tk`
-    [T, k] (routing replay's given experts; order within a token's k does not count; False
-    where none is given, ids negative)."""
+    [T, k] (routing replay's given experts, `choices_differ`)."""
     fresh_tk = jax.lax.top_k(logits_te.astype(jnp.float32), experts_tk.shape[-1])[1]
-    differ_t = jnp.any(jnp.sort(fresh_tk, axis=-1) != jnp.sort(experts_tk, axis=-1), axis=-1)
-    return differ_t & (experts_tk[:, 0] >= 0)
-
-
-def routing_mismatch(changed_lbt: jax.Array, valid_bt: jax.Array) -> jax.Array:
-    """float32: the share of valid tokens whose replayed experts differ from the router's own
-    choice in at least one layer (`routes_differ` stacked over layers [L, b, t])."""
-    changed_bt = jnp.any(changed_lbt, axis=0) & valid_bt
-    return jnp.sum(changed_bt, dtype=jnp.float32) / jnp.maximum(
-        jnp.sum(valid_bt, dtype=jnp.float32), 1.0)
+    return choices_differ(fresh_tk, experts_tk)
 
 
 def router_stats(logits_te: jax.Array, experts_tk: jax.Array, valid_t: jax.Array) -> RouterStats:

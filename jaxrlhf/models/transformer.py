@@ -430,7 +430,7 @@ class DecoderLayer(nn.Module):
 
     A sparse layer sows its `moe.RouterStats` as intermediates "router" and its chosen experts
     int32 [b, t, k] as "routes" (read by a caller that applies with mutable intermediates);
-    replaying, also "route_changed" bool [b, t] (`moe.routes_differ`; `moe.routing_mismatch`).
+    replaying, also "route_changed" bool [b, t] (`moe.routes_differ`; `engine.replay.changed_counts`).
     """
 
     config: ModelConfig

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrlhf.engine import replay
 from jaxrlhf.engine.decode_layers import LayerByLayer
 from jaxrlhf.models import grouped_experts, moe
 from jaxrlhf.models.sizes import (
@@ -212,8 +213,11 @@ def test_replayed_routes_are_used_and_their_mismatch_counted():
     np.testing.assert_array_equal(np.asarray(sown["routes"][0])[[0, 2]], other[[0, 2]])
     changed = np.asarray(sown["route_changed"][0])
     assert changed[[0, 2]].all() and not changed[1].any()  # layer 1 is dense
-    np.testing.assert_allclose(moe.routing_mismatch(changed, seg != 0), 1.0)
-    assert float(moe.routing_mismatch(changed[:, :, :1] & False, seg[:, :1] != 0)) == 0.0
+    counts = lambda layers: replay.changed_counts({"intermediates": {"layers": layers}},
+                                                  jnp.asarray(other), seg != 0, replayed=True)
+    np.testing.assert_allclose(replay.mismatch(counts(sown)), 1.0)
+    unchanged = {**sown, "route_changed": (np.zeros_like(changed),)}
+    assert float(replay.mismatch(counts(unchanged))) == 0.0
     assert not np.allclose(logits, free, atol=1e-3)
     router_grad = jax.grad(lambda p: forward(p, other)[0].sum())(params)["layers"]["moe"]["router"]
     assert np.asarray(router_grad)[[0, 2]].any()
