@@ -1,8 +1,10 @@
-"""Expert parallelism (strategy letter `e`, models/expert_parallel.py): layouts with e give
-the one-device block, train step and log-probs within 1e-5 in float32; each device holds 1/e
-of the experts; the compiled program moves tokens by all-to-all and builds no
-[tokens, experts, hidden] array; parameters move bitwise between e and non-e layouts."""
+"""Expert parallelism (strategy letter `e`, models/expert_parallel.py) and experts split over
+`t`: layouts with e and t give the one-device block, train step and log-probs within 1e-5 in
+float32; each device holds 1/(e*t) of the expert weights; the compiled program moves tokens by
+all-to-all (with e) and builds no [tokens, experts, hidden] array; parameters move bitwise
+between e and non-e layouts."""
 
+import math
 import re
 
 import flax.linen as nn
@@ -93,17 +95,30 @@ def _token_expert_hidden_shapes(hlo: str, ways: int) -> list[str]:
     return found
 
 
+def _expert_shard_shapes(spec: str, params) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shard shapes one device holds of a block's gate [E, D, F] and down [E, F, D], and
+    what 1/(e*t) of them is: E/e experts, F/t of each one's width."""
+    strategy = make_layout(_devices(spec)).strategy
+    moe = MODEL.moe
+    local = moe.num_experts // strategy.expert
+    width = moe.expert_intermediate_size // strategy.tensor
+    gate, down = params["params"]["gate_proj"], params["params"]["down_proj"]
+    held = (gate.sharding.shard_shape(gate.shape), down.sharding.shard_shape(down.shape))
+    return held, ((local, MODEL.hidden_size, width), (local, width, MODEL.hidden_size))
+
+
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("spec", ["e2", "d2e2"])
-def test_block_splits_experts_and_moves_tokens_by_all_to_all(spec):
+@pytest.mark.parametrize("spec", ["e2", "d2e2", "t2", "e2t2", "d2e2t2"])
+def test_block_splits_experts_and_equals_one_device(spec):
+    """e splits the experts and moves tokens by all-to-all, t splits each expert's width."""
     (ref_loss, ref_grads), _, _ = _block_loss_and_grads(None)
     (loss, grads), hlo, params = _block_loss_and_grads(spec)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     jax.tree.map(_assert_close_to_scale, grads, ref_grads)
+    held, one_over_et = _expert_shard_shapes(spec, params)
+    assert held == one_over_et
     ways = make_layout(_devices(spec)).strategy.expert
-    gate = params["params"]["gate_proj"]
-    assert gate.sharding.shard_shape(gate.shape)[0] == MODEL.moe.num_experts // ways
-    assert "all-to-all" in hlo
+    assert ("all-to-all" in hlo) == (ways > 1)
     assert _token_expert_hidden_shapes(hlo, ways) == []
 
 
@@ -117,7 +132,7 @@ def test_hlo_shape_check_finds_a_dense_dispatch():
     hlo = jax.jit(dense_dispatch).lower(
         jnp.zeros((tokens, MODEL.hidden_size)), jnp.zeros(tokens, jnp.int32)).compile().as_text()
     assert f"{tokens},8,64" in _token_expert_hidden_shapes(hlo, 1)
-    assert expert_parallel.expert_ways() == 1  # no mesh in scope: the local path
+    assert expert_parallel.expert_axis(8) is None  # no mesh in scope: the local path
 
 
 def _train_and_logprobs(spec: str):
@@ -131,7 +146,11 @@ def _train_and_logprobs(spec: str):
                                                     batch["segment_ids_bt"].astype(bool)))
     logprobs = np.asarray(out.logprobs_bt)
     down = state.params["layers"]["moe"]["down_proj"]  # [L, E, F, D]
-    expert_shard = down.sharding.shard_shape(down.shape)[1]
+    expert_shard = down.sharding.shard_shape(down.shape)
+    moments = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
+               if "down_proj" in jax.tree_util.keystr(path) and leaf.shape == down.shape]
+    assert moments and all(  # Adam's moments: as the weights, or ZeRO-1 split further
+        math.prod(m.sharding.shard_shape(m.shape)) <= math.prod(expert_shard) for m in moments)
     step = ts.make_train_step(MODEL, layout, token_ce, OPT, mb.MicrobatchConfig())
     new_state, metrics = step(state, batch)  # (the step may donate the state)
     return (jax.device_get(new_state.params), jax.device_get(metrics), logprobs,
@@ -145,7 +164,7 @@ def one_device():
 
 @pytest.mark.devices(8)
 @pytest.mark.slow  # ~14 s each and the one-device fixture's 12 s; the block test above is
-@pytest.mark.parametrize("spec", ["e2", "e4", "d2e2", "e2t2"])  # their sibling
+@pytest.mark.parametrize("spec", ["e2", "e4", "d2e2", "e2t2", "t2", "d2e2t2"])  # their sibling
 def test_train_step_and_logprobs_equal_one_device(one_device, spec):
     ref_params, ref_metrics, ref_logprobs, _ = one_device
     new_params, metrics, logprobs, expert_shard = _train_and_logprobs(spec)
@@ -154,15 +173,19 @@ def test_train_step_and_logprobs_equal_one_device(one_device, spec):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0),
                  new_params, ref_params)
     np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-5, rtol=0)
-    assert expert_shard == MODEL.moe.num_experts // int(spec[1])
+    strategy = make_layout(_devices(spec)).strategy
+    moe = MODEL.moe
+    assert expert_shard == (MODEL.num_layers, moe.num_experts // strategy.expert,
+                            moe.expert_intermediate_size // strategy.tensor, MODEL.hidden_size)
 
 
 @pytest.mark.devices(8)
-@pytest.mark.slow  # ~15 s
-def test_pipelined_logprobs_equal_one_device(one_device):
-    """Inference on d2e2p2: the block's shard_map inside the pipeline's stage vmap."""
+@pytest.mark.slow  # ~15 s each
+@pytest.mark.parametrize("spec", ["d2e2p2", "e2p2t2"])
+def test_pipelined_logprobs_equal_one_device(one_device, spec):
+    """Inference on a pipeline: the block's shard_map inside the pipeline's stage vmap."""
     params, batch = _host_params(), make_batch(3, batch=ROWS, length=16)
-    layout = make_layout("0-7:d2e2p2", model=MODEL)
+    layout = make_layout(_devices(spec), model=MODEL)
     params = jax.device_put(params, layout.param_shardings(abstract_params(MODEL)))
     infer = make_inference_fn(MODEL, InferenceConfig(InferenceKind.LOGPROBS), layout,
                               length_buckets=(16,))

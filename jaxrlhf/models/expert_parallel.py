@@ -32,12 +32,22 @@ static, and every layout computes exactly the assignments a one-device run compu
 results agree to rounding. A capacity factor would cut the buffers to a fraction and drop
 tokens past it; ragged all-to-all on GPU/TPU would cut the traffic: both are left for later.
 
-Composes with d, f, t (the rows of a tensor group are the same, each rank computes them) and p
-(inference and generation: a pipeline's stages are a vmap over the "pipeline" axis, which the
-shard_map is batched over; a model with experts trains without a pipeline, engine/train_step).
-Where the expert axis is absent, of size 1, or already manual (inside the rollout engine's
-per-device `shard_map`, where the weights arrive whole), the block computes its experts
-locally (`grouped_experts.experts_swiglu`).
+Tensor parallelism (strategy letter `t`, rule `expert_mlp -> tensor`) splits each expert's
+hidden width F as Megatron splits a dense MLP: a tensor rank holds F/t columns of every local
+expert's gate and up projections and F/t rows of its down projection, so a device holds
+1/(e*t) of the expert weights. The rows of a tensor group are the same (the batch is not split
+over "tensor"), so routing and dispatch are the same on each rank; each computes its F/t of
+every row's SwiGLU, and the ranks' partial outputs [b, t, D] are summed over "tensor" (one
+all-reduce per sparse block, as after a dense MLP) once the rows are combined: the combine is
+linear, and the sum then moves T*D elements, not the k times more of the assignments. With
+t > 1 and no e the same shard_map runs the local experts' F/t and the sum.
+
+Composes with d, f (each device gathers its experts' embed dim) and p (inference and
+generation: a pipeline's stages are a vmap over the "pipeline" axis, which the shard_map is
+batched over; a model with experts trains without a pipeline, engine/train_step). Where
+neither axis splits the experts (absent, of size 1, not dividing E or F, or already manual:
+inside the rollout engine's per-device `shard_map`, where the weights arrive whole) the block
+computes its experts locally (`grouped_experts.experts_swiglu`).
 """
 
 from __future__ import annotations
@@ -53,25 +63,30 @@ from jax.sharding import PartitionSpec
 from jaxrlhf.models.grouped_experts import Routing, experts_swiglu, grouped_matmul
 
 
-def expert_axis() -> str | None:
-    """The mesh axis the experts' E dim is split over under the logical rules in scope
-    (parallel/rules.py maps "experts" to the strategy's expert axis), where the context mesh
-    has it with size > 1 and not already manual; else None (the block computes locally).
-    Asked of the rules, not named here: the model layer does not know the strategy's axes."""
+def _rule_axis(logical: str, dim: int) -> str | None:
+    """The mesh axis the logical rules in scope map `logical` to, where the context mesh has
+    it with a size > 1 that divides `dim` and it is not already manual; else None. Asked of
+    the rules, not named here: the model layer does not know the strategy's axes."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    (axis,) = nn.logical_to_mesh_axes(("experts",))
+    (axis,) = nn.logical_to_mesh_axes((logical,))
     if not isinstance(axis, str) or axis not in mesh.axis_names or axis in mesh.manual_axes:
         return None
-    return axis if mesh.shape[axis] > 1 else None
+    return axis if mesh.shape[axis] > 1 and dim % mesh.shape[axis] == 0 else None
 
 
-def expert_ways() -> int:
-    """Size of the context mesh's expert axis that a block may split experts over: 1 without
-    a mesh in scope, without an expert axis, or where that axis is already manual."""
-    axis = expert_axis()
-    return 1 if axis is None else jax.sharding.get_abstract_mesh().shape[axis]
+def expert_axis(num_experts: int) -> str | None:
+    """The mesh axis the experts' E dim is split over (rule "experts": the strategy's expert
+    axis), or None: no mesh in scope, no such axis, or already manual (the block then
+    computes its experts locally)."""
+    return _rule_axis("experts", num_experts)
+
+
+def expert_tensor_axis(expert_width: int) -> str | None:
+    """The mesh axis each expert's hidden width F is split over (rule "expert_mlp": the
+    strategy's tensor axis), or None as for `expert_axis`."""
+    return _rule_axis("expert_mlp", expert_width)
 
 
 def _batch_axes(rows: int) -> tuple[str, ...]:
@@ -136,26 +151,45 @@ def _dispatch_compute_combine(axis: str, x_btd: jax.Array, experts_btk: jax.Arra
     return y_td.reshape(b, t, d)
 
 
+def _device_swiglu(expert_axis: str | None, tensor_axis: str | None, x_btd: jax.Array,
+                   experts_btk: jax.Array, weights_btk: jax.Array, gate_edf: jax.Array,
+                   up_edf: jax.Array, down_efd: jax.Array) -> jax.Array:
+    """One device's part under the shard_map of `expert_swiglu`: its tokens [b, t, D] through
+    its experts (E/e of them over `expert_axis` by all-to-all, else all E locally) and its
+    F/t columns of their gate and up and rows of their down projections; with a tensor axis
+    the ranks' partial outputs [b, t, D] are summed over it (Megatron's MLP all-reduce)."""
+    if expert_axis is None:
+        b, t, d = x_btd.shape
+        routing_tk = Routing(weights_btk.reshape(b * t, -1), experts_btk.reshape(b * t, -1))
+        y_btd = experts_swiglu(x_btd.reshape(b * t, d), routing_tk, gate_edf, up_edf,
+                               down_efd).reshape(b, t, d)
+    else:
+        y_btd = _dispatch_compute_combine(expert_axis, x_btd, experts_btk, weights_btk,
+                                          gate_edf, up_edf, down_efd)
+    return y_btd if tensor_axis is None else jax.lax.psum(y_btd, tensor_axis)
+
+
 def expert_swiglu(x_btd: jax.Array, routing_btk: Routing, gate_edf: jax.Array,
                   up_edf: jax.Array, down_efd: jax.Array) -> jax.Array:
     """sum_j w_j * expert_{e_j}(x) for x [b, t, D] and a routing of [b, t, k]: [b, t, D].
 
-    Split over the context mesh's expert axis where it has one (module docstring), else
-    computed locally by `grouped_experts.experts_swiglu`. Weights [E, in, out] in x's dtype."""
+    Split over the context mesh's expert axis (the E dim) and tensor axis (each expert's F)
+    where it has them (module docstring), else computed locally by
+    `grouped_experts.experts_swiglu`. Weights [E, in, out] in x's dtype."""
     b, t, d = x_btd.shape
-    axis = expert_axis()
-    if axis is None:
-        routing_tk = Routing(*(a.reshape(b * t, -1) for a in routing_btk))
-        return experts_swiglu(x_btd.reshape(b * t, d), routing_tk, gate_edf, up_edf,
-                              down_efd).reshape(b, t, d)
+    e_axis = expert_axis(gate_edf.shape[0])
+    t_axis = expert_tensor_axis(gate_edf.shape[-1])
+    device_part = functools.partial(_device_swiglu, e_axis, t_axis)
+    if e_axis is None and t_axis is None:
+        return device_part(x_btd, routing_btk.experts_tk, routing_btk.weights_tk, gate_edf,
+                           up_edf, down_efd)
     rows = PartitionSpec(_batch_axes(b) or None)
-    experts = PartitionSpec(axis)
+    columns, cut_rows = PartitionSpec(e_axis, None, t_axis), PartitionSpec(e_axis, t_axis, None)
     # check_vma off: inside a pipeline's stage vmap (parallel/pipeline.py, spmd_axis_name
     # "pipeline") the checker takes the output for varying over "pipeline" too, where the
-    # batching rule splits it there; on the other axes (tensor, ...) it is replicated indeed:
-    # every rank of them computes the same rows.
-    local = jax.shard_map(
-        functools.partial(_dispatch_compute_combine, axis),
-        in_specs=(rows, rows, rows, experts, experts, experts), out_specs=rows, check_vma=False)
+    # batching rule splits it there; over the tensor axis it is replicated indeed: every rank
+    # holds the same rows, and the psum makes their outputs the same sum.
+    local = jax.shard_map(device_part, in_specs=(rows, rows, rows, columns, columns, cut_rows),
+                          out_specs=rows, check_vma=False)
     return local(x_btd, routing_btk.experts_tk, routing_btk.weights_tk, gate_edf, up_edf,
                  down_efd)

@@ -10,8 +10,8 @@ one contiguous group whose size is its token count, and `ragged_dot` multiplies 
 its own expert's weight [E, in, out]. No [tokens, experts, ...] array is built, so the work and
 memory follow the k chosen experts, not all E. Routing is dropless: every assignment is
 computed, whatever the load. On a layout with an expert axis (strategy letter `e`) each rank
-holds E/e experts and the assignments travel to them by all-to-all
-(models/expert_parallel.py).
+holds E/e experts and the assignments travel to them by all-to-all, and with a tensor axis
+(`t`) F/t of each expert's width (models/expert_parallel.py).
 
 The router is computed in float32 whatever the compute dtype (a [D, E] matmul): a bf16
 logit rounds ties differently between two programs (rollout and training), and a different

@@ -150,6 +150,7 @@ def _rules_for_model(rules: rule_presets.Rules, mesh: Mesh, model: ModelConfig
     }
     if model.moe is not None:
         dims["experts"] = model.moe.num_experts
+        dims["expert_mlp"] = model.moe.expert_intermediate_size
     fixed = []
     for name, target in rules:
         ways = math.prod(mesh.shape[a] for a in rule_presets.mesh_axes_of(target))

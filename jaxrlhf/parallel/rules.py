@@ -12,7 +12,7 @@ Mesh axes are ("pipeline", "data", "fsdp", "expert", "tensor"):
     layer by XLA);
   * "expert" splits the batch *and* each sparse layer's experts (expert parallelism: tokens
     reach their experts by all-to-all, see models/expert_parallel.py);
-  * "tensor" splits heads, MLP and vocabulary (Megatron style).
+  * "tensor" splits heads, MLP, each expert's hidden width and vocabulary (Megatron style).
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ DEFAULT: Rules = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("layers", "pipeline"),
-    # mixture-of-experts blocks (models/moe.py): 1/e of the experts on each expert rank
+    # mixture-of-experts blocks (models/moe.py): 1/e of the experts on each expert rank, 1/t
+    # of each expert's hidden width on each tensor rank (models/expert_parallel.py)
     ("experts", "expert"),
     ("experts_router", None),
-    ("expert_mlp", None),
+    ("expert_mlp", "tensor"),
 )
 
 # Everything replicated but the batch: the layout of a pure data-parallel call.

@@ -15,7 +15,8 @@ one.
 Per call kind, on a sub-mesh with degrees d × f × t (× p pipeline stages) and k micro-batches,
 rows r = batch/(d·f·k) per device and micro-batch:
   * train_step: (3 + remat recompute) forward passes of FLOPs, split t ways; per micro-batch
-    tensor-parallel all-reduces of activations (2 per layer per forward or backward pass), fsdp
+    tensor-parallel all-reduces of activations (2 per layer per forward or backward pass:
+    `tensor_reduces_per_layer`), fsdp
     all-gathers of the weights (forward, recompute, backward) and a reduce-scatter of the
     gradients, and a data-parallel all-reduce of the gradients: the runtime constrains its
     gradient accumulator to the parameter sharding, so gradients are reduced every micro-batch.
@@ -44,8 +45,10 @@ is a jit call per micro-batch, each streaming its rows in pieces with a fill and
 own (`inference_cost`).
 
 Mixtures of experts (`ModelConfig.moe`). A token's FLOPs are its router's and its top_k
-experts' (`ModelProfile.matmul_params`), not all E; the rules keep each expert whole on every
-tensor rank, so those FLOPs are not split t ways (`tensor_split_flops`). A decode step reads the
+experts' (`ModelProfile.matmul_params`), not all E; the rules cut each expert's width t ways as
+a dense MLP's, so the experts' FLOPs are split t ways and their block's output is summed over t
+like the MLP's; the router runs whole on every tensor rank (`tensor_split_flops`,
+`tensor_reduces_per_layer`). A decode step reads the
 weights of the experts its rows route to (`expert_read_fraction`); every other weight movement
 (fsdp gathers, reallocation, offload, the optimizer's update) moves all E experts. With
 expert parallelism (e > 1: the batch split d·e·f ways, 1/e of the experts on each expert rank)
@@ -181,29 +184,43 @@ def _forward(p: ModelProfile, cluster: Cluster, choice: CallChoice, tokens: int,
 
     Args:
       flop_passes: forward passes worth of FLOPs (split t ways).
-      layer_passes: passes through the layers that each do 2 tensor all-reduces of the
-        activations per layer and launch the layers (plus one for embedding and head).
+      layer_passes: passes through the layers that each do `tensor_reduces_per_layer`
+        tensor all-reduces of the activations and launch the layers (plus one for embedding
+        and head).
     """
     flops = tensor_split_flops(p, context, choice.tensor, choice.expert) * tokens * flop_passes
     activation = tokens * p.config.hidden_size * p.act_itemsize
     reduces = all_reduce(activation, choice.tensor, axis_link(cluster, choice, Axis.TENSOR))
     return (CallCost(compute=flops / cluster.peak_bf16_flops)
-            + reduces.times(2 * p.config.num_layers * layer_passes)
+            + reduces.times(tensor_reduces_per_layer(p, choice.tensor)
+                            * p.config.num_layers * layer_passes)
             + expert_all_to_all(p, cluster, choice, tokens).times(layer_passes)
             + CallCost(launches=(p.config.num_layers + 1) * layer_passes))
 
 
 def tensor_split_flops(p: ModelProfile, context: int, tensor: int, expert: int = 1) -> float:
     """Forward FLOPs per local token one device of a tensor group does: the dense part
-    (attention, dense MLPs, head) split t ways, a sparse block's router and experts as the
-    rules cut the experts (`ModelProfile.expert_tensor_ways`: whole on every tensor rank by
-    default, so each runs them over the same tokens). With e > 1 expert ranks the local
+    (attention, dense MLPs, head) split t ways, a sparse block's experts as the rules cut
+    their width (`ModelProfile.expert_tensor_ways`: t ways where t divides it), its router
+    whole on every tensor rank (each routes the same tokens). With e > 1 expert ranks the local
     experts' grouped matmuls run over the e·T·k rows of the static all-to-all buffers
     (`models.expert_parallel`: dropless, a worst-case buffer per peer), e times the rows."""
     router = 2.0 * p.router_params
     experts = 2.0 * p.expert_matmul_params - router
     dense = p.forward_flops_per_token(context) - router - experts
-    return dense / tensor + (router + experts * expert) / p.expert_tensor_ways(tensor)
+    return dense / tensor + router + experts * expert / p.expert_tensor_ways(tensor)
+
+
+def tensor_reduces_per_layer(p: ModelProfile, tensor: int) -> int:
+    """All-reduces over the t ranks of a layer's activations per pass: attention's output and
+    the feed-forward's, a dense MLP's or a sparse block's (its experts' partial outputs over
+    their cut width, `models.expert_parallel`). A sparse block whose experts t does not cut
+    (`ModelProfile.expert_tensor_ways` 1: each rank computes them whole) sums nothing, but
+    a mixed model's scanned layers run the dense MLP beside it (`models.transformer`)."""
+    m = p.config.moe
+    if m is None or m.mixed or p.expert_tensor_ways(tensor) > 1:
+        return 2
+    return 1
 
 
 def expert_all_to_all(p: ModelProfile, cluster: Cluster, choice: CallChoice,

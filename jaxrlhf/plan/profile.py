@@ -118,9 +118,9 @@ class ModelProfile:
             m.num_experts)
 
     def expert_tensor_ways(self, tensor: int) -> int:
-        """How many ways the tensor axis cuts each expert's weights (the "experts",
-        "expert_mlp" rules; 1 where they keep experts whole on every tensor rank, which then
-        each run the sparse blocks of the same tokens in full); 1 for a dense model."""
+        """How many ways the tensor axis cuts each expert's weights (the "expert_mlp" rule:
+        t, their width F split as a dense MLP's; 1 where t does not divide F, and every
+        tensor rank then runs whole experts over the same tokens); 1 for a dense model."""
         experts = [leaf for leaf in self.leaves if _is_expert(leaf)]
         if not experts:
             return 1

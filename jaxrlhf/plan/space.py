@@ -31,6 +31,7 @@ from jaxrlhf.parallel.strategy import DeviceRange
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.evaluate import Evaluator
+from jaxrlhf.plan.profile import profile_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,28 +90,39 @@ def degrees(num_devices: int, cluster: Cluster, model: ModelConfig,
 
 def configs(mfc: MFC, rows: int, num_devices: int, cluster: Cluster, model: ModelConfig,
             options: SpaceOptions) -> Iterator[Config]:
-    """Degrees × micro-batches that split `rows` evenly. A mixture of experts trains without
-    a pipeline (`engine.train_step`: its stages would not collect the router's losses)."""
-    stages = 1 if mfc.call is Call.TRAIN_STEP and model.moe is not None else options.max_pipeline
-    for d, f, t, p, e in degrees(num_devices, cluster, model, stages):
-        if not _experts_partitioned(mfc, cluster, model, d * f, e):
+    """Degrees the runtime runs as priced (`runs_as_priced`) × micro-batches that split `rows`
+    evenly."""
+    for d, f, t, p, e in degrees(num_devices, cluster, model, options.max_pipeline):
+        if not runs_as_priced(mfc, cluster, model, Config(d, f, t, 1, p, e)):
             continue
         for k in options.micro_batches:
             if rows % k == 0 and (rows // k) % (d * e * f) == 0:
                 yield Config(d, f, t, k, p, e)
 
 
-def _experts_partitioned(mfc: MFC, cluster: Cluster, model: ModelConfig, dp: int,
-                         e: int) -> bool:
+def runs_as_priced(mfc: MFC, cluster: Cluster, model: ModelConfig, config: Config) -> bool:
+    """Whether the runtime takes `config`'s degrees for `mfc` and runs them as the cost and
+    memory models price them: a mixture of experts trains without a pipeline
+    (`engine.train_step`: its stages would not collect the router's losses), and its sparse
+    blocks are partitioned (`_experts_partitioned`). Every plan the planner proposes, searched
+    or a baseline's, asks this."""
+    if model.moe is not None and mfc.call is Call.TRAIN_STEP and config.pipeline > 1:
+        return False
+    return _experts_partitioned(mfc, cluster, model, config)
+
+
+def _experts_partitioned(mfc: MFC, cluster: Cluster, model: ModelConfig, config: Config) -> bool:
     """Whether a train step's or inference's sparse blocks run as priced: on an accelerator,
-    under expert parallelism (`models.expert_parallel`, a shard_map: each device its own
-    rows) or without data parallelism. Otherwise the block is left to XLA's SPMD partitioner,
-    which does not split a grouped matmul's rows over the batch axes: Qwen3-30B-A3B's
-    inference on f32 of a v5p-64 took 54.6 GiB by XLA where its rows take 6.2, its train step
-    on d8f4 202 GB (generation decodes in a shard_map of its own, `engine.rollout`)."""
+    under expert or tensor parallelism of the experts (`models.expert_parallel`, a shard_map:
+    each device its own rows; t counts where it cuts the experts' width) or without data
+    parallelism. Otherwise the block is left to XLA's SPMD partitioner, which does not split a
+    grouped matmul's rows over the batch axes: Qwen3-30B-A3B's inference on f32 of a v5p-64
+    took 54.6 GiB by XLA where its rows take 6.2, its train step on d8f4 202 GB (generation
+    decodes in a shard_map of its own, `engine.rollout`)."""
     if model.moe is None or mfc.call is Call.GENERATE or cluster.platform is Platform.CPU:
         return True
-    return e > 1 or dp == 1
+    return (config.expert > 1 or config.data * config.fsdp == 1
+            or profile_of(model).expert_tensor_ways(config.tensor) > 1)
 
 
 def _pareto(entries: list[tuple[float, int, Config]]) -> list[Config]:

@@ -2,14 +2,16 @@
 experts held (parameters, optimizer state), top_k of them and the router run (FLOPs, the grouped
 matmuls' rows), and configs/grpo_qwen3_30b_a3b.py planned on its two clusters."""
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import pytest
 
 from jaxrlhf.configs import grpo_qwen3_30b_a3b
 from jaxrlhf.mfc import Call
 from jaxrlhf.models.config import RematPolicy
-from jaxrlhf.models.sizes import get_size
-from jaxrlhf.parallel.layout import Platform
+from jaxrlhf.models.sizes import abstract_params, get_size
+from jaxrlhf.parallel.layout import Platform, make_layout
 from jaxrlhf.parallel.strategy import DeviceRange, parse_strategy
 from jaxrlhf.plan import cost, memory, space
 from jaxrlhf.plan.choice import CallChoice
@@ -50,21 +52,43 @@ def test_mixtral_counts_are_the_published_ones():
     assert p.num_params - p.active_params == 32 * 6 * 3 * 4096 * 14336
 
 
-def test_forward_flops_follow_top_k_and_experts_stay_whole_over_tensor():
+def test_forward_flops_follow_top_k_and_experts_split_over_tensor():
     p = profile_of(get_size("qwen3-30b-a3b"))
     context = 1024
     _, _, matmul = _qwen3_30b_counts()
     attention = 4 * 48 * 32 * 128 * context
     assert p.forward_flops_per_token(context) == 2 * matmul + attention
-    # The rules keep experts and the router whole on every tensor rank: those FLOPs are not
-    # split, the rest is split 4 ways.
-    sparse = 2 * 48 * (2048 * 128 + 8 * 3 * 2048 * 768)
-    dense = 2 * matmul + attention - sparse
-    assert p.expert_tensor_ways(4) == 1
-    assert cost.tensor_split_flops(p, context, 4) == pytest.approx(dense / 4 + sparse, rel=1e-12)
+    # The rules cut each expert's width F = 768 4 ways, as a dense MLP's: the experts' FLOPs
+    # split 4 ways with the rest; the router runs whole on every tensor rank.
+    router = 2 * 48 * 2048 * 128
+    experts = 2 * 48 * 8 * 3 * 2048 * 768
+    dense = 2 * matmul + attention - router - experts
+    assert p.expert_tensor_ways(4) == 4
+    assert cost.tensor_split_flops(p, context, 4) == pytest.approx(
+        dense / 4 + router + experts / 4, rel=1e-12)
     dense_p = profile_of(get_size("qwen3-8b"))
     assert cost.tensor_split_flops(dense_p, context, 4) == pytest.approx(
         dense_p.forward_flops_per_token(context) / 4, rel=1e-12)
+
+
+def test_sparse_block_output_is_summed_over_tensor_as_a_dense_mlps():
+    """Two all-reduces over t a layer (attention's, the feed-forward's), dense or sparse;
+    where t does not cut the experts' width (tiny-moe's F = 128 on t = 3) the sparse block
+    sums nothing, but a mixed model's scanned layers still run their dense MLP."""
+    moe, dense = get_size("qwen3-30b-a3b"), get_size("qwen3-8b")
+    assert [cost.tensor_reduces_per_layer(profile_of(m), 4) for m in (moe, dense)] == [2, 2]
+    tiny = get_size("tiny-moe")
+    assert profile_of(tiny).expert_tensor_ways(3) == 1
+    assert cost.tensor_reduces_per_layer(profile_of(tiny), 3) == 1
+    mixed = tiny.replace(moe=tiny.moe.replace(dense_layers=(0,)))
+    assert cost.tensor_reduces_per_layer(profile_of(mixed), 3) == 2
+    cluster = load_cluster("meshes/h100_8.py")
+    t4 = CallChoice.of(parse_strategy("0-3:t4"))
+    tokens = 4096
+    one = cost.all_reduce(tokens * 2048 * 2, 4, (cluster.intra_host_bandwidth,
+                                                 cluster.intra_host_latency))
+    forward = cost._forward(profile_of(moe), cluster, t4, tokens, 1024)
+    assert forward.comm == pytest.approx(2 * 48 * one.comm, rel=1e-12)
 
 
 def test_decode_reads_only_the_experts_its_rows_route_to():
@@ -150,6 +174,33 @@ def test_an_expert_rank_is_a_data_rank_holding_one_eth_of_the_experts():
     experts = 2 * 48 * 128 * 3 * 2048 * 768
     assert p.expert_shard_bytes(1, 1, 1, 4) == experts // 4
     assert p.shard_bytes(1, 1, 1, 4) == p.shard_bytes(1, 1) - experts + experts // 4
+    # t cuts each expert's width too: 1/(e*t) of the experts a device, and so of their
+    # gradients and optimizer state.
+    assert p.expert_shard_bytes(4, 1, 1, 2) == experts // 8
+    rest = p.shard_bytes(4, 1) - p.expert_shard_bytes(4, 1)
+    assert p.shard_bytes(4, 1, 1, 2) == rest + experts // 8
+    e2t4 = CallChoice.of(parse_strategy("0-7:e2t4"))
+    params, optimizer = memory.train_state_bytes(p, e2t4, fp32_master=True)
+    assert (params, optimizer) == (rest + experts // 8, 6 * (rest + experts // 8))
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("spec", ["0-1:t2", "0-3:e2t2", "0-7:d2e2t2", "0-7:f2e2t2"])
+def test_expert_shard_bytes_equal_compiled_arguments(spec):
+    """The planner's per-device parameter bytes are what XLA holds for tiny-moe's parameters
+    on the layout: the experts 1/(e*t) (and their embed dim 1/f) on each device."""
+    cfg = get_size("tiny-moe")
+    layout = make_layout(spec, model=cfg)
+    compiled = jax.jit(lambda params: params, in_shardings=(
+        layout.param_shardings(abstract_params(cfg)),)).lower(
+        nn.unbox(abstract_params(cfg))).compile()
+    s = layout.strategy
+    p = profile_of(cfg)
+    assert p.shard_bytes(s.tensor, s.fsdp, 1, s.expert) == \
+        compiled.memory_analysis().argument_size_in_bytes
+    experts = 2 * 8 * 3 * 64 * 128 * 4  # L, E, gate/up/down of D x F, fp32
+    assert p.expert_shard_bytes(s.tensor, s.fsdp, 1, s.expert) == \
+        experts // (s.expert * s.tensor * s.fsdp)
 
 
 def test_all_to_all_and_gradient_reduction_follow_the_hand_count():
@@ -194,9 +245,9 @@ def test_expert_parallel_buffers_hold_e_times_the_rows():
 
 def test_accelerator_train_and_inference_of_experts_are_expert_parallel_or_one_rank():
     """XLA's partitioner does not split a grouped matmul's rows over the batch axes, so on a
-    TPU or GPU a mixture's train step and inference are searched with e > 1 or no data
-    parallelism (`space._experts_partitioned`); generation (its own shard_map) and a CPU
-    cluster keep every layout."""
+    TPU or GPU a mixture's train step and inference are searched with e > 1, t > 1 (both a
+    shard_map over the rows) or no data parallelism (`space._experts_partitioned`);
+    generation (its own shard_map) and a CPU cluster keep every layout."""
     config = grpo_qwen3_30b_a3b.get_config()
     experiment = run_spec(config).experiment()
     model = experiment.model(experiment.graph.mfc("ref_inf").role)
@@ -206,10 +257,12 @@ def test_accelerator_train_and_inference_of_experts_are_expert_parallel_or_one_r
         mfc = experiment.graph.mfc(name)
         on_tpu = {c.degrees for c in space.configs(mfc, 512, 32, tpu, model, options)}
         assert (1, 16, 1, 1, 2) in on_tpu  # e2f16
+        assert (8, 1, 4, 1, 1) in on_tpu  # d8t4: t cuts the experts' width, a shard_map too
         if name == "actor_gen":
             assert (1, 32, 1, 1, 1) in on_tpu  # f32
         else:
             assert (1, 32, 1, 1, 1) not in on_tpu
-            assert all(e > 1 or d * f == 1 for d, f, _, _, e in on_tpu)
+            assert all(e > 1 or t > 1 or d * f == 1 for d, f, t, _, e in on_tpu)
         on_cpu = {c.degrees for c in space.configs(mfc, 512, 8, cpu, model, options)}
         assert (1, 8, 1, 1, 1) in on_cpu
+
