@@ -342,7 +342,7 @@ def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
             continue
         model = spec.models[mfc.role].config
         estimate = memory_lib.own_memory(experiment, mfc, choice, cluster.platform)
-        log(f"compiling {name} ({choice}) for {cluster.topology}")
+        log(f"compiling {name} ({choice}) for {cluster.topology or cluster.name}")
         try:
             engine = build.engine_call(mfc, model, layout,
                                        build.train_micro(spec, choice.micro_batches), spec.rollout,
@@ -365,6 +365,28 @@ def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
         known[name, choice] = reports[-1]
         log(f"  {name}: {', '.join(f'{p.name} {p.seconds:.1f} s' for p in programs)}")
     return reports
+
+
+def first_that_fits(spec: RunSpec, cluster: Cluster,
+                    plans: Sequence[tuple[str, ExecutionPlan]], devices: Sequence[jax.Device],
+                    limit_bytes: int, log: Callable[[str], None] = lambda line: None,
+                    explain: bool = False) -> tuple[int, list[CallReport]]:
+    """Compiles `plans` ((heading, plan), best first) in turn until every call of one fits by
+    XLA's account, logging each plan's heading and `table` (and `explanation`); a call shared
+    with a plan compiled before is not compiled again. Returns the index of the first plan that
+    fits (else 0, the best by the models) and its reports."""
+    known, tried = {}, []
+    for heading, plan in plans:
+        log(f"\n{heading}")
+        reports = compile_plan(spec, cluster, plan, devices, limit_bytes, log, known,
+                               explain=explain)
+        log(table(reports))
+        if explain:
+            log(explanation(reports))
+        if all(r.fits for r in reports):
+            return len(tried), reports
+        tried.append(reports)
+    return 0, tried[0]
 
 
 # --- reports ----------------------------------------------------------------------------

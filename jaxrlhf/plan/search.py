@@ -40,7 +40,7 @@ from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.evaluate import Evaluation, Evaluator, SimOptions
 from jaxrlhf.plan.experiment import Experiment
-from jaxrlhf.plan.space import Config, Menu, SpaceOptions
+from jaxrlhf.plan.space import Config, Menu, SpaceOptions, runs_as_priced
 
 BASELINES = (Placement.COLOCATE, Placement.STANDALONE, Placement.SPLIT, Placement.INTERLEAVE)
 
@@ -155,15 +155,21 @@ def heuristic(evaluator: Evaluator, micro_batches: tuple[int, ...]) -> PlanResul
     parallelism over the remaining devices (no fsdp: Megatron has none), and one micro-batch
     count for all MFCs, the fewest that fits and, with a pipeline, is at least 2p, which keeps
     a 1F1B bubble under a third. (ReaL's tables: 70B+7B on 128 GPUs took TP8 PP4 DP4 with 8 micro-batches,
-    7B+7B on 16 took TP8 DP2 with 4.)
+    7B+7B on 16 took TP8 DP2 with 4.) Only a strategy every MFC runs as priced
+    (`space.runs_as_priced`: no pipeline where a mixture of experts trains) is tried.
     """
     experiment, cluster = evaluator.experiment, evaluator.cluster
     everything = DeviceRange(0, cluster.num_devices - 1)
     tensor, stages = _heuristic_degrees(experiment, cluster)
-    names = [m.name for m in experiment.model_mfcs()]
+    mfcs = experiment.model_mfcs()
+    names = [m.name for m in mfcs]
     last = PlanResult("heuristic", None, None, "no symmetric 3D strategy is legal")
     for p in stages:
         data = cluster.num_devices // (tensor * p)
+        degrees = Config(data, 1, tensor, 1, p)
+        if not all(runs_as_priced(mfc, cluster, experiment.model(mfc.role), degrees)
+                   for mfc in mfcs):
+            continue
         floor = min(2 * p, max(micro_batches)) if p > 1 else 1
         for k in sorted(m for m in micro_batches if m >= floor):
             rows = {n: experiment.workload.rows(experiment.graph.mfc(n).call) for n in names}

@@ -16,9 +16,10 @@ from jaxrlhf.parallel.strategy import DeviceRange, parse_strategy
 from jaxrlhf.plan import cost, memory, space
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import load_cluster
+from jaxrlhf.plan.evaluate import Evaluator
 from jaxrlhf.plan.experiment import Workload
 from jaxrlhf.plan.profile import profile_of
-from jaxrlhf.plan.search import search
+from jaxrlhf.plan.search import heuristic, search
 from jaxrlhf.spec import run_spec
 
 
@@ -266,3 +267,14 @@ def test_accelerator_train_and_inference_of_experts_are_expert_parallel_or_one_r
         on_cpu = {c.degrees for c in space.configs(mfc, 512, 8, cpu, model, options)}
         assert (1, 8, 1, 1, 1) in on_cpu
 
+
+def test_heuristic_proposes_no_pipeline_where_experts_train():
+    """Megatron's rules on 8 H100s give Qwen3-30B-A3B t4 and the fewest stages that fit; a
+    mixture of experts trains without a pipeline (`engine.train_step` refuses one), so the
+    symmetric heuristic tries p1 only (d2t4, which does not fit) where it took p2t4."""
+    config = grpo_qwen3_30b_a3b.get_config("h100")
+    evaluator = Evaluator(run_spec(config).experiment(), load_cluster(config.placement.cluster))
+    result = heuristic(evaluator, (1, 2, 4, 8, 16, 32, 64))
+    assert result.plan is not None
+    assert {(c.tensor, c.pipeline) for _, c in result.plan.items()} == {(4, 1)}
+    assert not result.feasible and "actor_train does not fit" in result.reason
