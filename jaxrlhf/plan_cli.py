@@ -219,12 +219,11 @@ def _candidates(spec, cluster: Cluster) -> list[PlanResult]:
     report = search(spec.experiment(), cluster, SearchOptions(
         iterations=_ITERATIONS.value, time_limit_s=_TIME_LIMIT.value, seed=_SEED.value),
         SimOptions(overlap_steps=_OVERLAP.value))
-    feasible = sorted((r for r in report.plans().values() if r.feasible),
-                      key=lambda r: r.step_seconds)
-    if not feasible:
+    best = report.best(_COMPILE_PLANS.value)
+    if not best:
         raise ConfigError(f"--cluster: no plan fits {cluster.name} by the memory model: "
                           f"{report.searched.reason}")
-    return feasible[:max(1, _COMPILE_PLANS.value)]
+    return best
 
 
 def _compile(config, cluster: Cluster) -> None:
@@ -249,19 +248,11 @@ def _compile(config, cluster: Cluster) -> None:
           f"XLA reports {'no limit' if reported is None else f'{reported / 2**30:.2f} GiB'})",
           flush=True)
     log = lambda line: print(line, flush=True)
-    tried, known = [], {}
-    for candidate in _candidates(spec, cluster):
-        print(f"\nplan {candidate.name}: {report_lib.allocation(candidate)}", flush=True)
-        reports = aot.compile_plan(spec, cluster, candidate.plan, devices, limit, log, known,
-                                   explain=_EXPLAIN.value)
-        print(aot.table(reports), flush=True)
-        if _EXPLAIN.value:
-            print(aot.explanation(reports), flush=True)
-        tried.append((candidate, reports))
-        if all(r.fits for r in reports):
-            break
-    chosen, reports = next(((c, r) for c, r in tried if all(x.fits for x in r)), tried[0])
-    fits = all(r.fits for r in reports)
+    candidates = _candidates(spec, cluster)
+    index, reports = aot.first_that_fits(
+        spec, cluster, [(f"plan {c.name}: {report_lib.allocation(c)}", c.plan)
+                        for c in candidates], devices, limit, log, explain=_EXPLAIN.value)
+    chosen, fits = candidates[index], all(r.fits for r in reports)
     print(f"\n{'chosen' if fits else 'no plan fits by XLA; shown'}: plan {chosen.name}, "
           f"placement.allocation={report_lib.allocation(chosen)}")
     print("\nparameter movements between its layouts (collective hops compiled):", flush=True)

@@ -257,6 +257,10 @@ def _shared() -> ConfigDict:
             # block of its own with its own weights copy; > 1 runs one process per replica
             # plus the trainer's (launch/local.sh 1+R ...) with async_rl.max_staleness > 0.
             "gen_replicas": 1,
+            # auto: after the input checks, compile the best few searched plans for this
+            # job's devices and run the best one whose every call fits by XLA's account
+            # (run/compile_check.py); off: the searched plan runs as priced.
+            "compile_check": False,
         },
         "logging": {  # metrics.jsonl and TensorBoard always; jaxrlhf/metrics.py
             # Weights & Biases beside them when `project` is set (pip install 'jaxrlhf[wandb]');

@@ -99,9 +99,10 @@ def main(argv):
     from jaxrlhf.run.loop import STOPS
     from jaxrlhf.run import rl
     from jaxrlhf.run.check import check_config
+    from jaxrlhf.run.compile_check import choose
 
     try:
-        job = check_config(config, workdir)
+        job = choose(check_config(config, workdir))  # compiles only after every input check
         summary = rl.run(job)
     except (ConfigError, CheckpointError) as e:  # no checkpoint restores: one line as well
         _config_error(e, dist)

@@ -152,6 +152,13 @@ CASES = [
      {"warm_start.sft_steps": 5, "data.task.num_sft": 0},
      "warm_start.sft_steps=5: there are no SFT rows (set data.task.num_sft > 0, or "
      "warm_start.sft_steps=0)"),
+    # placement.compile_check resolves the next-best plans too, but compiles only after every
+    # check (run/compile_check.py): the data's error is still one line, and nothing compiled.
+    ("compile_check_after_the_checks",
+     {"warm_start.sft_steps": 5, "data.task.num_sft": 0, "placement.kind": "auto",
+      "placement.cluster": "meshes/cpu_8.py", "placement.compile_check": True},
+     "warm_start.sft_steps=5: there are no SFT rows (set data.task.num_sft > 0, or "
+     "warm_start.sft_steps=0)"),
     ("too_few_sft_rows_for_a_warm_start_batch",
      {"warm_start.sft_steps": 5, "data.task.num_sft": 4},
      "warm_start.batch_size=32: more than the 4 SFT rows of the built-in task"),

@@ -72,6 +72,7 @@ FEATURES = {
     "models.cost.": {"cost.kind": "model"},
     "placement.allocation": {"placement.kind": "manual"},
     "placement.cluster": {"placement.kind": "auto"},
+    "placement.compile_check": {"placement.kind": "auto", "placement.cluster": "meshes/cpu_8.py"},
     "placement.gen_replicas": {"placement.kind": "disaggregate", "async_rl.max_staleness": 1},
 }
 # Keys the spec copies whatever the run reads (the unread-key check refuses them where unread,
@@ -85,6 +86,7 @@ COPIED = {
     "optimizer.actor.max_grad_norm": "WarmStartSpec's optimizer: read with a warm start only",
     "placement.allocation": "PlacementSpec: read with placement.kind=manual only",
     "placement.cluster": "PlacementSpec: read with placement.kind=auto only",
+    "placement.compile_check": "PlacementSpec: read with placement.kind=auto only",
     "placement.strategy": "PlacementSpec: read with placement.kind=colocate only",
     "warm_start.batch_size": "WarmStartSpec: read with a warm start only",
     "warm_start.lr": "WarmStartSpec: read with a warm start only",

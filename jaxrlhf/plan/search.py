@@ -249,6 +249,17 @@ class SearchReport:
         found = {"searched": self.searched, **self.baselines}
         return found | ({"configured": self.configured} if self.configured else {})
 
+    def best(self, count: int) -> list[PlanResult]:
+        """The `count` fastest plans that fit by the memory model (searched and baselines; a
+        plan found under two names once, by its first), fastest first: the plans a compile
+        tries in turn until XLA says one fits."""
+        feasible = sorted((r for r in self.plans().values() if r.feasible),
+                          key=lambda r: r.step_seconds)  # stable: "searched" wins a tie
+        distinct: dict[ExecutionPlan, PlanResult] = {}
+        for r in feasible:
+            distinct.setdefault(r.plan, r)
+        return list(distinct.values())[:count]
+
     @property
     def best_baseline(self) -> PlanResult:
         return min(self.baselines.values(), key=lambda r: r.step_seconds)

@@ -4,8 +4,9 @@
 for this run (`run/lock.py`), refuses keys the run does not read (`run/unread.py`), loads the
 tokenizer (not the byte tokenizer beside a model that brought its own), checks the reward
 functions, model directories and vocabularies, resolves the placement (`placement.kind=auto`
-searches here, once) and holds it to what the rollout engine and an asynchronous run's processes
-can run, reads the run's data (a bad row of a user file is named by file:line), makes the warm
+searches here, once; with `placement.compile_check` its next-best plans too, which compile only
+after these checks: `run/compile_check.py`) and holds it to what the rollout engine and an
+asynchronous run's processes can run, reads the run's data (a bad row of a user file is named by file:line), makes the warm
 start a job of its own, refuses checkpoints in the workdir that another run wrote, or, forced,
 that do not fit its models (`checkpoint.resume`), and points JAX's persistent compilation cache
 at `compile.cache_dir` (what the process compiles from then on is kept there, and loaded from
@@ -36,7 +37,7 @@ from jaxrlhf.fingerprint import run_fingerprint
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models import hf_io
 from jaxrlhf.run import lock, roles, unread
-from jaxrlhf.run.layouts import RunPlan, place, single
+from jaxrlhf.run.layouts import RunPlan, place, place_candidates, single
 from jaxrlhf.schema import ConfigError, field
 from jaxrlhf.spec import RunSpec, run_spec
 
@@ -52,6 +53,9 @@ class Job:
     fingerprint: dict[str, str]  # what defines the run (checkpoints resume only their own)
     data: Data  # its rows, read (and the built-in task written) once
     warm_start: Job | None = None  # its supervised warm start, a job of its own (`_warm_start`)
+    # placement.compile_check: this job on the next-best searched plans, best first, checked
+    # as this one is; `run/compile_check.py` runs the first that XLA says fits
+    fallbacks: tuple[Job, ...] = ()
 
     @property
     def train_rows(self) -> list:
@@ -103,13 +107,14 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
                 hf_io.check_weights(model.path)
     roles.starts(spec)  # every role has weights to start from
     with field("placement"):
-        plan = place(spec)
-    _check_rollout_layouts(spec, plan)
-    _check_processes(spec, plan)
+        plans = place_candidates(spec) if spec.placement.compile_check else [place(spec)]
+    plan, *others = plans
+    _check_plan(spec, plan)
     _check_positions(spec)
     fingerprint = run_fingerprint(spec.config_json)
     job = Job(spec, tokenizer, plan, workdir, fingerprint, load_data(spec, workdir, tokenizer))
     job = dataclasses.replace(job, warm_start=_warm_start(job))
+    job = dataclasses.replace(job, fallbacks=_fallbacks(job, others))
     _check_batches(job)
     _check_answers(job)
     if spec.checkpoint.resume is ResumeMode.FORCE:  # before "resuming regardless" is said
@@ -122,6 +127,26 @@ def check_config(config: ConfigDict, workdir: str) -> Job:
         raise ConfigError(f"compile.cache_dir: {e} (set a directory that takes files, or \"\" "
                           "for no cache)") from None
     return job
+
+
+def _check_plan(spec: RunSpec, plan: RunPlan) -> None:
+    """What the rollout engine and an asynchronous run's processes can run."""
+    _check_rollout_layouts(spec, plan)
+    _check_processes(spec, plan)
+
+
+def _fallbacks(job: Job, plans: list[RunPlan]) -> tuple[Job, ...]:
+    """placement.compile_check: `job` on each of the next-best searched `plans`, checked as its
+    own plan is (`_check_plan`, its warm start's layout); a plan refused is left out."""
+    checked = []
+    for plan in plans:
+        try:
+            _check_plan(job.spec, plan)
+            other = dataclasses.replace(job, plan=plan)
+            checked.append(dataclasses.replace(other, warm_start=_warm_start(other)))
+        except ConfigError:
+            continue
+    return tuple(checked)
 
 
 def _check_rollout_layouts(spec: RunSpec, plan: RunPlan) -> None:

@@ -54,9 +54,20 @@ class RunPlan:
         return self.layouts[(train or list(calls))[0].name]
 
 
+# placement.compile_check: the searched plans compiled, best first, until one fits
+COMPILE_CHECK_PLANS = 3
+
+
 def searched_plan(spec: RunSpec, devices: int | None = None) -> ExecutionPlan:
     """placement.kind=auto: the planner's plan for `placement.cluster`, a cluster of this job's
     `devices` (when given)."""
+    return searched_plans(spec, devices, 1)[0]
+
+
+def searched_plans(spec: RunSpec, devices: int | None = None,
+                   count: int = 1) -> list[ExecutionPlan]:
+    """placement.kind=auto: the planner's `count` best plans (`SearchReport.best`, fastest
+    first) for `placement.cluster`, a cluster of this job's `devices` (when given)."""
     p = spec.placement
     if not p.cluster:
         raise PlacementError("placement.kind=auto needs placement.cluster (e.g. meshes/cpu_8.py)")
@@ -69,9 +80,10 @@ def searched_plan(spec: RunSpec, devices: int | None = None) -> ExecutionPlan:
     report = search(spec.experiment(), cluster)
     if report.searched.plan is None:
         raise PlacementError(f"placement.kind=auto: no plan fits: {report.searched.reason}")
-    print(f"planner: searched plan, {report.searched.step_seconds:.2f} s/step estimated "
+    best = report.best(count)
+    print(f"planner: {best[0].name} plan, {best[0].step_seconds:.2f} s/step estimated "
           f"(search took {report.search_seconds:.1f} s)", flush=True)
-    return report.searched.plan
+    return [r.plan for r in best]
 
 
 def _field(kind: Placement) -> str:
@@ -84,14 +96,18 @@ def _field(kind: Placement) -> str:
     return "placement.strategy"
 
 
+def _entries(plan: ExecutionPlan) -> dict[str, Entry]:
+    """A searched plan as an allocation (its entries carry their micro-batches)."""
+    return {k: Entry(c.strategy, c.micro_batches) for k, c in plan.items()}
+
+
 def _allocation(spec: RunSpec, n: int) -> dict[str, Entry]:
     """The placement on `n` devices as an allocation: MFC name -> Entry, in graph order (a
     searched plan's entries carry their micro-batches, the other kinds' only where `@N` says)."""
     p, graph = spec.placement, spec.graph
     match p.kind:
         case Placement.AUTO:
-            plan = searched_plan(spec, n)
-            return {k: Entry(c.strategy, c.micro_batches) for k, c in plan.items()}
+            return _entries(searched_plan(spec, n))
         case Placement.MANUAL:
             entries = parse_allocation(p.allocation)  # the config's text, read once
             strategies = resolve_placement(graph, p.kind, n, allocation={
@@ -136,13 +152,18 @@ def _micro_batches(spec: RunSpec, mfc: MFC, entry: Entry, where: str) -> int:
         raise PlacementError(f"{field}: MFC {mfc.name!r}: {e}") from None
 
 
+def _checked(spec: RunSpec, allocation: Mapping[str, Entry]) -> ExecutionPlan:
+    """`allocation` as a plan, each MFC's micro-batches checked against the batch."""
+    where = _field(spec.placement.kind)
+    return plan_of(allocation, lambda name, entry: _micro_batches(
+        spec, spec.graph.mfc(name), entry, where))
+
+
 def execution_plan(spec: RunSpec, num_devices: int) -> ExecutionPlan:
     """The plan the run runs on `num_devices` devices, whatever `placement.kind` says: every
     model MFC's devices, degrees and micro-batches, checked against the batch (not yet against
     the devices or the model: `place`). The planner's command line prices this same plan."""
-    where = _field(spec.placement.kind)
-    return plan_of(_allocation(spec, num_devices), lambda name, entry: _micro_batches(
-        spec, spec.graph.mfc(name), entry, where))
+    return _checked(spec, _allocation(spec, num_devices))
 
 
 def place(spec: RunSpec) -> RunPlan:
@@ -150,6 +171,22 @@ def place(spec: RunSpec) -> RunPlan:
     devices; raises naming the MFC and the field."""
     devices = jax.devices()
     return run_plan(spec, execution_plan(spec, len(devices)), devices)
+
+
+def place_candidates(spec: RunSpec) -> list[RunPlan]:
+    """placement.compile_check: the searched plans the run may run, best first (at most
+    `COMPILE_CHECK_PLANS`), each resolved and validated as `place` does the one plan. The
+    best one's error is raised, naming the MFC and the field, as without the check; a later
+    plan that does not validate is left out (the run would not have run it either)."""
+    devices = jax.devices()
+    best, *others = searched_plans(spec, len(devices), COMPILE_CHECK_PLANS)
+    placed = [run_plan(spec, _checked(spec, _entries(best)), devices)]
+    for plan in others:
+        try:
+            placed.append(run_plan(spec, _checked(spec, _entries(plan)), devices))
+        except PlacementError:
+            continue
+    return placed
 
 
 def run_plan(spec: RunSpec, plan: ExecutionPlan, devices: Sequence[jax.Device]) -> RunPlan:

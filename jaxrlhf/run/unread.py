@@ -177,6 +177,10 @@ def _placement_rules(config: ConfigDict, spec: RunSpec) -> Iterator[tuple[bool, 
     yield (p.cluster and kind is not Placement.AUTO, f"placement.cluster={p.cluster!r}",
            f"placement.kind={kind.value} ignores it (it is read with placement.kind=auto; set "
            "placement.cluster= to clear it)")
+    yield (p.compile_check and kind is not Placement.AUTO,
+           f"placement.compile_check={p.compile_check}", f"placement.kind={kind.value} ignores "
+           "it (it compiles the searched plans of placement.kind=auto; `python -m jaxrlhf.plan "
+           "--compile` compiles any plan)")
     yield (config.micro_batch_tokens and config.micro_batches != 1,
            f"micro_batches={config.micro_batches}", f"micro_batch_tokens="
            f"{config.micro_batch_tokens} > 0 splits micro-batches by tokens instead")
