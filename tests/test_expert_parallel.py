@@ -97,18 +97,19 @@ def _token_expert_hidden_shapes(hlo: str, ways: int) -> list[str]:
 
 def _expert_shard_shapes(spec: str, params) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shard shapes one device holds of a block's gate [E, D, F] and down [E, F, D], and
-    what 1/(e*t) of them is: E/e experts, F/t of each one's width."""
+    what 1/(e*t) of them is: E/e experts, F/t of each one's width (and D/f, fsdp's cut)."""
     strategy = make_layout(_devices(spec)).strategy
     moe = MODEL.moe
     local = moe.num_experts // strategy.expert
     width = moe.expert_intermediate_size // strategy.tensor
+    embed = MODEL.hidden_size // strategy.fsdp
     gate, down = params["params"]["gate_proj"], params["params"]["down_proj"]
     held = (gate.sharding.shard_shape(gate.shape), down.sharding.shard_shape(down.shape))
-    return held, ((local, MODEL.hidden_size, width), (local, width, MODEL.hidden_size))
+    return held, ((local, embed, width), (local, width, embed))
 
 
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("spec", ["e2", "d2e2", "t2", "e2t2", "d2e2t2"])
+@pytest.mark.parametrize("spec", ["e2", "d2e2", "t2", "e2t2", "d2e2t2", "f2e2t2"])
 def test_block_splits_experts_and_equals_one_device(spec):
     """e splits the experts and moves tokens by all-to-all, t splits each expert's width."""
     (ref_loss, ref_grads), _, _ = _block_loss_and_grads(None)
