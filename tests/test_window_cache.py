@@ -1,5 +1,6 @@
 """A sliding-window layer's decode cache holds only its window (a ring, `models.decode_kv`) in
-the rollout engine's layer-by-layer state: the bytes it allocates, and rows whose prompts and
+the rollout engine's layer-by-layer state and in its stacked one (`models.mixed_cache` where the
+layers differ): the bytes it allocates, the memory model's, and rows whose prompts and
 responses run past the window decoded, recomputed under new weights and decoded on, with the
 log-probs of a full forward."""
 
@@ -10,9 +11,16 @@ import pytest
 
 from jaxrlhf.engine.generate import GenerateConfig
 from jaxrlhf.engine.rollout import Rollout
+from jaxrlhf.mfc import Call
+from jaxrlhf.models.mixed_cache import MixedKVCache
 from jaxrlhf.models.sizes import get_size
 from jaxrlhf.models.transformer import KVCache
-from jaxrlhf.parallel.layout import init_params, make_layout
+from jaxrlhf.parallel.layout import Platform, init_params, make_layout
+from jaxrlhf.parallel.strategy import parse_strategy
+from jaxrlhf.plan import memory
+from jaxrlhf.plan.choice import CallChoice
+from jaxrlhf.plan.experiment import Workload
+from jaxrlhf.plan.profile import profile_of
 from tests.test_rollout import LENGTHS, N, P, _full_forward_logp
 
 WINDOW = 4  # tiny-gemma3's: layer 0 local, layer 1 global; shorter than the longest prompt
@@ -21,6 +29,12 @@ WINDOW = 4  # tiny-gemma3's: layer 0 local, layer 1 global; shorter than the lon
 def _gen_config(**kw):
     return GenerateConfig(**{"max_new_tokens": N, "eos_token_id": 1, "pad_token_id": 0,
                              "temperature": 1.0, **kw})
+
+
+# Layer by layer (one DecodeKV per layer), and the stacked cache (fsdp decodes on the layer
+# scan: `engine.decoding.decodes_layer_by_layer`).
+STACKS = [("0:d1", True), pytest.param("0-1:f2", False, marks=pytest.mark.skipif(
+    jax.device_count() < 2, reason="needs 2 devices"))]
 
 
 def _cache_bytes(state) -> int:
@@ -52,13 +66,47 @@ def test_sliding_layers_allocate_only_their_window():
     assert _cache_bytes(state) / _cache_bytes(full.empty(capacity=224)) == 416 / 1536
 
 
-def test_ring_cache_decodes_recomputes_and_decodes_on():
-    """Prompts of up to 6 tokens and 10 sampled ones against the 4-slot ring: 4 tokens under
-    one policy, the cache recomputed under another (each row's latest slots into the ring),
-    the rest under it; each token's log-prob is its policy's full forward's (window masked)."""
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
+def test_stacked_cache_holds_each_sliding_layers_window():
+    """Gemma-3-shaped, 7 layers (two periods of sliding, sliding, global, then a sliding one)
+    with a 32-slot window at 32 + 224 slots, on the stacked cache (fsdp decodes on the layer
+    scan): the sliding layers' stack holds 32 slots, the global layers' 256; as many bytes as
+    the layer-by-layer state allocates (each layer its own cache), 3/8 of every slot's, and
+    per device what the memory model prices."""
+    config = get_size("tiny-gemma3", dtype=jnp.float32, num_layers=7, sliding_window=32,
+                      sliding_layers=(0, 1, 3, 4, 6))
+    cfg = GenerateConfig(max_new_tokens=224, eos_token_id=1, pad_token_id=0)
+    stacked = Rollout(config, cfg, make_layout("0-1:f2", model=config), 32, 2)
+    state = stacked.empty(capacity=224)
+    assert not stacked.by_layer and isinstance(state.cache, MixedKVCache)
+    assert state.cache.sliding.k_lbskd.shape[:3] == (5, 2, 32)
+    assert state.cache.full.k_lbskd.shape[:3] == (2, 2, 256)
+    by_layer = Rollout(config, cfg, make_layout("0-1:d2", model=config), 32, 2)
+    assert by_layer.by_layer
+    assert _cache_bytes(state) == _cache_bytes(by_layer.empty(capacity=224))
+    full = Rollout(config.replace(sliding_window=None, sliding_layers=()), cfg,
+                   make_layout("0-1:f2", model=config), 32, 2)
+    assert _cache_bytes(state) / _cache_bytes(full.empty(capacity=224)) == 3 / 8
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.cache))
+    priced = memory.call_memory(
+        profile_of(config), Call.GENERATE, Workload(batch_size=2, prompt_len=32, new_tokens=224),
+        CallChoice.of(parse_strategy("0-1:f2"), micro_batches=1), platform=Platform.CPU)
+    assert priced.state == per_device == _cache_bytes(state) // 2
+
+
+# The stacked ring (18 s) runs in the slow tier; its decode runs in the default suite too
+# (test_gemma_mistral_hf.test_stacked_cache_decodes_as_layer_by_layer_and_hf).
+@pytest.mark.parametrize("spec, by_layer", [
+    STACKS[0], pytest.param(*STACKS[1].values, marks=(*STACKS[1].marks, pytest.mark.slow))])
+def test_ring_cache_decodes_recomputes_and_decodes_on(spec, by_layer):
+    """Prompts of up to 6 tokens and 10 sampled ones against the 4-slot ring (layer by layer,
+    and the stacked cache's ring stack): 4 tokens under one policy, the cache recomputed under
+    another (each row's latest slots into the ring), 2 more, the slots compacted (two rows,
+    swapped), the rest; each token's log-prob is its policy's full forward's (window
+    masked)."""
     config = get_size("tiny-gemma3", dtype=jnp.float32)
     assert config.sliding_window == WINDOW and config.sliding_layers == (0,)
-    layout = make_layout("0-1:d2" if jax.device_count() >= 2 else "0:d1", model=config)
+    layout = make_layout(spec, model=config)
     params_a = init_params(config, layout, jax.random.key(1))
     params_b = init_params(config, layout, jax.random.key(2))
     rng = np.random.default_rng(0)
@@ -69,11 +117,16 @@ def test_ring_cache_decodes_recomputes_and_decodes_on():
     rollout = Rollout(config, _gen_config(force_max_length=True), layout, P, len(LENGTHS))
     state = rollout.fill(rollout.empty(), params_a, 0, np.arange(len(LENGTHS)), tokens, mask,
                          [jax.random.key(3)] * len(LENGTHS), np.arange(len(LENGTHS)))
-    if rollout.by_layer:
+    assert rollout.by_layer == by_layer
+    if by_layer:
         assert state.cache[0].length == WINDOW < state.cache[1].length
+    else:
+        assert state.cache.sliding.k_lbskd.shape[2] == WINDOW < state.cache.length
     state = rollout.advance(state, params_a, 0, 3, longest=1)
     _, counts = rollout.poll(state)
     state = rollout.reload(state, params_b, counts[2])
+    state = rollout.advance(state, params_b, 1, 2)
+    state = rollout.compact(state, [2, 0])
     state = rollout.advance(state, params_b, 1, N)
     assert rollout.poll(state)[0].all()
     out = rollout.rows(state)
@@ -82,6 +135,7 @@ def test_ring_cache_decodes_recomputes_and_decodes_on():
     expected = np.where(out.versions_bn == 0, logp_a, logp_b)
     np.testing.assert_allclose(out.logprobs_bn, expected, rtol=1e-5, atol=1e-5)
     assert (out.versions_bn[:, -1] == 1).all() and np.abs(logp_a - logp_b).max() > 1e-2
+    np.testing.assert_array_equal(out.sequences_bs[:, :P], np.where(mask, tokens, 0)[[2, 0]])
     # The window matters: without it the same tokens' log-probs differ.
     unwindowed = config.replace(sliding_window=None, sliding_layers=())
     logp_full = _full_forward_logp(unwindowed, params_b, out.sequences_bs,
@@ -93,12 +147,6 @@ def _mistral(window: int):
     """Mistral-shaped: every layer slides through one window."""
     config = get_size("tiny", dtype=jnp.float32)
     return config.replace(sliding_window=window, sliding_layers=tuple(range(config.num_layers)))
-
-
-# Layer by layer (one DecodeKV per layer), and the stacked cache (fsdp decodes on the layer
-# scan: `engine.decoding.decodes_layer_by_layer`).
-STACKS = [("0:d1", True), pytest.param("0-1:f2", False, marks=pytest.mark.skipif(
-    jax.device_count() < 2, reason="needs 2 devices"))]
 
 
 @pytest.mark.parametrize("spec, by_layer", STACKS)

@@ -19,6 +19,7 @@ from jaxrlhf.engine.sampling import SamplingParams, sample, token_logprobs
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models import decode_kv
 from jaxrlhf.models.decode_kv import DecodeKV
+from jaxrlhf.models.mixed_cache import MixedKVCache, PeriodScan, splits_cache
 from jaxrlhf.models.transformer import KVCache, Transformer
 from jaxrlhf.parallel.layout import Layout, Platform
 from jaxrlhf.parallel.pipeline import layer_stack
@@ -82,24 +83,39 @@ def draw(logits_bv, keys_b, active_b, cfg: GenerateConfig):
 DECODE_AXES = decode_kv.AXES  # each DecodeKV array's logical axes
 
 
-def constrain_cache(cache: KVCache | tuple[DecodeKV, ...]):
-    """The stacked cache, or each layer's own (`decode_layers.split_cache`), sharded alike."""
+def constrain_cache(cache: KVCache | MixedKVCache | tuple[DecodeKV, ...]):
+    """The stacked cache (one stack, or a `MixedKVCache`'s two), or each layer's own
+    (`decode_layers.split_cache`), sharded alike."""
+    if isinstance(cache, MixedKVCache):
+        return MixedKVCache(*map(constrain_cache, cache))
     if isinstance(cache, KVCache):
         return KVCache(*(nn.with_logical_constraint(x, CACHE_AXES) for x in cache))
     return tuple(DecodeKV(*(nn.with_logical_constraint(x, axes)
                             for x, axes in zip(c, DECODE_AXES))) for c in cache)
 
 
-def prefill(apply, config: ModelConfig, prompt_tokens_bp, prompt_mask_bp, kv_segment_ids_bs,
+def fresh_cache(model: Transformer, batch: int, length: int) -> KVCache | MixedKVCache:
+    """Zeros of a stacked cache of `length` slots in every layer, for `model` to run many
+    tokens into at once (a prefill, a recomputation): a `MixedKVCache` whose sliding stack
+    holds every slot too where the model runs over its layer pattern's periods (`PeriodScan`;
+    `rollout.state.write_prompts` then takes each row's latest slots into the rings)."""
+    if isinstance(model.layer_stack, PeriodScan):
+        return MixedKVCache.zeros(model.config, batch, length, rings=False)
+    return KVCache.zeros(model.config, batch, length)
+
+
+def prefill(apply, model: Transformer, prompt_tokens_bp, prompt_mask_bp, kv_segment_ids_bs,
             record_routes: bool = False):
-    """Runs left-padded prompts [b, P] through the model, filling a stacked cache as long as
-    `kv_segment_ids_bs` [b, S]; returns (logits_bv float32 [b, vocab]: every row's prediction
+    """Runs left-padded prompts [b, P] through `model` (`apply`: its apply on its
+    parameters), filling a stacked cache as long as `kv_segment_ids_bs` [b, S]
+    (`fresh_cache`); returns (logits_bv float32 [b, vocab]: every row's prediction
     of its first response token, the cache, and with `record_routes` (a model with experts on
     the plain layer scan) the experts every prompt token chose, [b, P, L, k] in
     `replay.route_dtype` (NO_ROUTE on padding), else None)."""
     batch, _ = prompt_tokens_bp.shape
+    config = model.config
     positions_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=1, dtype=jnp.int32) - 1, 0)
-    cache = constrain_cache(KVCache.zeros(config, batch, kv_segment_ids_bs.shape[1]))
+    cache = constrain_cache(fresh_cache(model, batch, kv_segment_ids_bs.shape[1]))
     out = apply(prompt_tokens_bp, positions_bp, prompt_mask_bp.astype(jnp.int32), cache, 0,
                 kv_segment_ids_bs, last_only=True,
                 **({"mutable": ["intermediates"]} if record_routes else {}))
@@ -143,11 +159,15 @@ def decode_model(model_config: ModelConfig, layout: Layout) -> Transformer:
     """The model a generate call runs on `layout`: its layout's layer stack (a pipeline keeps
     stages apart); `decode_layers.LayerByLayer` where `decodes_layer_by_layer` says so, else
     the scanned stack (on XLA:CPU whatever `scan_layers` says; the parameter tree is the
-    same)."""
+    same), over periods of the layer pattern where the layers differ in their window
+    (`mixed_cache.PeriodScan`: its sliding layers' stack of rings apart from its global
+    ones')."""
     stack = layer_stack(layout)
     if decodes_layer_by_layer(layout.platform, stack is not None, layout.strategy.fsdp,
                               config_records_routes(model_config)):
         return Transformer(model_config, LayerByLayer())
     if stack is None and layout.platform is Platform.CPU:  # both stacks copy there: the scan
         model_config = model_config.replace(scan_layers=True)  # keeps one gathered layer live
+    if stack is None and splits_cache(model_config):
+        stack = PeriodScan.of(model_config)
     return Transformer(model_config, stack)

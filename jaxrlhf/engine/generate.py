@@ -151,7 +151,7 @@ def generate(
     )
     # Layer by layer, the caches grow segment by segment (`decode_layers.segment_ends`).
     ends = decode_layers.segment_ends(n_new) if layer_by_layer else (n_new,)
-    logits_bv, cache, _ = prefill(apply, model.config, prompt_tokens_bp, prompt_mask_bp,
+    logits_bv, cache, _ = prefill(apply, model, prompt_tokens_bp, prompt_mask_bp,
                                kv_segment_ids_bs[:, :prompt_len + ends[0]])
     state = _DecodeState(
         step=jnp.zeros((), jnp.int32), logits_bv=logits_bv,

@@ -74,7 +74,7 @@ from jaxrlhf.engine.decoding import config_records_routes, decodes_layer_by_laye
 from jaxrlhf.engine.generate import runs_at_once
 from jaxrlhf.engine.inference import head_row_chunks
 from jaxrlhf.mfc import MFC, Call, Role
-from jaxrlhf.models import attention
+from jaxrlhf.models import attention, mixed_cache
 from jaxrlhf.models.attention import AttentionImpl
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.parallel.layout import Platform
@@ -494,10 +494,12 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             advance = (forward_peak_bytes(p, rows, span(s), t, e) + _logit_bytes(p, rows, t, 2)
                        + gathered)
             # The slots' cache: a sliding layer's holds its window alone in the layer-by-layer
-            # state, and in the stacked one where every layer slides (Mistral); the stacked
-            # cache of a model whose layers differ keeps every slot (`rollout.state`).
-            every_slides = len(p.config.sliding_layers) == p.config.num_layers
-            state = int(rows * p.kv_cache_bytes(s, windowed=by_layer or every_slides) / t)
+            # state, and in the stacked one where every layer slides (Mistral) or the layers
+            # differ (Gemma 3: its sliding layers' stack apart, `models.mixed_cache`); only a
+            # model with experts whose layers differ keeps every slot there (`rollout.state`).
+            windowed = (by_layer or not p.config.layers_differ
+                        or mixed_cache.splits_cache(p.config))
+            state = int(rows * p.kv_cache_bytes(s, windowed=windowed) / t)
             if runs_at_once(choice.micro_batches, work.new_tokens):
                 # One executable fills and decodes (the main job's short calls): XLA keeps the
                 # fill's buffers beside the advance's, and the slots' cache is one of its

@@ -237,13 +237,14 @@ def test_gradient_buffers_against_xla(dtype):
 
 
 @pytest.mark.parametrize("platform, sliding, layer_slots", [
-    (Platform.GPU, (0, 2), 2 * 16 + 2 * 64), (Platform.TPU, (0, 2), 4 * 64),
+    (Platform.GPU, (0, 2), 2 * 16 + 2 * 64), (Platform.TPU, (0, 2), 2 * 16 + 2 * 64),
     (Platform.GPU, (0, 1, 2, 3), 4 * 16), (Platform.TPU, (0, 1, 2, 3), 4 * 16)])
 def test_rollout_state_prices_each_sliding_layer_by_its_window(platform, sliding, layer_slots):
     """The rollout engine's slots' cache on d4@2 (8 rows a device, 32 + 32 slots) of a small
     model whose layers `sliding` of 4 slide through 16 slots, 2 x 4 x 64 bf16 keys and values
-    a slot: layer by layer (GPU) each sliding layer holds 16 slots, the others 64; the stacked
-    cache (TPU) holds 64 in every layer, or 16 where every layer slides (Mistral)."""
+    a slot: each sliding layer holds 16 slots, the others 64, layer by layer (GPU) and in the
+    stacked cache (TPU: its sliding layers' stack apart, `models.mixed_cache`), 16 in every
+    layer where every layer slides (Mistral)."""
     config = SMALL.replace(sliding_window=16, sliding_layers=sliding)
     choice = _choice("0-3:d4", 2)
     per_slot = 2 * SMALL.num_kv_heads * (SMALL.hidden_size // SMALL.num_heads) * 2

@@ -22,9 +22,10 @@ from jaxrlhf.engine.decoding import CACHE_AXES, DECODE_AXES, GenerateConfig, dec
 from jaxrlhf.engine.rollout import programs, targets
 from jaxrlhf.engine.rollout.state import (
     INTS, Rows, SlotState, Vacant, cache_len, capacity_for, empty_state, read_poll, read_rows,
-    ring_holds_all, stacked_len,
+    ring_holds_all, zeros_stacked,
 )
 from jaxrlhf.models.config import HeadKind, ModelConfig
+from jaxrlhf.models.mixed_cache import MixedKVCache
 from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer, decode_lengths
 from jaxrlhf.parallel.layout import Layout, check_batch_divisible
 from jaxrlhf.parallel.pipeline import Pipeline
@@ -98,9 +99,8 @@ class Rollout:
                     DECODE_AXES, DecodeKV.shapes(slots, c.num_kv_heads, c.head_dim, n))))
                 for n in decode_lengths(c, length))
         else:
-            stacked = lay.sharding(CACHE_AXES, (c.num_layers, slots, stacked_len(c, length),
-                                                 c.num_kv_heads, c.head_dim))
-            cache = KVCache(stacked, stacked)
+            cache = jax.tree.map(lambda x: lay.sharding(CACHE_AXES, x.shape),
+                                 jax.eval_shape(functools.partial(zeros_stacked, c, slots, length)))
         rows1, rows2 = lay.batch_sharding(1), lay.batch_sharding(2)
         routes = None if c.moe is None else lay.batch_sharding(4)
         return SlotState(rows1, rows2, rows1, rows1, cache, rows2, rows2, rows2,
@@ -243,8 +243,8 @@ class Rollout:
             return functools.partial(programs.write_targets, self.cfg)
         return self._routed_writes
 
-    def _routed_writes(self, s: SlotState, ints, tokens_up, mask_up, logits_uv, new: KVCache,
-                       keys, routes_uplk=None) -> SlotState:
+    def _routed_writes(self, s: SlotState, ints, tokens_up, mask_up, logits_uv,
+                       new: KVCache | MixedKVCache, keys, routes_uplk=None) -> SlotState:
         """`programs.write_targets` of an SPMD fill on each device (shard_map): its own
         targets, from its own prompts' rows and those the other devices sent it (`ints`: the
         targets and the routes' send_dq, as `targets.spmd` made them).
@@ -256,7 +256,6 @@ class Rollout:
         """
         lay, axes = self.layout, routes.data_axes(self.layout)
         rows = lambda x: lay.batch_sharding(x.ndim).spec
-        cache = lay.spec(CACHE_AXES, new.k_lbskd.shape)
         # The logits stay split over the vocabulary as the model made them: the sampling after
         # the writes then reduces over the vocabulary as it did when the writes were SPMD (the
         # same log-probs to the bit), and no device holds a whole vocabulary before it must.
@@ -271,8 +270,8 @@ class Rollout:
 
         recorded = () if routes_uplk is None else (routes_uplk,)  # a model with experts
         in_specs = (state_specs, tuple(map(rows, ints)), rows(tokens_up), rows(mask_up),
-                    vocab(logits_uv), KVCache(cache, cache), _REPLICATED,
-                    *map(rows, recorded))
+                    vocab(logits_uv), jax.tree.map(lambda x: lay.spec(CACHE_AXES, x.shape), new),
+                    _REPLICATED, *map(rows, recorded))
         return self._on_each_device(local, in_specs, state_specs)(
             s, ints, tokens_up, mask_up, logits_uv, new, keys, *recorded)
 

@@ -19,12 +19,15 @@ import jax.numpy as jnp
 
 from jaxrlhf.engine import decode_layers, replay, routes
 from jaxrlhf.engine.decode_layers import LayerByLayer
-from jaxrlhf.engine.decoding import GenerateConfig, constrain_cache, draw, prefill
+from jaxrlhf.engine.decoding import (
+    GenerateConfig, constrain_cache, draw, fresh_cache, prefill,
+)
 from jaxrlhf.engine.rollout.state import (
     INTS, NO_VERSION, SlotState, cache_len, kv_segments, stacked_len, write_prompts,
 )
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.decode_kv import fit_length
+from jaxrlhf.models.mixed_cache import MixedKVCache
 from jaxrlhf.models.transformer import DecodeKV, KVCache, Transformer, decode_lengths
 
 
@@ -84,7 +87,7 @@ def fill(model: Transformer, cfg: GenerateConfig, vacant, write, params, s, ints
     apply = functools.partial(model.apply, {"params": params})
     # The prompt part of the cache only: later slots keep the old row's keys, hidden by
     # causality until this row's tokens overwrite them.
-    logits_uv, new, routes_uplk = prefill(apply, model.config, tokens_up, mask_up,
+    logits_uv, new, routes_uplk = prefill(apply, model, tokens_up, mask_up,
                                           kv_segments(mask_up, 0), s.routes_bslk is not None)
     filled = write(s, ints, tokens_up, mask_up, logits_uv, new, keys, routes_uplk)
     fresh_b = ~filled.done_b
@@ -94,7 +97,8 @@ def fill(model: Transformer, cfg: GenerateConfig, vacant, write, params, s, ints
 
 
 def write_targets(cfg: GenerateConfig, s: SlotState, ints_k5, tokens_up, mask_up, logits_uv,
-                   new: KVCache, keys, routes_uplk=None, take=jnp.take) -> SlotState:
+                   new: KVCache | MixedKVCache, keys, routes_uplk=None, take=jnp.take
+                   ) -> SlotState:
     """The state with each target's prompt (its tokens, mask, logits and prefilled cache:
     [u, ...] each) and key written into its slot, ready to sample; the other slots are marked
     done (`fill` restores them).
@@ -116,7 +120,7 @@ def write_targets(cfg: GenerateConfig, s: SlotState, ints_k5, tokens_up, mask_up
     return s._replace(
         step_b=put(s.step_b, 0), logits_bv=put(s.logits_bv, rows(logits_uv)),
         last_token_b=put(s.last_token_b, 0), done_b=~put(jnp.zeros_like(s.done_b), True),
-        cache=constrain_cache(write_prompts(s.cache, KVCache(*(rows(x, 1) for x in new)),
+        cache=constrain_cache(write_prompts(s.cache, jax.tree.map(lambda x: rows(x, 1), new),
                                              slots_k, prompt_len)),
         response_bn=put(s.response_bn, cfg.pad_token_id), logprobs_bn=put(s.logprobs_bn, 0.0),
         mask_bn=put(s.mask_bn, False), versions_bn=put(s.versions_bn, NO_VERSION),
@@ -200,7 +204,11 @@ def resize(config: ModelConfig, s: SlotState, length: int) -> SlotState:
     """The state with a cache of `length` slots: zero-padded, or cut (the caller knows no busy
     row reaches past the cut); a windowed layer's ring to at most its window (a ring that has
     not wrapped holds slot s at position s, so padding or cutting keeps every slot)."""
-    if isinstance(s.cache, KVCache):
+    if isinstance(s.cache, MixedKVCache):
+        rings = min(length, config.sliding_window)
+        cache = MixedKVCache(*(KVCache(*(fit_length(c, n, 2) for c in stack))
+                               for stack, n in zip(s.cache, (rings, length))))
+    elif isinstance(s.cache, KVCache):
         cache = KVCache(*(fit_length(c, stacked_len(config, length), 2) for c in s.cache))
     else:
         cache = tuple(c.resized(n) for c, n in zip(s.cache, decode_lengths(config, length)))
@@ -226,7 +234,9 @@ def compact(axes: tuple[str, ...], s: SlotState, send_1q, at_m) -> SlotState:
       at_m: int32 [m] each new slot's row among this device's own and received ones.
     """
     move = functools.partial(routes.take, at_j=at_m, send_q=send_1q[0], axes=axes)
-    if isinstance(s.cache, KVCache):
+    if isinstance(s.cache, MixedKVCache):
+        cache = s.cache.map(lambda c: jax.lax.map(move, c))
+    elif isinstance(s.cache, KVCache):
         cache = KVCache(*(jax.lax.map(move, c) for c in s.cache))
     else:
         cache = tuple(DecodeKV(*map(move, c)) for c in s.cache)
@@ -262,7 +272,7 @@ def recompute_cache(model: Transformer, n_new: int, params, s: SlotState) -> Slo
     response_positions_bn = prompt_lengths_b[:, None] + jnp.arange(n_new, dtype=jnp.int32)
     positions_bs = jnp.concatenate([prompt_positions_bp, response_positions_bn], axis=1)
     segments_bs = kv_segments(s.prompt_mask_bp, n_new)
-    fresh = constrain_cache(KVCache.zeros(model.config, slots, prompt_len + n_new))
+    fresh = constrain_cache(fresh_cache(model, slots, prompt_len + n_new))
     _, fresh = apply(tokens_bs, positions_bs, segments_bs, fresh, 0, segments_bs, last_only=True)
     everyone = jnp.arange(slots)
     # A windowed layer's ring takes each row's latest slots: up to its last sampled token's.

@@ -20,6 +20,7 @@ from jaxrlhf.engine.buckets import bucket_length
 from jaxrlhf.engine.decoding import GenerateConfig, constrain_cache
 from jaxrlhf.models.config import ModelConfig
 from jaxrlhf.models.decode_kv import ring_slots
+from jaxrlhf.models.mixed_cache import MixedKVCache, splits_cache
 from jaxrlhf.models.transformer import DecodeKV, KVCache, decode_lengths
 
 NO_VERSION = -1  # versions_bn where no token was sampled
@@ -50,9 +51,10 @@ class SlotState(NamedTuple):
       last_token_b: int32 [S] response token step - 1.
       done_b: bool [S] nothing to decode: the row stopped (EOS or N tokens) or the slot is free.
       cache: the KV cache of P + C slots: one `DecodeKV` per layer (`models.decode_kv`)
-        when the model decodes layer by layer, else one stacked
-        KVCache [L, S, P + C, k, d]; a sliding layer's holds at most its window, a ring
-        (`transformer.decode_lengths`, `cache_len`).
+        when the model decodes layer by layer, else one stacked KVCache [L, S, P + C, k, d],
+        or where the layers differ in their window a `models.mixed_cache.MixedKVCache` (the
+        sliding layers' stack apart from the global ones'); a sliding layer's holds at most
+        its window, a ring (`transformer.decode_lengths`, `cache_len`).
       response_bn: int32 [S, N] sampled tokens (pad_token_id after the end).
       logprobs_bn: float32 [S, N] each token's log-prob (0 where none).
       mask_bn: bool [S, N] sampled tokens.
@@ -129,9 +131,13 @@ def ring_holds_all(config: ModelConfig, length: int) -> bool:
 def cache_len(config: ModelConfig, s: SlotState) -> int:
     """The slots P + C the rows of state `s` may fill: its cache's longest layer's, or P + N
     where every layer is a window's ring (`ring_holds_all`), which may hold fewer."""
-    cache = s.cache
-    length = (cache.k_lbskd.shape[2] if isinstance(cache, KVCache)
-              else max(c.length for c in cache))
+    match s.cache:
+        case MixedKVCache() as cache:
+            length = cache.length
+        case KVCache() as cache:
+            length = cache.k_lbskd.shape[2]
+        case layers:
+            length = max(c.length for c in layers)
     if ring_holds_all(config, length):
         return s.prompt_tokens_bp.shape[1] + s.response_bn.shape[1]
     return length
@@ -147,14 +153,22 @@ def kv_segments(prompt_mask_bp, n_new: int) -> jax.Array:
 
 def stacked_len(config: ModelConfig, length: int) -> int:
     """The slots of the stacked cache [L, S, slots, k, d] of `length` slots: one window's ring
-    where every layer slides (Mistral), else every slot (a model whose layers differ keeps its
-    sliding layers' too: one array holds every layer alike)."""
+    where every layer slides (Mistral), else every slot (a model without windows; one with
+    experts whose layers differ keeps its sliding layers' too: `mixed_cache.splits_cache`)."""
     return max(decode_lengths(config, length))
+
+
+def zeros_stacked(config: ModelConfig, slots: int, length: int) -> KVCache | MixedKVCache:
+    """The stacked state's cache of `length` slots, zeros: a `MixedKVCache` where the layers
+    differ in their window (`mixed_cache.splits_cache`), else one stack."""
+    if splits_cache(config):
+        return MixedKVCache.zeros(config, slots, length)
+    return KVCache.zeros(config, slots, stacked_len(config, length))
 
 
 def _zeros_cache(config: ModelConfig, by_layer: bool, slots: int, length: int):
     if not by_layer:
-        return constrain_cache(KVCache.zeros(config, slots, stacked_len(config, length)))
+        return constrain_cache(zeros_stacked(config, slots, length))
     return constrain_cache(tuple(
         DecodeKV.zeros(slots, config.num_kv_heads, config.head_dim, n, config.dtype)
         for n in decode_lengths(config, length)))
@@ -187,11 +201,15 @@ def empty_state(config: ModelConfig, by_layer: bool, cfg: GenerateConfig, slots:
     )
 
 
-def write_prompts(cache, new: KVCache, slots_k, length: int, last_k=None):
+def write_prompts(cache, new: KVCache | MixedKVCache, slots_k, length: int, last_k=None):
     """`new`'s rows [k] written into the first `length` cache slots of rows `slots_k` (an
-    index >= S is padding, dropped); `new` is stacked [L, k, length, kv, d]. A windowed layer's
-    ring shorter than `length` takes each row's latest slots up to `last_k` [k] (default: the
-    last, `length` - 1; `DecodeKV.write_window`)."""
+    index >= S is padding, dropped); `new` is stacked [L, k, length, kv, d], or for a
+    `MixedKVCache` two such stacks (`decoding.fresh_cache`). A windowed layer's ring shorter
+    than `length` takes each row's latest slots up to `last_k` [k] (default: the last,
+    `length` - 1; `DecodeKV.write_window`)."""
+    if isinstance(cache, MixedKVCache):  # each stack from its own layers' stack of `new`
+        return MixedKVCache(*(write_prompts(c, part, slots_k, length, last_k)
+                              for c, part in zip(cache, new)))
     if isinstance(cache, KVCache):
         ring = cache.k_lbskd.shape[2]
         if ring < length:  # a window's ring (`stacked_len`): each row's latest slots
