@@ -85,3 +85,38 @@ def test_planner_containment_agrees_with_the_shardings(home, other):
     runtime = all(contains_shards(a, b, shape) for a, b, shape in zip(src, dst, shapes))
     choices = [CallChoice.of(parse_strategy(s)) for s in (home, other)]
     assert holds_home_shards(*choices) == runtime
+
+
+def test_the_planner_prices_making_a_copy():
+    """A plan whose calls fit but whose parameter move does not (both layouts and the gather's
+    buffer, `memory.move_memory`) is refused, naming the move: grpo_tiny's actor trained on f4
+    generates on d4 over the same 4 devices, gathering each leaf whole."""
+    import dataclasses
+
+    from jaxrlhf.configs import grpo_tiny
+    from jaxrlhf.plan.cluster import load_cluster
+    from jaxrlhf.plan.memory import MoveDoesNotFit, move_memory, plan_memory
+    from jaxrlhf.run.layouts import execution_plan
+    from jaxrlhf.spec import run_spec
+
+    config = grpo_tiny.get_config()
+    config.models.actor.size = "small"
+    config.rollout.batch_size = 2  # 8 rows: the train step's activations below the move
+    config.placement.update(kind="manual",
+                            allocation="actor_gen=0-3:d4,actor_train=0-3:f4,ref_inf=4-7:d4")
+    spec = run_spec(config)
+    experiment, plan = spec.experiment(), execution_plan(spec, 8)
+    cluster = load_cluster("meshes/cpu_8.py")
+    priced = plan_memory(experiment, plan, cluster)
+    assert priced.fits and set(priced.moves) == {"actor_gen"}  # the reference keeps its layout
+    move = move_memory(experiment.profile(Role.ACTOR), plan["actor_train"], plan["actor_gen"])
+    # a gather: the buffer is the destination's shards; the move adds them and the buffer to
+    # the resident train state (which holds the source)
+    assert move.temporaries == move.destination == 4 * move.source
+    assert priced.moves["actor_gen"] > max(priced.peak[n] for n in ("actor_train", "actor_gen"))
+    tight = dataclasses.replace(cluster, hbm_bytes=int(
+        (priced.moves["actor_gen"] - 1) / cluster.usable_hbm_fraction))
+    (refused,) = plan_memory(experiment, plan, tight).violations
+    assert isinstance(refused, MoveDoesNotFit) and refused.needed == priced.moves["actor_gen"]
+    assert str(refused).startswith("moving actor's parameters to 0-3:d4@1 for MFC actor_gen "
+                                   "does not fit on device 0")

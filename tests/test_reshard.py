@@ -19,7 +19,7 @@ from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.parallel import make_layout
 from tests.processes import run_processes
 from jaxrlhf.parallel.reshard import (
-    ReshardStats, Route, _chunks, choose_route, host_memory_kind, offload_to_host, onload, reshard,
+    ReshardStats, Route, chunks, choose_route, host_memory_kind, offload_to_host, onload, reshard,
     transfer,
 )
 
@@ -187,9 +187,9 @@ def test_single_device_source():
 
 
 def test_chunks_bound_bytes():
-    assert _chunks([10, 10, 10, 25, 5], 20) == [[0, 1], [2], [3], [4]]
-    assert _chunks([5, 5, 5], 100) == [[0, 1, 2]]
-    assert _chunks([], 100) == []
+    assert chunks([10, 10, 10, 25, 5], 20) == [[0, 1], [2], [3], [4]]
+    assert chunks([5, 5, 5], 100) == [[0, 1, 2]]
+    assert chunks([], 100) == []
 
 
 def test_transfer_uploads_host_and_moves_device_leaves_without_blocking():

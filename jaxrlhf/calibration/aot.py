@@ -43,7 +43,7 @@ from jaxrlhf.engine.inference import InferenceBatch
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models.config import HeadKind
 from jaxrlhf.models.sizes import abstract_params
-from jaxrlhf.parallel.reshard import collective_hops
+from jaxrlhf.parallel.reshard import CHUNK_BYTES, chunks, collective_hops
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.plan import cost as cost_lib
 from jaxrlhf.plan import memory as memory_lib
@@ -457,6 +457,10 @@ class ReallocReport:
       planned_bytes: what the planner counts as crossing a link (`cost.realloc_cost`).
       seconds: compiling here.
       error: XLA's message where a hop did not compile.
+      xla_peak_bytes: per device, the largest hop's arguments + outputs over its chunks (both
+        layouts of the leaves it moves) + the largest chunk program's temporaries - aliased
+        (`reshard` runs a hop chunk by chunk, `CHUNK_BYTES`, each chunk one program).
+      model_peak_bytes: the memory model's (`memory.move_memory(...).program`).
     """
 
     role: str
@@ -467,6 +471,13 @@ class ReallocReport:
     planned_bytes: int
     seconds: float
     error: str = ""
+    xla_peak_bytes: int = 0
+    model_peak_bytes: int = 0
+
+    @property
+    def memory_error(self) -> float:
+        """model / XLA - 1 of the move's peak."""
+        return self.model_peak_bytes / max(self.xla_peak_bytes, 1) - 1
 
 
 def _moves(spec: RunSpec, plan: ExecutionPlan) -> list[tuple[Role, str, str]]:
@@ -504,31 +515,56 @@ def compile_reallocations(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
         for leaf, (src, dst) in zip(shapes, pairs):
             for i, (at, to) in enumerate(collective_hops(src, dst, leaf.shape)):
                 by_hop.setdefault(i, []).append((leaf, at, to))
-        planned = cost_lib.realloc_cost(experiment.profile(role), plan[home], plan[other],
-                                        cluster).bytes_moved
-        start, total, error = time.perf_counter(), 0, ""
+        profile = experiment.profile(role)
+        planned = cost_lib.realloc_cost(profile, plan[home], plan[other], cluster).bytes_moved
+        model_peak = memory_lib.move_memory(profile, plan[home], plan[other]).program
+        start, total, peak, error = time.perf_counter(), 0, 0, ""
         try:
             for hop in by_hop.values():
-                args = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=at)
-                        for leaf, at, _ in hop]
-                compiled = jax.jit(lambda *xs: xs, out_shardings=tuple(to for *_, to in hop)
-                                   ).lower(*args).compile()
-                per_device = hlo_counts.collective_bytes(compiled.as_text())
-                total += per_device * len(hop[0][1].device_set)
+                moved, hop_peak = _compile_hop(hop)
+                total += moved
+                peak = max(peak, hop_peak)
         except Exception as e:  # XLA's refusal: one line
             error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         reports.append(ReallocReport(role.value, str(plan[home]), str(plan[other]), len(by_hop),
-                                     total, planned, time.perf_counter() - start, error))
+                                     total, planned, time.perf_counter() - start, error,
+                                     peak, model_peak))
         log(f"  {role.value}: {plan[home]} -> {plan[other]}: {len(by_hop)} collective hops, "
             f"{total / 2**30:.2f} GiB by XLA, {planned / 2**30:.2f} GiB planned")
     return reports
 
 
+def _compile_hop(hop: Sequence[tuple]) -> tuple[int, int]:
+    """One collective hop of a move ((leaf, from, to) of each leaf it moves), compiled chunk by
+    chunk as `reshard` runs it: (collective bytes over all devices, peak bytes per device:
+    every chunk's arguments and outputs, which stay, plus the largest chunk's temporaries)."""
+    groups = chunks([leaf.size * leaf.dtype.itemsize for leaf, *_ in hop], CHUNK_BYTES)
+    total = held = temporaries = 0
+    for group in groups:
+        args = [jax.ShapeDtypeStruct(hop[i][0].shape, hop[i][0].dtype, sharding=hop[i][1])
+                for i in group]
+        compiled = jax.jit(lambda *xs: xs, out_shardings=tuple(hop[i][2] for i in group)
+                           ).lower(*args).compile()
+        total += hlo_counts.collective_bytes(compiled.as_text()) * len(hop[0][1].device_set)
+        m = compiled.memory_analysis()
+        held += m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+        temporaries = max(temporaries, m.temp_size_in_bytes)
+    return total, held + temporaries
+
+
 def realloc_table(reports: Sequence[ReallocReport]) -> str:
-    """One row per parameter movement."""
-    rows = [("model", "from", "to", "hops", "XLA GiB", "planned GiB", "compile s")]
-    rows += [(r.role, r.src, r.dst, str(r.programs),
-              f"{r.xla_bytes / _GIB:.2f}" if not r.error else "did not compile",
-              f"{r.planned_bytes / _GIB:.2f}", f"{r.seconds:.1f}") for r in reports]
+    """One row per parameter movement: its collective bytes beside the planner's, and its peak
+    bytes per device by XLA beside the memory model's."""
+    rows = [("model", "from", "to", "hops", "XLA GiB", "planned GiB", "peak XLA GiB",
+             "peak model GiB", "model/XLA", "compile s")]
+    for r in reports:
+        compiled = not r.error
+        peak = compiled and r.programs  # copy hops run no program: XLA holds nothing of them
+        rows.append((r.role, r.src, r.dst, str(r.programs),
+                     f"{r.xla_bytes / _GIB:.2f}" if compiled else "did not compile",
+                     f"{r.planned_bytes / _GIB:.2f}",
+                     f"{r.xla_peak_bytes / _GIB:.2f}" if peak else "-",
+                     f"{r.model_peak_bytes / _GIB:.2f}",
+                     f"{r.memory_error:+.1%}" if peak else "-", f"{r.seconds:.1f}"))
     return "\n".join([validate.text_table(rows), *(f"{r.role} {r.src} -> {r.dst}: {r.error}"
                                                    for r in reports if r.error)])

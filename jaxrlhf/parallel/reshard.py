@@ -509,19 +509,25 @@ def _move_chunk(xs: list[jax.Array], dsts: list[NamedSharding], names: list[str]
     return values, [x for x in produced if id(x) not in keep], wire
 
 
-def _chunks(sizes: Sequence[int], chunk_bytes: int) -> list[list[int]]:
-    chunks: list[list[int]] = [[]]
+# What `reshard` moves between waits (global bytes); the planner prices a move's temporaries
+# by its largest chunk (`plan.memory.move_memory`).
+CHUNK_BYTES = 256 << 20
+
+
+def chunks(sizes: Sequence[int], chunk_bytes: int) -> list[list[int]]:
+    """Indices of `sizes` in consecutive groups of at most `chunk_bytes` (a bigger one alone)."""
+    groups: list[list[int]] = [[]]
     total = 0
     for i, size in enumerate(sizes):
-        if chunks[-1] and total + size > chunk_bytes:
-            chunks.append([])
+        if groups[-1] and total + size > chunk_bytes:
+            groups.append([])
             total = 0
-        chunks[-1].append(i)
+        groups[-1].append(i)
         total += size
-    return [chunk for chunk in chunks if chunk]
+    return [group for group in groups if group]
 
 
-def reshard(tree, dst_shardings, *, free_source: bool = False, chunk_bytes: int = 256 << 20):
+def reshard(tree, dst_shardings, *, free_source: bool = False, chunk_bytes: int = CHUNK_BYTES):
     """Moves a pytree of jax.Arrays to `dst_shardings`, chunk by chunk, device to device.
 
     Args:
@@ -546,7 +552,7 @@ def reshard(tree, dst_shardings, *, free_source: bool = False, chunk_bytes: int 
         if not x.sharding.is_equivalent_to(d, x.ndim)
     ]
     bytes_moved = wire_bytes = 0
-    for chunk in _chunks([leaves[i].nbytes for i in moving], chunk_bytes):
+    for chunk in chunks([leaves[i].nbytes for i in moving], chunk_bytes):
         indices = [moving[j] for j in chunk]
         moved, intermediates, wire = _move_chunk([leaves[i] for i in indices],
                                                  [dsts[i] for i in indices],
@@ -684,7 +690,7 @@ def fetch(tree):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def offload_to_host(tree, *, free_source: bool = True, chunk_bytes: int = 256 << 20):
+def offload_to_host(tree, *, free_source: bool = True, chunk_bytes: int = CHUNK_BYTES):
     """Moves every leaf to host memory on the same devices and sharding (idle models).
 
     Returns:
@@ -699,7 +705,7 @@ def offload_to_host(tree, *, free_source: bool = True, chunk_bytes: int = 256 <<
     return reshard(tree, dsts, free_source=free_source, chunk_bytes=chunk_bytes)
 
 
-def onload(tree, shardings=None, *, free_source: bool = True, chunk_bytes: int = 256 << 20):
+def onload(tree, shardings=None, *, free_source: bool = True, chunk_bytes: int = CHUNK_BYTES):
     """Moves host-memory leaves back to device memory: to `shardings` (any layout), or to
     the same sharding in device memory when None.
 

@@ -501,16 +501,23 @@ def _overlap(i: np.ndarray, n: int, j: np.ndarray, m: int) -> np.ndarray:
     return np.clip(np.minimum((i + 1) / n, (j + 1) / m) - np.maximum(i / n, j / m), 0.0, None)
 
 
-def _incoming(p: ModelProfile, src: CallChoice, dst: CallChoice, cluster: Cluster
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """Per destination device: bytes it must receive, and the share of them found on its host."""
+def missing_share(src: CallChoice, dst: CallChoice) -> np.ndarray:
+    """Per destination device: the share of its `dst` shard of the parameters that it does not
+    hold under `src` (1: all must arrive; 0: its shard is cut out of its own source shard)."""
     devices = np.arange(dst.devices.first, dst.devices.last + 1)
     held = (devices >= src.devices.first) & (devices <= src.devices.last)
     kept = held.astype(np.float64)
     for axis, i_dst, i_src in zip(_CUTS, _blocks(dst, devices), _blocks(src, devices)):
         kept *= _overlap(i_dst, axis_size(dst, axis), i_src, axis_size(src, axis))
+    return 1.0 - kept * dst.fsdp * dst.tensor * dst.pipeline * dst.expert
+
+
+def _incoming(p: ModelProfile, src: CallChoice, dst: CallChoice, cluster: Cluster
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Per destination device: bytes it must receive, and the share of them found on its host."""
+    devices = np.arange(dst.devices.first, dst.devices.last + 1)
     shard = p.shard_bytes(dst.tensor, dst.fsdp, dst.pipeline, dst.expert)
-    needed = shard * (1.0 - kept * dst.fsdp * dst.tensor * dst.pipeline * dst.expert)
+    needed = shard * missing_share(src, dst)
     per_host = cluster.devices_per_host
     host_first = (devices // per_host) * per_host
     on_host = np.clip(np.minimum(host_first + per_host, src.devices.last + 1)

@@ -56,7 +56,9 @@ optimizer state stay on its home layout (its train_step's), unless `offload_trai
 them to host memory while other models run (where its devices run other models' calls; its
 own calls then hold its parameters, its train step the optimizer state too); a frozen model's parameters stay on
 the layout of its first call unless the experiment offloads frozen models; a copy on another
-layout lives from the first to the last call that uses it within a step.
+layout lives from the first to the last call that uses it within a step. Making a copy is a
+peak of its own (`move_memory`): both layouts and the reshard programs' buffers, beside what
+the devices keep.
 
 `compare_with_compiled` lines an estimate up against `compiled.memory_analysis()`.
 """
@@ -78,6 +80,7 @@ from jaxrlhf.models import attention, mixed_cache
 from jaxrlhf.models.attention import AttentionImpl
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.parallel.layout import Platform
+from jaxrlhf.parallel.reshard import CHUNK_BYTES, chunks
 from jaxrlhf.parallel.pipeline import remats_stages
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster
@@ -166,6 +169,72 @@ def holds_home_shards(home: CallChoice, other: CallChoice) -> bool:
                for k in range(home.devices.size)):
             return False
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class MoveMemory:
+    """Bytes per device while `parallel.reshard.reshard` moves a model's parameters from one
+    layout to another (a copy on another call's layout), chunk by chunk.
+
+    Attributes:
+      source, destination: the parameters' shards on the two layouts (a leaf whose layout
+        does not change, such as a norm scale both leave whole, counts on both sides).
+      temporaries: the collective buffers of the largest chunk (`move_memory`).
+      source_chunk: the largest chunk's source shards.
+    """
+
+    source: int
+    destination: int
+    temporaries: int
+    source_chunk: int
+
+    @property
+    def program(self) -> int:
+        """What the move's programs hold at once: both layouts whole and the largest chunk's
+        buffers (`plan --compile` sets XLA's figure beside it)."""
+        return self.source + self.destination + self.temporaries
+
+    def peak(self, frees_source: bool) -> int:
+        """The move's peak on a device; `frees_source`: the copy replaces the source
+        (`holds_home_shards`), which is deleted chunk by chunk as it is moved, so at the last
+        chunk the destination is whole beside that chunk's source alone."""
+        if frees_source:
+            return self.destination + self.source_chunk + self.temporaries
+        return self.program
+
+
+def move_memory(p: ModelProfile, src: CallChoice, dst: CallChoice,
+                chunk_bytes: int = CHUNK_BYTES) -> MoveMemory:
+    """A model's move from `src`'s parameter layout to `dst`'s, per device.
+
+    `reshard` moves the leaves in chunks of at most `chunk_bytes` global bytes (a bigger leaf
+    alone), waiting for each. Beside its two layouts a chunk's program holds buffers, as XLA's
+    partitioner forms them (measured on TPU v5p 2x2x1, tests/test_plan_compile.py):
+      * a gather (each device's destination shard contains its source shard,
+        `holds_home_shards(src, dst)`, e.g. f4 -> d4): the chunk's destination shards, the
+        gathered result, which is then laid out into the output;
+      * any other change: the part of the chunk's destination shards a device does not hold
+        already (`cost.missing_share`, the most of any device): an exchange buffers what
+        crosses, and a device that cuts its destination shard out of its own source shard
+        (d4 -> f4) buffers nothing;
+      * none where no program runs (copies of equal shards onto other devices).
+    Moves out of a pipelined layout, whose stacked layers XLA re-slices along the layer axis,
+    hold more than this (up to a third more on v5p 2x2x1)."""
+    from jaxrlhf.plan.cost import missing_share  # the cost model's block geometry (it imports
+    # this module)
+
+    src_b = p.leaf_shard_bytes(src.tensor, src.fsdp, src.pipeline, src.expert)
+    dst_b = p.leaf_shard_bytes(dst.tensor, dst.fsdp, dst.pipeline, dst.expert)
+    groups = chunks([leaf.size * leaf.itemsize for leaf in p.leaves], chunk_bytes)
+    if src.devices != dst.devices and src_b == dst_b:  # copies of equal shards: no program
+        missing = 0.0
+    elif holds_home_shards(src, dst):  # a gather: its result formed in a buffer, then placed
+        missing = 1.0
+    else:  # an exchange: buffers for what crosses
+        missing = float(np.max(missing_share(src, dst)))
+    temporaries = int(missing * max(sum(dst_b[i] for i in g) for g in groups))
+    return MoveMemory(sum(src_b), sum(dst_b), temporaries,
+                      max(sum(src_b[i] for i in g) for g in groups))
 
 
 def gradient_bytes(p: ModelProfile, choice: CallChoice, tensor: int, stages: int) -> int:
@@ -542,11 +611,36 @@ class DoesNotFit:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoveDoesNotFit:
+    """A parameter move (before call `mfc`) whose peak on some device exceeds the usable
+    memory."""
+
+    mfc: str
+    role: str
+    layout: str
+    device: int
+    needed: int
+    available: int
+    move: MoveMemory
+
+    def __str__(self) -> str:
+        m = self.move
+        return (f"moving {self.role}'s parameters to {self.layout} for MFC {self.mfc} does not "
+                f"fit on device {self.device}: needs {self.needed / _GIB:.2f} GiB (source "
+                f"{m.source / _GIB:.2f}, destination {m.destination / _GIB:.2f}, buffers "
+                f"{m.temporaries / _GIB:.2f} GiB, beside what stays) but "
+                f"{self.available / _GIB:.2f} GiB are usable")
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanMemory:
-    """Peak bytes per device of every MFC in a plan, and the MFCs that do not fit."""
+    """Peak bytes per device of every MFC in a plan and of every parameter move, and those
+    that do not fit."""
 
     peak: dict[str, int]
-    violations: tuple[DoesNotFit, ...]
+    violations: tuple[DoesNotFit | MoveDoesNotFit, ...]
+    # the peak of making each parameter copy, by the MFC it is made for (`move_memory`)
+    moves: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -657,7 +751,42 @@ def plan_memory(experiment: Experiment, plan: ExecutionPlan, cluster: Cluster,
         if needed > cluster.usable_hbm_bytes:
             violations.append(DoesNotFit(name, choice.devices.first + worst, needed,
                                          cluster.usable_hbm_bytes, own, int(window[worst])))
-    return PlanMemory(peak, tuple(violations))
+    moves = {}
+    for role, copy, first, _ in copies:  # each copy is made before its first call runs
+        name = order[first]
+        needed, device, move = _move_peak(experiment, plan, base, copies, resident, role, copy,
+                                          first)
+        moves[name] = needed
+        if needed > cluster.usable_hbm_bytes:
+            violations.append(MoveDoesNotFit(name, role.value, str(copy), device, needed,
+                                             cluster.usable_hbm_bytes, move))
+    return PlanMemory(peak, tuple(violations), moves)
+
+
+def _move_peak(experiment: Experiment, plan: ExecutionPlan, base: np.ndarray, copies: list,
+               resident: dict, role: Role, copy: CallChoice, first: int
+               ) -> tuple[int, int, MoveMemory]:
+    """(bytes, device, the move) at the peak of moving `role`'s parameters from their home to
+    the copy on `copy`'s layout, before call `first`: what the devices keep (`base`, the other
+    copies alive then) and the move's buffers (`move_memory`) on the devices of either layout
+    (a move between device sets forms the destination's shards on the source's devices
+    first). The home parameters are resident (in `base`) unless offloaded; a copy that
+    replaces them frees them chunk by chunk (`MoveMemory.peak`)."""
+    home, home_bytes = resident[role]
+    move = move_memory(experiment.profile(role), home, copy)
+    replaces = bool(home_bytes) and holds_home_shards(home, copy)
+    extra = move.peak(replaces) - (move.source if home_bytes else 0)
+    held = base.copy()
+    for other_role, other, start, last in copies:
+        if start <= first <= last and (other_role, other.param_layout) != (role,
+                                                                           copy.param_layout):
+            held[other.devices.first:other.devices.last + 1] += _copy_bytes(
+                experiment, plan, other_role, other, resident[other_role][1])
+    lo = min(home.devices.first, copy.devices.first)
+    hi = max(home.devices.last, copy.devices.last)
+    window = held[lo:hi + 1]
+    worst = int(np.argmax(window))
+    return int(window[worst] + extra), lo + worst, move
 
 
 @dataclasses.dataclass(frozen=True)

@@ -205,6 +205,15 @@ class ModelProfile:
     def _shards(self) -> dict[tuple[int, ...], tuple[int, int]]:
         return {}
 
+    def leaf_shard_bytes(self, tensor: int, fsdp: int, pipeline: int = 1,
+                         expert: int = 1) -> tuple[int, ...]:
+        """Bytes one device holds of each leaf, in `leaves` order (`shard_bytes` leaf by leaf)."""
+        key = ("by leaf", tensor, fsdp, pipeline, expert)
+        if key not in self._shards:
+            self._shards[key] = (0, tuple(self._count_shard(tensor, fsdp, pipeline, expert,
+                                                            [leaf])[1] for leaf in self.leaves))
+        return self._shards[key][1]
+
     def _shard(self, tensor: int, fsdp: int, pipeline: int, expert: int) -> tuple[int, int]:
         """(elements, bytes) per device; memoised per instance (the search asks millions)."""
         key = (tensor, fsdp, pipeline, expert)
