@@ -15,15 +15,17 @@ of the layer pattern instead (`period`: Gemma 3's 6 layers, 5 sliding then 1 glo
 unrolls one period, whose layer j is of a static kind and writes index
 i * (that kind's layers per period) + (j's rank among them) of its kind's stack, i the traced
 period. The layers after the last whole period (gemma3-4b's 34 = 5 x 6 + 4) run after the
-scan, indexed statically. Both stacks ride in the loop's carry: each layer writes its new
-slots into its stack in place and reads its own slice of it, as the plain layer scan does
-with its one stack (`transformer._write_cache`), and slices its weights out of the [L, ...]
-stacks as that scan does. XLA:CPU's memory_analysis of the rollout engine's token loop (8
-layers, 6 sliding of a 32-slot window, 4 rows of 32 + 480 slots on f2; per device): the
-cache arguments 1.25 MB against one stack's 4.19, the temporaries 1.16 MB against 0.85 (the
-unrolled period's layers; not a cache copy: at 32 + 992 slots they grow by 0.27 MB where the
-cache grows by 1.05). A prefill runs many slots into each layer at once, which a ring shorter
-than them cannot take: it fills a `MixedKVCache` whose sliding stack holds every slot
+scan, indexed by the scan's count (traced, as in its body: by constants, XLA:TPU laid the
+sliding stack out for their slices alone and copied it whole to that layout and back on every
+token). Both stacks ride in the loop's carry: each layer writes its new slots into its stack
+in place and reads its own slice of it, as the plain layer scan does with its one stack
+(`transformer._write_cache`), and slices its weights out of the [L, ...] stacks as that scan
+does. The rollout engine's token loop compiled for v5p (libtpu, d4; gemma3-4b bf16, one row
+of 256 + 32,512 slots a chip; memory_analysis per chip): the cache 756 MiB where one stack
+took 4,352; temporaries 158 MiB where the plain scan's took 75, and 158 again at 8k slots
+(the scan's 11): constant in the slots, so no cache is copied (the extra, not traced down, is
+less than one layer's weights, 180 MiB). A prefill runs many slots into each layer at once,
+which a ring shorter than them cannot take: it fills a `MixedKVCache` whose sliding stack holds every slot
 (`engine.decoding.fresh_cache`), whose rows' latest slots then go into the rings
 (`engine.rollout.state.write_prompts`); `generate`'s static batch decodes on such a cache.
 Given one stacked `KVCache` or none (as any `LayerStack`), the loop indexes it by the model
@@ -105,13 +107,10 @@ class PeriodScan:
     def of(config: ModelConfig) -> "PeriodScan":
         return PeriodScan(tuple(i in config.sliding_layers for i in range(config.num_layers)))
 
-    def _stack_index(self, layer: int, period_index=None):
-        """(kind, index into its kind's stack) of model layer `layer` (static); with
-        `period_index` i (traced), of layer `layer` (< the period) of period i."""
-        kind = self.sliding[layer]
-        rank = sum(k == kind for k in self.sliding[:layer])
-        if period_index is None:
-            return kind, rank
+    def _stack_index(self, j: int, period_index: jax.Array) -> tuple[bool, jax.Array]:
+        """(kind, index into its kind's stack) of layer j of period `period_index` (traced)."""
+        kind = self.sliding[j]
+        rank = sum(k == kind for k in self.sliding[:j])
         per_period = sum(k == kind for k in self.sliding[:period(self.sliding)])
         return kind, period_index * per_period + rank
 
@@ -134,14 +133,18 @@ class PeriodScan:
                                     layer_id=layer)
             return x_btd, cache._replace(**{"sliding" if kind else "full": stack})
 
-        def body(carry, i):
-            x_btd, cache = carry
-            for j in range(p):
+        def layers_of_period(x_btd, cache, i, count: int):
+            """The first `count` layers of period i (traced)."""
+            for j in range(count):
                 x_btd, cache = run(x_btd, cache, i * p + j, self._stack_index(j, i))
-            return (x_btd, cache), None
+            return x_btd, cache
 
-        (x_btd, cache), _ = jax.lax.scan(body, (x_btd, cache), jnp.arange(whole, dtype=jnp.int32),
-                                         unroll=whole if unroll else 1)
-        for layer in range(whole * p, len(self.sliding)):
-            x_btd, cache = run(x_btd, cache, layer, self._stack_index(layer))
-        return x_btd, cache
+        def body(carry, _):
+            x_btd, cache, i = carry
+            return (*layers_of_period(x_btd, cache, i, p), i + 1), None
+
+        (x_btd, cache, i), _ = jax.lax.scan(body, (x_btd, cache, jnp.zeros((), jnp.int32)),
+                                            length=whole, unroll=whole if unroll else 1)
+        # The layers after the last whole period: indexed by the scan's count, traced (the
+        # module docstring says why).
+        return layers_of_period(x_btd, cache, i, len(self.sliding) - whole * p)
