@@ -9,6 +9,7 @@ a minute (-m slow).
 
 import dataclasses
 
+import jax
 import pytest
 
 from jaxrlhf.configs import grpo_tiny, ppo_tiny
@@ -34,8 +35,17 @@ def _config(module, compile_check: bool):
 
 
 def test_the_check_resolves_the_next_searched_plans_compiling_nothing(tmp_path):
-    config = _config(grpo_tiny, compile_check=True)
-    job = check_config(config, str(tmp_path))
+    compiles = []
+    listener = lambda event, *_, **__: compiles.append(event) if event in (
+        "/jax/core/compile/backend_compile_duration",
+        "/jax/compilation_cache/cache_retrieval_time_sec") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        config = _config(grpo_tiny, compile_check=True)
+        job = check_config(config, str(tmp_path))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
     plans = [job.plan.plan, *(j.plan.plan for j in job.fallbacks)]
     # the search's best plans, fastest first, each its own, each run as checked
     assert plans == searched_plans(job.spec, 8, COMPILE_CHECK_PLANS)
