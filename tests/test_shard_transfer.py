@@ -108,38 +108,57 @@ def _two_process_worker(address: str, process_id: int) -> None:
         assert wire[CrossPath.STAGED] >= need, (case, wire, need)
         print(case, wire[CrossPath.STAGED], wire[CrossPath.SHARDS], need, flush=True)
     print("shards-ok", flush=True)
-    _corrupt_one_byte()
+    _corrupt_in_transit()
 
 
-def _corrupt_one_byte() -> None:
-    """t4 on process 0 -> d2t2 on process 1, one byte of one received piece of `q_kernel`
-    flipped on arrival; process 1 prints the refusal."""
+def _flip_a_byte(x):
+    """`x` with bit 4 of its first byte flipped."""
     import jax.numpy as jnp
+
+    raw = x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
+    flat = raw.reshape(-1)
+    flat = flat.at[0].set(flat[0] ^ jnp.uint8(16)).reshape(raw.shape)
+    return flat if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(flat, x.dtype)
+
+
+def _corrupt_in_transit() -> None:
+    """t4 on process 0 -> d2t2 on process 1, one bucket per piece: one byte of each bucket of
+    `q_kernel` flipped on arrival, first only on the first attempt (process 1 prints the bytes
+    moved and checks the values), then on every attempt (process 1 prints the refusal)."""
     from jax._src import distributed as jax_distributed
 
     values = _values()
     src, dst = _shardings("0-3:t4", jax.devices()), _shardings("4-7:d2t2", jax.devices())
     xs = _placed(values, src)
+    names = list(SHAPES)
+    need = sum(shard_transfer.need_bytes(src[n], dst[n], SHAPES[n], 4) for n in SHAPES)
+    waits = iter(range(100))
 
     def wait(arrays):
         jax.block_until_ready(arrays)
-        jax_distributed.global_state.client.wait_at_barrier("corrupt", 60_000)
+        jax_distributed.global_state.client.wait_at_barrier(f"corrupt{next(waits)}", 60_000)
 
-    def flip(i, j, piece):
-        if i != 1 or j != 0:  # q_kernel's first piece only
-            return piece
-        bits = jax.lax.bitcast_convert_type(piece, jnp.uint32)
-        flipped = bits.at[(0,) * bits.ndim].set(bits[(0,) * bits.ndim] ^ (1 << 20))
-        return jax.lax.bitcast_convert_type(flipped, jnp.float32)
+    for persistent in (False, True):
+        attempts = []
 
-    names = list(SHAPES)
-    try:
-        shard_transfer.move([xs[n] for n in names], [dst[n] for n in names], wait, names,
-                            flip if jax.process_index() == 1 else None)
-    except shard_transfer.CorruptTransfer as error:
-        print(f"refused: {error}", flush=True)
-        return
-    print("moved", flush=True)
+        def flip(bucket_names, attempt, data):
+            if "q_kernel" not in bucket_names or (attempt > 0 and not persistent):
+                return data
+            attempts.append(attempt)
+            return _flip_a_byte(data)
+
+        try:
+            moved, wire = shard_transfer.move(
+                [xs[n] for n in names], [dst[n] for n in names], wait, names,
+                flip if jax.process_index() == 1 else None, bucket_bytes=1)
+        except shard_transfer.CorruptTransfer as error:
+            print(f"attempts {sorted(set(attempts))}", flush=True)
+            print(f"refused: {error}", flush=True)
+            continue
+        for name, x in zip(names, moved):
+            for shard in x.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), values[name][shard.index])
+        print(f"moved {wire} {need}", flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -149,14 +168,27 @@ def two_processes() -> list[tuple[subprocess.Popen, str, str]]:
     return run_processes(__file__, 2)
 
 
-def test_a_byte_flipped_in_transit_is_refused_naming_the_parameter(two_processes):
-    """The receiver checks every piece's checksum against the sender's and refuses, in one
-    line naming the parameter, before assembling anything."""
+def test_a_bucket_flipped_in_transit_once_is_resent(two_processes):
+    """A bucket whose checksum differs on arrival is sent again: the values arrive exact, and
+    the wire carries the need plus q_kernel's buckets once more (its 2 boxes of 2x8x2x2 f32)."""
     (p0, out0, err0), (p1, out1, err1) = two_processes
-    assert p0.returncode == 0 and "moved" in out0, err0[-3000:]  # the sender's side is clean
+    assert p0.returncode == 0 and p1.returncode == 0, err1[-3000:]
+    moved = [line.split() for line in out1.splitlines() if line.startswith("moved")]
+    assert len(moved) == 1, out1[-3000:]
+    _, wire, need = moved[0]
+    assert int(wire) == int(need) + 2 * 2 * 8 * 2 * 2 * 4
+
+
+def test_a_bucket_corrupt_on_every_attempt_stops_naming_the_parameter(two_processes):
+    """Corrupt on the first send and on each resend: the receiver refuses in one line naming
+    the parameter, before assembling anything; the sender's side is clean."""
+    (p0, out0, err0), (p1, out1, err1) = two_processes
+    assert p0.returncode == 0 and out0.count("moved") == 2, err0[-3000:]
     assert p1.returncode == 0, err1[-3000:]
+    assert f"attempts {list(range(shard_transfer.RESENDS + 1))}" in out1.splitlines()
     (line,) = [x for x in out1.splitlines() if x.startswith("refused")]
-    assert line.startswith("refused: weights corrupted in transit: q_kernel, elements "), line
+    assert line.startswith(f"refused: weights corrupted in transit "
+                           f"{shard_transfer.RESENDS + 1} times: q_kernel [(0, 2), "), line
     assert "from process 0" in line and line.endswith("checksum mismatch; not using them")
 
 
@@ -178,6 +210,20 @@ def test_checksum_changes_with_any_one_byte():
                                                             x.dtype.itemsize > 1 else ()))),
                     dtype)
                 assert int(shard_transfer.checksum(y)[0]) != base, (dtype, i, delta)
+
+
+def test_flat_checksum_changes_with_any_one_byte():
+    """A packed bucket's checksum (32-bit words, then 1-3 trailing bytes) changes with every
+    single-byte change, in the words and in the tail."""
+    import jax.numpy as jnp
+
+    raw = np.random.default_rng(2).integers(0, 256, 19).astype(np.uint8)
+    base = int(shard_transfer.flat_checksum(jnp.asarray(raw))[0])
+    for i in range(raw.size):
+        for delta in (1, 128, 255):
+            changed = raw.copy()
+            changed[i] = (int(changed[i]) + delta) % 256
+            assert int(shard_transfer.flat_checksum(jnp.asarray(changed))[0]) != base, (i, delta)
 
 
 def test_checksum_of_a_mask_sees_every_element():

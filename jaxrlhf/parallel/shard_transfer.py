@@ -23,18 +23,34 @@ order):
 
 So the bytes that cross processes are exactly what each destination process lacks (each
 distinct box once per process, less what the process already holds), and the sender holds
-nothing but its own shards and the overlaps it slices out of them (no gather, no replica).
-Transfers go one `device_put` per (source device, destination device) pair, in the order the
-pairs first occur: JAX pairs a sender with its receiver by a per-process transfer-key counter,
-and a batched `device_put` of several pairs takes its keys in an order that differs between
-processes (`reshard._send`). The hop is synchronous, as the staged one was: the receivers wait
-for their pieces, then every process meets at a barrier before the sender drops its slices.
+nothing but its own shards and the buckets it packs out of them (no gather, no replica).
 
-Checksums: every piece travels with a checksum the sender computes on its device (a position-
-weighted sum of its words, `checksum`: any one changed word changes it), and the receiver
-checks it against the piece it got. A mismatch raises `CorruptTransfer`, one line naming the
-parameter, before the arrays are assembled: a generator never decodes with weights that
-arrived wrong.
+Buckets (`buckets`): the crossing pieces of one (source device, destination device) pair
+travel in buckets, all of a pair's in one `device_put` with the pair's checksums last, pairs
+in the order they first occur: JAX pairs a sender with its receiver by a per-process
+transfer-key counter, and a batched `device_put` of several pairs takes its keys in an order
+that differs between processes (`reshard._send`). A bucket is either consecutive pieces of the
+pair packed back to back into one flat uint8 array of at most `BUCKET_BYTES` by one program on
+the sender (which also cuts them out of its shards and sums them), or a piece that is its
+sender's whole shard of at least `_ALONE` bytes, sent as it is (packing would copy it for
+nothing). Every bucket is in flight at once; the receiver pastes each destination box from its
+buckets (one program per box) while the rest arrive. The hop is synchronous, as the staged one
+was: the receivers wait for their buckets, then every process meets at a barrier.
+
+Where the time goes (qwen3-0.6b f4 -> d2 across 2 processes on this 2-core machine, the run
+stack's malloc: `benchmarks/weight_sync.py`): JAX's cross-process `device_put` of the same
+bytes in one array reaches only about half of a raw socket's GB/s (its own transport is the
+ceiling here); the sync adds the receiver's paste and replica copy of every byte, so it runs
+at about 0.7 of that transport. Packing whole shards would add a copy on the sender, hence
+`_ALONE`; the buckets pay off where pieces are small or sliced anyway.
+
+Checksums: every bucket travels with a checksum its sender computes on its device (a position-
+weighted sum of its words, `checksum`, `flat_checksum`: any one changed word changes it), and
+the receiver checks it against the bucket it got. A mismatch is resent: every process learns
+which buckets failed (`_exchange`, through the coordination service) and the senders, which
+keep their buckets until then, send those again, up to `RESENDS` times. One that still differs
+raises `CorruptTransfer` on its receiver, one line naming the parameters in the bucket, before
+any array is returned: a generator never decodes with weights that arrived wrong.
 """
 
 from __future__ import annotations
@@ -48,9 +64,15 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
+from jaxrlhf.parallel import watchdog
+
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension, global coordinates
-# A fault on the wire, for tests: (array index, piece index, received piece) -> the piece kept.
-InTransit = Callable[[int, int, jax.Array], jax.Array]
+# A fault on the wire, for tests: (the bucket's parameter names, attempt, received bucket) -> the
+# bucket kept.
+InTransit = Callable[[tuple[str, ...], int, jax.Array], jax.Array]
+BUCKET_BYTES = 64 << 20  # the most one packed bucket carries (`buckets`)
+_ALONE = 1 << 20  # a whole shard this big travels as it is (`buckets`)
+RESENDS = 2  # times a corrupt bucket is sent again before the move gives up
 _WORD = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint32"}  # unsigned words of an element
 
 
@@ -193,13 +215,123 @@ def plan(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...], itemsiz
     return Plan(tuple(pieces), tuple(replicas), itemsize)
 
 
-@functools.lru_cache(maxsize=512)
-def _paster(shape: tuple[int, ...], starts: tuple[tuple[int, ...], ...]):
-    """A program that pastes pieces at `starts` into a block of `shape` (the pieces tile it)."""
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Crossing pieces of one (source device, destination device) pair that travel as one
+    transfer, with one checksum.
 
-    def paste(*pieces):
-        out = jax.numpy.empty(shape, pieces[0].dtype)
-        for piece, start in zip(pieces, starts):
+    Attributes:
+      src, dst: the pair.
+      items: (array index, piece index) of each piece, in order.
+      packed: True: the pieces' bytes back to back in one flat uint8 array (`_packer`);
+        False: one piece that is its sender's whole shard, sent as it is (no copy).
+      nbytes: the bytes it carries.
+    """
+
+    src: jax.Device
+    dst: jax.Device
+    items: tuple[tuple[int, int], ...]
+    packed: bool
+    nbytes: int
+
+
+def buckets(plans: list[Plan], bucket_bytes: int) -> list[Bucket]:
+    """Every crossing piece in a bucket, pair by pair in the order the pairs first occur (every
+    process computes the same list). Within a pair, consecutive pieces fill a bucket up to
+    `bucket_bytes` (a bigger piece travels alone); a piece that is its sender's whole shard
+    and at least `_ALONE` bytes travels as it is: packing it would copy it for nothing."""
+    pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for i, p in enumerate(plans):
+        for j, piece in enumerate(p.pieces):
+            if piece.crosses:
+                pairs.setdefault((piece.src.id, piece.dst.id), []).append((i, j))
+    out = []
+    for items in pairs.values():
+        first = plans[items[0][0]].pieces[items[0][1]]
+        run: list[tuple[int, int]] = []
+        size = 0
+        for i, j in items:
+            piece = plans[i].pieces[j]
+            nbytes = _size(piece.box) * plans[i].itemsize
+            if piece.box == piece.src_box and nbytes >= _ALONE:
+                out.append(Bucket(first.src, first.dst, ((i, j),), False, nbytes))
+                continue
+            if run and size + nbytes > bucket_bytes:
+                out.append(Bucket(first.src, first.dst, tuple(run), True, size))
+                run, size = [], 0
+            run.append((i, j))
+            size += nbytes
+        if run:
+            out.append(Bucket(first.src, first.dst, tuple(run), True, size))
+    return out
+
+
+def _to_bytes(x: jax.Array) -> jax.Array:
+    """uint8 [x.nbytes]: `x`'s bytes (a bool mask's values as bytes)."""
+    jnp = jax.numpy
+    if x.dtype == jnp.bool_:
+        return x.reshape(-1).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(b: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """The array of `shape` and `dtype` whose bytes are uint8 `b` (inverse of `_to_bytes`)."""
+    jnp = jax.numpy
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bool_:
+        return b.reshape(shape) != 0
+    if dtype.itemsize == 1:
+        return jax.lax.bitcast_convert_type(b.reshape(shape), dtype)
+    return jax.lax.bitcast_convert_type(b.reshape(shape + (dtype.itemsize,)), dtype)
+
+
+def _flat_checksum(b: jax.Array) -> jax.Array:
+    """uint32 [1]: `checksum` of flat uint8 `b` read as 32-bit words (a trailing 1-3 bytes as
+    words of their own, weighted on): one changed byte changes one word by a nonzero multiple
+    of 2**(8k) < 2**32, times an odd weight."""
+    jnp = jax.numpy
+    n4 = b.size // 4 * 4
+    words = jax.lax.bitcast_convert_type(b[:n4].reshape(-1, 4), jnp.uint32)
+    tail = b[n4:].astype(jnp.uint32)
+    weights = jax.lax.iota(jnp.uint32, n4 // 4 + tail.size) * jnp.uint32(2) + jnp.uint32(1)
+    return (jnp.sum(words * weights[:n4 // 4], dtype=jnp.uint32)
+            + jnp.sum(tail * weights[n4 // 4:], dtype=jnp.uint32)).reshape(1)
+
+
+flat_checksum = jax.jit(_flat_checksum)
+
+
+@functools.lru_cache(maxsize=512)
+def _packer(cuts: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]):
+    """A program that cuts each (input, slice) out of the sender's shards and lays the bytes
+    back to back: (uint8 [bytes], its `_flat_checksum`), one pass over the pieces."""
+
+    def pack(*shards):
+        flat = jax.numpy.concatenate(
+            [_to_bytes(shards[k][tuple(slice(lo, hi) for lo, hi in box)]) for k, box in cuts])
+        return flat, _flat_checksum(flat)
+
+    return jax.jit(pack)
+
+
+# One piece of a destination box in `_paster`'s inputs: (input, byte offset in it or -1 when
+# the input is the piece itself, the piece's shape, its start in the box).
+_Part = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+
+
+@functools.lru_cache(maxsize=512)
+def _paster(shape: tuple[int, ...], dtype: str, parts: tuple[_Part, ...]):
+    """A program that takes a destination box's pieces out of their buckets and pastes them
+    into a block of `shape` (the pieces tile it)."""
+    nbytes = jax.numpy.dtype(dtype).itemsize
+
+    def paste(*inputs):
+        out = jax.numpy.empty(shape, dtype)
+        for k, offset, piece_shape, start in parts:
+            piece = inputs[k]
+            if offset >= 0:
+                piece = _from_bytes(piece[offset:offset + math.prod(piece_shape) * nbytes],
+                                    piece_shape, dtype)
             out = jax.lax.dynamic_update_slice(out, piece, start)
         return out
 
@@ -213,83 +345,151 @@ def _slice(data: jax.Array, piece: Piece) -> jax.Array:
     return data[_within(piece.box, piece.src_box)]
 
 
-def _placeholder_sum(piece: Piece) -> jax.Array:
+def _placeholder(shape: tuple[int, ...], device: jax.Device, dtype) -> jax.Array:
+    """Another process's array: what this process passes to the same transfer."""
     return jax.make_array_from_single_device_arrays(
-        (1,), SingleDeviceSharding(piece.src), [], dtype=jax.numpy.uint32)
+        shape, SingleDeviceSharding(device), [], dtype=dtype)
 
 
-def _placeholder(piece: Piece, dtype) -> jax.Array:
-    """The piece as another process's array: what this process passes to the same transfer."""
-    return jax.make_array_from_single_device_arrays(
-        piece.shape, SingleDeviceSharding(piece.src), [], dtype=dtype)
+def _shard(x: jax.Array, device: jax.Device) -> jax.Array:
+    return next(s.data for s in x.addressable_shards if s.device == device)
 
 
-def send(xs: list[jax.Array], plans: list[Plan], in_transit: InTransit | None = None
-         ) -> tuple[list[dict], list[jax.Array]]:
-    """Issues every piece of every array, then their checksums; returns, per array, this
-    process's received (piece, sender's checksum, receiver's checksum) by piece index, and
-    the arrays made on this side (to drop after the barrier).
+class _Transfer:
+    """One move's buckets on this process: the sender's payloads (kept until every receiver
+    has accepted them, for a resend) and the receiver's buckets with both sides' checksums."""
 
-    The pieces go first, so none waits for a checksum; each piece's checksum on either side
-    is dispatched as soon as the piece exists there, to run while others are in flight.
-    """
-    me = jax.process_index()
-    pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for i, p in enumerate(plans):
-        for j, piece in enumerate(p.pieces):
-            if piece.crosses or piece.src.process_index == me:
-                pairs.setdefault((piece.src.id, piece.dst.id), []).append((i, j))
-    received: list[dict] = [{} for _ in xs]
-    cut: list[jax.Array] = []
-    sums: dict[tuple[int, int], jax.Array] = {}  # the sender's checksums, by (array, piece)
-    for items in pairs.values():
-        outgoing = []
-        for i, j in items:
-            piece = plans[i].pieces[j]
-            if piece.src.process_index == me:
-                shard = next(s.data for s in xs[i].addressable_shards if s.device == piece.src)
-                outgoing.append(_slice(shard, piece))
-                sums[i, j] = checksum(outgoing[-1])
-                cut += [outgoing[-1], sums[i, j]] if outgoing[-1] is not shard else [sums[i, j]]
+    def __init__(self, xs: list[jax.Array], plans: list[Plan], bs: list[Bucket]):
+        self.xs, self.plans, self.buckets = xs, plans, bs
+        self.me = jax.process_index()
+        self.payloads: dict[int, tuple[jax.Array, jax.Array]] = {}  # sender: (data, checksum)
+        self.received: dict[int, jax.Array] = {}  # receiver: data by bucket
+        # receiver: (the pair's sender checksums, this bucket's position in them, its own)
+        self.sums: dict[int, tuple[jax.Array, int, jax.Array]] = {}
+
+    def _payload(self, b: int) -> tuple[jax.Array, jax.Array]:
+        if b not in self.payloads:
+            bucket = self.buckets[b]
+            if not bucket.packed:
+                (i, j), = bucket.items
+                data = _shard(self.xs[i], bucket.src)
+                self.payloads[b] = data, checksum(data)
             else:
-                outgoing.append(_placeholder(piece, xs[i].dtype))
-                sums[i, j] = _placeholder_sum(piece)
-        target = SingleDeviceSharding(plans[items[0][0]].pieces[items[0][1]].dst)
-        moved = jax.device_put(outgoing, [target] * len(outgoing), may_alias=False)
-        for (i, j), data in zip(items, moved):
-            if plans[i].pieces[j].dst.process_index == me:
-                data = data if in_transit is None else in_transit(i, j, data)
-                received[i][j] = (data, None, checksum(data))
-    for items in pairs.values():  # the checksums, pair by pair in the same order
-        target = SingleDeviceSharding(plans[items[0][0]].pieces[items[0][1]].dst)
-        moved = jax.device_put([sums[key] for key in items], [target] * len(items),
-                               may_alias=False)
-        for (i, j), sent in zip(items, moved):
-            if plans[i].pieces[j].dst.process_index == me:
-                data, _, got = received[i][j]
-                received[i][j] = (data, sent, got)
-    return received, cut
+                arrays = list(dict.fromkeys(i for i, _ in bucket.items))
+                cuts = tuple((arrays.index(i), _within(self.plans[i].pieces[j].box,
+                                                       self.plans[i].pieces[j].src_box))
+                             for i, j in bucket.items)
+                cuts = tuple((k, tuple((s.start, s.stop) for s in box)) for k, box in cuts)
+                self.payloads[b] = _packer(cuts)(*[_shard(self.xs[i], bucket.src)
+                                                   for i in arrays])
+        return self.payloads[b]
+
+    def _placeholder(self, b: int) -> jax.Array:
+        bucket = self.buckets[b]
+        if bucket.packed:
+            return _placeholder((bucket.nbytes,), bucket.src, jax.numpy.uint8)
+        (i, j), = bucket.items
+        return _placeholder(self.plans[i].pieces[j].shape, bucket.src, self.xs[i].dtype)
+
+    def send(self, which: list[int], attempt: int, in_transit: InTransit | None,
+             names: list[str]) -> list[jax.Array]:
+        """Issues the buckets `which` pair by pair, each pair's buckets and then its sender's
+        checksums (uint32 [buckets]) in one `device_put` (one per pair: module docstring);
+        returns what this process received (to wait for)."""
+        pairs: dict[tuple[int, int], list[int]] = {}
+        for b in which:  # every process issues every transfer (JAX counts them on each)
+            pairs.setdefault((self.buckets[b].src.id, self.buckets[b].dst.id), []).append(b)
+        arrived = []
+        for bs in pairs.values():
+            src, dst = self.buckets[bs[0]].src, self.buckets[bs[0]].dst
+            if src.process_index == self.me:
+                data = [self._payload(b)[0] for b in bs]
+                data.append(_concat(*[self._payload(b)[1] for b in bs]))
+            else:
+                data = [self._placeholder(b) for b in bs]
+                data.append(_placeholder((len(bs),), src, jax.numpy.uint32))
+            moved = jax.device_put(data, [SingleDeviceSharding(dst)] * len(data),
+                                   may_alias=False)
+            if dst.process_index != self.me:
+                continue
+            for k, (b, got) in enumerate(zip(bs, moved)):
+                if in_transit is not None:
+                    got = in_transit(self.bucket_names(b, names), attempt, got)
+                self.received[b] = got
+                self.sums[b] = (moved[-1], k, (flat_checksum if self.buckets[b].packed
+                                               else checksum)(got))
+            arrived += [moved[-1]] + [self.received[b] for b in bs]
+        return arrived
+
+    def bad(self, which: list[int]) -> list[int]:
+        """The buckets among `which` this process received whose checksums differ (one small
+        device-to-host read for all of them)."""
+        mine = [b for b in which if b in self.sums]
+        got = jax.device_get([(self.sums[b][0], self.sums[b][2]) for b in mine])
+        return [b for b, (sent, own) in zip(mine, got) if sent[self.sums[b][1]] != own[0]]
+
+    def bucket_names(self, b: int, names: list[str]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(names[i] for i, _ in self.buckets[b].items))
+
+    def drop(self) -> None:
+        """Deletes the sender's packed buckets (its whole shards stay: they are the source)."""
+        for b, (data, _) in self.payloads.items():
+            if self.buckets[b].packed:
+                data.delete()
 
 
-def verify(received: list[dict], plans: list[Plan], names: list[str]) -> None:
-    """Raises `CorruptTransfer` naming the first parameter a received piece of which does not
-    match its sender's checksum (one small device-to-host read for all of them)."""
-    keys = [(i, j) for i, got in enumerate(received) for j in got]
-    if not keys:
-        return
-    same = jax.device_get([received[i][j][2] == received[i][j][1] for i, j in keys])
-    for (i, j), ok in zip(keys, same):
-        if not bool(ok[0]):
-            piece = plans[i].pieces[j]
-            raise CorruptTransfer(
-                f"weights corrupted in transit: {names[i]}, elements {list(piece.box)} from "
-                f"process {piece.src.process_index} (device {piece.src.id}) to device "
-                f"{piece.dst.id}: checksum mismatch; not using them")
+@jax.jit
+def _concat(*sums):
+    return jax.numpy.concatenate(sums)
 
 
-def assemble(x: jax.Array, dst: NamedSharding, p: Plan, received: dict) -> jax.Array:
-    """The destination array from this process's received pieces (and local replica copies)."""
+def _exchange(move: int, attempt: int, mine: list[int]) -> list[int]:
+    """The union over every process of `mine` (bucket indices) in attempt `attempt` of this
+    process's move number `move`, through the coordination service: each process publishes its
+    own, then reads every other's. Called after the move's barrier, so every process is done
+    reading the keys of the previous move that published any: this process's go then."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    timeout_ms = int(2 * (watchdog.timeout_s() or 300) * 1000)
     me = jax.process_index()
+    if attempt == 0 and _PUBLISHED[0]:
+        client.key_value_delete(f"jaxrlhf_transfer/{me}/{_PUBLISHED[0]}")
+    _PUBLISHED[0] = move
+    client.key_value_set(f"jaxrlhf_transfer/{me}/{move}/{attempt}", ",".join(map(str, mine)))
+    out = set()
+    for p in range(jax.process_count()):
+        text = client.blocking_key_value_get(f"jaxrlhf_transfer/{p}/{move}/{attempt}",
+                                             timeout_ms)
+        out.update(int(b) for b in text.split(",") if b)
+    return sorted(out)
+
+
+def _local(xs: list[jax.Array], plans: list[Plan]) -> dict[tuple[int, int], jax.Array]:
+    """The pieces that stay in this process, each on its destination device."""
+    me = jax.process_index()
+    items = [(i, j) for i, p in enumerate(plans) for j, piece in enumerate(p.pieces)
+             if piece.src.process_index == me and not piece.crosses]
+    if not items:
+        return {}
+    pieces = [_slice(_shard(xs[i], plans[i].pieces[j].src), plans[i].pieces[j])
+              for i, j in items]
+    targets = [SingleDeviceSharding(plans[i].pieces[j].dst) for i, j in items]
+    return dict(zip(items, jax.device_put(pieces, targets, may_alias=False)))
+
+
+def assemble(x: jax.Array, dst: NamedSharding, i: int, p: Plan, t: _Transfer,
+             local: dict) -> jax.Array:
+    """The destination array from this process's accepted buckets and local pieces (and
+    local replica copies): one paste program per destination box, unless one piece is all
+    of it."""
+    me = jax.process_index()
+    where: dict[tuple[int, int], tuple[int, int]] = {}  # (i, j) -> (bucket, byte offset)
+    for b, data in t.received.items():
+        bucket, offset = t.buckets[b], 0
+        for i2, j in bucket.items:
+            where[i2, j] = (b, offset if bucket.packed else -1)
+            offset += _size(t.plans[i2].pieces[j].box) * t.plans[i2].itemsize
     by_device: dict[jax.Device, jax.Array] = {}
     boxes: dict[jax.Device, list[int]] = {}
     for j, piece in enumerate(p.pieces):
@@ -297,14 +497,24 @@ def assemble(x: jax.Array, dst: NamedSharding, p: Plan, received: dict) -> jax.A
             boxes.setdefault(piece.dst, []).append(j)
     for device, js in boxes.items():
         dst_box = p.pieces[js[0]].dst_box
-        pieces = [received[j][0] for j in js]
-        if len(js) == 1 and p.pieces[js[0]].box == dst_box:
-            by_device[device] = pieces[0]
+        inputs: list[jax.Array] = []
+        parts = []
+        for j in js:
+            if (i, j) in local:
+                data, offset = local[i, j], -1
+            else:
+                b, offset = where[i, j]
+                data = t.received[b]
+            k = next((n for n, a in enumerate(inputs) if a is data), None)
+            if k is None:
+                k, inputs = len(inputs), inputs + [data]
+            start = tuple(lo - o for (lo, _), (o, _) in zip(p.pieces[j].box, dst_box))
+            parts.append((k, offset, p.pieces[j].shape, start))
+        if len(js) == 1 and parts[0][1] < 0 and p.pieces[js[0]].box == dst_box:
+            by_device[device] = inputs[0]
         else:
-            starts = tuple(tuple(lo - o for (lo, _), (o, _) in zip(p.pieces[j].box, dst_box))
-                           for j in js)
             shape = tuple(hi - lo for lo, hi in dst_box)
-            by_device[device] = _paster(shape, starts)(*pieces)
+            by_device[device] = _paster(shape, x.dtype.name, tuple(parts))(*inputs)
     copies = [(primary, device) for primary, device in p.replicas if device.process_index == me]
     if copies:
         moved = jax.device_put([by_device[a] for a, _ in copies],
@@ -314,26 +524,59 @@ def assemble(x: jax.Array, dst: NamedSharding, p: Plan, received: dict) -> jax.A
     return jax.make_array_from_single_device_arrays(x.shape, dst, shards, dtype=x.dtype)
 
 
+def _refusal(t: _Transfer, b: int, names: list[str]) -> str:
+    bucket = t.buckets[b]
+    what = ", ".join(f"{names[i]} {list(t.plans[i].pieces[j].box)}" for i, j in bucket.items)
+    return (f"weights corrupted in transit {RESENDS + 1} times: {what} from process "
+            f"{bucket.src.process_index} (device {bucket.src.id}) to device {bucket.dst.id}: "
+            f"checksum mismatch; not using them")
+
+
+_MOVES = [0]  # moves so far in this process (every process counts the same)
+_PUBLISHED = [0]  # the last move whose checksum verdicts this process published
+
+
 def move(xs: list[jax.Array], dsts: list[NamedSharding], wait: Callable[[list], None],
-         names: list[str] | None = None, in_transit: InTransit | None = None
-         ) -> tuple[list[jax.Array], int]:
-    """Moves each array to its destination sharding (device memory, any processes) piece by
-    piece; `wait(arrays)` blocks until this process's pieces are in and every process has
-    reached the same point (the caller's barrier), then every piece's checksum is checked.
+         names: list[str] | None = None, in_transit: InTransit | None = None,
+         bucket_bytes: int = BUCKET_BYTES) -> tuple[list[jax.Array], int]:
+    """Moves each array to its destination sharding (device memory, any processes) in buckets;
+    `wait(arrays)` blocks until this process's buckets are in and every process has reached
+    the same point (the caller's barrier). A bucket whose checksum differs on arrival is sent
+    again, up to `RESENDS` times (every process learns which, `_exchange`); one that still
+    differs raises `CorruptTransfer` on its receiver, naming its parameters.
 
     Args:
       names: each array's name in a `CorruptTransfer` message (default: its position).
-      in_transit: called with every piece this process receives, as it arrives; what it
-        returns is kept (tests flip a bit there to stand for a fault on the wire).
+      in_transit: called with every bucket this process receives (its parameters' names, the
+        attempt, the data) as it arrives; what it returns is kept (tests flip a bit there to
+        stand for a fault on the wire).
+      bucket_bytes: the most bytes one packed bucket carries.
 
     Returns:
-      (arrays, bytes that crossed processes).
+      (arrays, bytes that crossed processes, resends included).
     """
+    names = names or [f"array {i}" for i in range(len(xs))]
     plans = [plan(x.sharding, dst, x.shape, x.dtype.itemsize) for x, dst in zip(xs, dsts)]
-    received, cut = send(xs, plans, in_transit)
-    wait([piece for pieces in received for got in pieces.values() for piece in got])
-    for piece in cut:
-        piece.delete()
-    verify(received, plans, names or [f"array {i}" for i in range(len(xs))])
-    out = [assemble(x, dst, p, got) for x, dst, p, got in zip(xs, dsts, plans, received)]
-    return out, sum(p.wire_bytes for p in plans)
+    bs = buckets(plans, bucket_bytes)
+    t = _Transfer(xs, plans, bs)
+    local = _local(xs, plans)
+    _MOVES[0] += 1
+    which, wire = list(range(len(bs))), 0
+    for attempt in range(RESENDS + 1):
+        arrived = t.send(which, attempt, in_transit, names)
+        wire += sum(bs[b].nbytes for b in which)
+        # Pasted while the rest is in flight and checked; returned only once every bucket
+        # it was pasted from is accepted.
+        out = [assemble(x, dst, i, p, t, local) for i, (x, dst, p) in
+               enumerate(zip(xs, dsts, plans))]
+        wait(arrived + list(local.values()))
+        if not bs:
+            break
+        which = _exchange(_MOVES[0], attempt, t.bad(which))
+        if not which:
+            break
+    t.drop()
+    corrupt = [b for b in which if b in t.received]
+    if corrupt:  # (a process whose own buckets all arrived whole goes on; this one stops)
+        raise CorruptTransfer(_refusal(t, corrupt[0], names))
+    return out, wire
