@@ -55,13 +55,11 @@ expert parallelism (e > 1: the batch split d·e·f ways, 1/e of the experts on e
 the sparse layers exchange tokens by all-to-all (`expert_all_to_all`), the experts' gradients
 are reduced over d ranks and the rest over d·e (`_reduce_gradients`).
 
-Parameter movements (`realloc_cost`, `offload_cost`). A layout's mesh is its device range
-reshaped to the mesh axes, and the big matrices are cut along `embed` by fsdp, along
-heads / mlp / vocab by tensor and along the layer stack by pipeline. So the device at mesh
-index i holds the (stage, fsdp index, tensor index) block of every matrix (`_blocks`), whatever
-the data degree (the embedding and head, a few percent of the bytes, are priced like a layer). A destination device needs its block; the part of it
-that it already holds under the source layout stays, the rest moves — from a device on its own
-host (intra-host bandwidth) where the source has a replica there, else across hosts.
+Parameter movements (`realloc_cost`, `offload_cost`). Each device of a layout holds one block
+of every matrix, whatever the data degree (`plan/blocks.py`; the embedding and head, a few
+percent of the bytes, are priced like a layer). A destination device needs its block; the part
+of it that it already holds under the source layout stays, the rest moves — from a device on
+its own host (intra-host bandwidth) where the source has a replica there, else across hosts.
 
 Routes (what `parallel.reshard` can do):
   * NONE: same devices and same (f, t): every device already holds its block.
@@ -75,8 +73,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -84,9 +80,9 @@ from scipy import optimize
 
 from jaxrlhf.mfc import Call
 from jaxrlhf.models.config import RematPolicy
-from jaxrlhf.parallel import strategy as strategy_lib
 from jaxrlhf.parallel.pipeline import remats_stages
 from jaxrlhf.parallel.strategy import Axis
+from jaxrlhf.plan.blocks import axis_size, missing_share, stride
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import OVERHEADS, Calibration, Cluster
 from jaxrlhf.plan.experiment import DEFAULT_DECODE, DecodeSchedule, Workload
@@ -128,25 +124,6 @@ class CallCost:
 ZERO = CallCost()
 
 
-@functools.cache
-def mesh_order() -> tuple[Axis, ...]:
-    """The runtime's mesh axes, outermost first. Where the strategy module does not place the
-    pipeline axis, it is outermost (ReaL's and Megatron's order: a stage is a block of
-    consecutive devices, so stage-to-stage sends are the only traffic between blocks)."""
-    order = strategy_lib.MESH_AXES
-    return order if Axis.PIPELINE in order else (Axis.PIPELINE, *order)
-
-
-def axis_size(choice: CallChoice, axis: Axis) -> int:
-    return choice.strategy.size(axis)
-
-
-def _stride(axis: Axis, choice: CallChoice) -> int:
-    """Device-index distance between neighbours along `axis` (row-major mesh)."""
-    order = mesh_order()
-    return math.prod(axis_size(choice, a) for a in order[order.index(axis) + 1:])
-
-
 def axis_link(cluster: Cluster, choice: CallChoice, axis: Axis) -> tuple[float, float]:
     """(bandwidth, latency) of one mesh axis: inter-host when its device groups span hosts.
 
@@ -156,7 +133,7 @@ def axis_link(cluster: Cluster, choice: CallChoice, axis: Axis) -> tuple[float, 
     hop, so a pipeline axis that spans hosts uses the inter-host link.
     """
     size = axis_size(choice, axis)
-    last = choice.devices.first + _stride(axis, choice) * (size - 1)
+    last = choice.devices.first + stride(axis, choice) * (size - 1)
     if cluster.host_of(last) != cluster.host_of(choice.devices.first):
         return cluster.inter_host_bandwidth, cluster.inter_host_latency
     return cluster.intra_host_bandwidth, cluster.intra_host_latency
@@ -483,33 +460,6 @@ def choose_route(src: CallChoice, dst: CallChoice, cluster: Cluster) -> Route:
                    and src.fsdp == dst.fsdp and src.pipeline == dst.pipeline
                    and src.expert == dst.expert)
     return Route.DIRECT if len(hosts) == 1 or same_shards else Route.STAGED
-
-
-_CUTS = (Axis.PIPELINE, Axis.FSDP, Axis.EXPERT, Axis.TENSOR)  # the axes that cut parameters
-
-
-def _blocks(choice: CallChoice, devices: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(stage, fsdp, expert, tensor index) of each device's block under `choice`. The expert
-    axis cuts only the experts, but they are nearly all of a mixture's bytes (Qwen3-30B-A3B:
-    95%), so it is counted as cutting every matrix."""
-    i = devices - choice.devices.first
-    return tuple((i // _stride(axis, choice)) % axis_size(choice, axis) for axis in _CUTS)
-
-
-def _overlap(i: np.ndarray, n: int, j: np.ndarray, m: int) -> np.ndarray:
-    """Length of [i/n, (i+1)/n) ∩ [j/m, (j+1)/m), as a fraction of the whole axis."""
-    return np.clip(np.minimum((i + 1) / n, (j + 1) / m) - np.maximum(i / n, j / m), 0.0, None)
-
-
-def missing_share(src: CallChoice, dst: CallChoice) -> np.ndarray:
-    """Per destination device: the share of its `dst` shard of the parameters that it does not
-    hold under `src` (1: all must arrive; 0: its shard is cut out of its own source shard)."""
-    devices = np.arange(dst.devices.first, dst.devices.last + 1)
-    held = (devices >= src.devices.first) & (devices <= src.devices.last)
-    kept = held.astype(np.float64)
-    for axis, i_dst, i_src in zip(_CUTS, _blocks(dst, devices), _blocks(src, devices)):
-        kept *= _overlap(i_dst, axis_size(dst, axis), i_src, axis_size(src, axis))
-    return 1.0 - kept * dst.fsdp * dst.tensor * dst.pipeline * dst.expert
 
 
 def _incoming(p: ModelProfile, src: CallChoice, dst: CallChoice, cluster: Cluster

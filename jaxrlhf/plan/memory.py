@@ -82,6 +82,7 @@ from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
 from jaxrlhf.parallel.layout import Platform
 from jaxrlhf.parallel.reshard import CHUNK_BYTES, chunks
 from jaxrlhf.parallel.pipeline import remats_stages
+from jaxrlhf.plan.blocks import missing_share
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.experiment import Experiment, Workload
@@ -214,15 +215,12 @@ def move_memory(p: ModelProfile, src: CallChoice, dst: CallChoice,
         `holds_home_shards(src, dst)`, e.g. f4 -> d4): the chunk's destination shards, the
         gathered result, which is then laid out into the output;
       * any other change: the part of the chunk's destination shards a device does not hold
-        already (`cost.missing_share`, the most of any device): an exchange buffers what
+        already (`blocks.missing_share`, the most of any device): an exchange buffers what
         crosses, and a device that cuts its destination shard out of its own source shard
         (d4 -> f4) buffers nothing;
       * none where no program runs (copies of equal shards onto other devices).
     Moves out of a pipelined layout, whose stacked layers XLA re-slices along the layer axis,
     hold more than this (up to a third more on v5p 2x2x1)."""
-    from jaxrlhf.plan.cost import missing_share  # the cost model's block geometry (it imports
-    # this module)
-
     src_b = p.leaf_shard_bytes(src.tensor, src.fsdp, src.pipeline, src.expert)
     dst_b = p.leaf_shard_bytes(dst.tensor, dst.fsdp, dst.pipeline, dst.expert)
     groups = chunks([leaf.size * leaf.itemsize for leaf in p.leaves], chunk_bytes)
