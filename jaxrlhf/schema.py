@@ -259,7 +259,7 @@ def _shared() -> ConfigDict:
             "gen_replicas": 1,
             # auto: after the input checks, compile the best few searched plans for this
             # job's devices and run the best one whose every call fits by XLA's account
-            # (run/compile_check.py); off: the searched plan runs as priced.
+            # (calibration/compile_check.py); off: the searched plan runs as priced.
             "compile_check": False,
         },
         "logging": {  # metrics.jsonl and TensorBoard always; jaxrlhf/metrics.py

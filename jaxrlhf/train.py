@@ -99,7 +99,7 @@ def main(argv):
     from jaxrlhf.run.loop import STOPS
     from jaxrlhf.run import rl
     from jaxrlhf.run.check import check_config
-    from jaxrlhf.run.compile_check import choose
+    from jaxrlhf.calibration.compile_check import choose
 
     try:
         job = choose(check_config(config, workdir))  # compiles only after every input check

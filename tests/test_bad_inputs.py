@@ -153,7 +153,8 @@ CASES = [
      "warm_start.sft_steps=5: there are no SFT rows (set data.task.num_sft > 0, or "
      "warm_start.sft_steps=0)"),
     # placement.compile_check resolves the next-best plans too, but compiles only after every
-    # check (run/compile_check.py): the data's error is still one line, and nothing compiled.
+    # check (calibration/compile_check.py): the data's error is still one line, and nothing
+    # compiled.
     ("compile_check_after_the_checks",
      {"warm_start.sft_steps": 5, "data.task.num_sft": 0, "placement.kind": "auto",
       "placement.cluster": "meshes/cpu_8.py", "placement.compile_check": True},

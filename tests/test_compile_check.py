@@ -1,6 +1,6 @@
 """`placement.compile_check`: a `placement.kind=auto` run compiles its best few searched plans
 for its own devices after the input checks and runs the first that XLA says fits
-(`run/compile_check.py`).
+(`calibration/compile_check.py`).
 
 Resolving the candidates compiles nothing (a bad input is still one line first:
 `test_bad_inputs.py`); grpo_tiny's calls compile in seconds, ppo_tiny's two plans in about half
@@ -19,7 +19,7 @@ from jaxrlhf.parallel.layout import Platform
 from jaxrlhf.plan import memory as memory_lib
 from jaxrlhf.run import build
 from jaxrlhf.run.check import check_config
-from jaxrlhf.run.compile_check import choose
+from jaxrlhf.calibration.compile_check import choose
 from jaxrlhf.run.layouts import COMPILE_CHECK_PLANS, searched_plans
 from test_plan_auto import runtime_plan
 

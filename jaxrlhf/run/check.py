@@ -5,7 +5,7 @@ for this run (`run/lock.py`), refuses keys the run does not read (`run/unread.py
 tokenizer (not the byte tokenizer beside a model that brought its own), checks the reward
 functions, model directories and vocabularies, resolves the placement (`placement.kind=auto`
 searches here, once; with `placement.compile_check` its next-best plans too, which compile only
-after these checks: `run/compile_check.py`) and holds it to what the rollout engine and an
+after these checks: `calibration/compile_check.py`) and holds it to what the rollout engine and an
 asynchronous run's processes can run, reads the run's data (a bad row of a user file is named by file:line), makes the warm
 start a job of its own, refuses checkpoints in the workdir that another run wrote, or, forced,
 that do not fit its models (`checkpoint.resume`), and points JAX's persistent compilation cache
@@ -54,7 +54,7 @@ class Job:
     data: Data  # its rows, read (and the built-in task written) once
     warm_start: Job | None = None  # its supervised warm start, a job of its own (`_warm_start`)
     # placement.compile_check: this job on the next-best searched plans, best first, checked
-    # as this one is; `run/compile_check.py` runs the first that XLA says fits
+    # as this one is; `calibration/compile_check.py` runs the first that XLA says fits
     fallbacks: tuple[Job, ...] = ()
 
     @property
