@@ -17,7 +17,10 @@ Two workers share the actor:
                              through the same `Runner` as the synchronous loop.
 
 After each update the trainer's actor parameters go to the generation layout through
-`parallel.reshard` (one copy per version) and generation continues with them.
+`parallel.reshard` (one copy per version) and generation continues with them. The copy runs
+off the trainer's path (`run/publisher.py`: the trainer's next update starts while it travels;
+a version not yet sent when a newer one comes is superseded), and generation installs each
+version between two decode chunks once it is complete.
 
 Staleness: batch k is trained by update k (policy version k → k+1). Generation may start batch
 k only with weights of version ≥ k − η (AReaL's ⌊(N_r − 1)/B⌋ ≤ i + η), so when it is trained
@@ -58,10 +61,12 @@ from jaxrlhf.data.encode import prompt_batch
 from jaxrlhf.engine.rollout import Rollout
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.data.datasets import EpochIterator
+from jaxrlhf.parallel import watchdog
 from jaxrlhf.run import async_procs, async_steps, loop
 from jaxrlhf.parallel.layout import Platform
 from jaxrlhf.run.async_steps import drain_limit, draw_async_timeline, trainer_runner
 from jaxrlhf.run.guards import StopRequest
+from jaxrlhf.run.publisher import Publisher
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.rollout_worker import Generated, RolloutWorker
 from jaxrlhf.run.runner import Runner
@@ -134,7 +139,8 @@ class LocalSource:
         self.clock_zero = time.perf_counter()
         self.pace = async_steps.Pace(job, self.now)
         self.version = self.next_index = self.runner.step_index  # = updates done
-        self.worker.publish(self.actor.params, self.version)
+        self.worker.publish(self.actor.params, self.version)  # generation starts with it
+        self.publisher = Publisher(self.worker.transfer, watchdog.timeout_s() or 600.0)
         self.ready: dict[int, Generated] = {}  # finished batches by index (in any order)
         self.pending: tuple[concurrent.futures.Future, Generated] | None = None
         self.events = []  # (name, start, end) of every batch's generation and update
@@ -158,6 +164,7 @@ class LocalSource:
         """One scheduling decision: collect the update, start one, admit a batch or decode
         (a wait for the environment ends when `stop()` says so)."""
         trained, worker = self.version, self.worker
+        self._install(self.publisher.ready())
         limit = drain_limit(trained, self.job.spec.steps, self.job.spec.checkpoint.every)
         can_start = self.next_index < limit and async_steps.may_start(
             self.next_index, version=worker.version, eta=self.eta,
@@ -185,9 +192,12 @@ class LocalSource:
             self.next_index += 1
         elif gen_can_work:
             self.ready.update((g.index, g) for g in worker.step(self.now, stop))
-        elif self.pending is None:
-            raise AssertionError(f"async loop stalled at step {trained}: nothing to generate "
-                                 "or train")
+        elif self.pending is None:  # generation needs the version on its way, if any
+            published = self.publisher.wait()
+            if published is None:
+                raise AssertionError(f"async loop stalled at step {trained}: nothing to "
+                                     "generate or train")
+            self._install(published)
         return None
 
     def _collect(self) -> loop.Update:
@@ -196,12 +206,18 @@ class LocalSource:
         result, skipped, (t_start, t_end) = future.result()
         self.pending = None
         self.version += 1
-        self.worker.publish(self.actor.params, self.version)  # interrupts the batch in flight
+        # Off the trainer's path: the next update may start at once; generation installs the
+        # version when it has arrived (and then interrupts the batch in flight).
+        self.publisher.offer(self.actor.params, self.version)
         self.events += [(f"gen {done.index}", *done.seconds),
                         (f"train {done.index}", t_start - self.clock_zero,
                          t_end - self.clock_zero)]
         return self.pace.update(done, result, skipped, self.version - 1,
                                 self.worker.busy_seconds, self.trainer.busy_seconds)
+
+    def _install(self, published) -> None:
+        if published is not None:
+            self.worker.install(*published)
 
     def stop_now(self, stop: StopRequest) -> bool:
         """Stops at once: the generated-but-untrained batches are dropped and the prompts
@@ -216,6 +232,7 @@ class LocalSource:
 
     def close(self, interrupted: bool) -> dict:
         self.trainer.close()
+        self.publisher.close()
         if self.events and jax.process_index() == 0:
             spec = self.job.spec
             train = [m for m in spec.graph.calls_of(Role.ACTOR)
@@ -224,7 +241,8 @@ class LocalSource:
                      "train": self.job.plan.specs[train.name]}
             draw_async_timeline(self.events, str(self.job.workdir / "timeline_async.png"),
                                 specs)
-        return {**self.pace.summary(), "weights_published_bytes": self.worker.published_bytes}
+        return {**self.pace.summary(), "weights_published_bytes": self.worker.published_bytes,
+                "weights_superseded": self.publisher.superseded}
 
 
 def _rewind(prompts, ready: dict, inflight) -> None:

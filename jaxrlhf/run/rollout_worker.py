@@ -136,23 +136,33 @@ class RolloutWorker:
         self.busy_seconds = 0.0
         self.published_bytes = 0
         self._tracker = delta.Tracker() if weight_sync is WeightSync.DELTA else None
+        self._sent = None  # the last transfer's copy (what a delta is against)
 
     def install(self, params, version: int) -> None:
         """Weights already on this layout (a multi-process replica receives them itself)."""
         self.params, self.version = params, version
 
     def publish(self, params, version: int) -> None:
-        """New weights for generation: a copy of the trainer's parameters on this layout in
-        buffers of their own (the trainer's next update donates its own)."""
+        """New weights for generation, copied before this returns (`transfer`, then
+        `install`); the asynchronous loop publishes off the trainer's path instead
+        (`run/publisher.py`)."""
+        self.install(self.transfer(params), version)
+
+    def transfer(self, params):
+        """Generation's copy of the trainer's parameters: on this layout, in buffers of their
+        own (the trainer's next update donates its own); with `weight_sync=delta`, the tensors
+        that changed since the last transfer, the others kept from it. One caller at a time
+        (the publisher's thread), in version order; `install` hands the copy to decoding."""
         if self._tracker is None:
             moved, stats = reshard(params, self._shardings)
         else:
-            moved, stats = delta.apply(params, self.params, self._shardings,
+            moved, stats = delta.apply(params, self._sent, self._shardings,
                                        self._tracker.changed(params))
-        self.params = jax.tree.map(lambda new, old: jnp.copy(new) if new is old else new, moved,
-                                   params)
-        self.version = version
+        moved = jax.tree.map(lambda new, old: jnp.copy(new) if new is old else new, moved,
+                             params)
+        self._sent = moved
         self.published_bytes += stats.bytes_moved
+        return moved
 
     @property
     def busy(self) -> bool:
