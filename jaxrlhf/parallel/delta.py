@@ -12,6 +12,14 @@ base weights are frozen and only the adapters move. A full fine-tune with Adam c
 tensor at every step (Adam's update is nonzero wherever a moment is, and weight decay moves
 every weight), so it saves nothing but costs the comparison and the trainer's extra copy;
 `full` (the default) keeps neither.
+
+The granularity stays the tensor: blocks of one would not save more on real runs
+(`benchmarks/delta_blocks.py`, grpo_tiny and ppo_tiny, fp32 and bf16). Adam moves every
+element whose gradient was ever nonzero, by about the learning rate however small the gradient
+(it divides by the gradient's own scale), so the only elements that stay are the embedding
+rows of tokens the run never saw (about 259 of the byte vocabulary's 272 on the digit task)
+and, in bf16, updates under half an ulp. 1 MiB blocks saved 0.0% (fp32) to 0.2% (bf16) of the
+bytes, as tensors do; 4 KiB blocks 7-10%, nearly all of it those unseen embedding rows.
 """
 
 from __future__ import annotations
