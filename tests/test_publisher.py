@@ -95,7 +95,7 @@ def test_generation_gets_a_blocking_publishs_weights_bit_for_bit(sync):
     params = init_params(config, train, jax.random.key(0))
     blocking.publish(params, 0)
     published.publish(params, 0)
-    publisher = Publisher(published.transfer, timeout_s=120)
+    publisher = Publisher(lambda snapshot: published.transfer(snapshot, owned=True), 120)
     leaves, treedef = jax.tree.flatten(params)
     rng = np.random.default_rng(0)
     for version in range(1, 7):
@@ -136,7 +136,7 @@ def test_the_trainers_next_update_starts_before_the_version_published_arrives(tm
             return train(buffer)
         return submit(self, traced, done)
 
-    def gated_transfer(self, params):
+    def gated_transfer(self, params, owned=False):
         """A publish after update k arrives only once update k + 1 has started (unless the run
         ends): with a blocking publish the update could never start, and this times out."""
         if threading.current_thread().name == "jaxrlhf-publish":
@@ -145,7 +145,7 @@ def test_the_trainers_next_update_starts_before_the_version_published_arrives(tm
                 if started < STEPS:
                     cond.wait_for(lambda: sum(w == "train" for w, _ in log) > started, 60)
                 log.append(("sent", started))
-        return transfer(self, params)
+        return transfer(self, params, owned)
 
     monkeypatch.setattr(async_loop._Trainer, "submit", traced_submit)
     monkeypatch.setattr(RolloutWorker, "transfer", gated_transfer)

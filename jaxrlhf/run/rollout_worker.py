@@ -148,18 +148,22 @@ class RolloutWorker:
         (`run/publisher.py`)."""
         self.install(self.transfer(params), version)
 
-    def transfer(self, params):
+    def transfer(self, params, owned: bool = False):
         """Generation's copy of the trainer's parameters: on this layout, in buffers of their
         own (the trainer's next update donates its own); with `weight_sync=delta`, the tensors
         that changed since the last transfer, the others kept from it. One caller at a time
-        (the publisher's thread), in version order; `install` hands the copy to decoding."""
+        (the publisher's thread), in version order; `install` hands the copy to decoding.
+        `owned`: `params` is a copy nobody donates (the publisher's snapshot), so a leaf
+        already on this layout is kept as it is: a copy made now would queue behind the
+        trainer's next update on devices they share."""
         if self._tracker is None:
             moved, stats = reshard(params, self._shardings)
         else:
             moved, stats = delta.apply(params, self._sent, self._shardings,
                                        self._tracker.changed(params))
-        moved = jax.tree.map(lambda new, old: jnp.copy(new) if new is old else new, moved,
-                             params)
+        if not owned:
+            moved = jax.tree.map(lambda new, old: jnp.copy(new) if new is old else new, moved,
+                                 params)
         self._sent = moved
         self.published_bytes += stats.bytes_moved
         return moved
