@@ -15,9 +15,10 @@ from tests.processes import run_processes
 PAIRS = [("0-7:f8", "0-3:t4"), ("0-1:t2", "0-7:t2f4"), ("0-7:t2f4", "0-7:d8"),
          ("4-7:d2t2", "0-3:t4")]
 SHAPES = {"embedding": (16, 8), "q_kernel": (2, 8, 4, 2), "down_kernel": (2, 16, 8),
-          "norm": (8,)}
+          "norm": (8,), "up_kernel": (4, 512, 512)}  # up_kernel: pieces of 1 MiB and more
 AXES = {"embedding": ("vocab", "embed"), "q_kernel": ("layers", "embed", "heads", "head_dim"),
-        "down_kernel": ("layers", "mlp", "embed"), "norm": ("embed",)}
+        "down_kernel": ("layers", "mlp", "embed"), "norm": ("embed",),
+        "up_kernel": ("layers", "embed", "mlp")}
 
 
 def _values():
@@ -89,12 +90,15 @@ def _two_process_worker(address: str, process_id: int) -> None:
     from jaxrlhf.parallel.reshard import CrossPath, cross_process_path, reshard
 
     values = _values()
+    kinds = set()  # packed buckets, pieces as they are
     for case in CASES:
         src_spec, dst_spec = case.split(">")
         src = _shardings(src_spec, jax.devices())
         dst = _shardings(dst_spec, jax.devices())
         xs = _placed(values, src)
         need = sum(shard_transfer.need_bytes(src[n], dst[n], SHAPES[n], 4) for n in SHAPES)
+        plans = [shard_transfer.plan(src[n], dst[n], SHAPES[n], 4) for n in SHAPES]
+        kinds |= {b.packed for b in shard_transfer.buckets(plans, shard_transfer.BUCKET_BYTES)}
         wire = {}
         for path in CrossPath:
             with cross_process_path(path):
@@ -107,6 +111,7 @@ def _two_process_worker(address: str, process_id: int) -> None:
         assert wire[CrossPath.SHARDS] == need > 0, (case, wire, need)
         assert wire[CrossPath.STAGED] >= need, (case, wire, need)
         print(case, wire[CrossPath.STAGED], wire[CrossPath.SHARDS], need, flush=True)
+    assert kinds == {True, False}, kinds
     print("shards-ok", flush=True)
     _corrupt_in_transit()
 
@@ -238,7 +243,7 @@ def test_checksum_of_a_mask_sees_every_element():
 
 def test_two_processes_receive_exactly_what_they_lack(two_processes):
     """2 real processes: each case's generator layout receives the
-    trainer's values bit for bit by both paths, shard to shard with bytes on the wire equal to
+    trainer's values bit for bit by both paths (buckets packed and pieces sent as they are), shard to shard with bytes on the wire equal to
     the need (`need_bytes`, computed element by element), the staged hop with at least as many
     (twice as many for f4 -> d2, whose replica is built on the sender and crosses whole)."""
     results = two_processes

@@ -29,20 +29,26 @@ Buckets (`buckets`): the crossing pieces of one (source device, destination devi
 travel in buckets, all of a pair's in one `device_put` with the pair's checksums last, pairs
 in the order they first occur: JAX pairs a sender with its receiver by a per-process
 transfer-key counter, and a batched `device_put` of several pairs takes its keys in an order
-that differs between processes (`reshard._send`). A bucket is either consecutive pieces of the
-pair packed back to back into one flat uint8 array of at most `BUCKET_BYTES` by one program on
-the sender (which also cuts them out of its shards and sums them), or a piece that is its
-sender's whole shard of at least `_ALONE` bytes, sent as it is (packing would copy it for
-nothing). Every bucket is in flight at once; the receiver pastes each destination box from its
+that differs between processes (`reshard._send`), and every process issues every transfer,
+its own or not (JAX counts them on each: skipping another pair's hung 3 processes). A bucket
+is either consecutive pieces of the pair smaller than `_ALONE`, packed back to back into one
+flat uint8 array of at most `BUCKET_BYTES` by one program on the sender (which also cuts them
+out of its shards and sums them), or one piece of at least `_ALONE` bytes, sent as it is
+(packed, it would cost a copy on each side). Every bucket is in flight at once; the receiver pastes each destination box from its
 buckets (one program per box) while the rest arrive. The hop is synchronous, as the staged one
 was: the receivers wait for their buckets, then every process meets at a barrier.
 
-Where the time goes (qwen3-0.6b f4 -> d2 across 2 processes on this 2-core machine, the run
-stack's malloc: `benchmarks/weight_sync.py`): JAX's cross-process `device_put` of the same
-bytes in one array reaches only about half of a raw socket's GB/s (its own transport is the
-ceiling here); the sync adds the receiver's paste and replica copy of every byte, so it runs
-at about 0.7 of that transport. Packing whole shards would add a copy on the sender, hence
-`_ALONE`; the buckets pay off where pieces are small or sliced anyway.
+Where the time goes (qwen3-0.6b f4 -> d2 across 2 processes on this machine's 2 loaded
+cores, the run stack's malloc: `benchmarks/weight_sync.py --keep_freed`): JAX's own
+cross-process `device_put` of the same bytes as one flat array reaches only 0.4-0.55 of a raw
+loopback socket's GB/s, so its transport, not the pieces, is the ceiling here. The sync adds
+on the receiver a paste of every byte into its box and, for a replicated box, a copy to each
+other device; on the sender the checksums; it runs at 0.5-0.75 of that transport, with or
+without buckets: the pieces of a model's tensors are megabytes and travel as they are (packing
+them into 64 MiB buckets cost d2t2 -> t4 a fifth more: a copy on each side). The buckets pay
+off for the many small pieces of norms, biases and small models: one transfer, one program
+and one checksum per bucket instead of per piece. Under glibc's default malloc every fresh buffer is paged in anew on each
+sync, and that, not the transport, dominates (7-11 s for the same move).
 
 Checksums: every bucket travels with a checksum its sender computes on its device (a position-
 weighted sum of its words, `checksum`, `flat_checksum`: any one changed word changes it), and
@@ -71,7 +77,7 @@ Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension, global coordin
 # bucket kept.
 InTransit = Callable[[tuple[str, ...], int, jax.Array], jax.Array]
 BUCKET_BYTES = 64 << 20  # the most one packed bucket carries (`buckets`)
-_ALONE = 1 << 20  # a whole shard this big travels as it is (`buckets`)
+_ALONE = 1 << 20  # a piece this big travels as it is (`buckets`)
 RESENDS = 2  # times a corrupt bucket is sent again before the move gives up
 _WORD = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint32"}  # unsigned words of an element
 
@@ -224,7 +230,7 @@ class Bucket:
       src, dst: the pair.
       items: (array index, piece index) of each piece, in order.
       packed: True: the pieces' bytes back to back in one flat uint8 array (`_packer`);
-        False: one piece that is its sender's whole shard, sent as it is (no copy).
+        False: one piece, sent as it is (its sender's shard or a slice of it).
       nbytes: the bytes it carries.
     """
 
@@ -237,9 +243,11 @@ class Bucket:
 
 def buckets(plans: list[Plan], bucket_bytes: int) -> list[Bucket]:
     """Every crossing piece in a bucket, pair by pair in the order the pairs first occur (every
-    process computes the same list). Within a pair, consecutive pieces fill a bucket up to
-    `bucket_bytes` (a bigger piece travels alone); a piece that is its sender's whole shard
-    and at least `_ALONE` bytes travels as it is: packing it would copy it for nothing."""
+    process computes the same list). Within a pair, consecutive pieces smaller than `_ALONE`
+    fill a bucket up to `bucket_bytes`; a piece of at least `_ALONE` bytes travels as it is,
+    in its own shape: packed, it would cost a copy on the sender where it is a whole shard and
+    one on the receiver where it is a whole destination box, for a transfer overhead that is
+    small beside its bytes."""
     pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for i, p in enumerate(plans):
         for j, piece in enumerate(p.pieces):
@@ -253,7 +261,7 @@ def buckets(plans: list[Plan], bucket_bytes: int) -> list[Bucket]:
         for i, j in items:
             piece = plans[i].pieces[j]
             nbytes = _size(piece.box) * plans[i].itemsize
-            if piece.box == piece.src_box and nbytes >= _ALONE:
+            if nbytes >= _ALONE:
                 out.append(Bucket(first.src, first.dst, ((i, j),), False, nbytes))
                 continue
             if run and size + nbytes > bucket_bytes:
@@ -363,6 +371,7 @@ class _Transfer:
         self.xs, self.plans, self.buckets = xs, plans, bs
         self.me = jax.process_index()
         self.payloads: dict[int, tuple[jax.Array, jax.Array]] = {}  # sender: (data, checksum)
+        self.made: list[int] = []  # sender: the payloads that are copies (not its own shards)
         self.received: dict[int, jax.Array] = {}  # receiver: data by bucket
         # receiver: (the pair's sender checksums, this bucket's position in them, its own)
         self.sums: dict[int, tuple[jax.Array, int, jax.Array]] = {}
@@ -372,8 +381,11 @@ class _Transfer:
             bucket = self.buckets[b]
             if not bucket.packed:
                 (i, j), = bucket.items
-                data = _shard(self.xs[i], bucket.src)
+                piece = self.plans[i].pieces[j]
+                data = _slice(_shard(self.xs[i], bucket.src), piece)
                 self.payloads[b] = data, checksum(data)
+                if piece.box != piece.src_box:
+                    self.made.append(b)
             else:
                 arrays = list(dict.fromkeys(i for i, _ in bucket.items))
                 cuts = tuple((arrays.index(i), _within(self.plans[i].pieces[j].box,
@@ -382,6 +394,7 @@ class _Transfer:
                 cuts = tuple((k, tuple((s.start, s.stop) for s in box)) for k, box in cuts)
                 self.payloads[b] = _packer(cuts)(*[_shard(self.xs[i], bucket.src)
                                                    for i in arrays])
+                self.made.append(b)
         return self.payloads[b]
 
     def _placeholder(self, b: int) -> jax.Array:
@@ -432,10 +445,9 @@ class _Transfer:
         return tuple(dict.fromkeys(names[i] for i, _ in self.buckets[b].items))
 
     def drop(self) -> None:
-        """Deletes the sender's packed buckets (its whole shards stay: they are the source)."""
-        for b, (data, _) in self.payloads.items():
-            if self.buckets[b].packed:
-                data.delete()
+        """Deletes what the sender made to send (its whole shards stay: they are the source)."""
+        for b in self.made:
+            self.payloads[b][0].delete()
 
 
 @jax.jit
