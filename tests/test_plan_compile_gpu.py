@@ -14,10 +14,13 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxrlhf.calibration import aot, targets
 from jaxrlhf.configs import grpo_tiny
+from jaxrlhf.models.grouped_experts import grouped_matmul
 from jaxrlhf.plan.cluster import load_cluster
 from jaxrlhf.run.layouts import execution_plan
 from jaxrlhf.spec import run_spec
@@ -162,3 +165,22 @@ def test_hbm_figures_of_the_descriptions_are_the_cluster_files():
         cluster = load_cluster(f"meshes/{name}.py")
         text = targets.target_config_path(cluster).read_text()
         assert f"device_memory_size: {cluster.hbm_bytes}" in text, name
+
+
+def test_grouped_experts_compile_for_gpu_without_a_dense_product(h100):
+    """XLA:GPU expands `ragged_dot` into a product over every expert ([65,536, 2,048] rows
+    times [128, 2,048, 384] bf16 experts held 32 GiB of temporaries; Qwen3-30B-A3B's log-probs
+    on f4t2 of 8 H100s 1,566 GiB a GPU), so on a GPU the experts' grouped matmul takes the
+    blocked form, whose temporaries are its rows padded to blocks and each block's expert
+    weight: here 64 experts, whose dense product would hold all 64 experts' copy of the rows
+    (512 MiB, as XLA:GPU's `ragged_dot` held), the blocked form 53 MiB."""
+    _, (device,) = h100
+    rows, d_in, d_out, experts = 8192, 512, 128, 64
+    on_gpu = jax.sharding.SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=on_gpu) for shape, dtype in [
+        ((rows, d_in), jnp.bfloat16), ((experts, d_in, d_out), jnp.bfloat16),
+        ((experts,), jnp.int32)]]
+    with jax.set_mesh(jax.sharding.Mesh([device], ("data",))):
+        compiled = jax.jit(grouped_matmul).lower(*args).compile()
+    dense = experts * rows * d_in * 2  # every expert's [rows, d_in] in bf16
+    assert compiled.memory_analysis().temp_size_in_bytes < dense / 8
