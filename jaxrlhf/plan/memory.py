@@ -360,12 +360,25 @@ def _mlp_bytes(p: ModelProfile, tensor: int, widths: int, rows: int, router: int
     width = m.expert_intermediate_size / p.expert_tensor_ways(tensor)
     buffers = 3 if expert > 1 else 0
     matmuls = expert * m.top_k * a * (widths * width + rows * c.hidden_size)
-    if exchange_apart and expert > 1:
-        held = max(matmuls, m.top_k * a * (2 * expert + 1) * c.hidden_size)
+    if exchange_apart:
+        held = max(matmuls, _expert_order_bytes(p, expert))
+        if expert > 1:
+            held = max(held, m.top_k * a * (2 * expert + 1) * c.hidden_size)
     else:
         held = matmuls + expert * m.top_k * a * buffers * c.hidden_size
     sparse = held + router * 4 * m.num_experts
     return max(sparse, dense) if m.mixed else sparse
+
+
+def _expert_order_bytes(p: ModelProfile, expert: int) -> float:
+    """Bytes per token while a sparse block puts its e·T·k rows at model width into expert
+    order or back (a forward pass that keeps nothing, `_mlp_bytes`): the rows and their
+    permuted copy. XLA holds both at `jnp.take`'s gather and the select that fills its
+    out-of-range rows (`grouped_experts.experts_swiglu`), and at the scatter of the experts'
+    outputs back to token order. Where t cuts each expert's width F (D > 3·F/t), this phase
+    and not the grouped matmuls is the block's peak: Qwen3-30B-A3B's inference on f16t2 of a
+    v5p-64, two [T·k, D] arrays of 3 GiB in XLA's buffer assignment."""
+    return 2 * expert * p.config.moe.top_k * p.act_itemsize * p.config.hidden_size
 
 
 def _logit_bytes(p: ModelProfile, tokens: int, tensor: int, copies: int) -> float:
@@ -398,7 +411,8 @@ def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float
     A layer's weight matrix is copied out of the scanned layer stack (`scanned`: XLA
     materialises the dynamic slice) or all-gathered over fsdp just before its matmul and freed
     after it, so at the peak one matrix is live: the largest, an MLP projection (and its cast
-    to the compute dtype); in a sparse block, one projection of all its experts [E, D, F].
+    to the compute dtype); in a sparse block, one projection of all its experts [E, D, F]
+    (or all three, `_projections_gathered`).
     With fsdp the LM head's table is gathered too, early, and held through the layers.
     """
     c = p.config
@@ -406,6 +420,7 @@ def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float
     if c.moe is not None:  # a sparse block's projection holds all E experts [E, D, F]
         experts = c.moe.num_experts * c.hidden_size * c.moe.expert_intermediate_size
         experts //= p.expert_tensor_ways(choice.tensor) * choice.expert
+        experts *= _projections_gathered(p, choice)
         matrix = max(matrix, experts) if c.moe.mixed else experts
     live = matrix * p.param_itemsize if (scanned or choice.fsdp > 1) else 0
     cast = matrix * p.act_itemsize if p.act_itemsize != p.param_itemsize else 0
@@ -413,6 +428,16 @@ def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float
     if choice.fsdp > 1 and c.head is HeadKind.LM:
         head = c.hidden_size * _sharded(p.out_dim, choice.tensor) * p.param_itemsize
     return live + cast + head
+
+
+def _projections_gathered(p: ModelProfile, choice: CallChoice) -> int:
+    """How many of a sparse block's three expert projections are gathered at once: all three
+    where fsdp cuts their embed dim and e or t runs the block in its shard_map, whose inputs
+    take that dim whole (`models.expert_parallel.expert_swiglu`), so gate, up and down are
+    gathered before it runs (Qwen3-30B-A3B's inference on f16t2 of a v5p-64: three
+    [128, 2048, 384] bf16 slices, 604 MB in XLA's buffer assignment); else one at a time."""
+    in_shard_map = choice.expert > 1 or p.expert_tensor_ways(choice.tensor) > 1
+    return 3 if choice.fsdp > 1 and in_shard_map else 1
 
 
 def stage_weight_copy_bytes(p: ModelProfile, call: Call, choice: CallChoice, cpu: bool) -> int:
