@@ -2,7 +2,8 @@
 
 `python benchmarks/weight_sync.py [--sizes=tiny,bench,llama-3.2-1b] [--processes=2]
 [--cases=0-3:f4>4-5:d2,0-3:d2t2>4-7:t4,0-1:p2>4-7:d4] [--paths=staged,shards,overlap]
-[--rounds=3] [--dtype=bfloat16] [--chunk_mb=256] [--transfer_size=0]`, or `--predict`: the
+[--rounds=3] [--dtype=bfloat16] [--chunk_mb=256] [--transfer_size=0] [--keep_freed]
+[--before=CHECKOUT]`, or `--predict`: the
 planner's price of a full sync for three models on two clusters (`PREDICTIONS`)
 (from the repository root or anywhere else; no PYTHONPATH needed)
 
@@ -18,7 +19,12 @@ groups) and, per model size and case (`TRAIN>GEN` strategy strings), alternates 
     destination's layout built on the sender, then whole meshes cross; the path before issue
     48) or shard to shard (`parallel/shard_transfer.py`); `overlap`: shard to shard, received
     by `run/weight_receiver.py` on a thread while the generator's main thread decodes (a
-    forward of the model on one token of 4 rows per step) with the previous copy.
+    forward of the model on one token of 4 rows per step) with the previous copy; `before`:
+    shard to shard through `--before`'s parallel/shard_transfer.py (a worktree of an earlier
+    commit: `git worktree add /tmp/before <commit>`), for a before/after in one run;
+  * `transport`: JAX's own cross-process `device_put` of the same bytes as one flat array,
+    one per pair of processes (no slicing, pasting or checksums): the ceiling of any path
+    through JAX's transport, against which the wire says what that transport itself costs.
 
 Per row (one JSON line each, then a plain table): bytes that crossed processes (`wire_bytes`,
 counted by reshard) against the least any move needs (`need_bytes`: every destination
@@ -41,7 +47,9 @@ Timings on this machine are disturbed by other jobs: compare only figures of one
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
+import functools
 import json
 import math
 import os
@@ -72,12 +80,22 @@ def _args(argv=None):
                         help="jax_cross_host_transfer_transfer_size (0: JAX's default)")
     parser.add_argument("--chunk_mb", type=int, default=256,
                         help="reshard's chunk_bytes in MiB (bytes in flight between waits)")
+    parser.add_argument("--before", default="",
+                        help="a checkout (e.g. a git worktree of an earlier commit) whose "
+                             "parallel/shard_transfer.py the `before` path runs")
+    parser.add_argument("--keep_freed", action="store_true",
+                        help="the run stack's malloc (backend.keep_freed_host_memory): freed "
+                             "buffers are reused, not paged in anew, as in a run; each process "
+                             "holds the peak of every path (p2>d4 at qwen3-0.6b: over 12 GB)")
     parser.add_argument("--timeout", type=float, default=580.0)
     parser.add_argument("--predict", action="store_true",
                         help="print the planner's predicted sync per version (PREDICTIONS) only")
     parser.add_argument("--worker", nargs=2, metavar=("ADDRESS", "PROCESS_ID"), default=None)
     parser.add_argument("--out", default="")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if "before" in args.paths.split(",") and not args.before:
+        parser.error("--paths: the before path needs --before=CHECKOUT")
+    return args
 
 
 # --- the wire: a plain socket between the same two processes -----------------------------------
@@ -167,7 +185,71 @@ class Mode(enum.Enum):
 
     STAGED = "staged"  # the staged cross-process hop, the generator paused throughout
     SHARDS = "shards"  # shard to shard, the generator paused throughout
+    BEFORE = "before"  # shard to shard through `--before`'s parallel/shard_transfer.py
+    TRANSPORT = "transport"  # JAX's cross-process device_put alone (`_transport`)
     OVERLAP = "overlap"  # shard to shard, received on a thread while the generator decodes
+
+
+def _transport_payload(need: int):
+    """What `_transport` sends: `need / (processes / 2)` bytes in one flat uint8 array on the
+    first device of each trainer process; a generator process's placeholder for its partner's."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    me, half = jax.process_index(), jax.process_count() // 2
+    nbytes = need // half
+    if me < half:
+        return jax.device_put(jnp.ones((nbytes,), jnp.uint8), jax.local_devices()[0])
+    partner = [d for d in jax.devices() if d.process_index == me - half][0]
+    return jax.make_array_from_single_device_arrays(
+        (nbytes,), SingleDeviceSharding(partner), [], dtype=jnp.uint8)
+
+
+def _transport(chan, key: str, payload) -> tuple[object, int]:
+    """The ceiling of any path through JAX's transport: one single-device cross-process
+    `device_put` of `payload` from each trainer process to its generator process (trainer
+    process i to P/2 + i, the pairs at once), then the sync's barrier; (received, bytes)."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    me, half = jax.process_index(), jax.process_count() // 2
+    receiver = (me + half) if me < half else me
+    target = [d for d in jax.devices() if d.process_index == receiver][0]
+    (moved,) = jax.device_put([payload], [SingleDeviceSharding(target)], may_alias=False)
+    jax.block_until_ready(moved)
+    _barrier(chan, key)
+    return (moved if me >= half else None), payload.size * half
+
+
+@functools.cache
+def _module_of(checkout: str):
+    """`checkout`'s parallel/shard_transfer.py as a module of its own (loaded once: its
+    programs compile once)."""
+    import importlib.util
+
+    path = pathlib.Path(checkout) / "jaxrlhf/parallel/shard_transfer.py"
+    spec = importlib.util.spec_from_file_location("shard_transfer_before", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _shard_transfer_of(checkout: str):
+    """`reshard`'s shard-to-shard hop through `checkout`'s parallel/shard_transfer.py (the same
+    `move(xs, dsts, wait, names)`), for a before/after comparison in one run."""
+    import importlib
+
+    reshard_module = importlib.import_module("jaxrlhf.parallel.reshard")
+    before = _module_of(checkout)
+    current = reshard_module.shard_transfer
+    reshard_module.shard_transfer = before
+    try:
+        yield
+    finally:
+        reshard_module.shard_transfer = current
 
 
 def _decoder(model, gen_layout):
@@ -253,6 +335,7 @@ def _case(chan, args, size: str, case: str, rounds: int) -> list[dict]:
     fits = second_copy_fits(gen_layout.devices, per_device)
     step = _decoder(model, gen_layout) if Mode.OVERLAP in modes and me >= half else None
     current = None  # the generator's weights (decoded with while the next ones arrive)
+    payload = _transport_payload(need) if Mode.TRANSPORT in modes else None
     for r in range(rounds + 1):  # round 0 compiles and checks; not timed
         # the wire, between the same pairs of processes, with the bytes each pair carries
         key = f"wire/{size}/{case}/{r}"
@@ -265,11 +348,17 @@ def _case(chan, args, size: str, case: str, rounds: int) -> list[dict]:
         for mode in modes:
             _barrier(chan, f"{key}/{mode.value}")
             path = CrossPath.STAGED if mode is Mode.STAGED else CrossPath.SHARDS
-            with cross_process_path(path):
+            before = _shard_transfer_of(args.before) if mode is Mode.BEFORE else (
+                contextlib.nullcontext())
+            with cross_process_path(path), before:
                 receive = lambda: reshard(params, gen,  # noqa: E731
                                           chunk_bytes=args.chunk_mb << 20)
                 start = time.perf_counter()
-                if mode is Mode.OVERLAP and me >= half and current is not None:
+                if mode is Mode.TRANSPORT:
+                    moved, wire_bytes[mode] = _transport(chan, f"{key}/sent", payload)
+                    seconds = time.perf_counter() - start
+                    pause, steps = seconds, 0
+                elif mode is Mode.OVERLAP and me >= half and current is not None:
                     receiver = WeightReceiver(lambda v: receive(), overlap=fits)
                     pause, seconds, steps, (moved, stats) = _decode_through(step, current,
                                                                             receiver)
@@ -277,14 +366,16 @@ def _case(chan, args, size: str, case: str, rounds: int) -> list[dict]:
                     moved, stats = receive()
                     seconds = time.perf_counter() - start
                     pause, steps = seconds, 0
-            wire_bytes[mode] = stats.wire_bytes
-            if r == 0 and me >= half:
-                _check(moved, dtype)
-            elif r > 0:
+            if mode is not Mode.TRANSPORT:
+                wire_bytes[mode] = stats.wire_bytes
+                if r == 0 and me >= half:
+                    _check(moved, dtype)
+                # kept only to decode with (each kept copy is the generator's whole share)
+                current = moved if me >= half and Mode.OVERLAP in modes else None
+            if r > 0:
                 times[mode].append(seconds)
                 pauses[mode].append(pause)
                 decoded[mode].append(steps)
-            current = moved if me >= half else None
             del moved
     rows = []
     wire_s = statistics.median(wire_times) if wire_times else None
@@ -405,10 +496,12 @@ def main(argv=None) -> None:
 
     out = pathlib.Path(f"/tmp/weight_sync_{os.getpid()}.json")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    # glibc's default malloc: memory freed between the paths goes back (the run stack's
-    # keep-freed setting would hold every path's peak at once; `backend.keep_freed_host_memory`).
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-               GLIBC_TUNABLES=env.get("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=33554432"))
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    if not args.keep_freed:
+        # glibc's default malloc: memory freed between the paths goes back (the run stack's
+        # keep-freed setting would hold every path's peak at once), but every buffer bigger
+        # than 128 KiB is then a fresh mmap, paged in anew on each sync.
+        env["GLIBC_TUNABLES"] = env.get("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=33554432")
     with reserve_port() as sock:
         address = f"127.0.0.1:{sock.getsockname()[1]}"
         extra = [a for a in (argv or sys.argv[1:]) if not a.startswith("--out")]
