@@ -40,15 +40,17 @@ was: the receivers wait for their buckets, then every process meets at a barrier
 
 Where the time goes (qwen3-0.6b f4 -> d2 across 2 processes on this machine's 2 loaded
 cores, the run stack's malloc: `benchmarks/weight_sync.py --keep_freed`): JAX's own
-cross-process `device_put` of the same bytes as one flat array reaches only 0.4-0.55 of a raw
-loopback socket's GB/s, so its transport, not the pieces, is the ceiling here. The sync adds
-on the receiver a paste of every byte into its box and, for a replicated box, a copy to each
-other device; on the sender the checksums; it runs at 0.5-0.75 of that transport, with or
-without buckets: the pieces of a model's tensors are megabytes and travel as they are (packing
+cross-process `device_put` of the same bytes as one flat array reaches only 0.30-0.55 of a
+raw loopback socket's GB/s, so its transport, not the pieces, is the ceiling here. The sync
+adds on the receiver a paste of every byte into its box and, for a replicated box, a copy to
+each other device; on the sender the checksums; it runs at 0.75 of that transport (f4 -> d2;
+d2t2 -> t4, four device pairs in flight, beats the one array's 1.1 times), with or without
+buckets: the pieces of a model's tensors are megabytes and travel as they are (packing
 them into 64 MiB buckets cost d2t2 -> t4 a fifth more: a copy on each side). The buckets pay
 off for the many small pieces of norms, biases and small models: one transfer, one program
-and one checksum per bucket instead of per piece. Under glibc's default malloc every fresh buffer is paged in anew on each
-sync, and that, not the transport, dominates (7-11 s for the same move).
+and one checksum per bucket instead of per piece. Under glibc's default malloc every fresh
+buffer is paged in anew on each sync, and that, not the transport, dominates (7-11 s for the
+same move).
 
 Checksums: every bucket travels with a checksum its sender computes on its device (a position-
 weighted sum of its words, `checksum`, `flat_checksum`: any one changed word changes it), and
