@@ -34,9 +34,10 @@ its own or not (JAX counts them on each: skipping another pair's hung 3 processe
 is either consecutive pieces of the pair smaller than `_ALONE`, packed back to back into one
 flat uint8 array of at most `BUCKET_BYTES` by one program on the sender (which also cuts them
 out of its shards and sums them), or one piece of at least `_ALONE` bytes, sent as it is
-(packed, it would cost a copy on each side). Every bucket is in flight at once; the receiver pastes each destination box from its
-buckets (one program per box) while the rest arrive. The hop is synchronous, as the staged one
-was: the receivers wait for their buckets, then every process meets at a barrier.
+(packed, it would cost a copy on each side). Every bucket is in flight at once; the receiver
+pastes each destination box from its buckets (one program per box) while the rest arrive.
+The hop is synchronous, as the staged one was: the receivers wait for their buckets, then
+every process meets at a barrier.
 
 Where the time goes (qwen3-0.6b f4 -> d2 across 2 processes on this machine's 2 loaded
 cores, the run stack's malloc: `benchmarks/weight_sync.py --keep_freed`): JAX's own
