@@ -440,6 +440,24 @@ def _projections_gathered(p: ModelProfile, choice: CallChoice) -> int:
     return 3 if choice.fsdp > 1 and in_shard_map else 1
 
 
+def _decode_expert_copy_bytes(p: ModelProfile, choice: CallChoice, platform: Platform,
+                              by_layer: bool) -> int:
+    """The copy of the experts' gate and up stacks a TPU decode loop over the scanned layers
+    holds, where t leaves each expert's width F/t off the 128 lanes: XLA lays those parameters
+    out with their embed dim minor (no lane padding) and the grouped matmul reads them F/t
+    minor, so it copies both stacks whole into that layout, F/t padded to 128, before the token
+    loop (Qwen3-30B-A3B's generation on d4e2t4 of a v5p-64: two [48, 64, 2048, 192] stacks of
+    3 GiB; none at F/t = 768, d8e4)."""
+    m = p.config.moe
+    if m is None or platform is not Platform.TPU or by_layer:
+        return 0
+    width = m.expert_intermediate_size // p.expert_tensor_ways(choice.tensor)
+    if width % 128 == 0:
+        return 0
+    gate_up = 2 * p.expert_shard_bytes(choice.tensor, choice.fsdp, 1, choice.expert) // 3
+    return gate_up * (-(-width // 128) * 128) // width
+
+
 def stage_weight_copy_bytes(p: ModelProfile, call: Call, choice: CallChoice, cpu: bool) -> int:
     """The copy of a stage's layer weights (and, training, of their gradients) a pipelined
     call holds on XLA:CPU.
@@ -584,7 +602,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                         _logit_bytes(p, prompts, t, 1)) + tokens * kv_per_token
                     + _gathered_bytes(p, choice, scanned=True))
             advance = (forward_peak_bytes(p, rows, span(s), t, e) + _logit_bytes(p, rows, t, 2)
-                       + gathered)
+                       + gathered + _decode_expert_copy_bytes(p, choice, platform, by_layer))
             # The slots' cache: a sliding layer's holds its window alone in the layer-by-layer
             # state, and in the stacked one where every layer slides (Mistral) or the layers
             # differ (Gemma 3: its sliding layers' stack apart, `models.mixed_cache`); only a
