@@ -456,10 +456,12 @@ def test_a_mixture_of_experts_compiles_for_tpu_expert_parallel(v5p_8):
 # inference e2f16 10.37 against 12.15 (-14.6%) and d4e4f2 22.59 against 24.16 (-6.5%), where
 # XLA's heap peaks at an exchange: T*k rows in expert order beside the send and receive
 # buffers (`memory._mlp_bytes`). The train steps, the searched d4e2f4@2 among them, are strict
-# xfails that fail once fixed: XLA's memory_analysis puts them over the limit, yet the buffer
-# assignment XLA dumps (`peaks.compile_options`) totals 70.99 GiB for d4e8@4 (24.05 of
-# arguments, a 46.93 GiB heap) and 69.18 for d4e2f4@2: its temporaries exceed that heap by
-# about the donated train state (23.9 and 19.4 GiB), which the model does not hold twice.
+# xfails that fail once fixed: XLA's memory_analysis puts them over the limit. The live-range
+# dump's peak breakdown (`peaks`) totals less (70.99 GiB for d4e8@4, 69.18 for d4e2f4@2), but
+# it is the values live at one point, not the heap: the preallocated temporary buffer in XLA's
+# buffer assignment is memory_analysis's figure (a 2-layer, 16-expert train step on f2t2@2 of
+# a v5p-8: 29.47 GiB allocated, 30.82 by memory_analysis, 11.31 live in the breakdown), and
+# libtpu refuses the searched d8f2t2@2 (98.33 GiB of temporaries) by it.
 _QWEN3_30B_CALLS = [
     ("actor_gen", "0-31:d8e4@1"),
     ("ref_inf", "0-31:e2f16@1"),
