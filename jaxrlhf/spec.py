@@ -173,7 +173,7 @@ class PlacementSpec:
     offload_frozen: bool
     offload_trainable: bool  # trained models wait in host memory while others run
     gen_replicas: int  # disaggregate: generation replicas, one device block each
-    compile_check: bool  # auto: the best searched plan XLA says fits (run/compile_check.py)
+    compile_check: bool  # auto: the best plan XLA says fits (calibration/compile_check.py)
 
 
 @dataclasses.dataclass(frozen=True)
