@@ -21,8 +21,10 @@ bf16 (LoRA adapters or more GPUs). Give the model, its tokenizer and the data:
   --config.data.train_path=FILE.jsonl (rows with `prompt` and `answer`)
 
 `:smoke` is the same graph at CPU scale with tiny mixture-of-experts models (`tiny-moe`) on the
-8 CPU devices of `meshes/cpu_8.py`, 2 steps. Whether the job fits is answered on any host,
-without weights or accelerators:
+8 CPU devices of `meshes/cpu_8.py`, 2 steps; it too starts from the models' directories (a tiny
+Qwen3-MoE's, whose config.json sets the shapes, as tests/test_config_runs.py makes one), with
+the byte tokenizer. Whether the job fits is answered on any host, without weights or
+accelerators:
 
   python -m jaxrlhf.plan --config=configs/grpo_qwen3_30b_a3b.py --cluster=meshes/tpu_v5p_64.py \\
       --compile

@@ -18,6 +18,8 @@ import math
 
 import pytest
 
+from hf_fixtures import make_tiny_hf_model
+from jaxrlhf.data.tokenizer import BYTE_VOCAB_SIZE
 from jaxrlhf.run import rl
 from jaxrlhf.run.check import check_config
 
@@ -36,19 +38,32 @@ RUNS = {
     "grpo_gemma_tiny": ("actor/loss", "actor/kl"),
     "grpo_moe_tiny": ("actor/loss", "actor/moe_balance_loss", "actor/moe_z_loss",
                       "actor/moe_min_load", "actor/routing_mismatch"),
+    "grpo_qwen3_30b_a3b": ("actor/loss", "actor/kl", "actor/moe_balance_loss",
+                           "actor/moe_z_loss", "actor/moe_min_load", "actor/routing_mismatch"),
 }
+# Configs that start every model from its own HF directory (`require_model_paths`): their smoke
+# runs load a tiny random one of this family (tests/hf_fixtures.py) for each of their ROLES.
+HF_FAMILIES = {"grpo_qwen3_30b_a3b": "qwen3_moe"}
 # The benchmark's config is the longest smoke run, and the MoE one compiles programs no other
 # config shares (its learning run: tests/test_entry_algorithms.py): -m slow. So is the
 # calculator's (46 s in CI): multiturn_tiny's smoke run takes the same multi-turn path here.
 # Gemma's (46 s on loaded cores) too: its model is checked against transformers in
 # tests/test_gemma_mistral_hf.py (logits, and greedy tokens through the rollout engine).
-SLOW_RUNS = ("grpo_bench_cpu", "grpo_moe_tiny", "tool_math_tiny", "grpo_gemma_tiny")
+# Qwen3-30B-A3B's smoke run compiles MoE programs of a searched plan (88 s on loaded cores).
+SLOW_RUNS = ("grpo_bench_cpu", "grpo_moe_tiny", "tool_math_tiny", "grpo_gemma_tiny",
+             "grpo_qwen3_30b_a3b")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RUNS
                                   else n for n in RUNS])
 def test_shipped_config_runs_its_smoke_variant(name, tmp_path):
-    config = importlib.import_module(f"jaxrlhf.configs.{name}").get_config("smoke")
+    module = importlib.import_module(f"jaxrlhf.configs.{name}")
+    config = module.get_config("smoke")
+    if name in HF_FAMILIES:
+        hf_dir, _ = make_tiny_hf_model(tmp_path / "hf", HF_FAMILIES[name], seed=1,
+                                       vocab_size=BYTE_VOCAB_SIZE)
+        for role in module.ROLES:
+            config.models[role].path = str(hf_dir)
     summary = rl.run(check_config(config, str(tmp_path)))
     assert summary["steps"] == 2 and not summary["interrupted"], summary
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
