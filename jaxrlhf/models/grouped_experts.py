@@ -26,13 +26,16 @@ class Routing(NamedTuple):
 
 
 
-def _block_rows(rows: int, groups: int) -> int:
-    """Rows of a block of `blocked_grouped_matmul`: about a quarter of an even group, a power
-    of two in 8..1024 (a group's padding is under a block: at most groups x block rows).
+def block_layout(rows: int, groups: int) -> tuple[int, int]:
+    """(rows of a block, blocks) of `blocked_grouped_matmul` over `rows` rows in `groups`
+    groups: a block is about a quarter of an even group, a power of two in 8..1024, and the
+    blocks are enough for any split of the rows (a group's padding is under a block, so
+    sum_e ceil(size_e / block) is at most rows / block + groups).
     Each block holds a copy of its group's weight [in, out], so blocks of few rows hold more
     weight than rows: at 128 rows Qwen3-30B-A3B's log-probs on f4t2 of 8 H100s (3.1M rows,
     128 experts of [2048, 384]) gathered 36 GiB a projection, 4.7 GiB at 1024."""
-    return int(min(1024, max(8, 2 ** int(math.log2(max(1, rows // (4 * groups)))))))
+    block = int(min(1024, max(8, 2 ** int(math.log2(max(1, rows // (4 * groups)))))))
+    return block, -(-rows // block) + groups
 
 
 def blocked_grouped_matmul(x_ad: jax.Array, w_eio: jax.Array,
@@ -48,8 +51,7 @@ def blocked_grouped_matmul(x_ad: jax.Array, w_eio: jax.Array,
     """
     rows, d_in = x_ad.shape
     groups = w_eio.shape[0]
-    block = _block_rows(rows, groups)
-    blocks = -(-rows // block) + groups  # sum_e ceil(size_e / block) is at most this
+    block, blocks = block_layout(rows, groups)
     blocks_e = (group_sizes_e + block - 1) // block
     block_end_e = jnp.cumsum(blocks_e)
     row_end_e = jnp.cumsum(group_sizes_e)

@@ -79,6 +79,7 @@ from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models import attention, mixed_cache
 from jaxrlhf.models.attention import AttentionImpl
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
+from jaxrlhf.models.grouped_experts import block_layout
 from jaxrlhf.parallel.layout import Platform
 from jaxrlhf.parallel.reshard import CHUNK_BYTES, chunks
 from jaxrlhf.parallel.pipeline import remats_stages
@@ -323,21 +324,26 @@ def saved_activation_bytes(p: ModelProfile, tokens: int, context: int, tensor: i
 
 
 def forward_peak_bytes(p: ModelProfile, tokens: int, context: int, tensor: int,
-                       expert: int = 1) -> float:
+                       expert: int = 1, platform: Platform | None = None) -> float:
     """Peak live bytes of one layer's forward pass when nothing is kept for a backward pass:
     the attention half or the MLP half, whichever is bigger (XLA frees each as it goes). The MLP
-    peaks while the gate·up product is written: the residual, gate, up and their product."""
+    peaks while the gate·up product is written: the residual, gate, up and their product;
+    a sparse block on `platform`'s blocked grouped matmuls with each block's weight copy too
+    (`_block_weight_copy_bytes`; None leaves it out: generation's calls, not measured)."""
     c, a = p.config, p.act_itemsize
+    copies = _block_weight_copy_bytes(p, tokens, tensor, expert, platform) / max(tokens, 1)
     norms = 4 * c.hidden_size
     attention = (norms + a * (2 * c.hidden_size + 2 * _sharded(p.attn_dim, tensor)
                               + 2 * _sharded(p.kv_dim, tensor))
                  + _sharded(c.num_heads, tensor) * context * (4 + 4 + a))
-    mlp = a * c.hidden_size + _mlp_bytes(p, tensor, 3, 1, 2, expert, exchange_apart=True)
+    mlp = a * c.hidden_size + _mlp_bytes(p, tensor, 3, 1, 2, expert, exchange_apart=True,
+                                         block_copies=copies)
     return tokens * max(attention, mlp)
 
 
 def _mlp_bytes(p: ModelProfile, tensor: int, widths: int, rows: int, router: int,
-               expert: int = 1, exchange_apart: bool = False) -> float:
+               expert: int = 1, exchange_apart: bool = False,
+               block_copies: float = 0) -> float:
     """Bytes per token of `widths` hidden-width arrays of the feed-forward block: a dense MLP's
     [tokens, I/t]; a sparse block's [T*k, F] rows of its grouped matmuls (F as the rules cut
     the experts, `ModelProfile.expert_tensor_ways`), beside `rows` arrays of the T*k rows at
@@ -351,7 +357,9 @@ def _mlp_bytes(p: ModelProfile, tensor: int, widths: int, rows: int, router: int
     buffer once it is read, so the exchange and the grouped matmuls peak apart: the larger of
     the matmuls' arrays and an exchange's, the T·k rows in expert order beside the send and
     receive buffers (or the return exchange's pair), (2e + 1)·T·k rows at model width: where
-    XLA's heap peaks in Qwen3-30B-A3B's inference on e2f16 and d4e4f2 of a v5p-64."""
+    XLA's heap peaks in Qwen3-30B-A3B's inference on e2f16 and d4e4f2 of a v5p-64.
+    `block_copies`: bytes per token of the experts' weights copied per block, live beside the
+    grouped matmuls' arrays (`_block_weight_copy_bytes`)."""
     c, a = p.config, p.act_itemsize
     dense = widths * _sharded(c.intermediate_size, tensor) * a
     m = c.moe
@@ -359,7 +367,7 @@ def _mlp_bytes(p: ModelProfile, tensor: int, widths: int, rows: int, router: int
         return dense
     width = m.expert_intermediate_size / p.expert_tensor_ways(tensor)
     buffers = 3 if expert > 1 else 0
-    matmuls = expert * m.top_k * a * (widths * width + rows * c.hidden_size)
+    matmuls = expert * m.top_k * a * (widths * width + rows * c.hidden_size) + block_copies
     if exchange_apart:
         held = max(matmuls, _expert_order_bytes(p, expert))
         if expert > 1:
@@ -379,6 +387,24 @@ def _expert_order_bytes(p: ModelProfile, expert: int) -> float:
     and not the grouped matmuls is the block's peak: Qwen3-30B-A3B's inference on f16t2 of a
     v5p-64, two [T·k, D] arrays of 3 GiB in XLA's buffer assignment."""
     return 2 * expert * p.config.moe.top_k * p.act_itemsize * p.config.hidden_size
+
+
+def _block_weight_copy_bytes(p: ModelProfile, tokens: int, tensor: int, expert: int,
+                             platform: Platform | None) -> float:
+    """The experts' weights a GPU's sparse block copies per block of rows: its grouped matmuls
+    run blocked (`grouped_experts.blocked_grouped_matmul`, `block_layout`), each block of the
+    e·T·k rows multiplied by a copy of its expert's [D, F/t] slice, and XLA:GPU gathers the
+    gate, up and down copies in one fusion (the three share the blocks' expert ids), so all
+    three live beside the matmuls: Qwen3-30B-A3B's log-probs on f4t2 of 8 H100s, three
+    [3,200, 2048, 384] bf16 copies of 4.7 GiB; 2 layers of 16 experts on f2t2 of 4, three
+    [400, 2048, 384] of 600 MiB in XLA's buffer assignment. TPUs run `ragged_dot` (no copy);
+    on XLA:CPU, whose matmuls are blocked too, the copies are not measured, so not priced."""
+    m = p.config.moe
+    if m is None or platform is not Platform.GPU:
+        return 0
+    _, blocks = block_layout(int(expert * tokens * m.top_k), m.num_experts // expert)
+    width = m.expert_intermediate_size / p.expert_tensor_ways(tensor)
+    return 3 * blocks * p.config.hidden_size * width * p.act_itemsize
 
 
 def _logit_bytes(p: ModelProfile, tokens: int, tensor: int, copies: int) -> float:
@@ -586,7 +612,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             if stages == 1 and platform is not Platform.CPU and p.config.head is HeadKind.LM:
                 vocab = int(_sharded(p.out_dim, t))
                 head_piece = piece / head_row_chunks(max(1, round(piece / s)), s, vocab)
-            peak = max(forward_peak_bytes(p, piece, span(s), t, e),
+            peak = max(forward_peak_bytes(p, piece, span(s), t, e, platform),
                        _logit_bytes(p, head_piece, t, 2))
             return MemoryBreakdown(params=params, gathered=gathered,
                                    activations=int(peak + _stage_buffers(p, choice, tokens)))
