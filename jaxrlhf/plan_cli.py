@@ -34,7 +34,7 @@ plans best first (`--compile_plans` of them, baselines included) until one fits 
 account. Then the parameter movements between the chosen plan's layouts: the collective hops
 `parallel/reshard.py` runs, compiled chunk by chunk as it runs them, their collective bytes
 beside the planner's and their peak bytes per device beside the memory model's
-(`plan.memory.move_memory`). No weights
+(`plan.moves.move_memory`). No weights
 are read: `require_model_paths` does not apply. With `--explain` a line per call follows the
 table: what XLA holds at the peak of its largest program, by JAX source (XLA's live ranges,
 `calibration/peaks.py`; TPU and GPU): the memory model's misses are read there. Its last line

@@ -513,8 +513,8 @@ def test_expert_order_and_gathered_projections_of_t_cut_experts_are_priced(v5p_8
     """Qwen3-30B-A3B's shape with 2 layers of 16 experts, its log-probs on f2t2 of a v5p-8:
     with t cutting each expert's width (D > 3F/t) the sparse block peaks while its T*k rows
     are put into expert order, the rows and their permuted copy at model width
-    (`memory._expert_order_bytes`), and fsdp gathers all three projections before the
-    block's shard_map (`memory._projections_gathered`): the model within 15% of XLA's peak
+    (`expert_memory.expert_order_bytes`), and fsdp gathers all three projections before the
+    block's shard_map (`expert_memory.projections_gathered`): the model within 15% of XLA's peak
     (-19.3% before, -1.8% now; the searched f16t2 of a v5p-64 -28.7% before, -12.5%)."""
     cluster, devices = v5p_8
     spec = _small_qwen3_moe(monkeypatch, 2, 16, 4, "f2t2")
@@ -529,7 +529,7 @@ def test_a_decode_loops_copy_of_t_cut_expert_stacks_is_priced(v5p_8, monkeypatch
     """Qwen3-30B-A3B's shape with 4 layers of 64 experts, generating on t4 of a v5p-8 (each
     expert's width 768/4 = 192, off the 128 lanes): the decode loop holds its gate and up
     stacks copied into the grouped matmul's layout, lane-padded
-    (`memory._decode_expert_copy_bytes`); the model within 15% of XLA's peak (-30.3% before,
+    (`expert_memory.decode_expert_copy_bytes`); the model within 15% of XLA's peak (-30.3% before,
     -8.3% now; the searched d4e2t4 of a v5p-64 -28.5% before, -4.4%)."""
     cluster, devices = v5p_8
     spec = _small_qwen3_moe(monkeypatch, 4, 64, 2, "t4")
@@ -547,7 +547,7 @@ MOVES = [("f4", "d4"), ("d2t2", "d4"), ("f4", "t4"), ("d2f2", "d2t2"), ("d4", "f
 
 def test_a_parameter_moves_peak_is_priced_within_15_percent_of_xla(v5p_8):
     """`plan --compile` compiles a move's collective hops chunk by chunk, as `reshard` runs
-    them; the memory model's peak of the move (`memory.move_memory`: both layouts and the
+    them; the memory model's peak of the move (`moves.move_memory`: both layouts and the
     chunk's buffers) is within 15% or 1 MiB of XLA's (arguments + outputs + the largest
     chunk's temporaries); the planner priced no move's peak before. A move out of a pipelined layout, which XLA re-slices along the layer axis, is not held
     to it (up to 37% more by XLA on this topology)."""

@@ -190,7 +190,7 @@ def test_the_blocked_grouped_matmuls_weight_copies_are_priced(h100, tmp_path, mo
     """Qwen3-30B-A3B's shape with 2 layers of 16 experts, its log-probs on f2t2 of 4 H100s: the
     blocked grouped matmul copies each block's expert weight, and XLA:GPU gathers the gate, up
     and down copies in one fusion (three [400, 2048, 384] bf16 arrays of 600 MiB), priced by
-    `memory._block_weight_copy_bytes`: the model within 15% of XLA's peak (-22.5% before,
+    `expert_memory.block_weight_copy_bytes`: the model within 15% of XLA's peak (-22.5% before,
     -0.8% now; the searched f4t2 of 8 H100s -31.5% before, -13.7% now)."""
     import dataclasses
 

@@ -19,7 +19,7 @@ from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.parallel.layout import Platform, make_layout
 from jaxrlhf.parallel.strategy import parse_strategy
-from jaxrlhf.plan import memory
+from jaxrlhf.plan import memory, moves
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import load_cluster
 from jaxrlhf.plan.experiment import Workload
@@ -94,7 +94,7 @@ def test_reals_70b_generation_holds_the_copy_instead_of_the_training_shard(exper
     experiment = experiments["70B+7B"]
     plan = real_check.real_plan(experiment, "70B+7B", kind)
     actor_home, gen = plan["actor_train"], plan["actor_gen"]
-    assert memory.holds_home_shards(actor_home, gen)
+    assert moves.holds_home_shards(actor_home, gen)
     cluster = load_cluster(H100)
     result = memory.plan_memory(experiment, plan, cluster)
     own = memory.own_memory(experiment, experiment.graph.mfc("actor_gen"), gen)

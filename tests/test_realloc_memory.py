@@ -20,7 +20,7 @@ from jaxrlhf.parallel.layout import make_layout
 from jaxrlhf.parallel.reshard import contains_shards
 from jaxrlhf.parallel.strategy import parse_strategy
 from jaxrlhf.plan.choice import CallChoice
-from jaxrlhf.plan.memory import holds_home_shards
+from jaxrlhf.plan.moves import holds_home_shards
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import realloc_memory  # noqa: E402
@@ -74,7 +74,7 @@ def test_home_parameters_read_while_the_copy_lives_come_back_bitwise():
     ("0-7:p8", "0-7:p2d4"), ("0-7:p2d4", "0-7:d8"),
 ])
 def test_planner_containment_agrees_with_the_shardings(home, other):
-    """`plan.memory.holds_home_shards` (degrees) against `reshard.contains_shards` (every
+    """`plan.moves.holds_home_shards` (degrees) against `reshard.contains_shards` (every
     parameter's device index map) on the tiny model with 8 layers (every dimension it shards
     then divides by 8)."""
     model = MODEL.replace(num_layers=8)
@@ -89,13 +89,14 @@ def test_planner_containment_agrees_with_the_shardings(home, other):
 
 def test_the_planner_prices_making_a_copy():
     """A plan whose calls fit but whose parameter move does not (both layouts and the gather's
-    buffer, `memory.move_memory`) is refused, naming the move: grpo_tiny's actor trained on f4
+    buffer, `moves.move_memory`) is refused, naming the move: grpo_tiny's actor trained on f4
     generates on d4 over the same 4 devices, gathering each leaf whole."""
     import dataclasses
 
     from jaxrlhf.configs import grpo_tiny
     from jaxrlhf.plan.cluster import load_cluster
-    from jaxrlhf.plan.memory import MoveDoesNotFit, move_memory, plan_memory
+    from jaxrlhf.plan.memory import MoveDoesNotFit, plan_memory
+    from jaxrlhf.plan.moves import move_memory
     from jaxrlhf.run.layouts import execution_plan
     from jaxrlhf.spec import run_spec
 

@@ -47,6 +47,7 @@ from jaxrlhf.parallel.reshard import CHUNK_BYTES, chunks, collective_hops
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.plan import cost as cost_lib
 from jaxrlhf.plan import memory as memory_lib
+from jaxrlhf.plan import moves as moves_lib
 from jaxrlhf.plan.choice import ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.experiment import Experiment
@@ -460,7 +461,7 @@ class ReallocReport:
       xla_peak_bytes: per device, the largest hop's arguments + outputs over its chunks (both
         layouts of the leaves it moves) + the largest chunk program's temporaries - aliased
         (`reshard` runs a hop chunk by chunk, `CHUNK_BYTES`, each chunk one program).
-      model_peak_bytes: the memory model's (`memory.move_memory(...).program`).
+      model_peak_bytes: the memory model's (`moves.move_memory(...).program`).
     """
 
     role: str
@@ -517,7 +518,7 @@ def compile_reallocations(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
                 by_hop.setdefault(i, []).append((leaf, at, to))
         profile = experiment.profile(role)
         planned = cost_lib.realloc_cost(profile, plan[home], plan[other], cluster).bytes_moved
-        model_peak = memory_lib.move_memory(profile, plan[home], plan[other]).program
+        model_peak = moves_lib.move_memory(profile, plan[home], plan[other]).program
         start, total, peak, error = time.perf_counter(), 0, 0, ""
         try:
             for hop in by_hop.values():

@@ -510,7 +510,7 @@ def _move_chunk(xs: list[jax.Array], dsts: list[NamedSharding], names: list[str]
 
 
 # What `reshard` moves between waits (global bytes); the planner prices a move's temporaries
-# by its largest chunk (`plan.memory.move_memory`).
+# by its largest chunk (`plan.moves.move_memory`).
 CHUNK_BYTES = 256 << 20
 
 

@@ -57,7 +57,7 @@ them to host memory while other models run (where its devices run other models' 
 own calls then hold its parameters, its train step the optimizer state too); a frozen model's parameters stay on
 the layout of its first call unless the experiment offloads frozen models; a copy on another
 layout lives from the first to the last call that uses it within a step. Making a copy is a
-peak of its own (`move_memory`): both layouts and the reshard programs' buffers, beside what
+peak of its own (`plan/moves.py`): both layouts and the reshard programs' buffers, beside what
 the devices keep.
 
 `compare_with_compiled` lines an estimate up against `compiled.memory_analysis()`.
@@ -79,14 +79,14 @@ from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models import attention, mixed_cache
 from jaxrlhf.models.attention import AttentionImpl
 from jaxrlhf.models.config import HeadKind, ModelConfig, RematPolicy
-from jaxrlhf.models.grouped_experts import block_layout
 from jaxrlhf.parallel.layout import Platform
-from jaxrlhf.parallel.reshard import CHUNK_BYTES, chunks
 from jaxrlhf.parallel.pipeline import remats_stages
-from jaxrlhf.plan.blocks import missing_share
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.experiment import Experiment, Workload
+from jaxrlhf.plan.expert_memory import (block_weight_copy_bytes, decode_expert_copy_bytes,
+                                        expert_order_bytes, projections_gathered)
+from jaxrlhf.plan.moves import MoveMemory, holds_home_shards, move_memory
 from jaxrlhf.plan.profile import ModelProfile
 
 _GIB = 1 << 30
@@ -141,99 +141,6 @@ def train_state_bytes(p: ModelProfile, choice: CallChoice, fp32_master: bool) ->
     moment = 4 if (fp32_master or p.param_itemsize == 4) else p.param_itemsize
     optimizer = -(-elements * (2 * moment + (4 if fp32_master else 0)) // choice.data)
     return p.shard_bytes(choice.tensor, choice.fsdp, choice.pipeline, choice.expert), optimizer
-
-
-def holds_home_shards(home: CallChoice, other: CallChoice) -> bool:
-    """Whether, on the same devices, every device's shard of a parameter under `other`
-    contains its shard under `home` (`parallel.reshard.contains_shards` for shardings).
-
-    Then a copy on `other` replaces the home parameters while it lives (zero-redundancy
-    reallocation, `dataflow.runtime.ModelRuntime.params_on`). Per mesh axis that shards
-    parameters (pipeline: layers, fsdp: embed, tensor: heads/mlp/vocab), a device's slice
-    index under `other` must be its home index coarsened by the ratio of the two degrees
-    (the mesh order is pipeline, data, fsdp, tensor; device k's index on an axis of size n
-    and stride w is k // w % n)."""
-    if home.devices != other.devices:
-        return False
-
-    def strides(c: CallChoice) -> dict[str, tuple[int, int]]:
-        return {"pipeline": (c.stage_size, c.pipeline),
-                "fsdp": (c.expert * c.tensor, c.fsdp), "expert": (c.tensor, c.expert),
-                "tensor": (1, c.tensor)}
-
-    mine, theirs = strides(home), strides(other)
-    for axis, (w_home, n_home) in mine.items():
-        w_other, n_other = theirs[axis]
-        if n_home % n_other:
-            return False
-        ratio = n_home // n_other
-        if any(k // w_other % n_other != k // w_home % n_home // ratio
-               for k in range(home.devices.size)):
-            return False
-    return True
-
-
-@dataclasses.dataclass(frozen=True)
-class MoveMemory:
-    """Bytes per device while `parallel.reshard.reshard` moves a model's parameters from one
-    layout to another (a copy on another call's layout), chunk by chunk.
-
-    Attributes:
-      source, destination: the parameters' shards on the two layouts (a leaf whose layout
-        does not change, such as a norm scale both leave whole, counts on both sides).
-      temporaries: the collective buffers of the largest chunk (`move_memory`).
-      source_chunk: the largest chunk's source shards.
-    """
-
-    source: int
-    destination: int
-    temporaries: int
-    source_chunk: int
-
-    @property
-    def program(self) -> int:
-        """What the move's programs hold at once: both layouts whole and the largest chunk's
-        buffers (`plan --compile` sets XLA's figure beside it)."""
-        return self.source + self.destination + self.temporaries
-
-    def peak(self, frees_source: bool) -> int:
-        """The move's peak on a device; `frees_source`: the copy replaces the source
-        (`holds_home_shards`), which is deleted chunk by chunk as it is moved, so at the last
-        chunk the destination is whole beside that chunk's source alone."""
-        if frees_source:
-            return self.destination + self.source_chunk + self.temporaries
-        return self.program
-
-
-def move_memory(p: ModelProfile, src: CallChoice, dst: CallChoice,
-                chunk_bytes: int = CHUNK_BYTES) -> MoveMemory:
-    """A model's move from `src`'s parameter layout to `dst`'s, per device.
-
-    `reshard` moves the leaves in chunks of at most `chunk_bytes` global bytes (a bigger leaf
-    alone), waiting for each. Beside its two layouts a chunk's program holds buffers, as XLA's
-    partitioner forms them (measured on TPU v5p 2x2x1, tests/test_plan_compile.py):
-      * a gather (each device's destination shard contains its source shard,
-        `holds_home_shards(src, dst)`, e.g. f4 -> d4): the chunk's destination shards, the
-        gathered result, which is then laid out into the output;
-      * any other change: the part of the chunk's destination shards a device does not hold
-        already (`blocks.missing_share`, the most of any device): an exchange buffers what
-        crosses, and a device that cuts its destination shard out of its own source shard
-        (d4 -> f4) buffers nothing;
-      * none where no program runs (copies of equal shards onto other devices).
-    Moves out of a pipelined layout, whose stacked layers XLA re-slices along the layer axis,
-    hold more than this (up to a third more on v5p 2x2x1)."""
-    src_b = p.leaf_shard_bytes(src.tensor, src.fsdp, src.pipeline, src.expert)
-    dst_b = p.leaf_shard_bytes(dst.tensor, dst.fsdp, dst.pipeline, dst.expert)
-    groups = chunks([leaf.size * leaf.itemsize for leaf in p.leaves], chunk_bytes)
-    if src.devices != dst.devices and src_b == dst_b:  # copies of equal shards: no program
-        missing = 0.0
-    elif holds_home_shards(src, dst):  # a gather: its result formed in a buffer, then placed
-        missing = 1.0
-    else:  # an exchange: buffers for what crosses
-        missing = float(np.max(missing_share(src, dst)))
-    temporaries = int(missing * max(sum(dst_b[i] for i in g) for g in groups))
-    return MoveMemory(sum(src_b), sum(dst_b), temporaries,
-                      max(sum(src_b[i] for i in g) for g in groups))
 
 
 def gradient_bytes(p: ModelProfile, choice: CallChoice, tensor: int, stages: int) -> int:
@@ -329,9 +236,9 @@ def forward_peak_bytes(p: ModelProfile, tokens: int, context: int, tensor: int,
     the attention half or the MLP half, whichever is bigger (XLA frees each as it goes). The MLP
     peaks while the gate·up product is written: the residual, gate, up and their product;
     a sparse block on `platform`'s blocked grouped matmuls with each block's weight copy too
-    (`_block_weight_copy_bytes`; None leaves it out: generation's calls, not measured)."""
+    (`block_weight_copy_bytes`; None leaves it out: generation's calls, not measured)."""
     c, a = p.config, p.act_itemsize
-    copies = _block_weight_copy_bytes(p, tokens, tensor, expert, platform) / max(tokens, 1)
+    copies = block_weight_copy_bytes(p, tokens, tensor, expert, platform) / max(tokens, 1)
     norms = 4 * c.hidden_size
     attention = (norms + a * (2 * c.hidden_size + 2 * _sharded(p.attn_dim, tensor)
                               + 2 * _sharded(p.kv_dim, tensor))
@@ -359,7 +266,7 @@ def _mlp_bytes(p: ModelProfile, tensor: int, widths: int, rows: int, router: int
     receive buffers (or the return exchange's pair), (2e + 1)·T·k rows at model width: where
     XLA's heap peaks in Qwen3-30B-A3B's inference on e2f16 and d4e4f2 of a v5p-64.
     `block_copies`: bytes per token of the experts' weights copied per block, live beside the
-    grouped matmuls' arrays (`_block_weight_copy_bytes`)."""
+    grouped matmuls' arrays (`block_weight_copy_bytes`)."""
     c, a = p.config, p.act_itemsize
     dense = widths * _sharded(c.intermediate_size, tensor) * a
     m = c.moe
@@ -369,42 +276,13 @@ def _mlp_bytes(p: ModelProfile, tensor: int, widths: int, rows: int, router: int
     buffers = 3 if expert > 1 else 0
     matmuls = expert * m.top_k * a * (widths * width + rows * c.hidden_size) + block_copies
     if exchange_apart:
-        held = max(matmuls, _expert_order_bytes(p, expert))
+        held = max(matmuls, expert_order_bytes(p, expert))
         if expert > 1:
             held = max(held, m.top_k * a * (2 * expert + 1) * c.hidden_size)
     else:
         held = matmuls + expert * m.top_k * a * buffers * c.hidden_size
     sparse = held + router * 4 * m.num_experts
     return max(sparse, dense) if m.mixed else sparse
-
-
-def _expert_order_bytes(p: ModelProfile, expert: int) -> float:
-    """Bytes per token while a sparse block puts its e·T·k rows at model width into expert
-    order or back (a forward pass that keeps nothing, `_mlp_bytes`): the rows and their
-    permuted copy. XLA holds both at `jnp.take`'s gather and the select that fills its
-    out-of-range rows (`grouped_experts.experts_swiglu`), and at the scatter of the experts'
-    outputs back to token order. Where t cuts each expert's width F (D > 3·F/t), this phase
-    and not the grouped matmuls is the block's peak: Qwen3-30B-A3B's inference on f16t2 of a
-    v5p-64, two [T·k, D] arrays of 3 GiB in XLA's buffer assignment."""
-    return 2 * expert * p.config.moe.top_k * p.act_itemsize * p.config.hidden_size
-
-
-def _block_weight_copy_bytes(p: ModelProfile, tokens: int, tensor: int, expert: int,
-                             platform: Platform | None) -> float:
-    """The experts' weights a GPU's sparse block copies per block of rows: its grouped matmuls
-    run blocked (`grouped_experts.blocked_grouped_matmul`, `block_layout`), each block of the
-    e·T·k rows multiplied by a copy of its expert's [D, F/t] slice, and XLA:GPU gathers the
-    gate, up and down copies in one fusion (the three share the blocks' expert ids), so all
-    three live beside the matmuls: Qwen3-30B-A3B's log-probs on f4t2 of 8 H100s, three
-    [3,200, 2048, 384] bf16 copies of 4.7 GiB; 2 layers of 16 experts on f2t2 of 4, three
-    [400, 2048, 384] of 600 MiB in XLA's buffer assignment. TPUs run `ragged_dot` (no copy);
-    on XLA:CPU, whose matmuls are blocked too, the copies are not measured, so not priced."""
-    m = p.config.moe
-    if m is None or platform is not Platform.GPU:
-        return 0
-    _, blocks = block_layout(int(expert * tokens * m.top_k), m.num_experts // expert)
-    width = m.expert_intermediate_size / p.expert_tensor_ways(tensor)
-    return 3 * blocks * p.config.hidden_size * width * p.act_itemsize
 
 
 def _logit_bytes(p: ModelProfile, tokens: int, tensor: int, copies: int) -> float:
@@ -438,7 +316,7 @@ def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float
     materialises the dynamic slice) or all-gathered over fsdp just before its matmul and freed
     after it, so at the peak one matrix is live: the largest, an MLP projection (and its cast
     to the compute dtype); in a sparse block, one projection of all its experts [E, D, F]
-    (or all three, `_projections_gathered`).
+    (or all three, `projections_gathered`).
     With fsdp the LM head's table is gathered too, early, and held through the layers.
     """
     c = p.config
@@ -446,7 +324,7 @@ def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float
     if c.moe is not None:  # a sparse block's projection holds all E experts [E, D, F]
         experts = c.moe.num_experts * c.hidden_size * c.moe.expert_intermediate_size
         experts //= p.expert_tensor_ways(choice.tensor) * choice.expert
-        experts *= _projections_gathered(p, choice)
+        experts *= projections_gathered(p, choice)
         matrix = max(matrix, experts) if c.moe.mixed else experts
     live = matrix * p.param_itemsize if (scanned or choice.fsdp > 1) else 0
     cast = matrix * p.act_itemsize if p.act_itemsize != p.param_itemsize else 0
@@ -454,34 +332,6 @@ def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float
     if choice.fsdp > 1 and c.head is HeadKind.LM:
         head = c.hidden_size * _sharded(p.out_dim, choice.tensor) * p.param_itemsize
     return live + cast + head
-
-
-def _projections_gathered(p: ModelProfile, choice: CallChoice) -> int:
-    """How many of a sparse block's three expert projections are gathered at once: all three
-    where fsdp cuts their embed dim and e or t runs the block in its shard_map, whose inputs
-    take that dim whole (`models.expert_parallel.expert_swiglu`), so gate, up and down are
-    gathered before it runs (Qwen3-30B-A3B's inference on f16t2 of a v5p-64: three
-    [128, 2048, 384] bf16 slices, 604 MB in XLA's buffer assignment); else one at a time."""
-    in_shard_map = choice.expert > 1 or p.expert_tensor_ways(choice.tensor) > 1
-    return 3 if choice.fsdp > 1 and in_shard_map else 1
-
-
-def _decode_expert_copy_bytes(p: ModelProfile, choice: CallChoice, platform: Platform,
-                              by_layer: bool) -> int:
-    """The copy of the experts' gate and up stacks a TPU decode loop over the scanned layers
-    holds, where t leaves each expert's width F/t off the 128 lanes: XLA lays those parameters
-    out with their embed dim minor (no lane padding) and the grouped matmul reads them F/t
-    minor, so it copies both stacks whole into that layout, F/t padded to 128, before the token
-    loop (Qwen3-30B-A3B's generation on d4e2t4 of a v5p-64: two [48, 64, 2048, 192] stacks of
-    3 GiB; none at F/t = 768, d8e4)."""
-    m = p.config.moe
-    if m is None or platform is not Platform.TPU or by_layer:
-        return 0
-    width = m.expert_intermediate_size // p.expert_tensor_ways(choice.tensor)
-    if width % 128 == 0:
-        return 0
-    gate_up = 2 * p.expert_shard_bytes(choice.tensor, choice.fsdp, 1, choice.expert) // 3
-    return gate_up * (-(-width // 128) * 128) // width
 
 
 def stage_weight_copy_bytes(p: ModelProfile, call: Call, choice: CallChoice, cpu: bool) -> int:
@@ -628,7 +478,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                         _logit_bytes(p, prompts, t, 1)) + tokens * kv_per_token
                     + _gathered_bytes(p, choice, scanned=True))
             advance = (forward_peak_bytes(p, rows, span(s), t, e) + _logit_bytes(p, rows, t, 2)
-                       + gathered + _decode_expert_copy_bytes(p, choice, platform, by_layer))
+                       + gathered + decode_expert_copy_bytes(p, choice, platform, by_layer))
             # The slots' cache: a sliding layer's holds its window alone in the layer-by-layer
             # state, and in the stacked one where every layer slides (Mistral) or the layers
             # differ (Gemma 3: its sliding layers' stack apart, `models.mixed_cache`); only a
