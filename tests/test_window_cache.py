@@ -94,18 +94,12 @@ def test_stacked_cache_holds_each_sliding_layers_window():
     assert priced.state == per_device == _cache_bytes(state) // 2
 
 
-# The stacked ring (18 s) runs in the slow tier; its decode runs in the default suite too
-# (test_gemma_mistral_hf.test_stacked_cache_decodes_as_layer_by_layer_and_hf).
-@pytest.mark.parametrize("spec, by_layer", [
-    STACKS[0], pytest.param(*STACKS[1].values, marks=(*STACKS[1].marks, pytest.mark.slow))])
-def test_ring_cache_decodes_recomputes_and_decodes_on(spec, by_layer):
-    """Prompts of up to 6 tokens and 10 sampled ones against the 4-slot ring (layer by layer,
-    and the stacked cache's ring stack): 4 tokens under one policy, the cache recomputed under
-    another (each row's latest slots into the ring), 2 more, the slots compacted (two rows,
-    swapped), the rest; each token's log-prob is its policy's full forward's (window
-    masked)."""
-    config = get_size("tiny-gemma3", dtype=jnp.float32)
-    assert config.sliding_window == WINDOW and config.sliding_layers == (0,)
+def _decode_across_versions(config, spec, by_layer, check_filled):
+    """Prompts of up to 6 tokens and 10 sampled ones, on `spec`'s rollout engine: 4 tokens
+    under policy a, the cache recomputed under policy b, 2 more, the slots compacted (two rows,
+    swapped), the rest; each token's log-prob is its policy's full forward's (window masked).
+    `check_filled(state)` looks at the cache after the prompts' fill. Returns the rows and both
+    policies' full-forward log-probs [rows, N]."""
     layout = make_layout(spec, model=config)
     params_a = init_params(config, layout, jax.random.key(1))
     params_b = init_params(config, layout, jax.random.key(2))
@@ -115,13 +109,10 @@ def test_ring_cache_decodes_recomputes_and_decodes_on(spec, by_layer):
         tokens[r, P - length:] = rng.integers(3, config.vocab_size, length)
         mask[r, P - length:] = True
     rollout = Rollout(config, _gen_config(force_max_length=True), layout, P, len(LENGTHS))
+    assert rollout.by_layer == by_layer
     state = rollout.fill(rollout.empty(), params_a, 0, np.arange(len(LENGTHS)), tokens, mask,
                          [jax.random.key(3)] * len(LENGTHS), np.arange(len(LENGTHS)))
-    assert rollout.by_layer == by_layer
-    if by_layer:
-        assert state.cache[0].length == WINDOW < state.cache[1].length
-    else:
-        assert state.cache.sliding.k_lbskd.shape[2] == WINDOW < state.cache.length
+    check_filled(state)
     state = rollout.advance(state, params_a, 0, 3, longest=1)
     _, counts = rollout.poll(state)
     state = rollout.reload(state, params_b, counts[2])
@@ -134,13 +125,36 @@ def test_ring_cache_decodes_recomputes_and_decodes_on(spec, by_layer):
     logp_b = _full_forward_logp(config, params_b, out.sequences_bs, out.sequence_mask_bs)
     expected = np.where(out.versions_bn == 0, logp_a, logp_b)
     np.testing.assert_allclose(out.logprobs_bn, expected, rtol=1e-5, atol=1e-5)
-    assert (out.versions_bn[:, -1] == 1).all() and np.abs(logp_a - logp_b).max() > 1e-2
     np.testing.assert_array_equal(out.sequences_bs[:, :P], np.where(mask, tokens, 0)[[2, 0]])
     # The window matters: without it the same tokens' log-probs differ.
     unwindowed = config.replace(sliding_window=None, sliding_layers=())
     logp_full = _full_forward_logp(unwindowed, params_b, out.sequences_bs,
                                    out.sequence_mask_bs)
     assert np.abs(np.where(out.versions_bn == 1, logp_full - logp_b, 0)).max() > 1e-3
+    return out, logp_a, logp_b
+
+
+# The stacked ring (18 s) runs in the slow tier; its decode runs in the default suite too
+# (test_gemma_mistral_hf.test_stacked_cache_decodes_as_layer_by_layer_and_hf).
+@pytest.mark.parametrize("spec, by_layer", [
+    STACKS[0], pytest.param(*STACKS[1].values, marks=(*STACKS[1].marks, pytest.mark.slow))])
+def test_ring_cache_decodes_recomputes_and_decodes_on(spec, by_layer):
+    """Prompts of up to 6 tokens and 10 sampled ones against the 4-slot ring (layer by layer,
+    and the stacked cache's ring stack): 4 tokens under one policy, the cache recomputed under
+    another (each row's latest slots into the ring), 2 more, the slots compacted (two rows,
+    swapped), the rest; each token's log-prob is its policy's full forward's (window
+    masked)."""
+    config = get_size("tiny-gemma3", dtype=jnp.float32)
+    assert config.sliding_window == WINDOW and config.sliding_layers == (0,)
+
+    def check_filled(state):
+        if by_layer:
+            assert state.cache[0].length == WINDOW < state.cache[1].length
+        else:
+            assert state.cache.sliding.k_lbskd.shape[2] == WINDOW < state.cache.length
+
+    out, logp_a, logp_b = _decode_across_versions(config, spec, by_layer, check_filled)
+    assert (out.versions_bn[:, -1] == 1).all() and np.abs(logp_a - logp_b).max() > 1e-2
 
 
 def _mistral(window: int):
@@ -178,34 +192,9 @@ def test_mistral_ring_decodes_recomputes_compacts_and_decodes_on(spec, by_layer)
     under one policy, the cache recomputed under another, 2 more, the slots compacted (two
     rows, swapped), the rest; each token's log-prob is its policy's full forward's."""
     config = _mistral(WINDOW)
-    layout = make_layout(spec, model=config)
-    params_a = init_params(config, layout, jax.random.key(1))
-    params_b = init_params(config, layout, jax.random.key(2))
-    rng = np.random.default_rng(0)
-    tokens, mask = np.zeros((len(LENGTHS), P), np.int32), np.zeros((len(LENGTHS), P), bool)
-    for r, length in enumerate(LENGTHS):
-        tokens[r, P - length:] = rng.integers(3, config.vocab_size, length)
-        mask[r, P - length:] = True
-    rollout = Rollout(config, _gen_config(force_max_length=True), layout, P, len(LENGTHS))
-    assert rollout.by_layer == by_layer
-    state = rollout.fill(rollout.empty(), params_a, 0, np.arange(len(LENGTHS)), tokens, mask,
-                         [jax.random.key(3)] * len(LENGTHS), np.arange(len(LENGTHS)))
-    assert _layer_slots(state.cache) == [WINDOW] * config.num_layers
-    state = rollout.advance(state, params_a, 0, 3, longest=1)
-    _, counts = rollout.poll(state)
-    state = rollout.reload(state, params_b, counts[2])
-    state = rollout.advance(state, params_b, 1, 2)
-    state = rollout.compact(state, [2, 0])
-    state = rollout.advance(state, params_b, 1, N)
-    assert rollout.poll(state)[0].all()
-    out = rollout.rows(state)
-    logp_a = _full_forward_logp(config, params_a, out.sequences_bs, out.sequence_mask_bs)
-    logp_b = _full_forward_logp(config, params_b, out.sequences_bs, out.sequence_mask_bs)
-    expected = np.where(out.versions_bn == 0, logp_a, logp_b)
-    np.testing.assert_allclose(out.logprobs_bn, expected, rtol=1e-5, atol=1e-5)
+
+    def check_filled(state):
+        assert _layer_slots(state.cache) == [WINDOW] * config.num_layers
+
+    out, _, _ = _decode_across_versions(config, spec, by_layer, check_filled)
     assert (out.versions_bn[:, -1] == 1).all() and (out.versions_bn[:, 0] == 0).all()
-    np.testing.assert_array_equal(out.sequences_bs[:, :P], np.where(mask, tokens, 0)[[2, 0]])
-    unwindowed = config.replace(sliding_window=None, sliding_layers=())
-    logp_full = _full_forward_logp(unwindowed, params_b, out.sequences_bs,
-                                   out.sequence_mask_bs)
-    assert np.abs(np.where(out.versions_bn == 1, logp_full - logp_b, 0)).max() > 1e-3
