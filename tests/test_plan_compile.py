@@ -109,7 +109,8 @@ def test_pipelined_generate_flops_match_xla(v5p_8):
 
 def test_command_prints_tables_and_ends_with_one_json_line(libtpu, tmp_path):
     """... and with `--explain`, what XLA holds at each call's peak, by source (its live
-    ranges): a train step's parameters and optimizer state among them."""
+    ranges): a train step's parameters and optimizer state among them; and the heap its buffer
+    assignment packs the temporaries into."""
     out = subprocess.run(
         [sys.executable, "-m", "jaxrlhf.plan", "--config=configs/grpo_tiny.py",
          "--cluster=meshes/tpu_v5p_8.py", "--compile", "--config.placement.kind=colocate",
@@ -133,6 +134,8 @@ def test_command_prints_tables_and_ends_with_one_json_line(libtpu, tmp_path):
     assert [line.split(" ")[0] for line in explained] == ["actor_gen", "ref_inf", "actor_train"]
     step = result["calls"]["actor_train"]["programs"]["train step"]
     assert 0 < sum(step["peak_sources"].values()) <= step["peak_live_bytes"] <= step["xla_bytes"]
+    # the heap XLA's buffer assignment packs the temporaries into, at most memory_analysis's
+    assert 0 < step["peak_heap_bytes"] <= step["temporary_bytes"]
     assert any(source.startswith("state") for source in step["peak_sources"])
 
 

@@ -419,7 +419,8 @@ _PEAK_SOURCES = 12  # the largest sources of a peak the JSON lists
 
 def explanation(reports: Sequence[CallReport]) -> str:
     """Per compiled call, what XLA holds at the peak of its largest program (`explain`)."""
-    lines = [f"{r.name} ({r.peak.name}): {r.peak.live.describe()}" for r in reports
+    lines = [f"{r.name} ({r.peak.name}): {r.peak.live.describe()}; temporaries "
+             f"{r.peak.temporary_bytes / _GIB:.2f} GiB by memory_analysis" for r in reports
              if r.compiled and r.peak.live is not None]
     return "\n".join(lines)
 
@@ -438,6 +439,7 @@ def to_json(reports: Sequence[CallReport]) -> dict:
                               "temporary_bytes": p.temporary_bytes,
                               "seconds": round(p.seconds, 2),
                               **({"peak_live_bytes": p.live.live_bytes,
+                                  "peak_heap_bytes": p.live.heap_bytes,
                                   "peak_sources": dict(p.live.sources[:_PEAK_SOURCES])}
                                  if p.live else {})}
                      for p in r.programs},
