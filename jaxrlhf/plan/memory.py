@@ -22,8 +22,10 @@ One MFC on its own (`call_memory`), per device:
     call;
   * state (generate on the rollout engine): its slots' KV cache at full capacity, an argument
     every executable of the engine takes and gives back (donated: one copy), so XLA counts it
-    with the batch arguments, not the temporaries; the prefill (a fill) and the decode loop (an
-    advance) are executables of their own, and the larger of the two is the peak. A call whose
+    with the batch arguments, not the temporaries; the prefill (a fill: its output state at
+    the fill's capacity, not the full one), the decode loop (an advance) and the first
+    compaction (the state and its compacted copy, without the parameters) are executables of
+    their own, and the largest of the three is the peak. A call whose
     rows all fit the slots and end within one chunk runs as one executable
     (`engine.generate.runs_at_once`): both phases' buffers and the cache are its temporaries;
   * logits (train): the head's phase of the backward pass, before the layers' (the peak is
@@ -75,6 +77,9 @@ import numpy as np
 from jaxrlhf.engine.decoding import config_records_routes, decodes_layer_by_layer
 from jaxrlhf.engine.generate import runs_at_once
 from jaxrlhf.engine.inference import head_row_chunks
+from jaxrlhf.engine.rollout.scheduler import smaller_sizes
+from jaxrlhf.engine.rollout.state import capacity_for
+from jaxrlhf.engine.rollout.targets import send_width
 from jaxrlhf.mfc import MFC, Call, Role
 from jaxrlhf.models import attention, mixed_cache
 from jaxrlhf.models.attention import AttentionImpl
@@ -334,6 +339,45 @@ def _gathered_bytes(p: ModelProfile, choice: CallChoice, scanned: bool) -> float
     return live + cast + head
 
 
+def _fill_peak(fill: float, fill_state: float, fresh_cache: float) -> float:
+    """A fill's bytes beside the parameters: the fresh cache its prompts are prefilled into
+    (`fresh_cache`, live through the layers) beside the larger of the layers' working set
+    (the rest of `fill`) and its output, the slots' state at the fill's capacity (P +
+    `capacity_for(1, N)` slots, `fill_state`), which the last step writes after the layers'
+    buffers are freed: XLA:TPU lays those out in the output's space (ppo_7b's fill on d4t2 of
+    a v5p-16: 8.0 GiB of fresh cache and 8.5 of temporaries beside the 8.2 GiB state)."""
+    return fresh_cache + max(fill - fresh_cache, fill_state)
+
+
+def _tpu_decode_copies(p: ModelProfile, state: float, tensor: int, platform: Platform) -> float:
+    """What XLA:TPU's decode chunk on the scanned stack holds beside its state: one layer's
+    keys and values transposed for the splash kernel ([S, k, P + C, d], 1/L of the state) and
+    the stacked q, k and v projections [L, D, ...] copied into the token loop's layout (Llama-3
+    7B's shape with 4 layers on d2t2 of a v5p-8: 512 MiB and 64 + 2 x 16 MiB). Measured on
+    TPU only."""
+    if platform is not Platform.TPU:
+        return 0.0
+    c = p.config
+    projections = c.num_layers * c.hidden_size * (
+        _sharded(p.attn_dim, tensor) + 2 * _sharded(p.kv_dim, tensor)) * p.param_itemsize
+    return state / c.num_layers + projections
+
+
+def _compaction_peak(p: ModelProfile, rows: int, dp: int, state: float) -> float:
+    """The rollout engine's first compaction (`rollout.programs.compact`), which takes the
+    state, not the parameters: the state, its compacted copy (`smaller_sizes`' largest) and,
+    a layer at a time, the rows in flight between the data-parallel devices: the send buffer
+    and the all-to-all's receive buffer, each dp x `send_width` rows of one layer's keys or
+    values. (ppo_7b on d4t2 of a v5p-16: 16 GiB of state, 12 compacted and 1.4 of
+    temporaries, the program XLA puts highest.) `rows`: the slots a device holds."""
+    smaller = smaller_sizes(rows * dp, dp)
+    if not smaller:
+        return 0.0
+    per_row = state / rows
+    in_flight = 2 * dp * send_width(rows, dp) * per_row / (2 * p.config.num_layers)
+    return state + smaller[0] // dp * per_row + in_flight
+
+
 def stage_weight_copy_bytes(p: ModelProfile, call: Call, choice: CallChoice, cpu: bool) -> int:
     """The copy of a stage's layer weights (and, training, of their gradients) a pipelined
     call holds on XLA:CPU.
@@ -472,8 +516,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             tokens = prompts * work.prompt_len
             # A fill prefills each distinct prompt once into a fresh cache of their own (then
             # into the rows' slots) on the scanned stack, one layer's weights sliced at a time;
-            # an advance runs the token loop on the weights held `gathered`. The larger
-            # executable is the peak.
+            # an advance runs the token loop on the weights held `gathered`.
             fill = (max(forward_peak_bytes(p, tokens, span(work.prompt_len), t, e),
                         _logit_bytes(p, prompts, t, 1)) + tokens * kv_per_token
                     + _gathered_bytes(p, choice, scanned=True))
@@ -492,7 +535,13 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
                 # temporaries, not a donated argument.
                 return MemoryBreakdown(params=params, gathered=gathered,
                                        activations=int(fill + advance + state - gathered))
-            return MemoryBreakdown(params=params, activations=int(max(fill, advance) - gathered),
+            fill_state = rows * p.kv_cache_bytes(
+                work.prompt_len + capacity_for(1, work.new_tokens), windowed=windowed) / t
+            peak = max(_fill_peak(fill, fill_state, tokens * kv_per_token),
+                       state + advance + (0 if by_layer else _tpu_decode_copies(
+                           p, state, t, platform)),
+                       _compaction_peak(p, rows, choice.dp_size, state) - params)
+            return MemoryBreakdown(params=params, activations=int(peak - state - gathered),
                                    gathered=gathered, state=state)
         case Call.GENERATE:  # a pipeline's static batch, one executor call per micro-batch
             # Pipelined decoding keeps every row of the call in flight, each stage its layers'

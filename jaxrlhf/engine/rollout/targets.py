@@ -137,6 +137,13 @@ def on_each_device(layout: Layout, slots: int, ints_k5: np.ndarray, prompts_k2p:
 
 
 
+def send_width(own: int, dp: int) -> int:
+    """Rows a device of `own` slots sends each other device when a compaction moves rows
+    dealt out in `spread`'s order (`spread_moves`): at most ceil(own / dp) + 1, a power of
+    two, at most `own`; none with one data-parallel device."""
+    return 0 if dp == 1 else min(pow2(-(-own // dp) + 1), own)
+
+
 def spread_moves(layout: Layout, slots: int, size: int) -> routes.Routes:
     """Row moves (their shapes: the indices are zeros) as wide as compacting a state of
     `slots` into `size` can need when the kept rows are dealt out in `spread`'s order, as
@@ -144,8 +151,7 @@ def spread_moves(layout: Layout, slots: int, size: int) -> routes.Routes:
     not, are two runs of that order, which deals rows to the devices in turn, so a device
     sends another at most ceil(slots / dp / dp) + 1 rows."""
     dp = layout.dp_size
-    own = slots // dp
-    width = 0 if dp == 1 else min(pow2(-(-own // dp) + 1), own)
+    width = send_width(slots // dp, dp)
     return routes.Routes(np.zeros((dp, dp * width), np.int32), np.zeros(size, np.int32),
                          width)
 
