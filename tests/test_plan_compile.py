@@ -569,7 +569,6 @@ def test_a_parameter_moves_peak_is_priced_within_15_percent_of_xla(v5p_8):
     assert "peak model GiB" in aot.realloc_table([move]).splitlines()[0]
 
 
-
 def _llama3_7b_cut(monkeypatch, layers: int, batch_size: int, allocation: str):
     """ppo_7b with every model of Llama-3 7B's shape cut to `layers` layers, all calls on
     `allocation` of a v5p-8 (its 1,024-token prompts and responses)."""
@@ -589,9 +588,8 @@ def _llama3_7b_cut(monkeypatch, layers: int, batch_size: int, allocation: str):
 
 
 def test_rollout_engines_programs_are_priced_within_10_percent_of_xla(v5p_8, monkeypatch):
-    """Llama-3 7B's shape cut to 4 layers generating 128 rows a device on d2t2 (its KV cache
-    and a prefill's activations per device as 7B's on d4t2 of a v5p-16, the layers fewer):
-    the fill holds its fresh prompt cache and its output state at the fill's capacity (P + 16
+    """Llama-3 7B's shape cut to 4 layers generating 128 rows a device on d2t2 (as 7B's on
+    d4t2 of a v5p-16: the same prefill activations a device, an eighth of the cache): the fill holds its fresh prompt cache and its output state at the fill's capacity (P + 16
     slots), not the full state; the decode chunk the full state; the compaction, which takes
     no parameters, the state and its compacted copy. The memory model prices each program
     so, the largest within 10% of XLA's peak (+28.7% before: it priced the fill's buffers
