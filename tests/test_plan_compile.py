@@ -589,7 +589,8 @@ def _llama3_7b_cut(monkeypatch, layers: int, batch_size: int, allocation: str):
 
 def test_rollout_engines_programs_are_priced_within_10_percent_of_xla(v5p_8, monkeypatch):
     """Llama-3 7B's shape cut to 4 layers generating 128 rows a device on d2t2 (as 7B's on
-    d4t2 of a v5p-16: the same prefill activations a device, an eighth of the cache): the fill holds its fresh prompt cache and its output state at the fill's capacity (P + 16
+    d4t2 of a v5p-16: the same prefill activations a device, an eighth of the cache): the
+    fill holds its fresh prompt cache and its output state at the fill's capacity (P + 16
     slots), not the full state; the decode chunk the full state; the compaction, which takes
     no parameters, the state and its compacted copy. The memory model prices each program
     so, the largest within 10% of XLA's peak (+28.7% before: it priced the fill's buffers
