@@ -25,6 +25,7 @@ compiled programs call; and the compile seconds.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 import time
 import types
@@ -66,7 +67,8 @@ class Program:
 
     Attributes:
       name: "train step", "inference", "fill", "decode chunk", "compaction", ...
-      peak_bytes: arguments + outputs + temporaries - aliased, per device.
+      peak_bytes: arguments + outputs + temporaries - aliased, per device, plus
+        `resident_bytes`.
       batch_bytes: the arguments after the first (the batch, keys, scalars), per device.
       flops: matmul FLOPs per device of the compiled program, loops times their trip
         counts (`hlo_counts`; XLA's `cost_analysis` counts a loop's body once).
@@ -78,6 +80,9 @@ class Program:
         `peak_bytes`).
       live: what XLA holds at the program's peak, by source (`peaks.read_peak`; compiled with
         `explain`), or None.
+      resident_bytes: what the call keeps on the device beside a program that does not take
+        it as an argument: the parameters, beside the rollout engine's compaction, which
+        takes the slots' state alone (`resident_bytes`).
     """
 
     name: str
@@ -91,6 +96,7 @@ class Program:
     argument_bytes: int = 0
     temporary_bytes: int = 0
     live: peaks.Peak | None = None
+    resident_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +253,21 @@ def _abstract_params(model_config, layout: Layout):
                         nn.meta.unbox(boxed), layout.param_shardings(boxed))
 
 
+# The rollout engine's programs that take the slots' state but not the parameters, which stay
+# on the devices while they run.
+_WITHOUT_PARAMETERS = frozenset({"compaction"})
+
+
+def resident_bytes(program: str, params) -> int:
+    """Bytes per device the call keeps beside `program` without passing them to it: the
+    parameters `params` (abstract, sharded) beside a program of `_WITHOUT_PARAMETERS`, else 0.
+    XLA's own peak for such a program leaves them out, though the device holds both."""
+    if program not in _WITHOUT_PARAMETERS:
+        return 0
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               for a in jax.tree.leaves(params))
+
+
 def _programs(spec: RunSpec, mfc: MFC, engine, layout: Layout, micro_batches: int,
               buf: Mapping[str, np.ndarray]) -> dict[str, Callable[[], jax.stages.Lowered]]:
     """Each program of `mfc` by name, as a thunk that lowers it (a generate call's are lowered
@@ -350,8 +371,11 @@ def compile_plan(spec: RunSpec, cluster: Cluster, plan: ExecutionPlan,
                                        tokenizer, spec.algorithm, spec.optimizers.get(mfc.role))
             compiled = [compile_program(program, lower, explain) for program, lower in _programs(
                 spec, mfc, engine, layout, choice.micro_batches, buf).items()]
-            programs = tuple(dataclasses.replace(c, model_flops=model_flops(
-                experiment, mfc, choice, cluster, c)) for c in compiled)
+            params = _abstract_params(model, layout)
+            resident = [resident_bytes(c.name, params) for c in compiled]
+            programs = tuple(dataclasses.replace(
+                c, model_flops=model_flops(experiment, mfc, choice, cluster, c),
+                peak_bytes=c.peak_bytes + r, resident_bytes=r) for c, r in zip(compiled, resident))
         except Exception as e:  # XLA's own refusal (or a lowering error): one line, go on
             message = " ".join(str(e).split())[:400]
             reports.append(CallReport(name, str(choice), limit_bytes=limit_bytes,

@@ -24,8 +24,9 @@ One MFC on its own (`call_memory`), per device:
     every executable of the engine takes and gives back (donated: one copy), so XLA counts it
     with the batch arguments, not the temporaries; the prefill (a fill: its output state at
     the fill's capacity, not the full one), the decode loop (an advance) and the first
-    compaction (the state and its compacted copy, without the parameters) are executables of
-    their own, and the largest of the three is the peak. A call whose
+    compaction (the state and its compacted copy, beside the parameters it does not take but
+    the devices keep) are executables of their own, and the largest of the three is the peak.
+    A call whose
     rows all fit the slots and end within one chunk runs as one executable
     (`engine.generate.runs_at_once`): both phases' buffers and the cache are its temporaries;
   * logits (train): the head's phase of the backward pass, before the layers' (the peak is
@@ -369,7 +370,10 @@ def _compaction_peak(p: ModelProfile, rows: int, dp: int, state: float) -> float
     a layer at a time, the rows in flight between the data-parallel devices: the send buffer
     and the all-to-all's receive buffer, each dp x `send_width` rows of one layer's keys or
     values. (ppo_7b on d4t2 of a v5p-16: 16 GiB of state, 12 compacted and 1.4 of
-    temporaries, the program XLA puts highest.) `rows`: the slots a device holds."""
+    temporaries, beside 7.5 GiB of parameters, the program XLA puts highest.) The parameters
+    are not its arguments, so XLA's peak leaves them out, but they stay on the devices
+    (`calibration.aot.resident_bytes` adds them to XLA's figure). `rows`: the slots a device
+    holds."""
     smaller = smaller_sizes(rows * dp, dp)
     if not smaller:
         return 0.0
@@ -540,7 +544,7 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             peak = max(_fill_peak(fill, fill_state, tokens * kv_per_token),
                        state + advance + (0 if by_layer else _tpu_decode_copies(
                            p, state, t, platform)),
-                       _compaction_peak(p, rows, choice.dp_size, state) - params)
+                       _compaction_peak(p, rows, choice.dp_size, state))
             return MemoryBreakdown(params=params, activations=int(peak - state - gathered),
                                    gathered=gathered, state=state)
         case Call.GENERATE:  # a pipeline's static batch, one executor call per micro-batch
