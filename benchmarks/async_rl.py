@@ -55,7 +55,10 @@ generate call and the rest of the step; async: a batch's generation, wall time f
 admission to its last row, and one update of the trainer) and, async,
 `decode_padding_frac` (the share of the generation slots' decode steps without a row:
 continuous batching refills a slot as soon as its row stops, within the staleness bound) and
-`gen_busy`/`train_busy` (total busy seconds / total window). Both loops cut a generated
+`gen_busy`/`train_busy` (total busy seconds / total window); multi-process,
+`gen_pause_per_publish_s`: a replica's seconds without a decode step while a weight version
+was in flight and it had rows to decode or a batch to start, per version received. Both loops
+cut a generated
 batch after its longest response (`buckets.response_widths`), so the calls after generation
 compute P + that many columns, not P + max_new_tokens.
 
@@ -205,11 +208,23 @@ def run(args, eta: int, workdir: str, gen_replicas: int = 1, mode: str = "contin
         out["train_seconds"] = float(np.median(metric("time/step_seconds")))  # an update
         out["decode_padding_frac"] = float(np.mean(metric("async/decode_padding_frac")))
         out["longest_response"] = float(np.mean(metric("async/response_length_longest")))
+        if "async/gen_receipts" in sink.steps[args.steps - 1][1]:  # multi-process
+            out["gen_pause_per_publish_s"] = pause_per_publish(
+                [sink.steps[s][1] for s in range(args.warmup - 1, args.steps)])
     else:
         gen = metric("time/actor_gen")
         out["gen_seconds"] = float(np.median(gen))
         out["train_seconds"] = float(np.median(metric("time/step_seconds") - gen))  # the rest
     return out
+
+
+def pause_per_publish(figures: list[dict]) -> float:
+    """The replicas' seconds without a decode step while a version was in flight and they had
+    rows to decode or a batch to start, per version received, over the window (the figures
+    are cumulative: as last sent by each replica)."""
+    paused = figures[-1]["async/gen_paused_seconds"] - figures[0]["async/gen_paused_seconds"]
+    receipts = figures[-1]["async/gen_receipts"] - figures[0]["async/gen_receipts"]
+    return paused / receipts if receipts else float("nan")
 
 
 def multi_process(args, eta: int, argv: list[str]) -> dict:

@@ -8,9 +8,9 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def run_processes(script: str, count: int, timeout: float = 180
+def run_processes(script: str, count: int, timeout: float = 180, args: tuple[str, ...] = ()
                   ) -> list[tuple[subprocess.Popen, str, str]]:
-    """Runs `python script ADDRESS I` for I in 0..count-1, CPU only and without the test
+    """Runs `python script ADDRESS I *args` for I in 0..count-1, CPU only and without the test
     session's XLA_FLAGS (each process takes its own device count), over a coordinator port
     held for them (`distributed.reserve_port`); each one's (process, stdout, stderr), after all
     ended. Past `timeout` seconds the ones still running are killed (and the wait raises)."""
@@ -20,7 +20,7 @@ def run_processes(script: str, count: int, timeout: float = 180
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     with reserve_port() as sock:
         address = f"127.0.0.1:{sock.getsockname()[1]}"
-        procs = [subprocess.Popen([sys.executable, script, address, str(i)], env=env,
+        procs = [subprocess.Popen([sys.executable, script, address, str(i), *args], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for i in range(count)]
         try:

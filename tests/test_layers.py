@@ -203,6 +203,7 @@ NOT_A_ROLLOUT = {
     ("jaxrlhf.data.sandbox", "poller.poll"),
     ("jaxrlhf.data.rewards", "self._wake_r.poll"),  # a multiprocessing Connection
     ("jaxrlhf.run.channel", "distributed.abort"),  # a multi-process job's
+    ("jaxrlhf.run.remote_weights", "distributed.abort"),
     ("jaxrlhf.train", "distributed.abort"),
 }
 

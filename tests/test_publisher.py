@@ -27,7 +27,7 @@ def _gated():
     """A transfer that records its inputs and returns them once `release` is set."""
     release, sent = threading.Event(), []
 
-    def transfer(params):
+    def transfer(params, version):
         sent.append(int(params))
         assert release.wait(timeout=60), "never released"
         return params * 10
@@ -54,7 +54,7 @@ def test_the_caller_goes_on_while_a_version_travels_and_a_newer_one_supersedes_t
 
 
 def test_a_failed_publish_is_one_line_at_the_next_call_naming_the_version():
-    def broken(params):
+    def broken(params, version):
         raise ValueError("checksum mismatch in bucket 3\nsecond line")
 
     publisher = Publisher(broken, timeout_s=60)
@@ -95,7 +95,7 @@ def test_generation_gets_a_blocking_publishs_weights_bit_for_bit(sync):
     params = init_params(config, train, jax.random.key(0))
     blocking.publish(params, 0)
     published.publish(params, 0)
-    publisher = Publisher(lambda snapshot: published.transfer(snapshot, owned=True), 120)
+    publisher = Publisher(lambda snapshot, _: published.transfer(snapshot, owned=True), 120)
     leaves, treedef = jax.tree.flatten(params)
     rng = np.random.default_rng(0)
     for version in range(1, 7):

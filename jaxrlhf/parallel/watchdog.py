@@ -41,7 +41,9 @@ class _Watchdog:
     def __init__(self):
         self.timeout_s: float | None = None  # None: disabled
         self.process = 0
-        self.labels: dict[str, object] = {}
+        # Each thread's own: a publish on a thread of its own names its version while the
+        # main thread's step and MFC labels come and go.
+        self.local = threading.local()
         self.waits: dict[int, _Wait] = {}
         self.ids = itertools.count()
         self.lock = threading.Lock()
@@ -90,19 +92,22 @@ def timeout_s() -> float | None:
 
 @contextlib.contextmanager
 def label(**labels):
-    """Names what the enclosed waits belong to, e.g. `label(step=3)`, `label(mfc="actor_gen")`."""
-    with _DOG.lock:
-        before = dict(_DOG.labels)
-        _DOG.labels.update(labels)
+    """Names what the enclosed waits of this thread belong to, e.g. `label(step=3)`,
+    `label(mfc="actor_gen")`."""
+    before = _labels()
+    _DOG.local.labels = {**before, **labels}
     try:
         yield
     finally:
-        with _DOG.lock:
-            _DOG.labels = before
+        _DOG.local.labels = before
+
+
+def _labels() -> dict[str, object]:
+    return getattr(_DOG.local, "labels", {})
 
 
 def _where() -> str:
-    return ", ".join(f"{key} {value}" for key, value in _DOG.labels.items())
+    return ", ".join(f"{key} {value}" for key, value in _labels().items())
 
 
 @contextlib.contextmanager

@@ -140,7 +140,7 @@ class LocalSource:
         self.pace = async_steps.Pace(job, self.now)
         self.version = self.next_index = self.runner.step_index  # = updates done
         self.worker.publish(self.actor.params, self.version)  # generation starts with it
-        self.publisher = Publisher(lambda snapshot: self.worker.transfer(snapshot, owned=True),
+        self.publisher = Publisher(lambda snapshot, _: self.worker.transfer(snapshot, owned=True),
                                    watchdog.timeout_s() or 600.0)
         self.ready: dict[int, Generated] = {}  # finished batches by index (in any order)
         self.pending: tuple[concurrent.futures.Future, Generated] | None = None

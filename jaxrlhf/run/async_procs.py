@@ -11,15 +11,16 @@ micro-batches). Up to the loop the job is the usual SPMD program (build, warm st
 evaluation); inside it the processes run different programs and meet only here (the periodic
 held-out evaluation, `eval.every`, runs on the trainer alone, on its own devices):
 
-  weights     after each update every process takes part in `parallel.reshard` of the actor's
-              parameters onto each replica's layout (a cross-process transfer, shard to
-              shard; the trainer announces version v first, a replica joins between two
-              chunks). A replica receives it on a thread of its own into a second copy while
-              it keeps decoding with the old one, and hands it to its rollout scheduler when
-              complete (`run/weight_receiver.py`; inline, pausing decoding, where the devices
-              have no room for the second copy). A replica starts a batch only with the
-              newest version: the publish is a rendezvous the trainer completes before it
-              issues more work, and a replica finishes receiving before it starts a batch.
+  weights     after each update the trainer snapshots the actor's parameters and goes on; a
+              thread of its own announces the version and takes part, with every process, in
+              `parallel.reshard` of it onto each replica's layout (a cross-process transfer,
+              shard to shard). A replica joins between two chunks, on a thread of its own,
+              into a second copy, while it keeps decoding with the old one, and hands it to
+              its rollout scheduler when complete (`run/remote_weights.py`). One version in
+              flight, at most one waiting (a newer one supersedes it); without room for the
+              copies a side publishes inline, pausing. A batch issued at version v starts
+              with weights of version ≥ v (its work order says v; the replica decodes its
+              other rows meanwhile), so the staleness bound below holds as before.
   work        the trainer draws the prompts (its iterator is the checkpointed one) and sends
               a replica the batch index and the iterator state to draw the same rows from.
   batches     a replica sends the generated arrays and per-token versions back through the
@@ -41,7 +42,9 @@ them: no prompt is lost, none is trained twice.
 
 Every cross-process wait is deadline-bound (`distributed`'s wait timeout): transfers by
 `parallel.watchdog` (labelled with the step and the transfer), message waits by
-`channel.Deadline`; either ends the job with one line naming the step, the wait and the process.
+`channel.Deadline`; either ends the job with one line naming the step, the wait and the process,
+as does a failed publish (naming the version). Saves and the end wait for the publish in
+flight first: every process takes part in every cross-process transfer, in the same order.
 """
 
 from __future__ import annotations
@@ -58,15 +61,15 @@ from jaxrlhf import checkpoint
 from jaxrlhf.data.encode import prompt_batch
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.models.sizes import abstract_params
-from jaxrlhf.parallel import delta, watchdog
-from jaxrlhf.parallel.delta import WeightSync
+from jaxrlhf.parallel import watchdog
 from jaxrlhf.parallel.layout import Layout
 from jaxrlhf.parallel.reshard import process_local
 from jaxrlhf.run import async_steps, loop
 from jaxrlhf.run.async_steps import drain_limit, draw_async_timeline, trainer_runner
 from jaxrlhf.run.guards import StopRequest
 from jaxrlhf.run.rollout_worker import Generated, RolloutWorker
-from jaxrlhf.run.weight_receiver import WeightReceiver, bytes_per_device, second_copy_fits
+from jaxrlhf.run.remote_weights import ReplicaWeights, TrainerWeights
+from jaxrlhf.run.weight_receiver import bytes_per_device, second_copy_fits
 from jaxrlhf.run.channel import Channel, Deadline
 from jaxrlhf.run.check import Job
 from jaxrlhf.run.evaluate import HeldOut
@@ -118,25 +121,6 @@ def on_process(layout: Layout, process: int) -> Layout:
     return dataclasses.replace(layout, mesh=jax.sharding.Mesh(devices_, layout.mesh.axis_names))
 
 
-def _publish(params, shardings: list, version: int, mine: int, changed: list[int],
-             previous=None):
-    """Every process: the actor's parameters onto each replica's layout (collective): the
-    leaves `changed` (every process the same), the others kept from `previous` (replica
-    `mine`'s weights of the version before; `parallel/delta.py`). Returns replica `mine`'s
-    copy (None on the trainer, mine = 0) and the bytes moved."""
-    kept, moved_bytes = None, 0
-    for r, target in enumerate(shardings, 1):
-        with watchdog.label(step=version, transfer=f"weights v{version} -> replica {r}"):
-            if r == mine:
-                moved, stats = delta.apply(params, previous, target, changed)
-            else:  # another replica's copy: this process only takes part
-                moved, stats = delta.send(params, target, changed)
-        moved_bytes += stats.bytes_moved
-        if r == mine:
-            kept = moved
-    return kept, moved_bytes
-
-
 def rl_loop(job: Job, runner: Runner, prompts, writer, checkpoints: checkpoint.Checkpointer,
             evaluation_before: dict[str, float], held_out=None) -> LoopResult:
     """The asynchronous loop of a multi-process job (module docstring): `loop.train` on a
@@ -182,38 +166,27 @@ def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list
     worker = RolloutWorker(gen, rollout, layout, spec.base.config, spec.seed,
                            spec.async_rl.chunk_tokens, micro,
                            on_new_version=spec.async_rl.on_new_version)
-    actor = runner.runtimes[Role.ACTOR]
-    version = runner.step_index
     deadline = Deadline(watchdog.timeout_s() or 600.0, r)
-
-    def receive(v: int):
-        """Version v's weights: the tensors the trainer's announcement names, the others kept
-        from the version installed (`async_rl.weight_sync`)."""
-        while (announced := chan.get(f"pub/{v}")) is None:
-            deadline.check(lambda: f"replica {r}: the announcement of weights v{v}")
-            time.sleep(_POLL_S)
-        return _publish(actor.params, shardings, v, r, announced["changed"], worker.params)[0]
-
-    worker.install(receive(version), version)
     per_device = bytes_per_device(shardings[r - 1], abstract_params(spec.base.config))
-    weights = WeightReceiver(receive, overlap=second_copy_fits(layout.devices, per_device))
+    overlap = room(layout.devices, per_device, f"generation replica {r}",
+                   "a second copy of its weights", "decoding while it receives")
+    weights = ReplicaWeights(chan, runner.runtimes[Role.ACTOR].params, shardings, r, deadline,
+                             overlap)
+    worker.install(*weights.first())
+    pause = _Pause()
     orders, queue = 0, collections.deque()
     deadline.progress()
     interrupted = False
     with StopRequest():  # a signal to every process: the trainer decides
         while True:
+            pause.begin(weights, worker.busy or bool(queue))
             if (received := weights.ready()) is not None:
                 worker.install(*received)
-            if not weights.busy and chan.peek(f"pub/{version + 1}"):
-                version += 1
-                weights.start(version)
                 deadline.progress()
-                continue
-            order = chan.take(f"order/{r}/{orders}")
-            if order is not None:
+            elif (order := chan.take(f"order/{r}/{orders}")) is not None:
                 orders += 1
                 deadline.progress()
-                if order["kind"] != "gen" and (received := weights.join()) is not None:
+                if order["kind"] != "gen" and (received := weights.drain()) is not None:
                     worker.install(*received)  # a save or a stop: every process in step
                 match order["kind"]:
                     case "gen":
@@ -226,33 +199,65 @@ def _serve(job: Job, runner: Runner, gen, layouts: list[Layout], shardings: list
                     case "stop":
                         interrupted = order["interrupted"]
                         break
-                continue
-            if queue and worker.accepts():
-                if (received := weights.join()) is not None:
-                    worker.install(*received)  # a batch starts with the newest weights
-                order = queue.popleft()
+            elif queue and worker.accepts() and worker.version >= queue[0]["version"]:
+                order = queue.popleft()  # issued at its version: its staleness bound holds
                 prompts.restore(order["iterator"])
                 batch = prompt_batch(next(prompts), job.tokenizer, spec.rollout.max_prompt_len,
                                      spec.rollout.group_size)
                 worker.start(order["index"], batch, None, time.time())
             elif worker.busy:
+                pause.decoding()
                 for done in worker.step(time.time):
-                    _send(chan, gen, done, r, worker.busy_seconds)
+                    _send(chan, gen, done, r, worker.busy_seconds, pause, weights.received)
                     deadline.progress()
             else:
-                deadline.check(lambda: f"replica {r} (step {version}): weights or work from the "
-                                       "trainer (process 0)")
+                if not weights.busy:  # a transfer in flight is the watchdog's
+                    deadline.check(lambda: f"replica {r} (version {worker.version}): weights "
+                                           "or work from the trainer (process 0)")
                 time.sleep(_POLL_S)
+            pause.end(weights)
     return LoopResult([], interrupted, 0, {})
 
 
-def _send(chan: Channel, gen, done: Generated, replica: int, busy: float) -> None:
+def room(devices, per_device: int, who: str, copy: str, what: str) -> bool:
+    """Whether `devices` hold `per_device` more bytes each (`second_copy_fits`); if not, says
+    so in one line: that side publishes inline, a pause."""
+    fits = second_copy_fits(devices, per_device)
+    if not fits:
+        print(f"jaxrlhf: {who}: no room for {copy} ({per_device / 2**20:.1f} MiB per device): "
+              f"weights are published inline, pausing {what}", flush=True)
+    return fits
+
+
+class _Pause:
+    """A replica's seconds without a decode step while a version was in flight and it had
+    rows to decode or a batch to start (the pause a publish costs generation)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def begin(self, weights: ReplicaWeights, has_work: bool) -> None:
+        self.t0, self.work, self.decoded = time.perf_counter(), has_work, False
+        self.in_flight, self.received = weights.busy, weights.received
+
+    def decoding(self) -> None:
+        self.decoded = True
+
+    def end(self, weights: ReplicaWeights) -> None:
+        in_flight = self.in_flight or weights.busy or weights.received != self.received
+        if in_flight and self.work and not self.decoded:
+            self.seconds += time.perf_counter() - self.t0
+
+
+def _send(chan: Channel, gen, done: Generated, replica: int, busy: float, pause: _Pause,
+          receipts: int) -> None:
     arrays = {k: np.asarray(jax.device_get(done.buffer[k])) for k in gen.outputs}
     arrays["versions_bn"] = done.versions_bn
     chan.put_arrays(f"batch/{done.index}", arrays,
                     {"interruptions": done.interruptions, "restarts": done.restarts,
                      "discarded_tokens": done.discarded_tokens, "seconds": list(done.seconds),
-                     "slots_idle": done.slots_idle, "replica": replica, "busy": busy})
+                     "slots_idle": done.slots_idle, "replica": replica, "busy": busy,
+                     "paused": pause.seconds, "receipts": receipts})
 
 
 def waiting_for(step: int, replica_of: dict[int, int]) -> str:
@@ -289,26 +294,25 @@ class RemoteSource:
         self.queued = [0] * self.replicas
         self.gen_busy = [0.0] * self.replicas
         self.train_busy = 0.0
-        self.published_bytes = 0
-        self.tracker = (delta.Tracker() if job.spec.async_rl.weight_sync is WeightSync.DELTA
-                        else None)
+        self.paused = [(0.0, 0)] * self.replicas  # each replica's (pause seconds, receipts)
+        params = self.actor.params
+        shardings_ = jax.tree.map(lambda x: x.sharding, params)
+        snapshots = 2 * bytes_per_device(shardings_, params)  # one in flight, one waiting
+        devices = {d for s in jax.tree.leaves(shardings_) for d in s.device_set}
+        overlap = room(devices, snapshots, "the trainer", "two snapshots of the actor",
+                       "the trainer until each has arrived")
+        self.weights = TrainerWeights(chan, shardings, job.spec.async_rl.weight_sync,
+                                      watchdog.timeout_s() or 600.0, overlap)
         self.deadline = Deadline(watchdog.timeout_s() or 600.0, 0)
         self.pace = async_steps.Pace(job, time.time)
         self.events = []  # (name, start, end) of every batch's generation and update
         self.stopping = False
         self.version = self.next_index = self.runner.step_index  # = updates done
-        self._publish(self.version)
+        self.weights.offer(self.actor.params, self.version)
 
     def _order(self, replica: int, message: dict) -> None:
         self.chan.put(f"order/{replica}/{self.orders[replica - 1]}", message)
         self.orders[replica - 1] += 1
-
-    def _publish(self, version: int) -> None:
-        params = self.actor.params
-        changed = (list(range(len(jax.tree.leaves(params)))) if self.tracker is None
-                   else self.tracker.changed(params))
-        self.chan.put(f"pub/{version}", {"changed": changed})
-        self.published_bytes += _publish(params, self.shardings, version, 0, changed)[1]
 
     def _issue(self, index: int, version: int) -> None:
         """Batch `index` to the replica with the fewest orders."""
@@ -318,7 +322,8 @@ class RemoteSource:
         batch = prompt_batch(next(self.rows), self.job.tokenizer, r.max_prompt_len,
                              r.group_size)
         batch[loop.ROWS] = self.rows.indices(before)  # logged by the update that trains it
-        self._order(replica, {"kind": "gen", "index": index, "iterator": before.to_dict()})
+        self._order(replica, {"kind": "gen", "index": index, "iterator": before.to_dict(),
+                              "version": version})  # the oldest weights it may start with
         self.queued[replica - 1] += 1
         self.outstanding[index] = _Order(index, replica, version + self.eta, batch)
 
@@ -337,6 +342,7 @@ class RemoteSource:
                     self.arrivals.append(index)
                     self.queued[order.replica - 1] -= 1
                     self.gen_busy[order.replica - 1] = meta["busy"]
+                    self.paused[order.replica - 1] = (meta["paused"], meta["receipts"])
                     self.deadline.progress()
 
     def _choose(self, version: int) -> _Order | None:
@@ -379,13 +385,15 @@ class RemoteSource:
         t1 = time.time()
         self.train_busy += t1 - t0
         self.version += 1
-        self._publish(self.version)
-        self.deadline.progress()
+        self.weights.offer(self.actor.params, self.version)  # off the path: the next update
+        self.deadline.progress()  # may start before this version has arrived
         self.events += [(f"gen {done.index}", *done.seconds), (f"train {done.index}", t0, t1)]
         update = self.pace.update(done, result, skipped, self.version - 1,
                                   sum(self.gen_busy) / self.replicas, self.train_busy)
         update.figures["async/replica"] = float(meta["replica"])
         update.figures["async/batch"] = float(done.index)  # batches arrive in any order
+        update.figures["async/gen_paused_seconds"] = sum(s for s, _ in self.paused)
+        update.figures["async/gen_receipts"] = float(sum(n for _, n in self.paused))
         return update
 
     def stop_now(self, stop: StopRequest) -> bool:
@@ -395,6 +403,7 @@ class RemoteSource:
 
     def save(self, write) -> None:
         """Collective: every replica saves with this runner's state and prompt position."""
+        self.weights.wait()  # every process's transfers in the same order: publishes first
         for replica in range(1, self.replicas + 1):
             self._order(replica, {"kind": "save", "runner": self.runner.state(),
                                   "iterator": self.rows.state().to_dict()})
@@ -402,11 +411,12 @@ class RemoteSource:
             write()
 
     def close(self, interrupted: bool) -> dict:
+        self.weights.close()
         for replica in range(1, self.replicas + 1):
             self._order(replica, {"kind": "stop", "interrupted": interrupted})
         self._draw(self.events)
-        return {**self.pace.summary(), "weights_published_bytes": self.published_bytes,
-                "gen_replicas": self.replicas}
+        return {**self.pace.summary(), "weights_published_bytes": self.weights.published_bytes,
+                "weights_superseded": self.weights.superseded, "gen_replicas": self.replicas}
 
     def _draw(self, events) -> None:
         if not events:

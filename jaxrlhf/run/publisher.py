@@ -33,9 +33,9 @@ class Publisher:
     """Moves weight versions to generation in a thread of its own.
 
     Args:
-      transfer: `transfer(params)` returns generation's copy of `params` (a snapshot the
-        publisher owns); called in the publisher's thread, one version at a time, in version
-        order (a superseded version is never transferred).
+      transfer: `transfer(params, version)` returns generation's copy of `params` (a
+        snapshot the publisher owns); called in the publisher's thread, one version at a time,
+        in version order (a superseded version is never transferred).
       timeout_s: the longest any wait for the publisher may take.
     """
 
@@ -114,7 +114,7 @@ class Publisher:
                 self._sending = version
                 self.events.append(("send", version, time.perf_counter()))
             try:
-                params = self.transfer(snapshot)
+                params = self.transfer(snapshot, version)
                 jax.block_until_ready(params)
                 error = None
             except Exception as e:  # noqa: BLE001 - raised in the caller's thread

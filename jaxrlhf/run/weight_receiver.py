@@ -95,6 +95,11 @@ class WeightReceiver:
         """A version is being received."""
         return self._sync is not None
 
+    @property
+    def version(self) -> int | None:
+        """The version being received, or None."""
+        return None if self._sync is None else self._sync.version
+
     def start(self, version: int) -> None:
         """Begins receiving `version` (inline, it is received before this returns)."""
         if self._sync is not None:
