@@ -11,7 +11,8 @@
     version, and a blocking publish (both sides inline) of the same versions ends with the very
     same bytes, for `weight_sync` full and delta (whose leaves change at different versions,
     and whose base must be the version last *sent* when newer ones supersede waiting ones);
-  * a receipt that fails in flight ends the replica with one line naming the version.
+  * a publish or a receipt that fails in flight ends its process with one line naming the
+    version.
 """
 
 import hashlib
@@ -64,10 +65,15 @@ def _digest(params) -> str:
     return h.hexdigest()[:16]
 
 
-def _trainer(chan, replica_shardings, sync, overlap: bool, params) -> None:
-    from jaxrlhf.run.remote_weights import TrainerWeights
+def _trainer(chan, replica_shardings, sync, overlap: bool, params, fail_from=None) -> None:
+    from jaxrlhf.run.remote_weights import TrainerWeights, transfer
 
-    weights = TrainerWeights(chan, [replica_shardings], sync, 60.0, overlap)
+    def failing(params, shardings, version, *args):
+        if fail_from is not None and version >= fail_from:  # the first sent from v3 on
+            raise RuntimeError(f"device lost while sending\nsecond line v{version}")
+        return transfer(params, shardings, version, *args)
+
+    weights = TrainerWeights(chan, [replica_shardings], sync, 60.0, overlap, move=failing)
     weights.offer(params, 0)
     params = _update(params, 1)
     for version in range(1, VERSIONS + 1):
@@ -98,7 +104,8 @@ def _replica(chan, trainer_params, replica_shardings, sync, overlap: bool, fail_
             decoded = decoded_in_flight.setdefault(version, threading.Event())
             assert decoded.wait(60), f"no decode step beside v{version}"
         moved = transfer(params, shardings, version, mine, changed, previous)
-        if version == fail_at:  # after taking part, as a checksum refused on arrival is
+        if fail_at is not None and version >= fail_at:  # the first received from v3 on,
+            # after taking part, as a checksum refused on arrival is
             raise RuntimeError(f"bucket of 'a' corrupt in transit\nsecond line v{version}")
         return moved
 
@@ -143,7 +150,8 @@ def _worker(address: str, process_id: int, case: str) -> None:
             chan = Channel(f"test/{case}/{n}")
             params = _initial(trainer_shardings)
             if process_id == 0:
-                _trainer(chan, replica_shardings, sync, overlap, params)
+                _trainer(chan, replica_shardings, sync, overlap, params,
+                         fail_from=3 if case == "fail-trainer" else None)
             else:
                 _replica(chan, params, replica_shardings, sync, overlap,
                          fail_at=3 if case == "fail" else None)
@@ -188,17 +196,39 @@ def test_after_every_version_the_weights_equal_a_blocking_publish_bit_for_bit(ru
         assert trainer[0] == trainer[1] == replica[0] == replica[1]
 
 
+def _named_version(line: str) -> int:
+    """v in "... weights v<v>: ..." (-1 if absent); a version after 2 may be superseded, so
+    the failing one is the first sent from 3 on."""
+    return int(line.split("weights v")[1].split(":")[0]) if "weights v" in line else -1
+
+
 @pytest.mark.slow  # ~12 s: the trainer waits for the heartbeat to see the replica gone
 def test_a_receipt_failed_in_flight_is_one_line_naming_the_version():
     (p0, _, err0), (p1, out1, err1) = run_processes(__file__, 2, timeout=300, args=("fail",))
     assert p1.returncode == 1, err1[-2000:]
-    line = ("jaxrlhf: process 1: weights v3: the receipt on generation replica 1 failed: "
-            "RuntimeError: bucket of 'a' corrupt in transit; stopping the job (the other "
-            "processes stop within the heartbeat timeout)")
-    assert err1.strip().splitlines()[-1] == line, err1[-2000:]
-    assert "arrived 3" not in out1
+    last = err1.strip().splitlines()[-1]
+    version = _named_version(last)
+    assert version >= 3 and last == (
+        f"jaxrlhf: process 1: weights v{version}: the receipt on generation replica 1 failed: "
+        "RuntimeError: bucket of 'a' corrupt in transit; stopping the job (the other "
+        "processes stop within the heartbeat timeout)"), err1[-2000:]
+    assert f"arrived {version}" not in out1  # never handed to decoding
     assert p0.returncode != 0  # the trainer does not wait forever for a replica gone
 
+
+
+@pytest.mark.slow  # ~12 s, as above
+def test_a_publish_failed_in_flight_is_one_line_naming_the_version():
+    (p0, out0, err0), (p1, _, err1) = run_processes(__file__, 2, timeout=300,
+                                                    args=("fail-trainer",))
+    assert p0.returncode == 1, err0[-2000:]
+    last = err0.strip().splitlines()[-1]
+    version = _named_version(last)
+    assert version >= 3 and last == (
+        f"jaxrlhf: process 0: weights v{version}: the publish to generation failed: "
+        "RuntimeError: device lost while sending; stopping the job (the other processes stop "
+        "within the heartbeat timeout)"), err0[-2000:]
+    assert p1.returncode != 0
 
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "runs")

@@ -370,6 +370,7 @@ class RemoteSource:
                 return self._train(train, order)
             if not self.outstanding and self.stopping:
                 return None
+            self.weights.check()
             self.deadline.check(lambda: waiting_for(self.version, {
                 k: o.replica for k, o in self.outstanding.items()}))
             time.sleep(_POLL_S)

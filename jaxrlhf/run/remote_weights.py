@@ -125,6 +125,15 @@ class TrainerWeights:
             _abort(0, f"weights v{version}: the publish to generation failed: "
                       f"{one_line(error)}")
 
+    def check(self) -> None:
+        """Ends the job, named, if a publish failed (the trainer's waits for batches call it:
+        a version that never arrives holds the batches issued at it)."""
+        if self.publisher is not None:
+            try:
+                self.publisher.ready()
+            except PublishError as error:
+                _abort(0, str(error))
+
     def wait(self) -> None:
         """Until every offered version is sent or superseded (deadline-bound)."""
         if self.publisher is not None:
