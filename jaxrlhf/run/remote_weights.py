@@ -95,7 +95,6 @@ class TrainerWeights:
         self.announced = 0  # publishes announced so far (pub/0, pub/1, ...)
         self.published_bytes = 0
         self.publisher = Publisher(self._send, timeout_s) if overlap else None
-        self.events: list[tuple[str, int, float]] = []  # inline: (what, version, time)
 
     @property
     def superseded(self) -> int:
@@ -114,9 +113,7 @@ class TrainerWeights:
         without room). An earlier version's failure ends the job, named."""
         try:
             if self.publisher is None:
-                self.events.append(("send", version, time.perf_counter()))
                 self._send(params, version)
-                self.events.append(("sent", version, time.perf_counter()))
             else:
                 self.publisher.offer(params, version)
         except PublishError as error:
@@ -174,7 +171,6 @@ class ReplicaWeights:
         self.latest = None  # the newest version's weights received (delta's base)
         self.announcements: dict[int, dict] = {}  # version -> its announcement
         self.receiver = WeightReceiver(self._receive, overlap)
-        self.events: list[tuple[str, int, float]] = []  # ("start"|"arrived", version, time)
 
     @property
     def busy(self) -> bool:
@@ -194,7 +190,6 @@ class ReplicaWeights:
         version = announced["version"]
         self.announcements[version] = announced
         self.received += 1
-        self.events.append(("start", version, time.perf_counter()))
         self._guarded(version, lambda: self.receiver.start(version))
 
     def first(self) -> tuple[object, int]:
@@ -224,10 +219,7 @@ class ReplicaWeights:
         return self._taken(self.receiver.join)
 
     def _taken(self, take) -> tuple[object, int] | None:
-        received = self._guarded(self.receiver.version, take)
-        if received is not None:
-            self.events.append(("arrived", received[1], time.perf_counter()))
-        return received
+        return self._guarded(self.receiver.version, take)
 
     def _guarded(self, version: int | None, run: Callable[[], object]):
         """`run()`, a failure of the receipt of `version` ending the job in one line."""
