@@ -412,16 +412,17 @@ def test_a_pipelined_backward_pass_gathers_no_activations(v5p_8):
 
 def test_parameter_movements_compile_and_move_what_the_planner_counts(v5p_8):
     """The pipelined manual plan moves the critic from its train layout (p2t2) to its
-    inference one (d4): one collective hop, compiled; the bytes its collectives produce over
-    the devices are at least the planner's bytes that cross a link (an all-gather writes each
-    device's own shard too)."""
+    inference one (d4): one collective hop, compiled; the bytes its collectives bring from
+    other devices are the planner's within 5% (the planner counts the pipeline axis as cutting
+    the embedding and head too, which each device holds a tensor slice of: 4.3% more here)."""
     cluster, devices = v5p_8
     spec = run_spec(_config(ppo_tiny, "manual"))
     plan = execution_plan(spec, cluster.num_devices)
     (move,) = aot.compile_reallocations(spec, cluster, plan, devices)
     assert (move.role, move.src, move.dst) == ("critic", "0-3:p2t2@1", "0-3:d4@1")
     assert not move.error and move.programs == 1
-    assert move.xla_bytes >= move.planned_bytes > 0
+    assert move.planned_bytes > 0
+    assert move.xla_bytes == pytest.approx(move.planned_bytes, rel=0.05)
 
 
 @pytest.mark.parametrize("name", ["tpu_v5p_8", "tpu_v5p_16", "tpu_v5p_128", "tpu_v5e_256",

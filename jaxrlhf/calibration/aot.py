@@ -480,7 +480,8 @@ class ReallocReport:
     Attributes:
       role, src, dst: the model and the two layouts.
       programs: the collective hops compiled (identity programs; copy hops have none).
-      xla_bytes: the bytes their collectives produce, summed over the devices.
+      xla_bytes: the bytes their collectives bring from other devices, summed over the devices
+        (`hlo_counts.collective_bytes`: comparable to `planned_bytes`).
       planned_bytes: what the planner counts as crossing a link (`cost.realloc_cost`).
       seconds: compiling here.
       error: XLA's message where a hop did not compile.

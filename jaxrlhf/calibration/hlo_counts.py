@@ -218,11 +218,53 @@ def _bytes(type_text: str) -> int:
                for dtype, dims in _TYPED.findall(type_text))
 
 
+_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\S*(?: device_ids=\S+)? \{([^}]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_LIST_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def _group_size(attrs: str, partitions: int) -> int:
+    """Devices in each of a collective's groups (all of them where it names no groups)."""
+    if (mesh := _MESH_GROUPS.search(attrs)) is not None:
+        sizes = dict((name.strip("'"), int(n)) for name, n in
+                     (item.split("=") for item in mesh.group(1).split(",")))
+        return math.prod(sizes[name.strip("'")] for name in mesh.group(2).split(","))
+    if (iota := _IOTA_GROUPS.search(attrs)) is not None:
+        return int(iota.group(2))
+    if (listed := _LIST_GROUPS.search(attrs)) is not None:
+        return len(listed.group(1).split(","))
+    return partitions
+
+
+def _received_share(ins: _Instruction, partitions: int) -> float:
+    """Bytes a device receives from others per byte of the collective's result (averaged
+    over the devices): an all-gather's or all-to-all's result holds the device's own part,
+    a ring all-reduce passes (g-1)/g of its result twice, a reduce-scatter's result sums g
+    partial blocks, a permute's pairs include devices that keep their block."""
+    op = ins.op.removesuffix("-done").removesuffix("-start")
+    if op == "collective-permute":
+        pairs = re.findall(r"\{(\d+),(\d+)\}", _PAIRS.search(ins.attrs).group(1))
+        return sum(s != t for s, t in pairs) / partitions
+    g = _group_size(ins.attrs, partitions)
+    return {"all-reduce": 2 * (g - 1) / g, "reduce-scatter": g - 1}.get(op, (g - 1) / g)
+
+
 def collective_bytes(text: str) -> int:
-    """Bytes per device that the entry computation's collectives produce (every all-gather,
-    all-reduce, reduce-scatter, all-to-all and collective-permute; an async one at its
-    `-done`, whose output is the result): a reshard program's traffic."""
+    """Bytes per device (the mean over devices) that the entry computation's collectives
+    bring from other devices (every all-gather, all-reduce, reduce-scatter, all-to-all and
+    collective-permute; an async one at its `-start`, which names its groups, with its
+    `-done`'s result): a reshard program's traffic, comparable to the planner's transfer
+    bytes (a device's own part of a collective's result never crosses a link)."""
     computations, entry = parse(text)
-    done = {f"{c}-done" for c in _COLLECTIVES}
-    return sum(_bytes(ins.type_text) for ins in computations.get(entry, [])
-               if ins.op in _COLLECTIVES or ins.op in done)
+    partitions = int(m.group(1)) if (m := _PARTITIONS.search(text)) else 1
+    instructions = computations.get(entry, [])
+    by_name = {ins.name: ins for ins in instructions}
+    total = 0.0
+    for ins in instructions:
+        if ins.op in _COLLECTIVES:
+            total += _bytes(ins.type_text) * _received_share(ins, partitions)
+        elif ins.op.removesuffix("-done") in _COLLECTIVES and ins.args and ins.args[0] in by_name:
+            total += _bytes(ins.type_text) * _received_share(by_name[ins.args[0]], partitions)
+    return round(total)
