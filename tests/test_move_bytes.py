@@ -1,5 +1,12 @@
 """A parameter move's compiled programs bring the bytes the planner counts
-(`hlo_counts.collective_bytes` beside `plan.blocks.missing_share`).
+(`hlo_counts.collective_bytes` beside `plan.blocks.missing_share`), and a mixture's expert
+stacks moved between an fsdp/tensor layout and an expert-parallel one (`parallel.stages`) are
+exact.
+
+One identity program for d4f2 -> d2e2t2 (the experts split over a former data axis, the tensor
+axis taking the former fsdp one) made XLA gather each whole stack on every device and slice it
+(4 stacks' bytes crossed where 1 must); on a v5p-64, Qwen3-30B-A3B's d8f2t2 -> d4e2t4 moved
+1319 GiB where the planner counts 180.
 """
 
 import flax.linen as nn
@@ -11,10 +18,27 @@ import pytest
 from jaxrlhf.calibration import hlo_counts
 from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.parallel import make_layout
-from jaxrlhf.parallel.reshard import collective_hops
+from jaxrlhf.parallel.reshard import collective_hops, reshard
 from jaxrlhf.parallel.strategy import parse_strategy
 from jaxrlhf.plan.blocks import missing_share
 from jaxrlhf.plan.choice import CallChoice
+
+MOE = get_size("tiny-moe", dtype=jnp.float32)
+STACKS = ("gate_proj", "up_proj", "down_proj")  # [L, E, D, F] / [L, E, F, D]
+MOVES = [("0-7:d4f2", "0-7:d2e2t2"), ("0-7:d2e2t2", "0-7:d4f2"),
+         ("0-7:d2f2t2", "0-7:d2e2t2"), ("0-7:d2e2t2", "0-7:d2f2t2")]
+
+
+def _stacks(src: str, dst: str):
+    """(name, shape/dtype, source sharding, destination sharding) of each expert stack."""
+    boxed = abstract_params(MOE)
+    shardings = [jax.tree_util.tree_leaves_with_path(make_layout(s, model=MOE)
+                                                     .param_shardings(boxed))
+                 for s in (src, dst)]
+    leaves = jax.tree.leaves(nn.meta.unbox(boxed))
+    return [(jax.tree_util.keystr(path), leaf, a, b)
+            for leaf, (path, a), (_, b) in zip(leaves, *shardings)
+            if any(name in jax.tree_util.keystr(path) for name in STACKS)]
 
 
 def _compiled_bytes(leaf, src, dst) -> int:
@@ -48,3 +72,24 @@ def test_a_gather_counts_only_what_crosses(src, dst):
                    if leaf.ndim > 1)
     planned = sum(_planned_bytes(leaf, src, dst) for leaf in leaves if leaf.ndim > 1)
     assert compiled == pytest.approx(planned, rel=0.01)
+
+
+@pytest.mark.parametrize("src,dst", MOVES)
+def test_expert_stacks_move_the_bytes_the_planner_counts(src, dst):
+    """Each stack's programs bring what the planner counts (the expert axis cuts a stack)."""
+    for name, leaf, a, b in _stacks(src, dst):
+        planned = _planned_bytes(leaf, src, dst)
+        assert planned > 0
+        assert _compiled_bytes(leaf, a, b) == pytest.approx(planned, rel=0.1), name
+
+
+@pytest.mark.parametrize("src,dst", MOVES[:2])
+def test_expert_stacks_move_exactly(src, dst):
+    rng = np.random.default_rng(0)
+    stacks = _stacks(src, dst)
+    values = [rng.standard_normal(leaf.shape).astype(leaf.dtype) for _, leaf, _, _ in stacks]
+    placed = [jax.device_put(v, a) for v, (_, _, a, _) in zip(values, stacks)]
+    moved, _ = reshard(placed, [b for *_, b in stacks])
+    for value, x, (name, _, _, b) in zip(values, moved, stacks):
+        assert x.sharding.is_equivalent_to(b, x.ndim), name
+        np.testing.assert_array_equal(np.asarray(x), value, err_msg=name)

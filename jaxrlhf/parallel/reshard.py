@@ -12,7 +12,8 @@ these routes (chosen per leaf from its shardings):
               shape on other devices): each destination shard is a fresh device-to-device
               copy of a matching source shard.
   * COLLECTIVE same device set, new shard boundaries: an identity `jit` with `out_shardings`
-              lets XLA reshard with collectives on the devices.
+              lets XLA reshard with collectives on the devices, as up to three programs
+              (slice, exchange, gather: `stages.py`) where one would gather whole arrays.
   * GATHER_THEN_COPY  different devices, |src| a multiple of |dst|: first reshard on the source
               devices into "the destination's shards, repeated |src|/|dst| times" (a mesh of the
               source devices shaped like the destination mesh plus a replica axis), then COPY.
@@ -70,7 +71,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from jaxrlhf.parallel import shard_transfer, watchdog
+from jaxrlhf.parallel import shard_transfer, stages, watchdog
 
 DEVICE_MEMORY = "device"
 _REPLICA_AXIS = "_reshard_replica"
@@ -408,6 +409,13 @@ def _order(sharding: NamedSharding) -> tuple[int, ...]:
     return tuple(d.id for d in sharding.mesh.devices.flat)
 
 
+def _staged(src: NamedSharding, dst: NamedSharding, shape) -> list[tuple[_Step, NamedSharding]]:
+    """A collective reshard on one device order as slice / exchange / gather programs
+    (`stages.collective_stages`: one program for several changes at once can gather the
+    whole array on every device)."""
+    return [(_Step.COLLECTIVE, stage) for stage in stages.collective_stages(src, dst, shape)]
+
+
 def _route_hops(src: NamedSharding, dst: NamedSharding, shape) -> list[tuple[_Step, NamedSharding]]:
     """The hops between two device-memory shardings."""
     match choose_route(src, dst, shape):
@@ -416,16 +424,17 @@ def _route_hops(src: NamedSharding, dst: NamedSharding, shape) -> list[tuple[_St
         case Route.COPY:
             return [(_Step.COPY, dst)]
         case Route.COLLECTIVE if _order(src) == _order(dst):
-            return [(_Step.COLLECTIVE, dst)]
+            return _staged(src, dst, shape)
         case Route.COLLECTIVE:
             # The same devices in another mesh order (a TPU slice's meshes follow its torus,
             # shape by shape): one program must keep its devices' order, so it lays dst's
             # shards out on src's order, and a copy then puts each on its device.
-            return [(_Step.COLLECTIVE, _replica_extended(dst, src)), (_Step.COPY, dst)]
+            return _staged(src, _replica_extended(dst, src), shape) + [(_Step.COPY, dst)]
         case Route.GATHER_THEN_COPY:
-            return [(_Step.COLLECTIVE, _replica_extended(dst, src)), (_Step.COPY, dst)]
+            return _staged(src, _replica_extended(dst, src), shape) + [(_Step.COPY, dst)]
         case Route.COPY_THEN_SCATTER:
-            return [(_Step.COPY, _replica_extended(src, dst)), (_Step.COLLECTIVE, dst)]
+            landing = _replica_extended(src, dst)
+            return [(_Step.COPY, landing)] + _staged(landing, dst, shape)
         case Route.CROSS_PROCESS if _CROSS_PATH is CrossPath.SHARDS:
             return [(_Step.SHARDS, dst)]
         case Route.CROSS_PROCESS if src.mesh.devices.size >= dst.mesh.devices.size:
