@@ -83,7 +83,19 @@ def test_expert_stacks_move_the_bytes_the_planner_counts(src, dst):
         assert _compiled_bytes(leaf, a, b) == pytest.approx(planned, rel=0.1), name
 
 
-@pytest.mark.parametrize("src,dst", MOVES[:2])
+# Two mesh axes onto the experts at once: two all-to-alls, each bringing half of a destination
+# shard where 3/4 of it must arrive (one program gathered whole stacks: 4x the planner's).
+TWO_AXES = [("0-7:d2f2t2", "0-7:d2e4"), ("0-7:d2e4", "0-7:d2f2t2"), ("0-7:d2f4", "0-7:e4t2")]
+
+
+@pytest.mark.parametrize("src,dst", TWO_AXES)
+def test_two_axes_onto_the_experts_move_by_one_all_to_all_each(src, dst):
+    for name, leaf, a, b in _stacks(src, dst):
+        assert _compiled_bytes(leaf, a, b) == pytest.approx(
+            4 / 3 * _planned_bytes(leaf, src, dst), rel=0.01), name
+
+
+@pytest.mark.parametrize("src,dst", MOVES[:2] + TWO_AXES)
 def test_expert_stacks_move_exactly(src, dst):
     rng = np.random.default_rng(0)
     stacks = _stacks(src, dst)

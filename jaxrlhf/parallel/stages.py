@@ -13,7 +13,9 @@ So the move goes in up to three programs (`collective_stages`):
   1. slice: every dimension also takes the destination's splits over mesh axes the source
      leaves replicated (each device keeps part of what it holds; nothing crosses);
   2. exchange: the destination's splits, keeping those over mesh axes only the source uses
-     (all-to-all and permutes between the same mesh axes);
+     (between the same mesh axes): one all-to-all per run of mesh axes that moves from the
+     minor end of one dimension to its place in another (`_exchanges`; XLA gathers whole
+     arrays for two at once, d2f2t2 -> d2e4), then one program for what is left (a permute);
   3. gather: drop those (an all-gather).
 Both shardings are written on one mesh of the common refinement of their mesh axes (the same
 devices in the same order, each mesh axis a run of its factors, major first), so "the same mesh
@@ -83,6 +85,31 @@ def _extended(base: list[list[str]], extra: list[list[str]], unused: set[str],
     return out
 
 
+def _move(cur: list[list[str]], want: list[list[str]]) -> list[list[str]] | None:
+    """`cur` after one all-to-all that moves a run of mesh axes from the minor end of one
+    dimension to the minor end of the dimension `want` puts them on, which then is a prefix of
+    what `want` has there (the longest such run of the first dimension that has one), or None."""
+    for s, axes in enumerate(cur):
+        for n in range(len(axes), 0, -1):
+            run = axes[-n:]
+            t = next(i for i, w in enumerate(want) if run[0] in w)
+            grown = cur[t] + run
+            if t != s and grown == want[t][:len(grown)]:
+                out = [list(x) for x in cur]
+                out[s], out[t] = axes[:-n], grown
+                return out
+    return None
+
+
+def _exchanges(start: list[list[str]], want: list[list[str]]) -> list[list[list[str]]]:
+    """The states between `start` and `want` (the same mesh axes, other dimensions), one
+    all-to-all each (`_move`) while one applies; XLA moves the rest in one program."""
+    states, cur = [], start
+    while cur != want and (cur := _move(cur, want)) is not None:
+        states.append(cur)
+    return states if states and states[-1] == want else states + [want]
+
+
 def collective_stages(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...]
                       ) -> list[NamedSharding]:
     """The shardings an array of `shape` passes through from `src` to `dst` (same devices in
@@ -101,8 +128,12 @@ def collective_stages(src: NamedSharding, dst: NamedSharding, shape: tuple[int, 
     exchanged = _extended(d, s, used_s - used_d, shape, size)
     if sliced is None or exchanged is None:
         return [dst]
+    steps = [sliced, *_exchanges(sliced, exchanged)]
+    if any(n % math.prod(size[a] for a in axes) for dims in steps
+           for axes, n in zip(dims, shape)):
+        steps = [sliced, exchanged]
     stages, at = [], src
-    for dims in (sliced, exchanged):
+    for dims in steps:
         stage = NamedSharding(mesh, PartitionSpec(*(tuple(x) if x else None for x in dims)),
                               memory_kind=dst.memory_kind)
         if not stage.is_equivalent_to(at, len(shape)) and not stage.is_equivalent_to(
