@@ -188,7 +188,8 @@ def gradient_phases(p: ModelProfile, choice: CallChoice, tensor: int, stages: in
     beside the parameter-dtype gradients, XLA:GPU freeing each as it is cast. The update is
     formed leaf by leaf in place (no update tree). Measured by `plan --compile` against XLA's
     peaks, bf16 parameters with an fp32 master: Llama-3 7B's actor and critic on d4f2 of a
-    v5p-16 and 70B's on d4f4t4 and d32t2 of a v5p-128, each within 7%; 70B's on d2p16t4 and
+    v5p-16 and 70B's on d4f4t4 and d32t2 of a v5p-128, each within 7% (before the ZeRO-1
+    step's heap terms, `zero1_step_heap_bytes`, which over-price d4f4t4 by 32%); 70B's on d2p16t4 and
     d16f2t4 of 128 H100s within 8%; Llama-3.2-1B on d2f2 and on d4 with two micro-batches of
     a v5p-8 within 9% (`tests/test_plan_compile.py`)."""
     if platform is Platform.CPU:
@@ -200,6 +201,35 @@ def gradient_phases(p: ModelProfile, choice: CallChoice, tensor: int, stages: in
     # parameter-dtype gradients.
     second = 4 if loop else own if platform is Platform.TPU else 0
     return elements * ((own or 4) + (4 if loop else 0)), elements * (4 + second)
+
+
+def zero1_step_heap_bytes(p: ModelProfile, choice: CallChoice, saved: float,
+                          platform: Platform) -> tuple[int, int]:
+    """(bytes both phases hold, bytes the optimizer phase adds) in XLA:TPU's heap beside a
+    ZeRO-1 train step's gradients (`gradient_phases`) over data parallelism (d > 1), one
+    micro-batch, no pipeline, no LoRA:
+
+    * a copy of the largest layer stack (a dense MLP projection's [L, D, I] shard in the
+      parameter dtype): the backward scan's gradient accumulator of a parameter stack's shape
+      takes that donated parameter's buffer, so XLA copies the stacks the scans read into
+      buffers of their own, live from the program's start to the step's end (where the
+      update's gathered new parameters land); the smaller stacks' copies it fits into freed
+      parameter buffers;
+    * the backward pass's `saved` activations' space, below the step's fp32 gradient stacks:
+      the update's gathered new parameters take that space while the stacks are formed, so the
+      heap lays them above it.
+
+    Read from XLA's buffer assignments (`plan --compile --explain`) of Llama-3 70B's actor on
+    d8f2t4 of a v5p-128 and of 16 and 8 of its layers on d2f2t2 of a v5p-16, and 7B's critic
+    on d8 of a v5p-16 (`tests/test_plan_compile.py`). Not so where the saved activations'
+    space takes two of the fp32 stacks (70B's actor on d4f4t4: XLA 43.45 GiB, the model
+    57.36). Without data parallelism XLA updates the donated buffers in place and holds
+    neither; with LoRA the stacks are frozen arguments, not donated."""
+    if (platform is not Platform.TPU or choice.data == 1 or choice.pipeline > 1
+            or choice.micro_batches > 1 or p.config.lora is not None):
+        return 0, 0
+    copy = p.largest_layer_leaf_bytes(choice.tensor, choice.fsdp, choice.pipeline, choice.expert)
+    return copy, int(copy + saved)
 
 
 def _sharded(dim: int, ways: int) -> float:
@@ -491,10 +521,12 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             # (`engine.inference.readout_in_chunks`): one micro-batch's logits, as a loop.
             if stages > 1:
                 gathered += _head_copy_bytes(p, choice)
-            activations = (pipelined_saved_bytes(p, choice, tokens, span(s), remat_stages)
-                           + layer_working_bytes(p, tokens, span(s), t, e)
-                           + _stage_buffers(p, choice, tokens * choice.micro_batches))
+            saved = pipelined_saved_bytes(p, choice, tokens, span(s), remat_stages)
+            copy, held = zero1_step_heap_bytes(p, choice, saved, platform)
+            activations = (saved + layer_working_bytes(p, tokens, span(s), t, e)
+                           + _stage_buffers(p, choice, tokens * choice.micro_batches) + copy)
             grads, step = gradient_phases(p, choice, t, stages, platform)
+            step += held
             return MemoryBreakdown(
                 params=params, optimizer=optimizer, grads=grads, step=step,
                 activations=int(activations), logits=int(_head_backward_bytes(p, tokens, t)),

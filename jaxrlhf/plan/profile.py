@@ -201,6 +201,17 @@ class ModelProfile:
             self._shards[key] = (0, total // self.config.num_layers)
         return self._shards[key][1]
 
+    def largest_layer_leaf_bytes(self, tensor: int, fsdp: int, pipeline: int = 1,
+                                 expert: int = 1) -> int:
+        """Bytes per device of the largest leaf of the stacked decoder layers (a dense MLP's
+        projection stack [L, D, I] as the layout shards it; 0 without a stack)."""
+        key = ("largest layer leaf", tensor, fsdp, pipeline, expert)
+        if key not in self._shards:
+            sizes = [self._count_shard(tensor, fsdp, pipeline, expert, [leaf])[1]
+                     for leaf in self.leaves if _is_layer(leaf)]
+            self._shards[key] = (0, max(sizes, default=0))
+        return self._shards[key][1]
+
     @functools.cached_property
     def _shards(self) -> dict[tuple[int, ...], tuple[int, int]]:
         return {}

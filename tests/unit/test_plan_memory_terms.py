@@ -32,6 +32,8 @@ from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import load_cluster
 from jaxrlhf.plan.experiment import Workload
 from jaxrlhf.plan.profile import profile_of
+from jaxrlhf.spec import run_spec
+from jaxrlhf.configs import ppo_70b
 
 SMALL = get_size("small", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
 WORK = Workload(batch_size=64, prompt_len=32, new_tokens=32, mini_batches=2)
@@ -124,10 +126,50 @@ def test_accelerator_gradients_in_two_phases(platform, spec, micro, dtype, backw
     cfg = get_size("small", dtype=dtype, param_dtype=dtype)
     p, choice = profile_of(cfg), _choice(spec, micro)
     elements = p.shard_elements(1, 1, choice.pipeline)
+    assert memory.gradient_phases(p, choice, 1, choice.pipeline, platform) == (
+        elements * backward, elements * step)
     got = memory.call_memory(p, Call.TRAIN_STEP, WORK, choice, platform=platform)
-    assert (got.grads, got.step) == (elements * backward, elements * step)
+    assert got.grads == elements * backward
     phases = got.activations + max(got.logits, got.grads + got.gathered)
     assert got.temporaries == max(phases, got.step)
+
+
+@pytest.mark.parametrize("platform, spec, micro, held", [
+    (Platform.TPU, "0-3:d4", 1, True),
+    (Platform.TPU, "0-3:d2t2", 1, True),
+    (Platform.TPU, "0-3:d4", 2, False),  # a loop of micro-batches: not measured
+    (Platform.TPU, "0-3:f4", 1, False),  # no data parallelism: updated in place
+    (Platform.TPU, "0-3:d2p2", 1, False),
+    (Platform.GPU, "0-3:d4", 1, False),
+])
+def test_a_zero1_train_step_on_tpu_holds_a_weight_copy_and_the_saved_activations(
+        platform, spec, micro, held):
+    """XLA:TPU, ZeRO-1 over d > 1, one micro-batch: a copy of the largest layer stack (an MLP
+    projection's [L, D, I/t] in bf16) through both phases, and in the optimizer phase the
+    saved activations' space below the fp32 gradient stacks (`memory.zero1_step_heap_bytes`)."""
+    cfg = dataclasses.replace(SMALL, remat=RematPolicy.FULL)
+    p, choice = profile_of(cfg), _choice(spec, micro)
+    tokens = WORK.packed_tokens_per_device(Call.TRAIN_STEP, choice.dp_size, micro)
+    copy = cfg.num_layers * cfg.hidden_size * cfg.intermediate_size // choice.tensor * 2
+    saved = cfg.num_layers * tokens * cfg.hidden_size * 2
+    got = memory.call_memory(p, Call.TRAIN_STEP, WORK, choice, platform=platform)
+    grads, step = memory.gradient_phases(p, choice, choice.tensor, choice.pipeline, platform)
+    assert got.step - step == ((copy + saved) if held else 0)
+    assert memory.zero1_step_heap_bytes(p, choice, saved, platform) == (
+        (copy, copy + saved) if held else (0, 0))
+
+
+def test_llama3_70b_actor_on_d8f2t4_of_a_v5p_128_does_not_fit():
+    """ppo_70b's searched actor_train on d8f2t4 of a v5p-128: XLA's peak is 98.99 GiB, over
+    the 86.40 usable (`plan --compile`); the memory model priced 78.03 GiB before it held
+    the ZeRO-1 step's weight copy and saved activations' space (92.41 now), so the search
+    chose a plan XLA refuses."""
+    experiment = run_spec(ppo_70b.get_config()).experiment()
+    cluster = load_cluster("meshes/tpu_v5p_128.py")
+    actor_train = experiment.graph.mfc("actor_train")
+    got = memory.own_memory(experiment, actor_train, _choice("0-63:d8f2t4", 1), cluster.platform)
+    assert abs(got.total / (98.99 * 2**30) - 1) < 0.10, got.describe()
+    assert got.total > cluster.usable_hbm_bytes
 
 
 @pytest.mark.parametrize("dtype, copy", [(jnp.bfloat16, True), (jnp.float32, False)])
