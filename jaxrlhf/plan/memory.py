@@ -204,17 +204,19 @@ def gradient_phases(p: ModelProfile, choice: CallChoice, tensor: int, stages: in
 
 
 def zero1_step_heap_bytes(p: ModelProfile, choice: CallChoice, saved: float,
-                          platform: Platform) -> tuple[int, int]:
-    """(bytes both phases hold, bytes the optimizer phase adds) in XLA:TPU's heap beside a
-    ZeRO-1 train step's gradients (`gradient_phases`) over data parallelism (d > 1), one
-    micro-batch, no pipeline, no LoRA:
+                          platform: Platform) -> int:
+    """Bytes XLA:TPU's heap holds beside the optimizer phase's gradients (`gradient_phases`)
+    of a ZeRO-1 train step over data parallelism (d > 1), one micro-batch, no pipeline, no
+    LoRA:
 
     * a copy of the largest layer stack (a dense MLP projection's [L, D, I] shard in the
       parameter dtype): the backward scan's gradient accumulator of a parameter stack's shape
       takes that donated parameter's buffer, so XLA copies the stacks the scans read into
       buffers of their own, live from the program's start to the step's end (where the
       update's gathered new parameters land); the smaller stacks' copies it fits into freed
-      parameter buffers;
+      parameter buffers. Priced in the step alone: the head phase holds it too, but its
+      terms are within 2% (7B's actor on d4f2 of a v5p-16) or over (+8%, Llama-3.2-1B's on
+      d2f2 of a v5p-8) without it;
     * the backward pass's `saved` activations' space, below the step's fp32 gradient stacks:
       the update's gathered new parameters take that space while the stacks are formed, so the
       heap lays them above it.
@@ -227,9 +229,9 @@ def zero1_step_heap_bytes(p: ModelProfile, choice: CallChoice, saved: float,
     neither; with LoRA the stacks are frozen arguments, not donated."""
     if (platform is not Platform.TPU or choice.data == 1 or choice.pipeline > 1
             or choice.micro_batches > 1 or p.config.lora is not None):
-        return 0, 0
+        return 0
     copy = p.largest_layer_leaf_bytes(choice.tensor, choice.fsdp, choice.pipeline, choice.expert)
-    return copy, int(copy + saved)
+    return int(copy + saved)
 
 
 def _sharded(dim: int, ways: int) -> float:
@@ -522,11 +524,10 @@ def call_memory(p: ModelProfile, call: Call, work: Workload, choice: CallChoice,
             if stages > 1:
                 gathered += _head_copy_bytes(p, choice)
             saved = pipelined_saved_bytes(p, choice, tokens, span(s), remat_stages)
-            copy, held = zero1_step_heap_bytes(p, choice, saved, platform)
             activations = (saved + layer_working_bytes(p, tokens, span(s), t, e)
-                           + _stage_buffers(p, choice, tokens * choice.micro_batches) + copy)
+                           + _stage_buffers(p, choice, tokens * choice.micro_batches))
             grads, step = gradient_phases(p, choice, t, stages, platform)
-            step += held
+            step += zero1_step_heap_bytes(p, choice, saved, platform)
             return MemoryBreakdown(
                 params=params, optimizer=optimizer, grads=grads, step=step,
                 activations=int(activations), logits=int(_head_backward_bytes(p, tokens, t)),
