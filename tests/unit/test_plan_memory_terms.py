@@ -108,29 +108,31 @@ def test_gradient_buffers_follow_the_accumulation(spec, micro, dtype, per_elemen
     assert (got.grads, got.step) == (elements * per_element, 0)
 
 
-@pytest.mark.parametrize("platform, spec, micro, dtype, backward, step", [
-    # the backward pass: the parameter dtype's gradients (fp32 for fp32 parameters), and a
-    # loop's fp32 accumulator; the step: fp32 gradients, beside a loop's divided tree or
-    # (TPU) the parameter dtype's
-    (Platform.TPU, "0-3:d4", 1, jnp.bfloat16, 2, 4 + 2),
-    (Platform.TPU, "0-3:d4", 1, jnp.float32, 4, 4),
-    (Platform.TPU, "0-3:d4", 4, jnp.bfloat16, 2 + 4, 4 + 4),
-    (Platform.TPU, "0-3:d2p2", 4, jnp.bfloat16, 2, 4 + 2),  # a pipeline: no loop
-    (Platform.GPU, "0-3:d4", 1, jnp.bfloat16, 2, 4),
-    (Platform.GPU, "0-3:d4", 4, jnp.bfloat16, 2 + 4, 4 + 4),
+@pytest.mark.parametrize("platform, spec, micro, dtype, backward, carried, step", [
+    # the backward pass: the parameter dtype's gradients (fp32 for fp32 parameters), and
+    # beside every phase a loop's fp32 sum; the step: fp32 gradients, beside a loop's
+    # divided tree or (TPU) the parameter dtype's
+    (Platform.TPU, "0-3:d4", 1, jnp.bfloat16, 2, 0, 4 + 2),
+    (Platform.TPU, "0-3:d4", 1, jnp.float32, 4, 0, 4),
+    (Platform.TPU, "0-3:d4", 4, jnp.bfloat16, 2, 4, 4 + 4),
+    (Platform.TPU, "0-3:d2p2", 4, jnp.bfloat16, 2, 0, 4 + 2),  # a pipeline: no loop
+    (Platform.GPU, "0-3:d4", 1, jnp.bfloat16, 2, 0, 4),
+    (Platform.GPU, "0-3:d4", 4, jnp.bfloat16, 2, 4, 4 + 4),
 ])
-def test_accelerator_gradients_in_two_phases(platform, spec, micro, dtype, backward, step):
-    """XLA:TPU and XLA:GPU: gradients beside the activations in the backward pass, then the
-    optimizer step's trees once they are freed (`memory.gradient_phases`); the peak is the
-    larger phase."""
+def test_accelerator_gradients_in_two_phases(platform, spec, micro, dtype, backward, carried,
+                                             step):
+    """XLA:TPU and XLA:GPU: gradients beside the activations in the backward pass, a loop's
+    sum beside its head's phase too (`memory.gradient_sum_bytes`), then the optimizer step's
+    trees once they are freed (`memory.gradient_phases`); the peak is the larger phase."""
     cfg = get_size("small", dtype=dtype, param_dtype=dtype)
     p, choice = profile_of(cfg), _choice(spec, micro)
     elements = p.shard_elements(1, 1, choice.pipeline)
     assert memory.gradient_phases(p, choice, 1, choice.pipeline, platform) == (
         elements * backward, elements * step)
     got = memory.call_memory(p, Call.TRAIN_STEP, WORK, choice, platform=platform)
-    assert got.grads == elements * backward
-    phases = got.activations + max(got.logits, got.grads + got.gathered)
+    # The step's gradients (beside a ZeRO-1 step's heap terms, tested below).
+    assert (got.grads, got.carried) == (elements * backward, elements * carried)
+    phases = got.activations + got.carried + max(got.logits, got.grads + got.gathered)
     assert got.temporaries == max(phases, got.step)
 
 
