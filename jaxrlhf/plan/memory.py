@@ -209,12 +209,13 @@ def gradient_sum_bytes(p: ModelProfile, choice: CallChoice, tensor: int, stages:
     """The fp32 sum of a loop of micro-batches' gradients (p = 1, k > 1) an accelerator's train
     step carries through every micro-batch's backward pass: live from the first micro-batch to
     the step, so beside the head's phase (its logits) as well as the layers' (their gradients),
-    not only beside the latter. Measured by `plan --compile` against XLA's peaks, where the
-    head's phase of a loop is the peak: Qwen3-30B-A3B's actor on d8f2t2@2 of a v5p-64 (XLA
-    98.33 GiB; the model 83.91 with the sum beside the layers' gradients only, 97.81 with it
-    beside both), d4e2f4@2 (88.59; 64.45, 79.40) and on f4t2@8 of 8 H100s (80.01; 65.81,
-    80.03); 8 of its layers of 64 experts on f2t2@2 of a v5p-8 (`tests/test_plan_compile.py`).
-    XLA:CPU's trees are all beside the activations (`gradient_bytes`), so none here."""
+    not only beside the latter. Measured by `plan --compile` against XLA's peaks (GiB; the
+    model with the sum beside the layers' gradients only, then beside both): Qwen3-30B-A3B's
+    actor on f4t2@8 of 8 H100s 80.01 (65.81, 80.03), on d4e2f4@2 of a v5p-64 88.59 (64.45,
+    79.39), d4e8@4 94.91 (75.41, 81.97), d4f4t2@2 95.59 (62.25, 76.48; the rest of its gap
+    is XLA:TPU's, unpriced), 8 of its layers of 64 experts on f2t2@2 of a v5p-8 20.60 (16.43,
+    19.01; `tests/test_plan_compile.py`). XLA:CPU's trees are all beside the activations
+    (`gradient_bytes`), so none here."""
     if platform is Platform.CPU or stages > 1 or choice.micro_batches == 1:
         return 0
     return 4 * p.trained_shard_elements(tensor, choice.fsdp, stages, choice.expert)
