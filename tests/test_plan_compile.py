@@ -337,7 +337,7 @@ def test_train_steps_memory_within_10_percent_of_xla_on_tpu(v5p_8):
     """Llama-3.2-1B trained as the big configs train (bf16 parameters, an fp32 master, full
     remat) on 2,048-token rows: the actor on d2f2 (its peak the head's fp32 logits), the
     critic on d4 with a loop of two micro-batches (its peak the optimizer step's fp32
-    gradient trees, `memory.gradient_phases`). The memory model within 10% of XLA's peak
+    gradient trees, `train_memory.gradient_phases`). The memory model within 10% of XLA's peak
     (it priced a CPU's gradient trees, all beside the activations: the critic +35%)."""
     _, reports = _compile_llama_1b(v5p_8, ("actor", "critic"), 16,
                                    {"actor_train", "critic_train"}, trained=True,
@@ -353,7 +353,7 @@ def test_a_zero1_train_step_with_fsdp_and_tensor_parallelism_within_10_percent_o
     """ppo_70b's actor cut to 16 of its layers, trained on d2f2t2 of a v5p-16 with one
     micro-batch (4 rows of 2,048 tokens a chip): XLA:TPU holds a copy of the largest layer
     stack through the step and lays the step's fp32 gradient stacks above the saved
-    activations' space (`memory.zero1_step_heap_bytes`); the memory model within 10% of XLA's
+    activations' space (`train_memory.zero1_step_heap_bytes`); the memory model within 10% of XLA's
     peak (-11.6% before, 58.22 GiB by XLA; the full 70B on d8f2t4 of a v5p-128 -21.2% before,
     -6.6% now)."""
     from jaxrlhf.configs import ppo_70b
@@ -567,7 +567,7 @@ def test_a_loops_gradient_sum_is_priced_beside_the_heads_phase(v5p_8, monkeypatc
     """Qwen3-30B-A3B's shape with 8 layers of 64 experts, its train step on f2t2 of a v5p-8
     with two micro-batches of 6,144 tokens (768-token rows): the loop's fp32 gradient sum is
     live through each micro-batch's backward pass, beside the head's logits, where the step
-    peaks (`memory.gradient_sum_bytes`): the model within 10% of XLA's peak (-20.2% before,
+    peaks (`train_memory.gradient_sum_bytes`): the model within 10% of XLA's peak (-20.2% before,
     -7.7% now; the same step on f2t2@1 was +9.8%: the gap was the loop, not the experts)."""
     cluster, devices = v5p_8
     spec = _small_qwen3_moe(monkeypatch, 8, 64, 4, "f2t2@2", prompt_len=256, new_tokens=512)

@@ -19,7 +19,7 @@ from jaxrlhf.models.sizes import abstract_params
 from jaxrlhf.mfc import Call, Role
 from jaxrlhf.parallel.layout import Platform, make_layout
 from jaxrlhf.parallel.strategy import parse_strategy
-from jaxrlhf.plan import memory, moves
+from jaxrlhf.plan import memory, moves, train_memory
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import load_cluster
 from jaxrlhf.plan.experiment import Workload
@@ -109,8 +109,8 @@ def test_reals_70b_generation_holds_the_copy_instead_of_the_training_shard(exper
 
 def test_zero1_optimizer_term_is_a_data_parallel_slice():
     p = profile_of(MODEL)
-    whole = memory.train_state_bytes(p, CallChoice.of(parse_strategy("0-3:f2t2")), True)
-    sliced = memory.train_state_bytes(p, CallChoice.of(parse_strategy("0-7:d2f2t2")), True)
+    whole = train_memory.train_state_bytes(p, CallChoice.of(parse_strategy("0-3:f2t2")), True)
+    sliced = train_memory.train_state_bytes(p, CallChoice.of(parse_strategy("0-7:d2f2t2")), True)
     assert sliced[0] == whole[0] and sliced[1] * 2 == whole[1]
 
 

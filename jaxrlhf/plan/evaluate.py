@@ -13,7 +13,7 @@ import math
 from jaxrlhf.mfc import MFC, Role
 from jaxrlhf.plan import cost as cost_lib
 from jaxrlhf.plan import memory as memory_lib
-from jaxrlhf.plan import simulator
+from jaxrlhf.plan import simulator, train_memory
 from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.experiment import Experiment
@@ -98,7 +98,7 @@ class Evaluator:
     def _state_seconds(self, role: Role, home: CallChoice) -> float:
         """A trained model's parameters and optimizer state to or from host memory."""
         p = self.experiment.profile(role)
-        nbytes = sum(memory_lib.train_state_bytes(p, home, self.experiment.master(role)))
+        nbytes = sum(train_memory.train_state_bytes(p, home, self.experiment.master(role)))
         moments = 3 if self.experiment.master(role) else 2  # AdamW m, v (+ fp32 master)
         cost = cost_lib.host_transfer_cost(nbytes, (1 + moments) * len(p.leaves), self.cluster)
         return cost.seconds(self.cluster)

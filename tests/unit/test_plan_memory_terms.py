@@ -27,7 +27,7 @@ from jaxrlhf.models.config import RematPolicy
 from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.parallel.layout import Platform
 from jaxrlhf.parallel.strategy import parse_strategy
-from jaxrlhf.plan import memory
+from jaxrlhf.plan import memory, train_memory
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import load_cluster
 from jaxrlhf.plan.experiment import Workload
@@ -122,12 +122,12 @@ def test_gradient_buffers_follow_the_accumulation(spec, micro, dtype, per_elemen
 def test_accelerator_gradients_in_two_phases(platform, spec, micro, dtype, backward, carried,
                                              step):
     """XLA:TPU and XLA:GPU: gradients beside the activations in the backward pass, a loop's
-    sum beside its head's phase too (`memory.gradient_sum_bytes`), then the optimizer step's
-    trees once they are freed (`memory.gradient_phases`); the peak is the larger phase."""
+    sum beside its head's phase too (`train_memory.gradient_sum_bytes`), then the optimizer step's
+    trees once they are freed (`train_memory.gradient_phases`); the peak is the larger phase."""
     cfg = get_size("small", dtype=dtype, param_dtype=dtype)
     p, choice = profile_of(cfg), _choice(spec, micro)
     elements = p.shard_elements(1, 1, choice.pipeline)
-    assert memory.gradient_phases(p, choice, 1, choice.pipeline, platform) == (
+    assert train_memory.gradient_phases(p, choice, 1, choice.pipeline, platform) == (
         elements * backward, elements * step)
     got = memory.call_memory(p, Call.TRAIN_STEP, WORK, choice, platform=platform)
     # The step's gradients (beside a ZeRO-1 step's heap terms, tested below).
@@ -148,16 +148,16 @@ def test_a_zero1_train_step_on_tpu_holds_a_weight_copy_and_the_saved_activations
         platform, spec, micro, held):
     """XLA:TPU, ZeRO-1 over d > 1, one micro-batch: in the optimizer phase a copy of the
     largest layer stack (an MLP projection's [L, D, I/t] in bf16) and the saved activations'
-    space below the fp32 gradient stacks (`memory.zero1_step_heap_bytes`)."""
+    space below the fp32 gradient stacks (`train_memory.zero1_step_heap_bytes`)."""
     cfg = dataclasses.replace(SMALL, remat=RematPolicy.FULL)
     p, choice = profile_of(cfg), _choice(spec, micro)
     tokens = WORK.packed_tokens_per_device(Call.TRAIN_STEP, choice.dp_size, micro)
     copy = cfg.num_layers * cfg.hidden_size * cfg.intermediate_size // choice.tensor * 2
     saved = cfg.num_layers * tokens * cfg.hidden_size * 2
     got = memory.call_memory(p, Call.TRAIN_STEP, WORK, choice, platform=platform)
-    grads, step = memory.gradient_phases(p, choice, choice.tensor, choice.pipeline, platform)
+    grads, step = train_memory.gradient_phases(p, choice, choice.tensor, choice.pipeline, platform)
     assert got.step - step == ((copy + saved) if held else 0)
-    assert memory.zero1_step_heap_bytes(p, choice, saved, platform) == (
+    assert train_memory.zero1_step_heap_bytes(p, choice, saved, platform) == (
         (copy + saved) if held else 0)
 
 

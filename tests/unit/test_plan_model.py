@@ -14,7 +14,7 @@ from jaxrlhf.models.config import RematPolicy
 from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.parallel.layout import make_layout
 from jaxrlhf.parallel.strategy import Axis, DeviceRange
-from jaxrlhf.plan import cost, memory
+from jaxrlhf.plan import cost, memory, train_memory
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import Calibration, Cluster, load_cluster, save_calibration
 from jaxrlhf.plan.experiment import Workload
@@ -68,7 +68,7 @@ def test_train_state_bytes_equal_compiled_arguments(fp32_master):
     shardings = train_step.state_shardings(cfg, layout, OptimizerConfig(fp32_master=fp32_master))
     compiled = jax.jit(lambda p, o: (p, o), in_shardings=(
         shardings.params, shardings.opt_state)).lower(params, opt_state).compile()
-    param_bytes, opt_bytes = memory.train_state_bytes(profile_of(cfg), choice(0, 7, 2, 2, 2),
+    param_bytes, opt_bytes = train_memory.train_state_bytes(profile_of(cfg), choice(0, 7, 2, 2, 2),
                                                       fp32_master)
     p = profile_of(cfg)
     assert opt_bytes * 2 == p.shard_elements(2, 2) * ((8 + 4) if fp32_master else 4)

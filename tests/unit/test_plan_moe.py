@@ -13,7 +13,7 @@ from jaxrlhf.models.config import RematPolicy
 from jaxrlhf.models.sizes import abstract_params, get_size
 from jaxrlhf.parallel.layout import Platform, make_layout
 from jaxrlhf.parallel.strategy import DeviceRange, parse_strategy
-from jaxrlhf.plan import cost, memory, space
+from jaxrlhf.plan import cost, memory, space, train_memory
 from jaxrlhf.plan.choice import CallChoice
 from jaxrlhf.plan.cluster import load_cluster
 from jaxrlhf.plan.evaluate import Evaluator
@@ -127,7 +127,7 @@ def test_sparse_block_activations_follow_t_times_k_rows():
 def test_train_state_counts_every_expert():
     p = profile_of(get_size("qwen3-30b-a3b", param_dtype=jnp.bfloat16))
     f8 = CallChoice(DeviceRange(0, 7), fsdp=8)
-    params, optimizer = memory.train_state_bytes(p, f8, fp32_master=True)
+    params, optimizer = train_memory.train_state_bytes(p, f8, fp32_master=True)
     # Every leaf's embed dimension is cut 8 ways, but the q/k norm scales [L, head_dim].
     qk_norms = 48 * 2 * 128
     sharded = p.num_params - qk_norms
@@ -181,7 +181,7 @@ def test_an_expert_rank_is_a_data_rank_holding_one_eth_of_the_experts():
     rest = p.shard_bytes(4, 1) - p.expert_shard_bytes(4, 1)
     assert p.shard_bytes(4, 1, 1, 2) == rest + experts // 8
     e2t4 = CallChoice.of(parse_strategy("0-7:e2t4"))
-    params, optimizer = memory.train_state_bytes(p, e2t4, fp32_master=True)
+    params, optimizer = train_memory.train_state_bytes(p, e2t4, fp32_master=True)
     assert (params, optimizer) == (rest + experts // 8, 6 * (rest + experts // 8))
 
 

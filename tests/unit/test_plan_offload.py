@@ -17,7 +17,7 @@ from jaxrlhf.plan.choice import CallChoice, ExecutionPlan
 from jaxrlhf.plan.cluster import Cluster
 from jaxrlhf.plan.evaluate import Evaluator
 from jaxrlhf.plan.experiment import Experiment, Workload
-from jaxrlhf.plan.memory import train_state_bytes
+from jaxrlhf.plan.train_memory import train_state_bytes
 from jaxrlhf.plan.search import SearchOptions, search
 from jaxrlhf.schema import base_config
 from jaxrlhf.spec import run_spec

@@ -191,7 +191,7 @@ def test_heuristic_follows_megatrons_rules_for_70b_on_h100():
     rest, the fewest micro-batches (>= 2p) that fit. ReaL's Table 3 took PP4 × DP4 with 8
     micro-batches; with the optimizer state sliced over DP (ZeRO-1, as Megatron's
     distributed optimizer) and XLA:GPU's gradients priced in their two phases
-    (`memory.gradient_phases`), one stage fits here: DP16 × TP8, one micro-batch. XLA agrees:
+    (`train_memory.gradient_phases`), one stage fits here: DP16 × TP8, one micro-batch. XLA agrees:
     compiled for 128 H100s (`plan --compile`), the actor's train step on 0-127:d16t8 needs
     57.39 GiB of the 67.06 usable (the model 55.45), the critic's 6.67 (6.92)."""
     experiment = run_spec(_config("configs/ppo_70b.py")).experiment()
