@@ -105,3 +105,15 @@ def test_expert_stacks_move_exactly(src, dst):
     for value, x, (name, _, _, b) in zip(values, moved, stacks):
         assert x.sharding.is_equivalent_to(b, x.ndim), name
         np.testing.assert_array_equal(np.asarray(x), value, err_msg=name)
+
+
+@pytest.mark.parametrize("groups,size", [("{'axis_1'}", 2), ("{'axis_0','axis_2'}", 16),
+                                         ("{'axis_0':(2)2}", 2), ("{'axis_0':(1)2,'axis_1'}", 4)])
+def test_replica_groups_named_by_mesh_axes_and_their_parts(groups, size):
+    """A collective's groups named over the program's mesh, as libtpu writes them: whole axes,
+    or a part of one (`'axis_0':(2)2`, the size-2 minor part of axis_0: Qwen3-30B-A3B's move
+    d4f4t2 -> d4e2t4 on a v5p-64 wrote it, and reading it as an axis name stopped the
+    compile report)."""
+    attrs = (f"replica_groups=mesh['axis_0'=4,'axis_1'=2,'axis_2'=4], "
+             f"device_ids=([4,2,2,2]T(3,2,1,0)) {groups}, dimensions={{0}}")
+    assert hlo_counts._group_size(attrs, 32) == size

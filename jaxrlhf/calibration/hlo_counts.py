@@ -225,12 +225,19 @@ _LIST_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
+def _group_axis_size(item: str, sizes: dict[str, int]) -> int:
+    """Devices along one axis of a mesh-named replica group: a whole mesh axis ('axis_1') or a
+    part of one ('axis_0':(2)2, the size-2 part after a size-2 major part)."""
+    name, _, part = item.partition(":")
+    return int(part.rpartition(")")[2]) if part else sizes[name.strip("'")]
+
+
 def _group_size(attrs: str, partitions: int) -> int:
     """Devices in each of a collective's groups (all of them where it names no groups)."""
     if (mesh := _MESH_GROUPS.search(attrs)) is not None:
         sizes = dict((name.strip("'"), int(n)) for name, n in
                      (item.split("=") for item in mesh.group(1).split(",")))
-        return math.prod(sizes[name.strip("'")] for name in mesh.group(2).split(","))
+        return math.prod(_group_axis_size(item, sizes) for item in mesh.group(2).split(","))
     if (iota := _IOTA_GROUPS.search(attrs)) is not None:
         return int(iota.group(2))
     if (listed := _LIST_GROUPS.search(attrs)) is not None:
