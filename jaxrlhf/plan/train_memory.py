@@ -68,7 +68,7 @@ def gradient_phases(p: ModelProfile, choice: CallChoice, tensor: int, stages: in
     formed leaf by leaf in place (no update tree). Measured by `plan --compile` against XLA's
     peaks, bf16 parameters with an fp32 master: Llama-3 7B's actor and critic on d4f2 of a
     v5p-16 and 70B's on d4f4t4 and d32t2 of a v5p-128, each within 7% (before the ZeRO-1
-    step's heap terms, `zero1_step_heap_bytes`, which over-price d4f4t4 by 32%); 70B's on d2p16t4 and
+    step's heap terms, `zero1_step_heap_bytes`: d4f4t4 +9.0% with them); 70B's on d2p16t4 and
     d16f2t4 of 128 H100s within 8%; Llama-3.2-1B on d2f2 and on d4 with two micro-batches of
     a v5p-8 within 9% (`tests/test_plan_compile.py`)."""
     if platform is Platform.CPU:
@@ -113,18 +113,39 @@ def zero1_step_heap_bytes(p: ModelProfile, choice: CallChoice, saved: float,
       parameter buffers. Priced in the step alone: the head phase holds it too, but its
       terms are within 2% (7B's actor on d4f2 of a v5p-16) or over (+8%, Llama-3.2-1B's on
       d2f2 of a v5p-8) without it;
-    * the backward pass's `saved` activations' space, below the step's fp32 gradient stacks:
-      the update's gathered new parameters take that space while the stacks are formed, so the
-      heap lays them above it.
+    * the backward pass's `saved` activations' space, below the step's fp32 gradient stacks,
+      unless it holds one of the largest (an MLP projection's) beside an attention projection's
+      (`_step_fills_saved_space`): XLA's heap places the stacks best-fit in the order the step
+      forms them, so the freed space first takes a few of the smaller ones (the head's, an
+      attention projection's), and a largest stack that no longer fits beside them goes above,
+      the space left below it.
 
     Read from XLA's buffer assignments (`plan --compile --explain`) of Llama-3 70B's actor on
     d8f2t4 of a v5p-128 and of 16 and 8 of its layers on d2f2t2 of a v5p-16, and 7B's critic
-    on d8 of a v5p-16 (`tests/test_plan_compile.py`). Not so where the saved activations'
-    space takes two of the fp32 stacks (70B's actor on d4f4t4: XLA 43.45 GiB, the model
-    57.36). Without data parallelism XLA updates the donated buffers in place and holds
-    neither; with LoRA the stacks are frozen arguments, not donated."""
+    on d8 of a v5p-16 (`tests/test_plan_compile.py`). Where the saved space holds a largest
+    stack beside an attention one (70B's actor on d4f4t4, the saved activations 10 GiB, an
+    MLP's fp32 stack 4.38 and an attention projection's 1.25: the space took two of the former
+    and one of the latter; 8 of its layers on d2f2t2 with 12 and 16 rows a chip, the space
+    3 and 4 GiB, the stacks 1.75 and 0.5: one and two), the step's stacks fill it and only the
+    copy is held: 70B's d4f4t4 57.36 -> 47.37 GiB against XLA's 43.45. Where it does not (70B's
+    d8f2t4: 10 GiB against 8.75 + 2.5; 8 layers with 4 and 8 rows: 1 and 2 GiB against
+    1.75 + 0.5; 7B's actor on d4f2 of a v5p-16: 4 against 3.5 + 1), the space took none of
+    the largest stacks. Without data parallelism XLA updates the donated buffers in place and
+    holds neither; with LoRA the stacks are frozen arguments, not donated."""
     if (platform is not Platform.TPU or choice.data == 1 or choice.pipeline > 1
             or choice.micro_batches > 1 or p.config.lora is not None):
         return 0
     copy = p.largest_layer_leaf_bytes(choice.tensor, choice.fsdp, choice.pipeline, choice.expert)
+    if _step_fills_saved_space(p, choice, saved):
+        return copy
     return int(copy + saved)
+
+
+def _step_fills_saved_space(p: ModelProfile, choice: CallChoice, saved: float) -> bool:
+    """Whether the backward pass's `saved` activations' space (bytes per device) holds the fp32
+    gradient stack of the largest layer leaf beside that of the largest attention projection
+    (a layer leaf with a `heads` axis), as the layout shards them (`zero1_step_heap_bytes`)."""
+    args = (choice.tensor, choice.fsdp, choice.pipeline, choice.expert)
+    attention = max((b for leaf, b in zip(p.leaves, p.leaf_shard_bytes(*args))
+                     if leaf.names[:1] == ("layers",) and "heads" in leaf.names), default=0)
+    return saved * p.param_itemsize >= 4 * (p.largest_layer_leaf_bytes(*args) + attention)

@@ -161,6 +161,25 @@ def test_a_zero1_train_step_on_tpu_holds_a_weight_copy_and_the_saved_activations
         (copy + saved) if held else 0)
 
 
+
+@pytest.mark.parametrize("fills", [False, True])
+def test_a_zero1_steps_fp32_stacks_fill_the_saved_space_that_holds_an_mlp_and_an_attention_one(
+        fills):
+    """Where the saved activations' space holds the fp32 gradient stacks of an MLP projection
+    and of an attention projection (4 bytes an element of each, sharded over t), the step's
+    stacks fill it and XLA:TPU's heap holds only the weight copy beside them (70B's actor on
+    d4f4t4 of a v5p-128: 10 GiB against 4.38 + 1.25); a byte less and the space lies below
+    them (`train_memory.zero1_step_heap_bytes`)."""
+    cfg = dataclasses.replace(SMALL, remat=RematPolicy.FULL)
+    p, choice = profile_of(cfg), _choice("0-3:d2t2", 1)
+    head_dim = cfg.hidden_size // cfg.num_heads
+    mlp = cfg.num_layers * cfg.hidden_size * cfg.intermediate_size // choice.tensor
+    attention = cfg.num_layers * cfg.hidden_size * cfg.num_heads * head_dim // choice.tensor
+    saved = 4 * (mlp + attention) - (0 if fills else 1)
+    copy = 2 * mlp
+    assert train_memory.zero1_step_heap_bytes(p, choice, saved, Platform.TPU) == (
+        copy if fills else copy + saved)
+
 def test_llama3_70b_actor_on_d8f2t4_of_a_v5p_128_does_not_fit():
     """ppo_70b's searched actor_train on d8f2t4 of a v5p-128: XLA's peak is 98.99 GiB, over
     the 86.40 usable (`plan --compile`); the memory model priced 78.03 GiB before it held
