@@ -125,24 +125,20 @@ class TrainerWeights:
     def check(self) -> None:
         """Ends the job, named, if a publish failed (the trainer's waits for batches call it:
         a version that never arrives holds the batches issued at it)."""
-        if self.publisher is not None:
-            try:
-                self.publisher.ready()
-            except PublishError as error:
-                _abort(0, str(error))
+        self._named(lambda publisher: publisher.ready())
 
     def wait(self) -> None:
         """Until every offered version is sent or superseded (deadline-bound)."""
-        if self.publisher is not None:
-            try:
-                self.publisher.wait()
-            except PublishError as error:
-                _abort(0, str(error))
+        self._named(lambda publisher: publisher.wait())
 
     def close(self) -> None:
+        self._named(lambda publisher: publisher.close())
+
+    def _named(self, run: Callable[[Publisher], object]) -> None:
+        """`run(publisher)` where there is one, a failed publish ending the job, named."""
         if self.publisher is not None:
             try:
-                self.publisher.close()
+                run(self.publisher)
             except PublishError as error:
                 _abort(0, str(error))
 
